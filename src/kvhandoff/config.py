@@ -1,0 +1,55 @@
+"""The one place that defines kvhandoff's settings: fit configuration and on-disk locations."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvhandoff.errors import ConfigError
+
+#: k values the layer-selection sweep considers ("all" = every source layer).
+TOP_K_CHOICES: tuple[int | str, ...] = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, "all")
+
+MAPPER_FORMAT_VERSION = 1
+
+
+def kvhandoff_home() -> Path:
+    """Cache folder for converted models, mappers and results ($KVHANDOFF_HOME, default ~/.cache/kvhandoff)."""
+    return Path(os.environ.get("KVHANDOFF_HOME", Path.home() / ".cache" / "kvhandoff")).expanduser()
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """How a mapper is fitted.
+
+    top_k: source layers feeding each target layer (an int, or "all").
+    ridge_lambda: ridge strength *relative to the mean input-feature variance*: the solve uses
+        (C_xx + ridge_lambda * mean(diag C_xx) * I) where C_xx is the centred input covariance
+        (Gram / token count). This keeps λ independent of the number of calibration tokens and of
+        the activations' scale; λ = 0.01 is the paper's default.
+    token_stride: keep every n-th token position of each calibration sequence (paper: 4).
+    skip_first_tokens: positions dropped at the start of every sequence (attention-sink tokens carry
+        outlier K/V that would dominate the statistics).
+    """
+
+    top_k: int | str = "all"
+    ridge_lambda: float = 0.01
+    token_stride: int = 4
+    skip_first_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.top_k, str):
+            if self.top_k != "all":
+                raise ConfigError(f"top_k must be a positive integer or 'all', got {self.top_k!r}")
+        elif isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ConfigError(f"top_k must be a positive integer or 'all', got {self.top_k!r}")
+        if not self.ridge_lambda > 0:
+            raise ConfigError(f"ridge_lambda must be > 0 (0.01 is the paper's value), got {self.ridge_lambda!r}")
+        if not isinstance(self.token_stride, int) or self.token_stride < 1:
+            raise ConfigError(f"token_stride must be an integer >= 1, got {self.token_stride!r}")
+        if not isinstance(self.skip_first_tokens, int) or self.skip_first_tokens < 0:
+            raise ConfigError(f"skip_first_tokens must be an integer >= 0, got {self.skip_first_tokens!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
