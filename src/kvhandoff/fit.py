@@ -1,0 +1,146 @@
+"""Fitting: capture both models on calibration batches → statistics → layer selection → ridge solve → Mapper."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+from tqdm.auto import tqdm
+
+from kvhandoff.capture import capture_content_kv
+from kvhandoff.config import MAPPER_FORMAT_VERSION, FitConfig
+from kvhandoff.errors import IncompatiblePairError, StatisticsError
+from kvhandoff.geometry import model_fingerprint, read_geometry
+from kvhandoff.mapper import Mapper
+from kvhandoff.selection import layer_r2_matrix, select_layers
+from kvhandoff.solve import solve_layer
+from kvhandoff.statistics import MODALITIES, CalibrationStats, FeatureLayout
+
+
+def feature_layout(model) -> FeatureLayout:
+    geometry = read_geometry(model)
+    return FeatureLayout(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim)
+
+
+def check_pair(source_model, target_model, source_tokenizer=None, target_tokenizer=None) -> None:
+    """Refuse pairs that cannot share token ids (and unsupported models, via read_geometry)."""
+    source_fp = model_fingerprint(source_model, source_tokenizer)
+    target_fp = model_fingerprint(target_model, target_tokenizer)
+    s_vocab, t_vocab = source_fp["geometry"]["vocab_size"], target_fp["geometry"]["vocab_size"]
+    if s_vocab != t_vocab:
+        raise IncompatiblePairError(
+            f"source and target have different vocabulary sizes ({s_vocab} vs {t_vocab}): a KV handoff "
+            "needs both models to read the same token ids; pick two models of one family with one tokenizer"
+        )
+    if source_fp["tokenizer_hash"] and target_fp["tokenizer_hash"] and (
+        source_fp["tokenizer_hash"] != target_fp["tokenizer_hash"]
+    ):
+        raise IncompatiblePairError(
+            "source and target tokenizers differ (different vocabularies): a KV handoff needs both models to "
+            "read the same token ids; pick two models of one family with one tokenizer"
+        )
+
+
+def collect_statistics(
+    source_model,
+    target_model,
+    batches: Iterable[torch.Tensor],
+    config: FitConfig = FitConfig(),  # noqa: B008 - frozen, immutable default
+    progress: bool = True,
+    total: int | None = None,
+) -> CalibrationStats:
+    """One pass over calibration batches [batch, tokens]: capture both models, accumulate statistics."""
+    stats = CalibrationStats(feature_layout(source_model), feature_layout(target_model))
+    if total is None and hasattr(batches, "__len__"):
+        total = len(batches)
+    for input_ids in tqdm(batches, total=total, desc="calibration", unit="batch", disable=not progress):
+        if input_ids.dim() != 2:
+            raise StatisticsError(f"calibration batches must be [batch, tokens] token ids, got {tuple(input_ids.shape)}")
+        stats.update(
+            capture_content_kv(source_model, input_ids),
+            capture_content_kv(target_model, input_ids),
+            token_stride=config.token_stride,
+            skip_first_tokens=config.skip_first_tokens,
+        )
+    return stats
+
+
+def mapper_from_statistics(
+    stats: CalibrationStats,
+    config: FitConfig,
+    source_fingerprint: dict,
+    target_fingerprint: dict,
+    calibration: dict | None = None,
+    max_position_embeddings: tuple[int, int] = (32768, 32768),
+    r2_matrix: torch.Tensor | None = None,
+) -> Mapper:
+    """Select layers and solve the ridge maps from existing statistics (any k, no pass over data)."""
+    started = time.perf_counter()
+    if r2_matrix is None:
+        r2_matrix = layer_r2_matrix(stats, config.ridge_lambda)
+    selected = select_layers(r2_matrix, config.top_k)
+    tgt = stats.target
+    weight = torch.empty(2, tgt.num_layers, selected.shape[1] * stats.source.layer_width, tgt.layer_width)
+    bias = torch.empty(2, tgt.num_layers, tgt.layer_width)
+    r2 = torch.empty(2, tgt.num_layers, tgt.num_kv_heads)
+    for modality in range(len(MODALITIES)):
+        for layer in range(tgt.num_layers):
+            w, b, layer_r2 = solve_layer(stats, modality, layer, selected[layer].tolist(), config.ridge_lambda)
+            weight[modality, layer], bias[modality, layer], r2[modality, layer] = w, b, layer_r2
+    manifest = {
+        "format_version": MAPPER_FORMAT_VERSION,
+        "method": "ridge",
+        "config": config.to_dict(),
+        "source_fingerprint": source_fingerprint,
+        "target_fingerprint": target_fingerprint,
+        "source_max_position_embeddings": max_position_embeddings[0],
+        "target_max_position_embeddings": max_position_embeddings[1],
+        "source_layout": stats.source.__dict__,
+        "target_layout": stats.target.__dict__,
+        "selected_layers": selected.tolist(),
+        "calibration": {**(calibration or {}), "tokens_in_statistics": stats.count},
+        "fit_metrics": {
+            "r2_k_per_target_layer": r2[0].mean(-1).tolist(),
+            "r2_v_per_target_layer": r2[1].mean(-1).tolist(),
+            "r2_k_mean": float(r2[0].mean()),
+            "r2_v_mean": float(r2[1].mean()),
+            "r2_per_head": {"K": r2[0].tolist(), "V": r2[1].tolist()},
+            "solve_seconds": round(time.perf_counter() - started, 3),
+        },
+    }
+    return Mapper(weight, bias, selected, manifest)
+
+
+def fit_mapper(
+    source_model,
+    target_model,
+    batches: Iterable[torch.Tensor],
+    config: FitConfig = FitConfig(),  # noqa: B008 - frozen, immutable default
+    source_tokenizer=None,
+    target_tokenizer=None,
+    calibration: dict | None = None,
+    progress: bool = True,
+) -> Mapper:
+    """Fit a content-space ridge mapper from `source_model`'s KV cache to `target_model`'s.
+
+    batches: iterable of token-id tensors [batch, tokens] from the shared tokenizer.
+    calibration: a description of the calibration data, stored in the manifest.
+    """
+    check_pair(source_model, target_model, source_tokenizer, target_tokenizer)
+    started = time.perf_counter()
+    stats = collect_statistics(source_model, target_model, batches, config, progress)
+    collect_seconds = time.perf_counter() - started
+    mapper = mapper_from_statistics(
+        stats,
+        config,
+        model_fingerprint(source_model, source_tokenizer),
+        model_fingerprint(target_model, target_tokenizer),
+        calibration,
+        max_position_embeddings=(
+            source_model.config.max_position_embeddings,
+            target_model.config.max_position_embeddings,
+        ),
+    )
+    mapper.manifest["fit_metrics"]["collect_seconds"] = round(collect_seconds, 3)
+    return mapper

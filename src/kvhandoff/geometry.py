@@ -1,0 +1,145 @@
+"""What kvhandoff needs to know about a model's KV cache, read once from a loaded transformers model.
+
+Unsupported layouts are refused here, up front, with the reason named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvhandoff.errors import UnsupportedModelError
+from kvhandoff.rope import rope_frequencies, rope_parameters
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral")
+
+_REFUSED_REASONS = {
+    "gemma3": "mixed local/global (sliding-window) attention",
+    "gemma3_text": "mixed local/global (sliding-window) attention",
+    "gemma2": "mixed local/global (sliding-window) attention",
+    "cohere2": "mixed local/global (sliding-window) attention",
+    "deepseek_v2": "multi-head latent attention (MLA) has no per-head K/V cache to map",
+    "deepseek_v3": "multi-head latent attention (MLA) has no per-head K/V cache to map",
+    "qwen3_next": "linear-attention hybrid layers keep recurrent state, not a KV cache",
+    "jamba": "Mamba/attention hybrid layers keep recurrent state, not a KV cache",
+    "falcon_h1": "Mamba/attention hybrid layers keep recurrent state, not a KV cache",
+    "qwen3_5": "linear-attention hybrid layers keep recurrent state, not a KV cache",
+}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    rope_type: str
+    rope_theta: float
+    rotary_dim: int
+    attention_scaling: float
+    parameters: str  # JSON of the full rope parameters, for fingerprints
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    model_type: str
+    num_layers: int
+    num_kv_heads: int
+    num_attention_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    has_k_norm: bool
+    qkv_bias: bool
+    rope: RopeSpec
+
+    @property
+    def kv_features(self) -> int:
+        """Features of one layer's K (or V) per token: all KV heads concatenated."""
+        return self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The model's decoder layers (`model.model.layers` for every supported family)."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no `.model.layers`; not a supported decoder LM")
+    return layers
+
+
+def _refuse_unless_supported(config) -> None:
+    model_type = getattr(config, "model_type", "?")
+    if model_type in _REFUSED_REASONS:
+        raise UnsupportedModelError(f"model type {model_type!r} is not supported: {_REFUSED_REASONS[model_type]}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported; kvhandoff maps {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
+        raise UnsupportedModelError(
+            f"{model_type} config uses sliding-window attention in some layers "
+            f"(layer_types={sorted(set(layer_types))}); only full attention in every layer is supported"
+        )
+    if model_type in ("mistral", "ministral") and getattr(config, "sliding_window", None):
+        raise UnsupportedModelError(
+            f"{model_type} config has sliding_window={config.sliding_window}: sliding-window attention is "
+            "not supported (use a checkpoint with sliding_window=null)"
+        )
+
+
+def read_geometry(model) -> ModelGeometry:
+    """Read the KV-cache geometry of a loaded causal LM, refusing unsupported attention layouts."""
+    config = _text_config(model)
+    _refuse_unless_supported(config)
+    attn = decoder_layers(model)[0].self_attn
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    params = rope_parameters(config)
+    inv_freq, scaling = rope_frequencies(config)
+    return ModelGeometry(
+        model_type=config.model_type,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        num_attention_heads=config.num_attention_heads,
+        head_dim=head_dim,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        has_k_norm=hasattr(attn, "k_norm"),
+        qkv_bias=attn.k_proj.bias is not None,
+        rope=RopeSpec(
+            rope_type=params["rope_type"],
+            rope_theta=float(params.get("rope_theta", 0.0)),
+            rotary_dim=2 * inv_freq.numel(),
+            attention_scaling=scaling,
+            parameters=json.dumps(params, sort_keys=True, default=str),
+        ),
+    )
+
+
+def _sha256(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Hash of the tokenizer's vocabulary (token → id), the thing two paired models must share."""
+    return _sha256(sorted(tokenizer.get_vocab().items()))
+
+
+def model_fingerprint(model, tokenizer=None) -> dict:
+    """Identity of a model for mapper manifests: architecture, geometry, RoPE, weight names/shapes, vocab."""
+    geometry = read_geometry(model)
+    weights = sorted((name, list(p.shape)) for name, p in model.state_dict().items())
+    return {
+        "architecture": type(model).__name__,
+        "geometry": geometry.to_dict(),
+        "weights_hash": _sha256(weights),
+        "tokenizer_hash": tokenizer_hash(tokenizer) if tokenizer is not None else None,
+    }

@@ -1,0 +1,157 @@
+"""Streaming sufficient statistics for every later choice (layer selection, any k, the ridge solve).
+
+Accumulated in float64: the centred covariance is formed as Gram/n − μμᵀ at solve time, and Qwen-style
+k_proj biases give keys means far larger than their spread, so float32 sums would cancel catastrophically.
+float64 keeps ~10 significant digits after that subtraction and makes shard merging a plain addition.
+
+Feature layout (one row per kept token):
+  source x = [K of every source layer, V of every source layer], each layer = all KV heads × head_dim
+  target y = likewise for the target.
+Memory is O(features²), independent of the number of calibration tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvhandoff.capture import ContentKV
+from kvhandoff.errors import StatisticsError
+
+MODALITIES = ("K", "V")
+
+
+@dataclass(frozen=True)
+class FeatureLayout:
+    """Where (modality, layer, head) lives in a flattened feature vector."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def layer_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def modality_width(self) -> int:
+        return self.num_layers * self.layer_width
+
+    @property
+    def width(self) -> int:
+        return len(MODALITIES) * self.modality_width
+
+    def layer_slice(self, modality: int, layer: int) -> slice:
+        start = modality * self.modality_width + layer * self.layer_width
+        return slice(start, start + self.layer_width)
+
+    def layer_indices(self, modality: int, layers) -> torch.Tensor:
+        slices = [self.layer_slice(modality, int(layer)) for layer in layers]
+        return torch.cat([torch.arange(s.start, s.stop) for s in slices])
+
+    def flatten(self, content: ContentKV, positions: torch.Tensor) -> torch.Tensor:
+        """[tokens kept, width] float64 rows from content K/V [layers, batch, heads, tokens, head_dim]."""
+        both = torch.stack([content.keys, content.values])[..., positions, :]  # [2, L, B, H, t, D]
+        return both.permute(2, 4, 0, 1, 3, 5).reshape(-1, self.width).to(torch.float64)
+
+
+class CalibrationStats:
+    """Sums of x, y, xxᵀ, xyᵀ and y² over calibration tokens, in float64."""
+
+    def __init__(self, source: FeatureLayout, target: FeatureLayout):
+        self.source, self.target = source, target
+        self.count = 0
+        self.sum_x = torch.zeros(source.width, dtype=torch.float64)
+        self.sum_y = torch.zeros(target.width, dtype=torch.float64)
+        self.sum_xx = torch.zeros(source.width, source.width, dtype=torch.float64)
+        self.sum_xy = torch.zeros(source.width, target.width, dtype=torch.float64)
+        self.sum_yy_diag = torch.zeros(target.width, dtype=torch.float64)
+
+    # -- accumulation -----------------------------------------------------------------------------
+    def update(self, source: ContentKV, target: ContentKV, token_stride: int = 4, skip_first_tokens: int = 0):
+        """Add one batch. Both captures must cover the same token ids; every `token_stride`-th position is kept."""
+        tokens = source.num_tokens
+        if target.num_tokens != tokens or source.keys.shape[1] != target.keys.shape[1]:
+            raise StatisticsError(
+                f"source and target captures differ in shape ({tuple(source.keys.shape)} vs "
+                f"{tuple(target.keys.shape)}): feed both models the same token batch"
+            )
+        positions = torch.arange(skip_first_tokens, tokens, token_stride)
+        if positions.numel() == 0:
+            return
+        x = self.source.flatten(source, positions)
+        y = self.target.flatten(target, positions)
+        self.count += x.shape[0]
+        self.sum_x += x.sum(0)
+        self.sum_y += y.sum(0)
+        self.sum_xx.addmm_(x.T, x)
+        self.sum_xy.addmm_(x.T, y)
+        self.sum_yy_diag += (y * y).sum(0)
+
+    def merge(self, other: CalibrationStats) -> CalibrationStats:
+        """Statistics of the union of both token sets (shards of one calibration run add up exactly)."""
+        if (self.source, self.target) != (other.source, other.target):
+            raise StatisticsError("cannot merge statistics collected for different model pairs / geometries")
+        merged = CalibrationStats(self.source, self.target)
+        merged.count = self.count + other.count
+        for name in ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy_diag"):
+            setattr(merged, name, getattr(self, name) + getattr(other, name))
+        return merged
+
+    # -- centred moments --------------------------------------------------------------------------
+    def _require_data(self) -> None:
+        if self.count < 2:
+            raise StatisticsError(
+                f"only {self.count} calibration token(s) collected; give more or longer calibration batches"
+            )
+
+    def mean_x(self, idx=slice(None)) -> torch.Tensor:
+        self._require_data()
+        return (self.sum_x / self.count)[idx]
+
+    def mean_y(self, idx=slice(None)) -> torch.Tensor:
+        self._require_data()
+        return (self.sum_y / self.count)[idx]
+
+    def cov_xx(self, idx) -> torch.Tensor:
+        mx = self.mean_x(idx)
+        block = self.sum_xx[idx][:, idx] if isinstance(idx, torch.Tensor) else self.sum_xx[idx, idx]
+        return block / self.count - torch.outer(mx, mx)
+
+    def cov_xy(self, idx_x, idx_y) -> torch.Tensor:
+        rows = self.sum_xy[idx_x]
+        block = rows[:, idx_y]
+        return block / self.count - torch.outer(self.mean_x(idx_x), self.mean_y(idx_y))
+
+    def var_y(self, idx=slice(None)) -> torch.Tensor:
+        my = self.mean_y(idx)
+        return self.sum_yy_diag[idx] / self.count - my * my
+
+    # -- persistence ------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        layouts = {"source": self.source.__dict__, "target": self.target.__dict__, "count": self.count}
+        tensors = {n: getattr(self, n) for n in ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy_diag")}
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(tensors, str(tmp), metadata={"kvhandoff_stats": json.dumps(layouts)})
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> CalibrationStats:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                meta = json.loads(handle.metadata()["kvhandoff_stats"])
+            tensors = load_file(str(path))
+        except Exception as exc:  # safetensors raises several types for corrupt files
+            raise StatisticsError(f"cannot read statistics file {path}: {exc}; re-run the calibration") from exc
+        stats = cls(FeatureLayout(**meta["source"]), FeatureLayout(**meta["target"]))
+        stats.count = int(meta["count"])
+        for name, tensor in tensors.items():
+            setattr(stats, name, tensor)
+        return stats

@@ -1,0 +1,73 @@
+import pytest
+import torch
+from conftest import exactly_related, random_batches, tiny_model
+
+from kvhandoff import FitConfig, fit_mapper, handoff_cache, handoff_generate, prefill
+from kvhandoff.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def related_pairs():
+    pairs = {}
+    for family in ("llama", "qwen2", "qwen3", "mistral"):
+        source = tiny_model(family, layers=3)
+        target = exactly_related(source)
+        mapper = fit_mapper(source, target, random_batches(), FitConfig(top_k="all", ridge_lambda=1e-6),
+                            progress=False)
+        pairs[family] = (source, target, mapper)
+    return pairs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_exactly_related_pair_fits_and_hands_off_exactly(related_pairs, family):
+    source, target, mapper = related_pairs[family]
+    metrics = mapper.manifest["fit_metrics"]
+    assert min(metrics["r2_k_per_target_layer"]) >= 0.999
+    assert min(metrics["r2_v_per_target_layer"]) >= 0.999
+
+    ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(5))
+    own_cache, _ = prefill(target, ids[:, :-1])
+    mapped = handoff_cache(source, target, mapper, ids[:, :-1])
+    _, own_logits = prefill(target, ids[:, -1:], cache=own_cache)
+    _, handoff_logits = prefill(target, ids[:, -1:], cache=mapped)
+    assert (own_logits - handoff_logits).abs().max() < 1e-3
+
+    own = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    handed = handoff_generate(source, target, mapper, ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(own, handed)
+
+
+def test_related_pair_cache_really_differs_from_source(related_pairs):
+    source, target, _ = related_pairs["qwen2"]
+    ids = torch.randint(0, 128, (1, 20))
+    s_cache, _ = prefill(source, ids)
+    t_cache, _ = prefill(target, ids)
+    assert not torch.allclose(s_cache.layers[0].keys, t_cache.layers[0].keys, atol=1e-2)
+
+
+def test_handoff_with_sampling_kwargs(related_pairs):
+    source, target, mapper = related_pairs["llama"]
+    ids = torch.randint(0, 128, (1, 12))
+    torch.manual_seed(0)
+    out = handoff_generate(source, target, mapper, ids, max_new_tokens=5, do_sample=True, temperature=0.7)
+    assert out.shape == (1, 17)
+
+
+def test_different_geometry_pair_fits_transfers_and_decodes():
+    source = tiny_model("qwen2", layers=4, head_dim=16)
+    target = tiny_model("qwen2", layers=6, head_dim=32, kv_heads=1, seed=3)
+    mapper = fit_mapper(source, target, random_batches(4), FitConfig(top_k=2), progress=False)
+    assert mapper.selected.shape == (6, 2)
+    ids = torch.randint(0, 128, (2, 30))
+    cache = handoff_cache(source, target, mapper, ids)
+    assert len(cache.layers) == 6 and cache.layers[0].keys.shape == (2, 1, 30, 32)
+    out = handoff_generate(source, target, mapper, ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (2, 34)
+
+
+def test_handoff_rejects_bad_input_ids(related_pairs):
+    source, target, mapper = related_pairs["qwen2"]
+    with pytest.raises(ConfigError, match="at least 2 token"):
+        handoff_generate(source, target, mapper, torch.tensor([[3]]))
+    with pytest.raises(ConfigError, match=r"\[batch, tokens\]"):
+        handoff_cache(source, target, mapper, torch.tensor([1, 2, 3]))

@@ -1,0 +1,69 @@
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kvhandoff.errors import UnsupportedModelError
+from kvhandoff.rope import apply_rope, rope_frequencies, strip_rope
+
+ROPE_CASES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+    "partial_rotary": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+}
+
+
+def config_for(params):
+    return LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=512,
+                       rope_parameters=dict(params))
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_strip_inverts_apply(case):
+    config = config_for(ROPE_CASES[case])
+    inv_freq, scaling = rope_frequencies(config, seq_len=600)
+    keys = torch.randn(3, 2, 2, 600, 32)  # [layers, batch, heads, tokens, dim]
+    positions = torch.arange(600).expand(2, 600)
+    roundtrip = strip_rope(apply_rope(keys, positions, inv_freq, scaling), positions, inv_freq, scaling)
+    assert torch.allclose(roundtrip, keys, atol=2e-5, rtol=1e-5)
+
+
+def test_yarn_has_attention_scaling_and_partial_rotary_passes_rest_through():
+    _, scaling = rope_frequencies(config_for(ROPE_CASES["yarn"]))
+    assert scaling != 1.0
+    inv_freq, _ = rope_frequencies(config_for(ROPE_CASES["partial_rotary"]))
+    assert inv_freq.numel() == 8  # half of 16 rotary dims out of 32
+    keys = torch.randn(1, 1, 5, 32)
+    rotated = apply_rope(keys, torch.arange(5), inv_freq)
+    assert torch.equal(rotated[..., 16:], keys[..., 16:])
+    assert not torch.allclose(rotated[..., 1:, :16], keys[..., 1:, :16])
+
+
+def test_apply_matches_transformers_rotary_embedding():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = config_for(ROPE_CASES["llama3"])
+    rotary = LlamaRotaryEmbedding(config)
+    positions = torch.arange(40)[None]
+    keys = torch.randn(1, 2, 40, 32)
+    cos, sin = rotary(keys, positions)
+    _, expected = apply_rotary_pos_emb(keys, keys, cos, sin)
+    inv_freq, scaling = rope_frequencies(config)
+    assert torch.allclose(apply_rope(keys, positions, inv_freq, scaling), expected, atol=1e-6)
+
+
+def test_dynamic_frequencies_depend_on_length():
+    config = config_for(ROPE_CASES["dynamic"])
+    short, _ = rope_frequencies(config, seq_len=100)
+    long, _ = rope_frequencies(config, seq_len=2000)
+    assert not torch.allclose(short, long)
+
+
+def test_unknown_rope_type_is_refused():
+    config = config_for(ROPE_CASES["default"])
+    config.rope_parameters = {"rope_type": "mystery", "rope_theta": 1.0}
+    with pytest.raises(UnsupportedModelError, match="unknown rope type 'mystery'"):
+        rope_frequencies(config)
