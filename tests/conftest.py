@@ -27,10 +27,17 @@ FAMILIES = {
 }
 
 
-def tiny_model(family: str = "qwen2", layers: int = 2, head_dim: int = 16, kv_heads: int = 2, heads: int = 4,
-               seed: int = 0, **overrides):
+def tiny_model(
+    family: str = "qwen2",
+    layers: int = 2,
+    head_dim: int = 16,
+    kv_heads: int = 2,
+    heads: int = 4,
+    seed: int = 0,
+    **overrides,
+):
     config_cls, model_cls, extra = FAMILIES[family]
-    config = config_cls(
+    settings = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -40,8 +47,8 @@ def tiny_model(family: str = "qwen2", layers: int = 2, head_dim: int = 16, kv_he
         head_dim=head_dim,
         max_position_embeddings=512,
         tie_word_embeddings=False,
-        **{**extra, **overrides},
     )
+    config = config_cls(**{**settings, **extra, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -93,7 +100,7 @@ def exactly_related(model, seed: int = 1):
             angle = torch.rand(half, generator=gen) * 6.28
             cos, sin = angle.cos(), angle.sin()
 
-            def rotate(linear, heads, factor):
+            def rotate(linear, heads, factor, cos=cos, sin=sin):
                 w = linear.weight.view(heads, head_dim, -1)
                 a, b = w[:, :half].clone(), w[:, half:].clone()
                 f = factor[None, :, None]

@@ -1,9 +1,10 @@
 import pytest
 import torch
-from conftest import exactly_related, random_batches, tiny_model
 
 from kvhandoff import FitConfig, fit_mapper, handoff_cache, handoff_generate, prefill
 from kvhandoff.errors import ConfigError
+
+from conftest import exactly_related, random_batches, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -12,8 +13,9 @@ def related_pairs():
     for family in ("llama", "qwen2", "qwen3", "mistral"):
         source = tiny_model(family, layers=3)
         target = exactly_related(source)
-        mapper = fit_mapper(source, target, random_batches(), FitConfig(top_k="all", ridge_lambda=1e-6),
-                            progress=False)
+        mapper = fit_mapper(
+            source, target, random_batches(), FitConfig(top_k="all", ridge_lambda=1e-6), progress=False
+        )
         pairs[family] = (source, target, mapper)
     return pairs
 
@@ -32,7 +34,9 @@ def test_exactly_related_pair_fits_and_hands_off_exactly(related_pairs, family):
     _, handoff_logits = prefill(target, ids[:, -1:], cache=mapped)
     assert (own_logits - handoff_logits).abs().max() < 1e-3
 
-    own = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    own = target.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
+    )
     handed = handoff_generate(source, target, mapper, ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(own, handed)
 

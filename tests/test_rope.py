@@ -9,16 +9,32 @@ ROPE_CASES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
-    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 128,
+    },
+    "yarn": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+    },
     "partial_rotary": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
 }
 
 
 def config_for(params):
-    return LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=512,
-                       rope_parameters=dict(params))
+    return LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rope_parameters=dict(params),
+    )
 
 
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))

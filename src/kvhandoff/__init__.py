@@ -6,5 +6,13 @@ from kvhandoff.fit import fit_mapper
 from kvhandoff.handoff import handoff_cache, handoff_generate, prefill
 from kvhandoff.mapper import Mapper
 
-__all__ = ["FitConfig", "KVHandoffError", "Mapper", "fit_mapper", "handoff_cache", "handoff_generate", "prefill"]
+__all__ = [
+    "FitConfig",
+    "KVHandoffError",
+    "Mapper",
+    "fit_mapper",
+    "handoff_cache",
+    "handoff_generate",
+    "prefill",
+]
 __version__ = "0.1.0"

@@ -45,7 +45,9 @@ class FitConfig:
         elif isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise ConfigError(f"top_k must be a positive integer or 'all', got {self.top_k!r}")
         if not self.ridge_lambda > 0:
-            raise ConfigError(f"ridge_lambda must be > 0 (0.01 is the paper's value), got {self.ridge_lambda!r}")
+            raise ConfigError(
+                f"ridge_lambda must be > 0 (0.01 is the paper's value), got {self.ridge_lambda!r}"
+            )
         if not isinstance(self.token_stride, int) or self.token_stride < 1:
             raise ConfigError(f"token_stride must be an integer >= 1, got {self.token_stride!r}")
         if not isinstance(self.skip_first_tokens, int) or self.skip_first_tokens < 0:

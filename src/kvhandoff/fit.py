@@ -33,8 +33,10 @@ def check_pair(source_model, target_model, source_tokenizer=None, target_tokeniz
             f"source and target have different vocabulary sizes ({s_vocab} vs {t_vocab}): a KV handoff "
             "needs both models to read the same token ids; pick two models of one family with one tokenizer"
         )
-    if source_fp["tokenizer_hash"] and target_fp["tokenizer_hash"] and (
-        source_fp["tokenizer_hash"] != target_fp["tokenizer_hash"]
+    if (
+        source_fp["tokenizer_hash"]
+        and target_fp["tokenizer_hash"]
+        and (source_fp["tokenizer_hash"] != target_fp["tokenizer_hash"])
     ):
         raise IncompatiblePairError(
             "source and target tokenizers differ (different vocabularies): a KV handoff needs both models to "
@@ -56,7 +58,9 @@ def collect_statistics(
         total = len(batches)
     for input_ids in tqdm(batches, total=total, desc="calibration", unit="batch", disable=not progress):
         if input_ids.dim() != 2:
-            raise StatisticsError(f"calibration batches must be [batch, tokens] token ids, got {tuple(input_ids.shape)}")
+            raise StatisticsError(
+                f"calibration batches must be [batch, tokens] token ids, got {tuple(input_ids.shape)}"
+            )
         stats.update(
             capture_content_kv(source_model, input_ids),
             capture_content_kv(target_model, input_ids),
@@ -86,7 +90,9 @@ def mapper_from_statistics(
     r2 = torch.empty(2, tgt.num_layers, tgt.num_kv_heads)
     for modality in range(len(MODALITIES)):
         for layer in range(tgt.num_layers):
-            w, b, layer_r2 = solve_layer(stats, modality, layer, selected[layer].tolist(), config.ridge_lambda)
+            w, b, layer_r2 = solve_layer(
+                stats, modality, layer, selected[layer].tolist(), config.ridge_lambda
+            )
             weight[modality, layer], bias[modality, layer], r2[modality, layer] = w, b, layer_r2
     manifest = {
         "format_version": MAPPER_FORMAT_VERSION,

@@ -71,14 +71,18 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
     if layers is None:
-        raise UnsupportedModelError(f"{type(model).__name__} has no `.model.layers`; not a supported decoder LM")
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no `.model.layers`; not a supported decoder LM"
+        )
     return layers
 
 
 def _refuse_unless_supported(config) -> None:
     model_type = getattr(config, "model_type", "?")
     if model_type in _REFUSED_REASONS:
-        raise UnsupportedModelError(f"model type {model_type!r} is not supported: {_REFUSED_REASONS[model_type]}")
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported: {_REFUSED_REASONS[model_type]}"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported; kvhandoff maps {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -133,6 +137,21 @@ def tokenizer_hash(tokenizer) -> str:
     return _sha256(sorted(tokenizer.get_vocab().items()))
 
 
+@torch.no_grad()
+def weight_signature(model) -> list[float]:
+    """Mean |w| of a few K/V projections: tells apart checkpoints of identical shapes (base vs instruct)
+    while tolerating a dtype change (compared with a relative tolerance, see `signatures_match`)."""
+    layers = decoder_layers(model)
+    picks = [layers[0].self_attn.k_proj, layers[-1].self_attn.k_proj, layers[-1].self_attn.v_proj]
+    return [float(f"{p.weight.float().abs().mean().item():.6g}") for p in picks]
+
+
+def signatures_match(a, b, rel_tol: float = 1e-2) -> bool:
+    if len(a) != len(b):
+        return False
+    return all(abs(x - y) <= rel_tol * max(abs(x), abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
 def model_fingerprint(model, tokenizer=None) -> dict:
     """Identity of a model for mapper manifests: architecture, geometry, RoPE, weight names/shapes, vocab."""
     geometry = read_geometry(model)
@@ -141,5 +160,6 @@ def model_fingerprint(model, tokenizer=None) -> dict:
         "architecture": type(model).__name__,
         "geometry": geometry.to_dict(),
         "weights_hash": _sha256(weights),
+        "weight_signature": weight_signature(model),
         "tokenizer_hash": tokenizer_hash(tokenizer) if tokenizer is not None else None,
     }

@@ -39,4 +39,6 @@ def handoff_generate(source_model, target_model, mapper: Mapper, input_ids: torc
     _check_ids(input_ids, 2)
     cache = handoff_cache(source_model, target_model, mapper, input_ids[:, :-1])
     attention_mask = torch.ones_like(input_ids)
-    return target_model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)
+    return target_model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs
+    )

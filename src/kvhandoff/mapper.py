@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from kvhandoff.capture import ContentKV, cache_positions, cache_to_content
 from kvhandoff.config import MAPPER_FORMAT_VERSION
 from kvhandoff.errors import MapperFormatError, MapperMismatchError
-from kvhandoff.geometry import model_fingerprint
+from kvhandoff.geometry import model_fingerprint, signatures_match
 from kvhandoff.rope import apply_rope, rope_frequencies
 from kvhandoff.statistics import FeatureLayout
 
@@ -50,8 +50,12 @@ class Mapper:
         self.source = FeatureLayout(**manifest["source_layout"])
         self.target = FeatureLayout(**manifest["target_layout"])
         self.selected = selected.long()
-        expected = (2, self.target.num_layers, self.selected.shape[1] * self.source.layer_width,
-                    self.target.layer_width)
+        expected = (
+            2,
+            self.target.num_layers,
+            self.selected.shape[1] * self.source.layer_width,
+            self.target.layer_width,
+        )
         if tuple(weight.shape) != expected or tuple(bias.shape) != (2, *expected[1:2], expected[3]):
             raise MapperFormatError(
                 f"mapper tensors have shapes {tuple(weight.shape)}/{tuple(bias.shape)}, expected {expected}: "
@@ -107,7 +111,9 @@ class Mapper:
             y = torch.baddbmm(self.bias.reshape(2 * tgt.num_layers, 1, -1), gathered, self._flat_weight)
             y = y.view(2, tgt.num_layers, batch * tokens, tgt.layer_width)
         # [2, Lt, N, Ht·Dt] → [2, Lt, B, Ht, T, Dt]
-        y = y.reshape(2, tgt.num_layers, batch, tokens, tgt.num_kv_heads, tgt.head_dim).permute(0, 1, 2, 4, 3, 5)
+        y = y.reshape(2, tgt.num_layers, batch, tokens, tgt.num_kv_heads, tgt.head_dim).permute(
+            0, 1, 2, 4, 3, 5
+        )
         return ContentKV(keys=y[0], values=y[1])
 
     def transfer(
@@ -198,7 +204,9 @@ class Mapper:
         try:
             manifest = json.loads(manifest_path.read_text())
         except json.JSONDecodeError as exc:
-            raise MapperFormatError(f"{manifest_path} is not valid JSON ({exc}); re-fit or restore the mapper") from exc
+            raise MapperFormatError(
+                f"{manifest_path} is not valid JSON ({exc}); re-fit or restore the mapper"
+            ) from exc
         version = manifest.get("format_version")
         if not isinstance(version, int) or version > MAPPER_FORMAT_VERSION:
             raise MapperFormatError(
@@ -218,16 +226,23 @@ class Mapper:
 
     def verify_pair(self, source_model=None, target_model=None, source_tokenizer=None, target_tokenizer=None):
         """Raise MapperMismatchError unless the given models (and tokenizers) are the ones fitted for."""
-        for side, model, tokenizer in (("source", source_model, source_tokenizer),
-                                       ("target", target_model, target_tokenizer)):
+        for side, model, tokenizer in (
+            ("source", source_model, source_tokenizer),
+            ("target", target_model, target_tokenizer),
+        ):
             if model is None:
                 continue
             expected = self.manifest[f"{side}_fingerprint"]
             actual = model_fingerprint(model, tokenizer)
-            for key in ("architecture", "geometry", "weights_hash", "tokenizer_hash"):
+            for key in ("architecture", "geometry", "weights_hash", "weight_signature", "tokenizer_hash"):
                 if key == "tokenizer_hash" and (actual[key] is None or expected.get(key) is None):
                     continue
-                if actual[key] != expected.get(key):
+                same = (
+                    signatures_match(actual[key], expected.get(key) or [])
+                    if key == "weight_signature"
+                    else actual[key] == expected.get(key)
+                )
+                if not same:
                     raise MapperMismatchError(
                         f"this mapper was fitted for a different {side} model ({key} differs: fitted "
                         f"{_short(expected.get(key))}, given {_short(actual[key])}); load the mapper fitted for "

@@ -42,7 +42,9 @@ def rope_frequencies(config, seq_len: int | None = None) -> tuple[torch.Tensor, 
         config.rope_parameters = {**params, "rope_type": "linear", "factor": 1.0}
         rope_type = "linear"
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise UnsupportedModelError(f"unknown rope type {rope_type!r}; supported: default, {sorted(ROPE_INIT_FUNCTIONS)}")
+        raise UnsupportedModelError(
+            f"unknown rope type {rope_type!r}; supported: default, {sorted(ROPE_INIT_FUNCTIONS)}"
+        )
     init = ROPE_INIT_FUNCTIONS[rope_type]
     inv_freq, scaling = init(config, None, seq_len=seq_len)
     return inv_freq.float(), float(scaling)

@@ -149,7 +149,9 @@ class CalibrationStats:
                 meta = json.loads(handle.metadata()["kvhandoff_stats"])
             tensors = load_file(str(path))
         except Exception as exc:  # safetensors raises several types for corrupt files
-            raise StatisticsError(f"cannot read statistics file {path}: {exc}; re-run the calibration") from exc
+            raise StatisticsError(
+                f"cannot read statistics file {path}: {exc}; re-run the calibration"
+            ) from exc
         stats = cls(FeatureLayout(**meta["source"]), FeatureLayout(**meta["target"]))
         stats.count = int(meta["count"])
         for name, tensor in tensors.items():

@@ -1,0 +1,31 @@
+import pytest
+
+from kvhandoff.config import FitConfig, kvhandoff_home
+from kvhandoff.errors import ConfigError, KVHandoffError
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("top_k", 0, "top_k"),
+        ("top_k", "most", "top_k"),
+        ("top_k", True, "top_k"),
+        ("ridge_lambda", 0.0, "ridge_lambda"),
+        ("token_stride", 0, "token_stride"),
+        ("skip_first_tokens", -1, "skip_first_tokens"),
+    ],
+)
+def test_invalid_settings_are_refused(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        FitConfig(**{field: value})
+
+
+def test_defaults_follow_the_paper_and_errors_share_a_base():
+    config = FitConfig()
+    assert (config.ridge_lambda, config.token_stride, config.top_k) == (0.01, 4, "all")
+    assert issubclass(ConfigError, KVHandoffError)
+
+
+def test_home_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path))
+    assert kvhandoff_home() == tmp_path

@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from kvhandoff.capture import capture_content_kv
+from kvhandoff.errors import StatisticsError
+from kvhandoff.fit import collect_statistics, feature_layout
+from kvhandoff.statistics import CalibrationStats, FeatureLayout
+
+from conftest import random_batches, tiny_model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_model("qwen2", layers=2), tiny_model("llama", layers=3, head_dim=8, seed=4)
+
+
+def test_shards_merge_to_the_one_pass_result(pair):
+    source, target = pair
+    batches = random_batches(4)
+    whole = collect_statistics(source, target, batches, progress=False)
+    merged = collect_statistics(source, target, batches[:2], progress=False).merge(
+        collect_statistics(source, target, batches[2:], progress=False)
+    )
+    assert merged.count == whole.count
+    for name in ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy_diag"):
+        assert torch.allclose(getattr(merged, name), getattr(whole, name), rtol=1e-12, atol=1e-9)
+
+
+def test_stride_and_memory_independent_of_token_count(pair):
+    source, target = pair
+    few = collect_statistics(source, target, random_batches(1), progress=False)
+    many = collect_statistics(source, target, random_batches(5), progress=False)
+    assert few.count == 2 * 12 and many.count == 5 * 2 * 12  # 48 tokens, stride 4, batch 2
+    assert few.sum_xx.shape == many.sum_xx.shape == (2 * 2 * 32, 2 * 2 * 32)
+    assert many.sum_xy.shape == (128, 2 * 3 * 16)
+
+
+def test_centred_moments_match_direct_computation(pair):
+    source, target = pair
+    ids = random_batches(1)[0]
+    src, tgt = capture_content_kv(source, ids), capture_content_kv(target, ids)
+    stats = CalibrationStats(feature_layout(source), feature_layout(target))
+    stats.update(src, tgt, token_stride=1)
+    x = stats.source.flatten(src, torch.arange(48))
+    y = stats.target.flatten(tgt, torch.arange(48))
+    idx = stats.source.layer_slice(1, 1)
+    xc = x - x.mean(0)
+    assert torch.allclose(stats.cov_xx(idx), (xc.T @ xc)[idx, idx] / 96, atol=1e-9)
+    assert torch.allclose(stats.var_y(), y.var(0, unbiased=False), atol=1e-9)
+
+
+def test_save_load_roundtrip_and_corrupt_file(pair, tmp_path):
+    source, target = pair
+    stats = collect_statistics(source, target, random_batches(1), progress=False)
+    stats.save(tmp_path / "s.safetensors")
+    loaded = CalibrationStats.load(tmp_path / "s.safetensors")
+    assert loaded.count == stats.count and torch.equal(loaded.sum_xy, stats.sum_xy)
+    (tmp_path / "bad.safetensors").write_bytes((tmp_path / "s.safetensors").read_bytes()[:100])
+    with pytest.raises(StatisticsError, match="re-run the calibration"):
+        CalibrationStats.load(tmp_path / "bad.safetensors")
+
+
+def test_errors_for_empty_or_mismatched_statistics(pair):
+    source, target = pair
+    empty = CalibrationStats(feature_layout(source), feature_layout(target))
+    with pytest.raises(StatisticsError, match="calibration token"):
+        empty.mean_x()
+    other = CalibrationStats(FeatureLayout(1, 1, 8), feature_layout(target))
+    with pytest.raises(StatisticsError, match="different model pairs"):
+        empty.merge(other)
+    with pytest.raises(StatisticsError, match="same token batch"):
+        empty.update(
+            capture_content_kv(source, torch.zeros(1, 8, dtype=torch.long)),
+            capture_content_kv(target, torch.zeros(1, 9, dtype=torch.long)),
+        )
