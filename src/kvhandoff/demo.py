@@ -1,0 +1,185 @@
+"""The main job: fit (or reuse) the default pair's mapper, then hand a long real context from one model
+to the other and compare, side by side in one run, with the target re-prefilling the same context."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvhandoff.config import CalibrationSpec, FitConfig
+from kvhandoff.errors import AssetError
+from kvhandoff.evaluation.multiturn import Conversation, load_coqa_conversations
+from kvhandoff.evaluation.scoring import OpenContext, feed, greedy_from, rollback
+from kvhandoff.handoff import prefill
+
+MIN_CONTEXT_TOKENS = 1000
+
+
+@dataclass(frozen=True)
+class DemoContext:
+    conversation_id: str
+    text: str
+    gold_answers: tuple[str, ...]
+
+
+def demo_context(tokenizer, min_tokens: int = MIN_CONTEXT_TOKENS) -> DemoContext:
+    """A CoQA story with its earlier questions and gold answers, ending in an open question (≥ min_tokens).
+
+    CoQA is held out from calibration (the calibration corpus is LAMBADA/BoolQ-train prose).
+    """
+    conversations: list[Conversation] = load_coqa_conversations(min_turns=10, num_turns=None)
+
+    def render(conv: Conversation, upto: int) -> str:
+        turns = "".join(f"Q: {t.question}\n\nA: {t.answers[0]}\n\n" for t in conv.turns[:upto])
+        return f"{conv.story}\n\n{turns}Q: {conv.turns[upto].question}\n\nA:"
+
+    best = None
+    for conv in sorted(conversations, key=lambda c: c.id):
+        text = render(conv, len(conv.turns) - 1)
+        length = len(tokenizer(text)["input_ids"])
+        if length >= min_tokens:
+            return DemoContext(conv.id, text, conv.turns[-1].answers)
+        if best is None or length > best[0]:
+            best = (length, conv)
+    raise AssetError(f"no CoQA conversation reaches {min_tokens} tokens (longest: {best and best[0]})")
+
+
+def _timed(fn, repeats: int):
+    """Run fn `repeats` times; return (last result, median seconds, all seconds)."""
+    seconds, result = [], None
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = fn()
+        seconds.append(time.perf_counter() - started)
+    return result, statistics.median(seconds), seconds
+
+
+def _answer(model, cache, length: int, next_logprobs, tokenizer, max_new_tokens: int) -> tuple[str, list[int]]:
+    state = OpenContext(model, cache, length, next_logprobs)
+    text, ids = greedy_from(state, tokenizer, max_new_tokens, stop=("\n",))
+    rollback(cache, length)
+    return text.strip(), ids
+
+
+@torch.inference_mode()
+def agreement(target, own_cache, mapped_cache, length: int, own_first, mapped_first, continuation: list[int]):
+    """Top-1 agreement and mean KL(own ‖ handoff) of the target's next-token distributions along `continuation`
+    (teacher-forced: both caches read the same tokens)."""
+    own = [own_first[None]]
+    mapped = [mapped_first[None]]
+    if len(continuation) > 1:
+        own.append(feed(target, own_cache, continuation[:-1]))
+        mapped.append(feed(target, mapped_cache, continuation[:-1]))
+        rollback(own_cache, length)
+        rollback(mapped_cache, length)
+    p_log, q_log = torch.cat(own), torch.cat(mapped)
+    kl = (p_log.exp() * (p_log - q_log)).sum(-1)
+    top1 = (p_log.argmax(-1) == q_log.argmax(-1)).float()
+    return {"positions": int(p_log.shape[0]), "top1_agreement": float(top1.mean()), "mean_kl": float(kl.mean())}
+
+
+def run_demo(
+    source_spec: str,
+    target_spec: str,
+    config: FitConfig = FitConfig(),  # noqa: B008 - frozen
+    calibration: CalibrationSpec = CalibrationSpec(),  # noqa: B008 - frozen
+    max_new_tokens: int = 40,
+    repeats: int = 1,
+    min_context_tokens: int = MIN_CONTEXT_TOKENS,
+    progress: bool = True,
+    refit: bool = False,
+) -> dict:
+    """Everything the demo prints, measured in this call."""
+    from kvhandoff.assets import load_model
+    from kvhandoff.workflow import obtain_mapper
+
+    source, tokenizer = load_model(source_spec, progress=progress)
+    target, _ = load_model(target_spec, progress=progress)
+    fit_started = time.perf_counter()
+    mapper, mapper_dir, reused = obtain_mapper(
+        source_spec, target_spec, source, target, tokenizer, config, calibration, progress, refit
+    )
+    fit_seconds = time.perf_counter() - fit_started
+
+    context = demo_context(tokenizer, min_context_tokens)
+    ids = tokenizer(context.text, return_tensors="pt")["input_ids"]
+    length = ids.shape[1]
+    with torch.inference_mode():
+        prefill(source, ids[:, :8])  # warm up both models' kernels before anything is timed
+        prefill(target, ids[:, :8])
+        (source_cache, _), source_seconds, _ = _timed(lambda: prefill(source, ids[:, :-1]), 1)
+
+        def handoff():
+            cache = mapper.transfer(source_cache, dtype=target.dtype)
+            return cache, feed(target, cache, ids[0, -1:].tolist())[-1]
+
+        def reprefill():
+            cache, logits = prefill(target, ids)
+            return cache, logits[0].float().log_softmax(-1)
+
+        handoff_times, reprefill_times = [], []
+        for _ in range(repeats):  # interleaved, so both paths see the same machine load
+            (mapped_cache, mapped_first), seconds, _ = _timed(handoff, 1)
+            handoff_times.append(seconds)
+            (own_cache, own_first), seconds, _ = _timed(reprefill, 1)
+            reprefill_times.append(seconds)
+
+        own_text, own_ids = _answer(target, own_cache, length, own_first, tokenizer, max_new_tokens)
+        handoff_text, _ = _answer(target, mapped_cache, length, mapped_first, tokenizer, max_new_tokens)
+        continuation = own_ids or [int(own_first.argmax())]
+        agree = agreement(target, own_cache, mapped_cache, length, own_first, mapped_first, continuation)
+
+    handoff_s, reprefill_s = statistics.median(handoff_times), statistics.median(reprefill_times)
+    return {
+        "source": source_spec,
+        "target": target_spec,
+        "mapper_dir": str(mapper_dir),
+        "mapper_reused": reused,
+        "mapper_fit_or_load_seconds": fit_seconds,
+        "mapper_r2_k": mapper.manifest["fit_metrics"]["r2_k_mean"],
+        "mapper_r2_v": mapper.manifest["fit_metrics"]["r2_v_mean"],
+        "calibration_tokens": mapper.manifest["calibration"].get("num_tokens"),
+        "context_id": context.conversation_id,
+        "context_tokens": length,
+        "source_prefill_seconds": source_seconds,
+        "handoff_ttft_seconds": handoff_s,
+        "reprefill_ttft_seconds": reprefill_s,
+        "speedup": reprefill_s / handoff_s,
+        "repeats": repeats,
+        "answer_reprefill": own_text,
+        "answer_handoff": handoff_text,
+        "gold_answers": list(context.gold_answers),
+        **{f"agreement_{k}": v for k, v in agree.items()},
+    }
+
+
+def render_demo(result: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"kvhandoff demo: {result['source']} → {result['target']}")
+    table.add_column("measure")
+    table.add_column("value", overflow="fold")
+    reuse = "reused from cache" if result["mapper_reused"] else "fitted now"
+    rows = [
+        ("mapper", f"{reuse} ({result['mapper_fit_or_load_seconds']:.1f} s): {result['mapper_dir']}"),
+        ("mapper fit R² (K / V)", f"{result['mapper_r2_k']:.3f} / {result['mapper_r2_v']:.3f}"),
+        ("calibration tokens", str(result["calibration_tokens"])),
+        ("context", f"CoQA {result['context_id']}, {result['context_tokens']} tokens"),
+        ("source prefill (done before the switch)", f"{result['source_prefill_seconds']:.3f} s"),
+        ("time to first token: handoff", f"{result['handoff_ttft_seconds']:.3f} s"),
+        ("time to first token: re-prefill", f"{result['reprefill_ttft_seconds']:.3f} s"),
+        ("speed-up (re-prefill ÷ handoff)", f"{result['speedup']:.1f}×  (median of {result['repeats']})"),
+        ("answer after re-prefill", result["answer_reprefill"]),
+        ("answer after handoff", result["answer_handoff"]),
+        ("gold answer", " | ".join(result["gold_answers"][:3])),
+        (f"top-1 agreement over {result['agreement_positions']} positions", f"{result['agreement_top1_agreement']:.3f}"),
+        ("mean KL(target ‖ handoff), nats", f"{result['agreement_mean_kl']:.3f}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
