@@ -22,8 +22,18 @@ def test_shards_merge_to_the_one_pass_result(pair):
         collect_statistics(source, target, batches[2:], progress=False)
     )
     assert merged.count == whole.count
-    for name in ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy_diag"):
+    for name in ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy"):
         assert torch.allclose(getattr(merged, name), getattr(whole, name), rtol=1e-12, atol=1e-9)
+
+
+def test_reversed_equals_collecting_the_other_direction(pair):
+    source, target = pair
+    batches = random_batches(2)
+    forward = collect_statistics(source, target, batches, progress=False).reversed()
+    backward = collect_statistics(target, source, batches, progress=False)
+    assert forward.source == backward.source and forward.count == backward.count
+    for name in ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy"):
+        assert torch.allclose(getattr(forward, name), getattr(backward, name), rtol=1e-12, atol=1e-9)
 
 
 def test_stride_and_memory_independent_of_token_count(pair):

@@ -7,7 +7,8 @@ float64 keeps ~10 significant digits after that subtraction and makes shard merg
 Feature layout (one row per kept token):
   source x = [K of every source layer, V of every source layer], each layer = all KV heads × head_dim
   target y = likewise for the target.
-Memory is O(features²), independent of the number of calibration tokens.
+Memory is O(features²), independent of the number of calibration tokens. The full target Gram is kept too,
+so the same pass gives the statistics of the reverse direction (`reversed()`): one calibration, both ways.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvhandoff.capture import ContentKV
 from kvhandoff.errors import StatisticsError
 
 MODALITIES = ("K", "V")
+_TENSORS = ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class FeatureLayout:
 
 
 class CalibrationStats:
-    """Sums of x, y, xxᵀ, xyᵀ and y² over calibration tokens, in float64."""
+    """Sums of x, y, xxᵀ, xyᵀ and yyᵀ over calibration tokens, in float64."""
 
     def __init__(self, source: FeatureLayout, target: FeatureLayout):
         self.source, self.target = source, target
@@ -69,7 +71,7 @@ class CalibrationStats:
         self.sum_y = torch.zeros(target.width, dtype=torch.float64)
         self.sum_xx = torch.zeros(source.width, source.width, dtype=torch.float64)
         self.sum_xy = torch.zeros(source.width, target.width, dtype=torch.float64)
-        self.sum_yy_diag = torch.zeros(target.width, dtype=torch.float64)
+        self.sum_yy = torch.zeros(target.width, target.width, dtype=torch.float64)
 
     # -- accumulation -----------------------------------------------------------------------------
     def update(self, source: ContentKV, target: ContentKV, token_stride: int = 4, skip_first_tokens: int = 0):
@@ -90,7 +92,7 @@ class CalibrationStats:
         self.sum_y += y.sum(0)
         self.sum_xx.addmm_(x.T, x)
         self.sum_xy.addmm_(x.T, y)
-        self.sum_yy_diag += (y * y).sum(0)
+        self.sum_yy.addmm_(y.T, y)
 
     def merge(self, other: CalibrationStats) -> CalibrationStats:
         """Statistics of the union of both token sets (shards of one calibration run add up exactly)."""
@@ -98,7 +100,7 @@ class CalibrationStats:
             raise StatisticsError("cannot merge statistics collected for different model pairs / geometries")
         merged = CalibrationStats(self.source, self.target)
         merged.count = self.count + other.count
-        for name in ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy_diag"):
+        for name in _TENSORS:
             setattr(merged, name, getattr(self, name) + getattr(other, name))
         return merged
 
@@ -129,12 +131,21 @@ class CalibrationStats:
 
     def var_y(self, idx=slice(None)) -> torch.Tensor:
         my = self.mean_y(idx)
-        return self.sum_yy_diag[idx] / self.count - my * my
+        return self.sum_yy.diagonal()[idx] / self.count - my * my
+
+    def reversed(self) -> CalibrationStats:
+        """The same statistics with source and target swapped (for fitting the opposite direction)."""
+        flipped = CalibrationStats.__new__(CalibrationStats)
+        flipped.source, flipped.target, flipped.count = self.target, self.source, self.count
+        flipped.sum_x, flipped.sum_y = self.sum_y, self.sum_x
+        flipped.sum_xx, flipped.sum_yy = self.sum_yy, self.sum_xx
+        flipped.sum_xy = self.sum_xy.T
+        return flipped
 
     # -- persistence ------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         layouts = {"source": self.source.__dict__, "target": self.target.__dict__, "count": self.count}
-        tensors = {n: getattr(self, n) for n in ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy_diag")}
+        tensors = {n: getattr(self, n).contiguous() for n in _TENSORS}
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, str(tmp), metadata={"kvhandoff_stats": json.dumps(layouts)})

@@ -46,15 +46,27 @@ def obtain_statistics(
     source_spec: str, target_spec: str, source, target, tokenizer, config: FitConfig,
     calibration: CalibrationSpec, progress: bool = True,
 ) -> tuple[CalibrationStats, dict]:
-    """Load the pair's calibration statistics, or collect and save them. Returns (stats, calibration info)."""
+    """Load the pair's calibration statistics, or collect and save them. Returns (stats, calibration info).
+
+    Statistics collected for the opposite direction serve too: they hold both models' full Grams.
+    """
     path = statistics_path(source_spec, target_spec, config, calibration)
     info_path = path.with_suffix(".json")
-    if path.is_file() and info_path.is_file():
+    reverse_path = statistics_path(target_spec, source_spec, config, calibration)
+    for candidate, flip in ((path, False), (reverse_path, True)):
+        candidate_info = candidate.with_suffix(".json")
+        if not (candidate.is_file() and candidate_info.is_file()):
+            continue
         try:
-            return CalibrationStats.load(path), json.loads(info_path.read_text())
+            stats, info = CalibrationStats.load(candidate), json.loads(candidate_info.read_text())
         except (KVHandoffError, json.JSONDecodeError) as exc:
             if progress:
-                print(f"cached statistics {path} not usable ({exc}); collecting again")
+                print(f"cached statistics {candidate} not usable ({exc}); collecting again")
+            continue
+        if flip:
+            stats = stats.reversed()
+            info = {**info, "source_model": source_spec, "target_model": target_spec, "reused_reverse_pass": True}
+        return stats, info
     corpus = calibration_batches(
         tokenizer, calibration.num_sequences, calibration.seq_len, seed=calibration.seed,
         batch_size=calibration.batch_size,
