@@ -1,0 +1,51 @@
+import pytest
+import torch
+from conftest import exactly_related, random_batches, tiny_model
+
+from kvhandoff import FitConfig, fit_mapper
+from kvhandoff.demo import agreement, demo_context
+from kvhandoff.evaluation.scoring import feed
+from kvhandoff.handoff import prefill
+
+
+class CharTokenizer:
+    def __call__(self, text, return_tensors=None):
+        return {"input_ids": [ord(c) % 128 for c in text]}
+
+
+def test_demo_context_is_long_real_coqa_with_an_open_question():
+    context = demo_context(CharTokenizer(), min_tokens=1000)
+    assert len(context.text) >= 1000 and context.text.endswith("A:")
+    assert context.gold_answers
+
+
+def test_agreement_is_perfect_for_an_exact_mapper_and_lower_for_noise():
+    source = tiny_model("qwen2", layers=2)
+    target = exactly_related(source)
+    mapper = fit_mapper(source, target, random_batches(8), FitConfig(ridge_lambda=1e-6), progress=False)
+    ids = torch.randint(0, 128, (1, 30))
+    own_cache, _ = prefill(target, ids[:, :-1])
+    mapped = mapper.transfer(prefill(source, ids[:, :-1])[0])
+    own_first = feed(target, own_cache, ids[0, -1:].tolist())[-1]
+    mapped_first = feed(target, mapped, ids[0, -1:].tolist())[-1]
+    continuation = torch.randint(0, 128, (6,)).tolist()
+    exact = agreement(target, own_cache, mapped, 30, own_first, mapped_first, continuation)
+    assert exact["positions"] == 6 and exact["top1_agreement"] == 1.0 and exact["mean_kl"] < 1e-4
+    assert own_cache.get_seq_length() == 30  # caches rolled back after scoring
+    for layer in mapped.layers:
+        layer.values += torch.randn_like(layer.values) * 5
+    noisy = agreement(target, own_cache, mapped, 30, own_first, mapped_first, continuation)
+    assert noisy["mean_kl"] > exact["mean_kl"]
+
+
+@pytest.mark.real_models
+def test_demo_end_to_end_on_the_real_pair():
+    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
+    from kvhandoff.demo import render_demo, run_demo
+
+    result = run_demo(DEFAULT_SOURCE, DEFAULT_TARGET)
+    render_demo(result)
+    assert result["context_tokens"] >= 1000
+    assert result["speedup"] > 1
+    assert result["answer_handoff"]
+    assert 0 <= result["agreement_top1_agreement"] <= 1
