@@ -103,6 +103,52 @@ def demo(
         json_out.write_text(json.dumps(result, indent=2))
 
 
+@app.command()
+def tune(
+    source: SourceOption = DEFAULT_SOURCE,
+    target: TargetOption = DEFAULT_TARGET,
+    ks: Annotated[str, typer.Option(help="comma-separated k values ('all' allowed)")] = "1,2,4,8,all",
+    lambdas: Annotated[str, typer.Option(help="comma-separated relative ridge λ values")] = "0.001,0.01,0.1,1",
+    docs: Annotated[int, typer.Option(help="held-out dev documents (LAMBADA held-out slice)")] = 4,
+    prefix_len: int = 512,
+    continuation_len: int = 128,
+    sequences: Annotated[int, typer.Option(help="calibration windows")] = CalibrationSpec().num_sequences,
+    seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = CalibrationSpec().seq_len,
+    out: Annotated[Path, typer.Option(help="JSON file for the sweep table")] = Path("runs/tune.json"),
+) -> None:
+    """Sweep k × λ from one set of statistics, scored by next-token KL on held-out dev prose."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvhandoff.assets import load_model
+    from kvhandoff.corpus import heldout_documents
+    from kvhandoff.geometry import model_fingerprint
+    from kvhandoff.tuning import HandoffDivergence, sweep
+    from kvhandoff.workflow import obtain_statistics
+
+    source_model, tokenizer = load_model(source)
+    target_model, _ = load_model(target)
+    calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len)
+    stats, _ = obtain_statistics(source, target, source_model, target_model, tokenizer, FitConfig(), calibration)
+    documents = heldout_documents(tokenizer, docs, min_tokens=prefix_len + continuation_len, source="lambada-heldout")
+    divergence = HandoffDivergence(source_model, target_model, documents, prefix_len, continuation_len)
+    configs = [FitConfig(top_k=_top_k(k.strip()), ridge_lambda=float(lam))
+               for lam in lambdas.split(",") for k in ks.split(",")]
+    rows = sweep(stats, configs, divergence, model_fingerprint(source_model, tokenizer),
+                 model_fingerprint(target_model, tokenizer),
+                 (source_model.config.max_position_embeddings, target_model.config.max_position_embeddings))
+    table = Table(title=f"dev sweep {source} → {target} ({rows[0]['documents']} docs, {rows[0]['tokens']} tokens)")
+    for column in ("k", "λ", "R² K", "R² V", "mean KL", "top-1", "ppl ratio"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(str(row["top_k"]), f"{row['ridge_lambda']:g}", f"{row['r2_k']:.3f}", f"{row['r2_v']:.3f}",
+                      f"{row['mean_kl']:.3f}", f"{row['top1_agreement']:.3f}", f"{row['ppl_ratio']:.3f}")
+    Console().print(table)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"source": source, "target": target, "dev": documents.describe(),
+                               "prefix_len": prefix_len, "continuation_len": continuation_len, "rows": rows}, indent=2))
+
+
 def _register_optional_commands() -> None:
     """Commands whose modules sit on top of the core (evaluation, bench, analyze)."""
     from kvhandoff.analyze import analyze_command

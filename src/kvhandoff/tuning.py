@@ -1,0 +1,108 @@
+"""Choosing fit settings on a dev set: how far the target's next-token distributions move after a handoff.
+
+The dev metric is teacher-forced: for held-out prose documents (never calibration, never evaluation items)
+the target reads a continuation once from its own prefix cache (the reference, computed once) and once from
+the mapped cache of the source's prefix. Reported per candidate mapper: mean KL(own ‖ handoff), top-1
+agreement and the perplexity ratio handoff ÷ own. Candidates come from one set of statistics, so a sweep over
+k and λ costs solves and target forwards over the continuations, never another calibration pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from kvhandoff.config import FitConfig
+from kvhandoff.errors import ConfigError
+from kvhandoff.evaluation.scoring import feed
+from kvhandoff.fit import mapper_from_statistics
+from kvhandoff.handoff import prefill
+from kvhandoff.selection import layer_r2_matrix
+
+
+@dataclass
+class _DevDocument:
+    prefix: list[int]
+    continuation: list[int]
+    source_cache: object
+    own_logprobs: torch.Tensor  # [continuation, vocab]
+
+
+class HandoffDivergence:
+    """Reference distributions for a dev set; `score(mapper)` measures a candidate against them."""
+
+    def __init__(self, source, target, documents: Iterable, prefix_len: int = 512, continuation_len: int = 128):
+        if prefix_len < 2 or continuation_len < 1:
+            raise ConfigError("prefix_len must be ≥ 2 and continuation_len ≥ 1")
+        self.source, self.target = source, target
+        self.prefix_len, self.continuation_len = prefix_len, continuation_len
+        self.documents: list[_DevDocument] = []
+        with torch.inference_mode():
+            for doc in documents:
+                ids = [int(t) for t in doc][: prefix_len + continuation_len]
+                if len(ids) < prefix_len + continuation_len:
+                    continue
+                prefix, continuation = ids[:prefix_len], ids[prefix_len:]
+                own_cache, _ = prefill(target, torch.tensor([prefix[:-1]]))
+                own = feed(target, own_cache, [prefix[-1], *continuation[:-1]])
+                source_cache, _ = prefill(source, torch.tensor([prefix[:-1]]))
+                self.documents.append(_DevDocument(prefix, continuation, source_cache, own))
+        if not self.documents:
+            raise ConfigError(f"no dev document has the {prefix_len + continuation_len} tokens needed")
+
+    @torch.inference_mode()
+    def score(self, mapper) -> dict:
+        kls, agree, own_nll, handoff_nll, tokens = [], [], 0.0, 0.0, 0
+        for doc in self.documents:
+            cache = mapper.transfer(doc.source_cache, dtype=self.target.dtype)
+            mapped = feed(self.target, cache, [doc.prefix[-1], *doc.continuation[:-1]])
+            own = doc.own_logprobs
+            kls.append((own.exp() * (own - mapped)).sum(-1))
+            agree.append((own.argmax(-1) == mapped.argmax(-1)).float())
+            index = torch.tensor(doc.continuation)[:, None]
+            own_nll += float(-own.gather(1, index).double().sum())
+            handoff_nll += float(-mapped.gather(1, index).double().sum())
+            tokens += len(doc.continuation)
+        return {
+            "mean_kl": float(torch.cat(kls).mean()),
+            "top1_agreement": float(torch.cat(agree).mean()),
+            "ppl_own": float(torch.exp(torch.tensor(own_nll / tokens))),
+            "ppl_handoff": float(torch.exp(torch.tensor(handoff_nll / tokens))),
+            "ppl_ratio": float(torch.exp(torch.tensor((handoff_nll - own_nll) / tokens))),
+            "documents": len(self.documents),
+            "tokens": tokens,
+        }
+
+
+def sweep(
+    stats,
+    configs: Sequence[FitConfig],
+    divergence: HandoffDivergence,
+    source_fingerprint: dict,
+    target_fingerprint: dict,
+    max_position_embeddings: tuple[int, int],
+    progress: bool = True,
+) -> list[dict]:
+    """Score each candidate config (solved from `stats`) on the dev set; best (lowest KL) first."""
+    r2_by_lambda: dict[float, torch.Tensor] = {}
+    rows = []
+    for config in tqdm(configs, desc="candidates", disable=not progress):
+        started = time.perf_counter()
+        if config.ridge_lambda not in r2_by_lambda:
+            r2_by_lambda[config.ridge_lambda] = layer_r2_matrix(stats, config.ridge_lambda)
+        mapper = mapper_from_statistics(
+            stats, config, source_fingerprint, target_fingerprint,
+            max_position_embeddings=max_position_embeddings, r2_matrix=r2_by_lambda[config.ridge_lambda],
+        )
+        solve_seconds = time.perf_counter() - started
+        metrics = divergence.score(mapper)
+        rows.append({
+            "top_k": config.top_k, "ridge_lambda": config.ridge_lambda,
+            "r2_k": mapper.manifest["fit_metrics"]["r2_k_mean"], "r2_v": mapper.manifest["fit_metrics"]["r2_v_mean"],
+            "solve_seconds": round(solve_seconds, 2), "parameters": mapper.num_parameters(), **metrics,
+        })
+    return sorted(rows, key=lambda row: row["mean_kl"])

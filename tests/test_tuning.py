@@ -1,0 +1,35 @@
+import pytest
+import torch
+from conftest import exactly_related, random_batches, tiny_model
+
+from kvhandoff import FitConfig
+from kvhandoff.errors import ConfigError
+from kvhandoff.fit import collect_statistics
+from kvhandoff.geometry import model_fingerprint
+from kvhandoff.tuning import HandoffDivergence, sweep
+
+
+@pytest.fixture(scope="module")
+def setup():
+    source = tiny_model("qwen2", layers=3)
+    target = exactly_related(source)
+    stats = collect_statistics(source, target, random_batches(8), progress=False)
+    docs = [torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    return source, target, stats, HandoffDivergence(source, target, docs, prefix_len=40, continuation_len=16)
+
+
+def test_sweep_ranks_exact_fit_first_with_zero_divergence(setup):
+    source, target, stats, divergence = setup
+    rows = sweep(stats, [FitConfig(ridge_lambda=10.0), FitConfig(ridge_lambda=1e-6)], divergence,
+                 model_fingerprint(source), model_fingerprint(target), (512, 512), progress=False)
+    assert [row["ridge_lambda"] for row in rows] == [1e-6, 10.0]
+    best, worst = rows
+    assert best["mean_kl"] < 1e-4 and best["top1_agreement"] == 1.0 and abs(best["ppl_ratio"] - 1) < 1e-3
+    assert worst["mean_kl"] > best["mean_kl"] and worst["ppl_ratio"] > 1
+    assert best["tokens"] == 32 and best["documents"] == 2
+
+
+def test_short_documents_are_refused(setup):
+    source, target, _, _ = setup
+    with pytest.raises(ConfigError, match="no dev document"):
+        HandoffDivergence(source, target, [torch.arange(10)], prefix_len=40, continuation_len=16)
