@@ -1,11 +1,12 @@
 import pytest
 import torch
-from conftest import exactly_related, random_batches, tiny_model
 
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.demo import agreement, demo_context
 from kvhandoff.evaluation.scoring import feed
 from kvhandoff.handoff import prefill
+
+from conftest import exactly_related, random_batches, tiny_model
 
 
 class CharTokenizer:

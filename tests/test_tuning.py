@@ -1,12 +1,13 @@
 import pytest
 import torch
-from conftest import exactly_related, random_batches, tiny_model
 
 from kvhandoff import FitConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.fit import collect_statistics
 from kvhandoff.geometry import model_fingerprint
 from kvhandoff.tuning import HandoffDivergence, sweep
+
+from conftest import exactly_related, random_batches, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -177,7 +177,10 @@ def render_demo(result: dict, console=None) -> None:
         ("answer after re-prefill", result["answer_reprefill"]),
         ("answer after handoff", result["answer_handoff"]),
         ("gold answer", " | ".join(result["gold_answers"][:3])),
-        (f"top-1 agreement over {result['agreement_positions']} positions", f"{result['agreement_top1_agreement']:.3f}"),
+        (
+            f"top-1 agreement over {result['agreement_positions']} positions",
+            f"{result['agreement_top1_agreement']:.3f}",
+        ),
         ("mean KL(target ‖ handoff), nats", f"{result['agreement_mean_kl']:.3f}"),
     ]
     for name, value in rows:
