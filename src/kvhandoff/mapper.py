@@ -16,12 +16,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from kvhandoff.capture import ContentKV, cache_positions, cache_to_content
+from kvhandoff.capture import ContentKV
 from kvhandoff.config import MAPPER_FORMAT_VERSION
 from kvhandoff.errors import MapperFormatError, MapperMismatchError
 from kvhandoff.geometry import model_fingerprint, signatures_match
-from kvhandoff.rope import apply_rope, rope_frequencies
+from kvhandoff.rope import rope_frequencies
 from kvhandoff.statistics import FeatureLayout
 
 TENSOR_FILE = "mapper.safetensors"
@@ -68,12 +69,15 @@ class Mapper:
             (self.selected == torch.arange(self.source.num_layers)).all()
         )
         if self._dense:
-            # [2, Ls·Fs, Lt·Ft]: all target layers of one modality in one GEMM
+            # [2, Ls·Fs, Lt·Ft]: all target layers of one modality in one GEMM. `weight` becomes a view of it,
+            # so the mapper holds its parameters once.
             self._dense_weight = self.weight.permute(0, 2, 1, 3).reshape(2, expected[2], -1).contiguous()
+            self.weight = self._dense_weight.view(2, expected[2], expected[1], expected[3]).permute(0, 2, 1, 3)
             self._dense_bias = self.bias.reshape(2, -1)
         else:
             self._flat_weight = self.weight.reshape(-1, *expected[2:])
             self._gather = torch.cat([self.selected, self.selected + self.source.num_layers])  # [2Lt, k]
+        self._rope_tables: dict = {}  # (side, seq_len or None) → (cos, sin, scaling), see _cos_sin
 
     # -- metadata ---------------------------------------------------------------------------------
     @property
@@ -87,35 +91,43 @@ class Mapper:
         return self.weight.numel() * self.weight.element_size() + self.bias.numel() * self.bias.element_size()
 
     # -- application ------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def map_content(self, content: ContentKV) -> ContentKV:
-        """Map content-space source K/V [Ls, B, Hs, T, Ds] to content-space target K/V [Lt, B, Ht, T, Dt]."""
-        src, tgt = self.source, self.target
-        _, batch, heads, tokens, head_dim = content.keys.shape
-        if (content.keys.shape[0], heads, head_dim) != (src.num_layers, src.num_kv_heads, src.head_dim):
+    def _check_source(self, layers: int, heads: int, head_dim: int) -> None:
+        src = self.source
+        if (layers, heads, head_dim) != (src.num_layers, src.num_kv_heads, src.head_dim):
             raise MapperMismatchError(
-                f"source cache has {content.keys.shape[0]} layers × {heads} KV heads × head dim {head_dim}, "
+                f"source cache has {layers} layers × {heads} KV heads × head dim {head_dim}, "
                 f"but this mapper was fitted for {src.num_layers} × {src.num_kv_heads} × {src.head_dim}: "
                 "load the mapper fitted for this source model"
             )
-        # [2, Ls, B, H, T, D] → [2, Ls, N, H·D] with N = B·T token rows
-        x = torch.stack([content.keys, content.values]).float()
-        x = x.permute(0, 1, 2, 4, 3, 5).reshape(2, src.num_layers, batch * tokens, src.layer_width)
+
+    def _map_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Content-space source K/V as token rows x [2, B, T, Ls, Hs, Ds] (float32, contiguous) → target
+        K/V as a float32 view [2, B, T, Lt, Ht, Dt] of one batched GEMM's output."""
+        src, tgt = self.source, self.target
+        _, batch, tokens = x.shape[:3]
+        rows = batch * tokens
         if self._dense:
-            x = x.permute(0, 2, 1, 3).reshape(2, batch * tokens, -1)
-            y = torch.baddbmm(self._dense_bias[:, None], x, self._dense_weight)  # [2, N, Lt·Ft]
-            y = y.view(2, batch * tokens, tgt.num_layers, tgt.layer_width).transpose(1, 2)
-        else:
-            gathered = x.reshape(2 * src.num_layers, batch * tokens, -1)[self._gather]  # [2Lt, k, N, Fs]
-            gathered = gathered.transpose(1, 2).reshape(2 * tgt.num_layers, batch * tokens, -1)
-            y = torch.baddbmm(self.bias.reshape(2 * tgt.num_layers, 1, -1), gathered, self._flat_weight)
-            y = y.view(2, tgt.num_layers, batch * tokens, tgt.layer_width)
-        # [2, Lt, N, Ht·Dt] → [2, Lt, B, Ht, T, Dt]
-        y = y.reshape(2, tgt.num_layers, batch, tokens, tgt.num_kv_heads, tgt.head_dim).permute(
-            0, 1, 2, 4, 3, 5
-        )
+            y = torch.baddbmm(self._dense_bias[:, None], x.view(2, rows, -1), self._dense_weight)
+            return y.view(2, batch, tokens, tgt.num_layers, tgt.num_kv_heads, tgt.head_dim)
+        gathered = x.view(2, rows, src.num_layers, src.layer_width)[:, :, self.selected]  # [2, N, Lt, k, Fs]
+        gathered = gathered.transpose(1, 2).reshape(2 * tgt.num_layers, rows, -1)
+        y = torch.baddbmm(self.bias.reshape(2 * tgt.num_layers, 1, -1), gathered, self._flat_weight)
+        y = y.view(2, tgt.num_layers, batch, tokens, tgt.num_kv_heads, tgt.head_dim)
+        return y.permute(0, 2, 3, 1, 4, 5)
+
+    @torch.inference_mode()
+    def map_content(self, content: ContentKV) -> ContentKV:
+        """Map content-space source K/V [Ls, B, Hs, T, Ds] to content-space target K/V [Lt, B, Ht, T, Dt]."""
+        layers, _, heads, _, head_dim = content.keys.shape
+        self._check_source(layers, heads, head_dim)
+        # [2, Ls, B, Hs, T, Ds] → token rows [2, B, T, Ls, Hs, Ds]: the permute and the float cast in one copy
+        batch, tokens = content.keys.shape[1], content.keys.shape[3]
+        rows = torch.empty(2, batch, tokens, layers, heads, head_dim)
+        rows.copy_(torch.stack([content.keys, content.values]).permute(0, 2, 4, 1, 3, 5))
+        y = self._map_rows(rows).permute(0, 3, 1, 4, 2, 5)  # [2, Lt, B, Ht, T, Dt]
         return ContentKV(keys=y[0], values=y[1])
 
+    @torch.no_grad()  # not inference_mode: the cache's tensors must stay usable (in place) outside it
     def transfer(
         self,
         source_cache,
@@ -124,22 +136,83 @@ class Mapper:
     ) -> DynamicCache:
         """Turn a source `transformers` cache into a target `DynamicCache` for the same positions.
 
-        position_ids: [batch, tokens] positions of the cached tokens (default 0..T−1).
+        position_ids: [batch, tokens] (or [tokens]) positions of the cached tokens (default 0..T−1).
         dtype: dtype of the returned cache (default: the source cache's dtype).
+
+        Same arithmetic as `cache_to_content` → `map_content` → `apply_rope`, laid out for speed: RoPE
+        cos/sin tables are cached per mapper, the source cache is gathered in one copy and de-rotated in
+        place, the GEMM output is rotated straight into the target cache's buffers, and the DynamicCache
+        layers are views of two buffers (no per-layer concatenation).
         """
-        source_config, target_config = self._rope_configs()
-        keys0 = source_cache.layers[0].keys
-        batch, tokens = keys0.shape[0], keys0.shape[2]
-        if position_ids is None:
-            position_ids = cache_positions(tokens, batch)
-        mapped = self.map_content(cache_to_content(source_cache, source_config, position_ids))
-        inv_freq, scaling = rope_frequencies(target_config, seq_len=int(position_ids.max()) + 1)
-        keys = apply_rope(mapped.keys, position_ids, inv_freq, scaling)
+        src, tgt = self.source, self.target
+        layers = source_cache.layers
+        keys0 = layers[0].keys
+        batch, heads, tokens, head_dim = keys0.shape
+        self._check_source(len(layers), heads, head_dim)
         out_dtype = dtype or keys0.dtype
+        if position_ids is not None and position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+
+        # source, gathered straight into GEMM rows [2, B, T, Ls, Hs, Ds] (cache dtype); RoPE stripped in place
+        x = torch.empty(2, batch, tokens, src.num_layers, heads, head_dim, dtype=keys0.dtype, device=keys0.device)
+        torch.stack([layer.keys.transpose(1, 2) for layer in layers], dim=2, out=x[0])
+        torch.stack([layer.values.transpose(1, 2) for layer in layers], dim=2, out=x[1])
+        cos, sin, scaling = self._cos_sin("source", position_ids, tokens)  # [b, T, R]
+        rotary = cos.shape[-1]
+        keys = x[0, ..., :rotary]
+        content = _rotate(keys.float(), cos[:, :, None, None], sin[:, :, None, None], inverse=True)
+        if scaling != 1.0:  # x / 1 is exact: skipping it changes nothing
+            content = content / (scaling * scaling)
+        keys.copy_(content)  # rounds to the cache dtype, as strip_rope does
+        y = self._map_rows(x.float())  # [2, B, T, Lt, Ht, Dt] float32
+
+        # target: rotate the mapped keys into the cache buffers [Lt, B, Ht, T, Dt]
+        shape = (tgt.num_layers, batch, tgt.num_kv_heads, tokens, tgt.head_dim)
+        out_keys = torch.empty(shape, dtype=out_dtype, device=keys0.device)
+        out_values = torch.empty(shape, dtype=out_dtype, device=keys0.device)
+        out_values.permute(1, 3, 0, 2, 4).copy_(y[1])
+        cos, sin, _ = self._cos_sin("target", position_ids, tokens)
+        rotary = cos.shape[-1]
+        rotated = _rotate(y[0][..., :rotary], cos[:, :, None, None], sin[:, :, None, None], inverse=False)
+        keys_view = out_keys.permute(1, 3, 0, 2, 4)  # [B, T, Lt, Ht, Dt]
+        keys_view[..., :rotary].copy_(rotated)
+        if rotary < tgt.head_dim:
+            keys_view[..., rotary:].copy_(y[0][..., rotary:])
+
         cache = DynamicCache()
-        for layer in range(self.target.num_layers):
-            cache.update(keys[layer].to(out_dtype), mapped.values[layer].to(out_dtype), layer)
+        for layer_keys, layer_values in zip(out_keys.unbind(0), out_values.unbind(0), strict=True):
+            layer = DynamicLayer()  # filled as DynamicLayer.update would, without its concatenation copy
+            layer.device, layer.keys, layer.values, layer.is_initialized = x.device, layer_keys, layer_values, True
+            cache.layers.append(layer)
         return cache
+
+    def _cos_sin(
+        self, side: str, positions: torch.Tensor | None, tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Scaled cos/sin [b, T, rotary_dim] for integer positions [b, T] (None: 0..tokens−1) and the
+        attention scaling, from a per-mapper table.
+
+        Table rows are exactly what `rope.apply_rope` computes for each position (the op is elementwise);
+        rope types whose frequencies depend on the sequence length (dynamic, longrope) get a table per length.
+        """
+        seq_len = tokens if positions is None else int(positions.max()) + 1
+        config = self._rope_configs()[0 if side == "source" else 1]
+        fixed = config.rope_parameters.get("rope_type", "default") in _SEQ_LEN_FREE_ROPE
+        key = (side, None if fixed else seq_len)
+        table = self._rope_tables.get(key)
+        if table is None or table[0].shape[0] < seq_len:
+            inv_freq, scaling = rope_frequencies(config, seq_len=seq_len)
+            length = -(-seq_len // 1024) * 1024 if fixed else seq_len
+            angles = torch.arange(length).to(torch.float32)[:, None] * inv_freq
+            emb = torch.cat((angles, angles), dim=-1)
+            table = (emb.cos() * scaling, emb.sin() * scaling, scaling)
+            if not fixed:  # keep one length-dependent table per side
+                self._rope_tables = {k: v for k, v in self._rope_tables.items() if k[0] != side}
+            self._rope_tables[key] = table
+        cos_table, sin_table, scaling = table
+        if positions is None:
+            return cos_table[None, :tokens], sin_table[None, :tokens], scaling
+        return cos_table[positions], sin_table[positions], scaling
 
     def _rope_configs(self):
         """Minimal configs carrying each side's RoPE parameters, for transformers' rope initialisers."""
@@ -171,7 +244,7 @@ class Mapper:
         staging = path.with_name(f".{path.name}.saving")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        tensors = {"weight": self.weight, "bias": self.bias, "selected": self.selected}
+        tensors = {"weight": self.weight.contiguous(), "bias": self.bias, "selected": self.selected}
         save_file(tensors, str(staging / TENSOR_FILE))
         manifest = {**self.manifest, "tensor_sha256": _sha256_file(staging / TENSOR_FILE)}
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
@@ -248,6 +321,24 @@ class Mapper:
                         f"{_short(expected.get(key))}, given {_short(actual[key])}); load the mapper fitted for "
                         f"this pair or fit one with `kvhandoff fit`"
                     )
+
+
+_SEQ_LEN_FREE_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """x·cos ± rotate_half(x)·sin written per half (negation is exact, so this equals `rope.apply_rope` /
+    the numerator of `rope.strip_rope` bit for bit, without materialising rotate_half)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = x * cos
+    if inverse:  # (x·cos − rotate_half(x)·sin): first half + x2·sin1, second half − x1·sin2
+        out[..., :half] += x2 * sin[..., :half]
+        out[..., half:] -= x1 * sin[..., half:]
+    else:
+        out[..., :half] -= x2 * sin[..., :half]
+        out[..., half:] += x1 * sin[..., half:]
+    return out
 
 
 def _short(value) -> str:
