@@ -75,3 +75,17 @@ def test_handoff_rejects_bad_input_ids(related_pairs):
         handoff_generate(source, target, mapper, torch.tensor([[3]]))
     with pytest.raises(ConfigError, match=r"\[batch, tokens\]"):
         handoff_cache(source, target, mapper, torch.tensor([1, 2, 3]))
+
+
+def test_exact_prefix_restores_the_targets_own_leading_positions():
+    source = tiny_model("qwen2", layers=2)
+    target = tiny_model("qwen2", layers=2, seed=9)
+    mapper = fit_mapper(source, target, random_batches(2), FitConfig(top_k=1), progress=False)
+    ids = torch.randint(0, 128, (1, 20))
+    own, _ = prefill(target, ids)
+    plain = handoff_cache(source, target, mapper, ids)
+    patched = handoff_cache(source, target, mapper, ids, exact_prefix=3)
+    for p_layer, o_layer, m_layer in zip(patched.layers, own.layers, plain.layers, strict=True):
+        assert torch.allclose(p_layer.keys[:, :, :3], o_layer.keys[:, :, :3], atol=1e-5)
+        assert torch.equal(p_layer.values[:, :, 3:], m_layer.values[:, :, 3:])
+    assert not torch.allclose(plain.layers[0].keys[:, :, :3], own.layers[0].keys[:, :, :3], atol=1e-3)

@@ -30,6 +30,14 @@ def test_sweep_ranks_exact_fit_first_with_zero_divergence(setup):
     assert best["tokens"] == 32 and best["documents"] == 2
 
 
+def test_sweep_scores_each_exact_prefix(setup):
+    source, target, stats, divergence = setup
+    rows = sweep(stats, [FitConfig(ridge_lambda=10.0)], divergence, model_fingerprint(source),
+                 model_fingerprint(target), (512, 512), exact_prefixes=(0, 40), progress=False)
+    by_prefix = {row["exact_prefix"]: row for row in rows}
+    assert by_prefix[40]["mean_kl"] < 1e-4 < by_prefix[0]["mean_kl"]  # whole prefix recomputed = own cache
+
+
 def test_short_documents_are_refused(setup):
     source, target, _, _ = setup
     with pytest.raises(ConfigError, match="no dev document"):

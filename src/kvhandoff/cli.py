@@ -109,6 +109,7 @@ def tune(
     target: TargetOption = DEFAULT_TARGET,
     ks: Annotated[str, typer.Option(help="comma-separated k values ('all' allowed)")] = "1,2,4,8,all",
     lambdas: Annotated[str, typer.Option(help="comma-separated relative ridge λ values")] = "0.001,0.01,0.1,1",
+    exact_prefixes: Annotated[str, typer.Option(help="comma-separated leading tokens the target recomputes")] = "0",
     docs: Annotated[int, typer.Option(help="held-out dev documents (LAMBADA held-out slice)")] = 4,
     prefix_len: int = 512,
     continuation_len: int = 128,
@@ -136,12 +137,14 @@ def tune(
                for lam in lambdas.split(",") for k in ks.split(",")]
     rows = sweep(stats, configs, divergence, model_fingerprint(source_model, tokenizer),
                  model_fingerprint(target_model, tokenizer),
-                 (source_model.config.max_position_embeddings, target_model.config.max_position_embeddings))
+                 (source_model.config.max_position_embeddings, target_model.config.max_position_embeddings),
+                 exact_prefixes=[int(p) for p in exact_prefixes.split(",")])
     table = Table(title=f"dev sweep {source} → {target} ({rows[0]['documents']} docs, {rows[0]['tokens']} tokens)")
-    for column in ("k", "λ", "R² K", "R² V", "mean KL", "top-1", "ppl ratio"):
+    for column in ("k", "λ", "exact prefix", "R² K", "R² V", "mean KL", "top-1", "ppl ratio"):
         table.add_column(column)
     for row in rows:
-        table.add_row(str(row["top_k"]), f"{row['ridge_lambda']:g}", f"{row['r2_k']:.3f}", f"{row['r2_v']:.3f}",
+        table.add_row(str(row["top_k"]), f"{row['ridge_lambda']:g}", str(row["exact_prefix"]),
+                      f"{row['r2_k']:.3f}", f"{row['r2_v']:.3f}",
                       f"{row['mean_kl']:.3f}", f"{row['top1_agreement']:.3f}", f"{row['ppl_ratio']:.3f}")
     Console().print(table)
     out.parent.mkdir(parents=True, exist_ok=True)

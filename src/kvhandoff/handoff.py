@@ -22,22 +22,44 @@ def _check_ids(input_ids: torch.Tensor, minimum: int) -> None:
         )
 
 
-def handoff_cache(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor):
-    """The target's cache for all of `input_ids`, built from the source's prefill (no target prefill)."""
+@torch.inference_mode()
+def patch_exact_prefix(mapped_cache, target_model, input_ids: torch.Tensor, exact_prefix: int):
+    """Overwrite the first `exact_prefix` cached positions with the target's own K/V for those tokens.
+
+    The leading positions act as attention sinks (they draw much of every query's attention), so an error
+    there reaches every later token; the target recomputes them from `exact_prefix` tokens alone (causal
+    attention makes that exact), a cost independent of the context length.
+    """
+    if exact_prefix <= 0:
+        return mapped_cache
+    n = min(exact_prefix, input_ids.shape[1])
+    own_cache, _ = prefill(target_model, input_ids[:, :n])
+    for mapped, own in zip(mapped_cache.layers, own_cache.layers, strict=True):
+        mapped.keys[:, :, :n] = own.keys
+        mapped.values[:, :, :n] = own.values
+    return mapped_cache
+
+
+def handoff_cache(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor, exact_prefix: int = 0):
+    """The target's cache for all of `input_ids`, built from the source's prefill (no target prefill of the
+    context; with `exact_prefix` > 0 the target recomputes only that many leading tokens)."""
     _check_ids(input_ids, 1)
     source_cache, _ = prefill(source_model, input_ids)
-    return mapper.transfer(source_cache, dtype=target_model.dtype)
+    mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
+    return patch_exact_prefix(mapped, target_model, input_ids, exact_prefix)
 
 
 @torch.inference_mode()
-def handoff_generate(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor, **generate_kwargs):
+def handoff_generate(
+    source_model, target_model, mapper: Mapper, input_ids: torch.Tensor, exact_prefix: int = 0, **generate_kwargs
+):
     """Source prefills all but the last token; the mapped cache goes to the target, which generates.
 
     generate_kwargs go to `target_model.generate` (max_new_tokens, do_sample, temperature, ...).
     Returns the full sequences [batch, tokens + new], as `generate` does.
     """
     _check_ids(input_ids, 2)
-    cache = handoff_cache(source_model, target_model, mapper, input_ids[:, :-1])
+    cache = handoff_cache(source_model, target_model, mapper, input_ids[:, :-1], exact_prefix)
     attention_mask = torch.ones_like(input_ids)
     return target_model.generate(
         input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs

@@ -20,7 +20,7 @@ from kvhandoff.config import FitConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.scoring import feed
 from kvhandoff.fit import mapper_from_statistics
-from kvhandoff.handoff import prefill
+from kvhandoff.handoff import patch_exact_prefix, prefill
 from kvhandoff.selection import layer_r2_matrix
 
 
@@ -55,10 +55,11 @@ class HandoffDivergence:
             raise ConfigError(f"no dev document has the {prefix_len + continuation_len} tokens needed")
 
     @torch.inference_mode()
-    def score(self, mapper) -> dict:
+    def score(self, mapper, exact_prefix: int = 0) -> dict:
         kls, agree, own_nll, handoff_nll, tokens = [], [], 0.0, 0.0, 0
         for doc in self.documents:
             cache = mapper.transfer(doc.source_cache, dtype=self.target.dtype)
+            patch_exact_prefix(cache, self.target, torch.tensor([doc.prefix]), exact_prefix)
             mapped = feed(self.target, cache, [doc.prefix[-1], *doc.continuation[:-1]])
             own = doc.own_logprobs
             kls.append((own.exp() * (own - mapped)).sum(-1))
@@ -85,9 +86,11 @@ def sweep(
     source_fingerprint: dict,
     target_fingerprint: dict,
     max_position_embeddings: tuple[int, int],
+    exact_prefixes: Sequence[int] = (0,),
     progress: bool = True,
 ) -> list[dict]:
-    """Score each candidate config (solved from `stats`) on the dev set; best (lowest KL) first."""
+    """Score each candidate config (solved from `stats`), with each exact-prefix length, on the dev set;
+    best (lowest KL) first."""
     r2_by_lambda: dict[float, torch.Tensor] = {}
     rows = []
     for config in tqdm(configs, desc="candidates", disable=not progress):
@@ -99,10 +102,12 @@ def sweep(
             max_position_embeddings=max_position_embeddings, r2_matrix=r2_by_lambda[config.ridge_lambda],
         )
         solve_seconds = time.perf_counter() - started
-        metrics = divergence.score(mapper)
-        rows.append({
-            "top_k": config.top_k, "ridge_lambda": config.ridge_lambda,
-            "r2_k": mapper.manifest["fit_metrics"]["r2_k_mean"], "r2_v": mapper.manifest["fit_metrics"]["r2_v_mean"],
-            "solve_seconds": round(solve_seconds, 2), "parameters": mapper.num_parameters(), **metrics,
-        })
+        for exact_prefix in exact_prefixes:
+            metrics = divergence.score(mapper, exact_prefix)
+            rows.append({
+                "top_k": config.top_k, "ridge_lambda": config.ridge_lambda, "exact_prefix": exact_prefix,
+                "r2_k": mapper.manifest["fit_metrics"]["r2_k_mean"],
+                "r2_v": mapper.manifest["fit_metrics"]["r2_v_mean"],
+                "solve_seconds": round(solve_seconds, 2), "parameters": mapper.num_parameters(), **metrics,
+            })
     return sorted(rows, key=lambda row: row["mean_kl"])
