@@ -1,0 +1,46 @@
+"""Evaluation of KV-cache transfer: benchmark accuracy under three conditions (target / source / transfer),
+retention with paired bootstrap intervals, conditional perplexity, multi-turn model switching, the k sweep.
+
+Entry points: :func:`run_eval` (resumable runner), :func:`choose_k`, :func:`conditional_perplexity`,
+:func:`multiturn_switching`, :func:`render_results`; the CLI functions live in ``kvhandoff.evaluation.cli``.
+"""
+
+from kvhandoff.evaluation.metrics import (
+    floor_normalised_retention,
+    paired_bootstrap,
+    retention,
+    summarise_conditions,
+    token_f1,
+)
+from kvhandoff.evaluation.multiturn import load_coqa_conversations, multiturn_switching
+from kvhandoff.evaluation.perplexity import conditional_perplexity
+from kvhandoff.evaluation.report import render_results
+from kvhandoff.evaluation.runner import run_eval, select_items
+from kvhandoff.evaluation.scoring import Condition, Standalone, Transfer, score_continuations, standard_conditions
+from kvhandoff.evaluation.sweep import choose_k
+from kvhandoff.evaluation.tasks import CORE_TASKS, HELDOUT_TASKS, SWEEP_TASKS, TASKS, load_items
+
+__all__ = [
+    "CORE_TASKS",
+    "HELDOUT_TASKS",
+    "SWEEP_TASKS",
+    "TASKS",
+    "Condition",
+    "Standalone",
+    "Transfer",
+    "choose_k",
+    "conditional_perplexity",
+    "floor_normalised_retention",
+    "load_coqa_conversations",
+    "load_items",
+    "multiturn_switching",
+    "paired_bootstrap",
+    "render_results",
+    "retention",
+    "run_eval",
+    "score_continuations",
+    "select_items",
+    "standard_conditions",
+    "summarise_conditions",
+    "token_f1",
+]

@@ -1,0 +1,149 @@
+"""Choosing k (source layers per target layer) on held-aside dev items.
+
+Every candidate k gets a mapper from the same calibration statistics (``mapper_from_statistics``, no new pass
+over data) and is scored by the transfer condition's primary metric on the *dev pool* of the core
+loglikelihood tasks (ARC-Challenge, HellaSwag, WinoGrande, MMLU): items the reported evaluation never uses
+(see :func:`kvhandoff.evaluation.runner.pool_of`). The score of k is the mean over tasks; the best k wins,
+ties going to the larger k ("all" counts as the number of source layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvhandoff.config import TOP_K_CHOICES, FitConfig
+from kvhandoff.errors import ConfigError
+from kvhandoff.evaluation.metrics import mean
+from kvhandoff.evaluation.runner import (
+    ItemHook,
+    benchmark_runs,
+    run_records,
+    select_items,
+    tokenizer_identity,
+)
+from kvhandoff.evaluation.tasks import LOGLIKELIHOOD, SWEEP_TASKS, get_task, item_metrics
+
+
+def _num_layers(model) -> int:
+    config = model.config
+    config = getattr(config, "text_config", None) or config
+    return int(config.num_hidden_layers)
+
+
+def _k_value(k: int | str, num_source_layers: int) -> int:
+    return num_source_layers if k == "all" else int(k)
+
+
+def sweep_candidates(candidates: Sequence[int | str], num_source_layers: int) -> list[int | str]:
+    """Valid, distinct candidates: ints above the layer count dropped, an int equal to it dropped when "all"
+    is present (the same mapper)."""
+    out: list[int | str] = []
+    for k in candidates:
+        FitConfig(top_k=k)  # validates
+        if k != "all" and (k > num_source_layers or (k == num_source_layers and "all" in candidates)):
+            continue
+        if k not in out:
+            out.append(k)
+    if not out:
+        raise ConfigError(f"no candidate k fits a source model with {num_source_layers} layers")
+    return out
+
+
+def default_mapper_factory(
+    stats, source_model, target_model, tokenizer, base_config: FitConfig = FitConfig(),  # noqa: B008
+    **fit_kwargs: Any,
+) -> Callable[[int | str], Any]:
+    """k → ``mapper_from_statistics(stats, FitConfig(top_k=k, ...), fingerprints, ...)`` (R² matrix shared)."""
+    from kvhandoff.fit import mapper_from_statistics
+    from kvhandoff.geometry import model_fingerprint
+    from kvhandoff.selection import layer_r2_matrix
+
+    fingerprints = (model_fingerprint(source_model, tokenizer), model_fingerprint(target_model, tokenizer))
+    fit_kwargs.setdefault(
+        "max_position_embeddings",
+        (source_model.config.max_position_embeddings, target_model.config.max_position_embeddings),
+    )
+    fit_kwargs.setdefault("r2_matrix", layer_r2_matrix(stats, base_config.ridge_lambda))
+
+    def factory(k: int | str):
+        config = dataclasses.replace(base_config, top_k=k)
+        return mapper_from_statistics(stats, config, *fingerprints, **fit_kwargs)
+
+    return factory
+
+
+def choose_k(
+    source_model,
+    target_model,
+    tokenizer,
+    stats=None,
+    *,
+    candidates: Sequence[int | str] = TOP_K_CHOICES,
+    tasks: Sequence[str] = SWEEP_TASKS,
+    limit: int | None = 50,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    mapper_factory: Callable[[int | str], Any] | None = None,
+    base_config: FitConfig = FitConfig(),  # noqa: B008 - frozen
+    fit_kwargs: dict | None = None,
+    progress: bool = False,
+    on_item: ItemHook | None = None,
+) -> dict:
+    """Score every candidate k on the dev pool and pick the best (mean transfer score; ties → larger k).
+
+    Either ``stats`` (calibration statistics; mappers via :func:`default_mapper_factory`) or
+    ``mapper_factory`` (k → mapper) is needed. ``out_dir`` makes the sweep resumable (records are stored
+    under ``<out_dir>/items`` like the main evaluation's, keyed by each mapper's manifest).
+
+    Returns {"best_k", "candidates", "scores": {k: mean score}, "per_task": {k: {task: score}},
+    "target": {task: target score}, "tasks", "limit", "seed", "items": {task: n}} (k as strings).
+    """
+    for task in tasks:
+        if get_task(task).kind != LOGLIKELIHOOD:
+            raise ConfigError(f"the k sweep uses loglikelihood tasks only; {task!r} is not one")
+    num_layers = _num_layers(source_model)
+    ks = sweep_candidates(candidates, num_layers)
+    if mapper_factory is None:
+        if stats is None:
+            raise ConfigError("choose_k needs calibration statistics or a mapper_factory")
+        mapper_factory = default_mapper_factory(stats, source_model, target_model, tokenizer, base_config,
+                                                **(fit_kwargs or {}))
+    store_dir = None if out_dir is None else Path(out_dir) / "items"
+    tok_id = tokenizer_identity(tokenizer)
+    items = {task: select_items(task, limit, seed, "dev") for task in tasks}
+    target_scores: dict[str, float] = {}
+    for task in tasks:
+        spec = get_task(task)
+        (run,) = benchmark_runs(source_model, target_model, None, tokenizer, spec, conditions=("target",),
+                                tok_id=tok_id)
+        records = run_records(task, items[task], [run], store_dir, progress, on_item)["target"]
+        target_scores[task] = mean([item_metrics(spec, records[i.id])[spec.primary_metric] for i in items[task]])
+    per_task: dict[str, dict[str, float]] = {}
+    scores: dict[str, float] = {}
+    for k in ks:
+        mapper = mapper_factory(k)
+        per_task[str(k)] = {}
+        for task in tasks:
+            spec = get_task(task)
+            (run,) = benchmark_runs(source_model, target_model, mapper, tokenizer, spec,
+                                    conditions=("transfer",), tok_id=tok_id)
+            records = run_records(task, items[task], [run], store_dir, progress, on_item)["transfer"]
+            per_task[str(k)][task] = mean(
+                [item_metrics(spec, records[i.id])[spec.primary_metric] for i in items[task]]
+            )
+        scores[str(k)] = mean(list(per_task[str(k)].values()))
+    best = max(ks, key=lambda k: (scores[str(k)], _k_value(k, num_layers)))
+    return {
+        "best_k": best,
+        "candidates": [str(k) for k in ks],
+        "scores": scores,
+        "per_task": per_task,
+        "target": target_scores,
+        "tasks": list(tasks),
+        "limit": limit,
+        "seed": seed,
+        "items": {task: len(v) for task, v in items.items()},
+    }

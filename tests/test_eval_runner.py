@@ -1,0 +1,220 @@
+"""The runner: item selection, resumable per-item caches, identity retention, result files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _eval_support import ByteTokenizer, IdentityMapper, NoisyMapper, one_thread, tiny_qwen2
+from kvhandoff.errors import ConfigError
+from kvhandoff.evaluation import runner as R
+from kvhandoff.evaluation.tasks import load_items
+
+TOK = ByteTokenizer()
+FAST = dict(tokenizer=TOK, n_resamples=50, progress=False, max_new_tokens=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_thread()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_qwen2(seed=0), tiny_qwen2(seed=1)
+
+
+class Crash(Exception):
+    pass
+
+
+def same(a: dict, b: dict) -> bool:
+    """Equality that treats NaN as equal to NaN (undefined retentions)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_item_selection_is_seeded_disjoint_and_nested():
+    a = R.select_items("arc_challenge", 20, seed=1)
+    assert [i.id for i in a] == [i.id for i in R.select_items("arc_challenge", 20, seed=1)]
+    assert [i.id for i in a] != [i.id for i in R.select_items("arc_challenge", 20, seed=2)]
+    assert [i.id for i in R.select_items("arc_challenge", 10, seed=1)] == [i.id for i in a[:10]]
+    dev = R.select_items("arc_challenge", None, seed=1, pool="dev")
+    report = R.select_items("arc_challenge", None, seed=5, pool="report")
+    assert not {i.id for i in dev} & {i.id for i in report}
+    assert len(dev) + len(report) == len(load_items("arc_challenge"))
+    assert 0.1 < len(dev) / (len(dev) + len(report)) < 0.3
+    with pytest.raises(ConfigError):
+        R.select_items("arc_challenge", 0, seed=0)
+    with pytest.raises(ConfigError):
+        R.select_items("arc_challenge", 5, seed=0, pool="test")
+
+
+def test_item_store_survives_a_torn_line(tmp_path):
+    path = tmp_path / "x.jsonl"
+    store = R.ItemStore(path, {"what": "test"})
+    store.append({"id": "a", "v": 1})
+    store.append({"id": "b", "v": 2})
+    with path.open("a") as f:
+        f.write('{"id": "c", "v"')  # a crash in the middle of a write
+    store = R.ItemStore(path)
+    assert set(store.records) == {"a", "b"} and store.skipped_lines == 1
+    store.append({"id": "c", "v": 3})
+    reloaded = R.ItemStore(path)
+    assert reloaded.records == {"a": {"id": "a", "v": 1}, "b": {"id": "b", "v": 2}, "c": {"id": "c", "v": 3}}
+    assert json.loads(path.read_text().splitlines()[0]) == {"_header": {"what": "test"}}
+    with pytest.raises(ValueError):
+        reloaded.append({"id": "a", "v": 9})
+
+
+def test_identity_transfer_has_retention_exactly_one(models, tmp_path):
+    target, _ = models
+    result = R.run_eval(target, target, IdentityMapper(), "arc_challenge,winogrande", limit=4, seed=0,
+                        out_dir=tmp_path, **FAST)
+    for name in ("arc_challenge", "winogrande"):
+        task = result["tasks"][name]
+        acc = task["accuracy"]
+        assert acc["transfer"]["value"] == acc["target"]["value"] == acc["source"]["value"]
+        if acc["target"]["value"] > 0:
+            assert task["retention"] == {"value": 1.0, "ci": [1.0, 1.0]}
+        assert task["n"] == 4 and len(task["item_ids"]) == 4
+    assert (tmp_path / "results.json").is_file() and (tmp_path / "results.md").is_file()
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_generation_task_in_the_runner(models, tmp_path):
+    target, _ = models
+    result = R.run_eval(target, target, IdentityMapper(), "gsm8k", limit=1, seed=0, out_dir=tmp_path, **FAST)
+    task = result["tasks"]["gsm8k"]
+    assert task["primary_metric"] == "exact_match" and task["chance"] == 0.0
+    files = sorted((tmp_path / "items" / "gsm8k").glob("*.jsonl"))
+    outputs = {json.loads(f.read_text().splitlines()[1])["output"] for f in files}
+    assert len(files) == 2 and len(outputs) == 1  # source == target share one file; transfer output equal
+
+
+def test_resume_after_a_crash_recomputes_nothing(models, tmp_path):
+    target, source = models
+    mapper = NoisyMapper(scale=0.3)
+    clean = R.run_eval(source, target, mapper, "arc_challenge,winogrande", limit=3, seed=4,
+                       out_dir=tmp_path / "clean", **FAST)
+    computed: list[tuple[str, str, str]] = []
+
+    def crash_after_five(task, condition, record):
+        computed.append((task, condition, record["id"]))
+        if len(computed) == 5:
+            raise Crash
+
+    out = tmp_path / "resumed"
+    with pytest.raises(Crash):
+        R.run_eval(source, target, mapper, "arc_challenge,winogrande", limit=3, seed=4, out_dir=out,
+                   on_item=crash_after_five, **FAST)
+    assert not (out / "results.json").exists()
+    first = list(computed)
+    computed.clear()
+    resumed = R.run_eval(source, target, mapper, "arc_challenge,winogrande", limit=3, seed=4, out_dir=out,
+                         on_item=lambda *a: computed.append((a[0], a[1], a[2]["id"])), **FAST)
+    assert len(first) == 5 and len(computed) == 2 * 3 * 3 - 5
+    assert not set(first) & set(computed)  # nothing computed twice
+    assert same(resumed, clean)
+    # a finished run re-renders without computing anything
+    computed.clear()
+    again = R.run_eval(source, target, mapper, "arc_challenge,winogrande", limit=3, seed=4, out_dir=out,
+                       on_item=lambda *a: computed.append(a), **FAST)
+    assert computed == [] and same(again, clean)
+    for f in (out / "items").rglob("*.jsonl"):
+        ids = [json.loads(line).get("id") for line in f.read_text().splitlines()[1:]]
+        assert len(ids) == len(set(ids)) == 3
+
+
+def test_directions_share_standalone_records_and_mappers_are_keyed(models, tmp_path):
+    a, b = models
+    R.run_eval(a, b, NoisyMapper(seed=1), "arc_challenge", limit=2, seed=0, out_dir=tmp_path, **FAST)
+    computed: list = []
+
+    def hook(task, condition, record):
+        computed.append(condition)
+
+    R.run_eval(b, a, NoisyMapper(seed=2), "arc_challenge", limit=2, seed=0, out_dir=tmp_path,
+               result_name="reverse", on_item=hook, **FAST)
+    assert computed == ["transfer", "transfer"]  # both standalone runs come from the forward run's files
+
+    class OtherMapper(NoisyMapper):
+        def __init__(self) -> None:
+            super().__init__()
+            self.manifest = {"config": {"top_k": 1}}
+
+    computed.clear()
+    R.run_eval(a, b, OtherMapper(), "arc_challenge", limit=2, seed=0, out_dir=tmp_path, on_item=hook, **FAST)
+    assert computed == ["transfer", "transfer"]  # a different mapper never reuses stale transfer records
+
+
+def test_perplexity_and_coqa_in_the_runner(models, tmp_path):
+    target, _ = models
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 256, (40,), generator=gen) for _ in range(2)]
+    result = R.run_eval(target, target, IdentityMapper(), "perplexity,coqa", limit=2, seed=0, out_dir=tmp_path,
+                        reverse_mapper=IdentityMapper(), documents=docs, perplexity_docs=2, prefix_len=12,
+                        continuation_len=8, coqa_conversations=1, coqa_turns=2, coqa_max_new_tokens=2, **FAST)
+    assert result["perplexity"]["ratio"] == 1.0 and len(result["perplexity"]["document_ids"]) == 2
+    coqa = result["coqa"]
+    assert coqa["conversations"] == 1 and coqa["turns"] == 2
+    assert coqa["runs"]["switch_source_first"]["f1_vs_standalone_per_turn"] == [1.0, 1.0]
+    assert "Conditional perplexity" in (tmp_path / "results.md").read_text()
+    with pytest.raises(ConfigError, match="reverse mapper"):
+        R.run_eval(target, target, IdentityMapper(), "coqa", limit=1, out_dir=tmp_path, **FAST)
+
+
+def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
+    path = tmp_path / "r.json"
+    R.atomic_write_json(path, {"ok": 1})
+    with pytest.raises(TypeError):
+        R.atomic_write_json(path, {"bad": object()})
+    assert json.loads(path.read_text()) == {"ok": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_identities():
+    m0, m1 = tiny_qwen2(seed=0), tiny_qwen2(seed=1)
+    assert R.model_identity(m0) == R.model_identity(tiny_qwen2(seed=0))
+    assert R.model_identity(m0) != R.model_identity(m1)
+    assert R.mapper_identity(IdentityMapper())["class"].endswith("IdentityMapper")
+
+    class WithManifest:
+        def __init__(self) -> None:
+            self.manifest = {"config": {"top_k": 4}, "x": 1}
+
+    assert R.mapper_identity(WithManifest())["top_k"] == 4
+    timed, retimed = WithManifest(), WithManifest()
+    timed.manifest["fit_metrics"] = {"r2": 0.5, "solve_seconds": 1.0}
+    retimed.manifest["fit_metrics"] = {"r2": 0.5, "solve_seconds": 2.5}
+    assert R.mapper_identity(timed) == R.mapper_identity(retimed)  # timings do not change the identity
+    retimed.manifest["fit_metrics"]["r2"] = 0.6
+    assert R.mapper_identity(timed) != R.mapper_identity(retimed)
+    assert R.mapper_identity(NoisyMapper(scale=0.1)) != R.mapper_identity(NoisyMapper(scale=0.2))
+    counted = IdentityMapper()
+    before = R.mapper_identity(counted)
+    counted.transfer(None)
+    assert R.mapper_identity(counted) == before
+    assert R.tokenizer_identity(TOK) == R.tokenizer_identity(ByteTokenizer())
+    assert R.slug("Qwen/Qwen2.5 0.5B!") == "qwen-qwen2.5-0.5b"
+
+
+@pytest.mark.real_models
+def test_real_pair_transfer_retains_most_of_the_target(tmp_path):
+    """The default pair with a mapper fitted on the built-in calibration corpus (slow: minutes on CPU)."""
+    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
+    from kvhandoff.corpus import calibration_batches
+    from kvhandoff.fit import fit_mapper
+
+    source, tokenizer = load_model(DEFAULT_SOURCE, progress=False)
+    target, _ = load_model(DEFAULT_TARGET, progress=False)
+    mapper = fit_mapper(source, target, calibration_batches(tokenizer, 32, 256), source_tokenizer=tokenizer,
+                        target_tokenizer=tokenizer, progress=False)
+    result = R.run_eval(source, target, mapper, "arc_easy,piqa", limit=40, seed=0, out_dir=tmp_path,
+                        tokenizer=tokenizer, n_resamples=200, progress=False)
+    for task in result["tasks"].values():
+        acc = task["accuracy"]
+        assert acc["target"]["value"] > task["chance"] + 0.1, task  # the target model itself is competent
+        assert acc["transfer"]["value"] > task["chance"], task  # the mapped cache carries the context
+    assert result["summary"]["all"]["mean_retention"] > 0.7, result["summary"]
