@@ -106,3 +106,14 @@ def test_missing_mapper_is_a_config_error(conversations):
     conv = dataclasses.replace(conversations[0], turns=conversations[0].turns[:2])
     with pytest.raises(ConfigError, match="no mapper"):
         MT.run_conversation(conv, ["a", "b"], {"a": model, "b": model}, {}, TOK, 2)
+
+
+def test_exact_prefix_patches_every_handoff(conversations):
+    model = tiny_qwen2(seed=0)
+    conv = dataclasses.replace(conversations[0], turns=conversations[0].turns[:3])
+    models = {"a": model, "b": model}
+    mappers = {("a", "b"): NoisyMapper(scale=3.0), ("b", "a"): NoisyMapper(scale=3.0)}
+    standalone = MT.run_conversation(conv, ["a"] * 3, models, mappers, TOK, 3)
+    # recomputing every position after each handoff gives back the model's own run
+    healed = MT.run_conversation(conv, ["a", "b", "a"], models, mappers, TOK, 3, exact_prefix=10**6)
+    assert healed["answers"] == standalone["answers"]

@@ -147,6 +147,10 @@ def test_directions_share_standalone_records_and_mappers_are_keyed(models, tmp_p
     computed.clear()
     R.run_eval(a, b, OtherMapper(), "arc_challenge", limit=2, seed=0, out_dir=tmp_path, on_item=hook, **FAST)
     assert computed == ["transfer", "transfer"]  # a different mapper never reuses stale transfer records
+    computed.clear()
+    result = R.run_eval(a, b, NoisyMapper(seed=1), "arc_challenge", limit=2, seed=0, out_dir=tmp_path,
+                        exact_prefix=2, on_item=hook, **FAST)
+    assert computed == ["transfer", "transfer"] and result["exact_prefix"] == 2
 
 
 def test_perplexity_and_coqa_in_the_runner(models, tmp_path):

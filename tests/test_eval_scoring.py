@@ -164,3 +164,17 @@ def test_generation_item_record(models):
     records = {n: S.evaluate_item(c, TOK, item, max_new_tokens=6) for n, c in conds.items()}
     assert records["transfer"] == records["target"]
     assert set(records["target"]) == {"id", "output", "gold"} and records["target"]["gold"] == "4"
+
+
+def test_exact_prefix_recomputes_the_leading_positions(models):
+    target, _ = models
+    (item,) = short_items("arc_challenge")
+    own = S.evaluate_mc_item(S.Standalone("target", target), TOK, item)
+    noisy = S.evaluate_mc_item(S.Transfer("transfer", target, target, NoisyMapper()), TOK, item)
+    patched = S.evaluate_mc_item(S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=4), TOK, item)
+    everything = S.evaluate_mc_item(S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=10_000),
+                                    TOK, item)
+    assert everything["loglikelihoods"] == pytest.approx(own["loglikelihoods"], abs=1e-4)
+    assert patched["loglikelihoods"] != noisy["loglikelihoods"]
+    with pytest.raises(ConfigError):
+        S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=-1)

@@ -74,6 +74,9 @@ def eval_command(
     ] = False,
     sweep_limit: Annotated[int, typer.Option(help="Dev items per task for the k sweep.")] = 50,
     top_k: Annotated[str, typer.Option(help="k when building from --statistics without --sweep-k.")] = "all",
+    exact_prefix: Annotated[
+        int, typer.Option(help="Leading positions the target recomputes itself after each handoff (0 = none).")
+    ] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="GSM8K generation budget.")] = 256,
     n_resamples: Annotated[int, typer.Option(help="Bootstrap resamples.")] = 1000,
     perplexity_docs: Annotated[int, typer.Option(help="Held-out documents for 'perplexity'.")] = 16,
@@ -100,7 +103,8 @@ def eval_command(
         raise ConfigError("--sweep-k needs --statistics (a mapper per candidate k is built from them)")
     source_model, target_model, tokenizer = _load_pair(source, target, dtype, progress)
     forward_mapper = _forward_mapper(
-        source_model, target_model, tokenizer, mapper, statistics, sweep_k, sweep_limit, top_k, seed, out, progress
+        source_model, target_model, tokenizer, mapper, statistics, sweep_k, sweep_limit, top_k, seed, out, progress,
+        exact_prefix,
     )
     backward = None
     if reverse_mapper is not None:
@@ -108,7 +112,7 @@ def eval_command(
 
         backward = Mapper.load(reverse_mapper, source_model=target_model, target_model=source_model)
     common = dict(
-        tokenizer=tokenizer, max_new_tokens=max_new_tokens, n_resamples=n_resamples,
+        tokenizer=tokenizer, exact_prefix=exact_prefix, max_new_tokens=max_new_tokens, n_resamples=n_resamples,
         perplexity_docs=perplexity_docs, prefix_len=prefix_len, continuation_len=continuation_len,
         coqa_conversations=coqa_conversations, progress=progress,
     )
@@ -128,7 +132,7 @@ def eval_command(
 
 
 def _forward_mapper(source_model, target_model, tokenizer, mapper_path, statistics, sweep_k, sweep_limit,
-                    top_k, seed, out: Path, progress: bool):
+                    top_k, seed, out: Path, progress: bool, exact_prefix: int = 0):
     from kvhandoff.config import FitConfig
     from kvhandoff.mapper import Mapper
 
@@ -142,7 +146,7 @@ def _forward_mapper(source_model, target_model, tokenizer, mapper_path, statisti
     factory = default_mapper_factory(stats, source_model, target_model, tokenizer)
     if sweep_k:
         sweep = choose_k(source_model, target_model, tokenizer, mapper_factory=factory, limit=sweep_limit,
-                         seed=seed, out_dir=out, progress=progress)
+                         seed=seed, out_dir=out, progress=progress, exact_prefix=exact_prefix)
         atomic_write_json(out / "sweep.json", sweep)
         typer.echo(f"k sweep: best k = {sweep['best_k']} "
                    f"(mean dev score per k: {json.dumps(sweep['scores'])})")

@@ -39,6 +39,7 @@ from kvhandoff.evaluation.scoring import (
     feed,
     greedy_from,
     model_device,
+    patch_prefix,
     rollback,
     transfer_cache,
 )
@@ -123,14 +124,16 @@ def run_conversation(
     mappers: Mapping[tuple[str, str], Any],
     tokenizer,
     max_new_tokens: int = 50,
+    exact_prefix: int = 0,
 ) -> dict:
-    """Answer every turn with the scheduled model, handing the cache over at each switch."""
+    """Answer every turn with the scheduled model, handing the cache over at each switch (the new server
+    recomputes the first ``exact_prefix`` positions itself when > 0)."""
     from kvhandoff.handoff import prefill
 
     if len(schedule) != len(conversation.turns):
         raise ConfigError(f"schedule has {len(schedule)} turns, conversation {len(conversation.turns)}")
     answers: list[str] = []
-    cache, owner, length = None, None, 0
+    cache, owner, history = None, None, []
     with torch.inference_mode():
         for server, turn in zip(schedule, conversation.turns, strict=True):
             model = models[server]
@@ -145,11 +148,13 @@ def run_conversation(
                     if (owner, server) not in mappers:
                         raise ConfigError(f"no mapper for the handoff {owner} → {server}")
                     cache = transfer_cache(mappers[(owner, server)], cache, models[owner], model)
+                    cache = patch_prefix(cache, model, torch.tensor([history]), exact_prefix)
                 ids = encode(tokenizer, next_segment(answers[-1], turn.question), add_special_tokens=False)
                 logprobs = feed(model, cache, ids)[-1]
-            length += len(ids)
-            text, _ = greedy_from(OpenContext(model, cache, length, logprobs), tokenizer, max_new_tokens, STOP)
-            rollback(cache, length)
+            history += ids
+            state = OpenContext(model, cache, len(history), logprobs)
+            text, _ = greedy_from(state, tokenizer, max_new_tokens, STOP)
+            rollback(cache, len(history))
             answers.append(text.strip())
             owner = server
     return {"id": conversation.id, "answers": answers, "servers": list(schedule)}
@@ -196,6 +201,7 @@ def multiturn_switching(
     conversations: Sequence[Conversation],
     max_new_tokens: int = 50,
     names: tuple[str, str] = ("small", "large"),
+    exact_prefix: int = 0,
 ) -> dict:
     """Run the four schedules on every conversation and summarise drift per turn for both directions.
 
@@ -209,6 +215,6 @@ def multiturn_switching(
     runs: dict[str, dict[str, dict]] = {}
     for conv in conversations:
         for run, schedule in schedules(len(conv.turns), names).items():
-            record = run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens)
+            record = run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens, exact_prefix)
             runs.setdefault(run, {})[conv.id] = record
     return {**summarise_multiturn(conversations, runs, names), "records": runs}

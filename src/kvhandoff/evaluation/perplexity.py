@@ -75,6 +75,7 @@ def conditional_perplexity(
     prefix_len: int = 1024,
     continuation_len: int = 1024,
     conditions: Sequence[str] = ("target", "transfer"),
+    exact_prefix: int = 0,
 ) -> dict:
     """Target perplexity of each document's continuation with its own prefix cache vs. a mapped one.
 
@@ -85,7 +86,7 @@ def conditional_perplexity(
     docs = usable_documents(documents, prefix_len, continuation_len)
     if not docs:
         raise ConfigError(f"no document has the {prefix_len + continuation_len} tokens needed")
-    available = standard_conditions(source_model, target_model, mapper)
+    available = standard_conditions(source_model, target_model, mapper, exact_prefix)
     unknown = set(conditions) - set(available)
     if unknown:
         raise ConfigError(f"unknown conditions {sorted(unknown)}; choose from {sorted(available)}")

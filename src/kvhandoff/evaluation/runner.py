@@ -333,12 +333,13 @@ def _transfer_run(name: str, source, target, mapper, tok_id: str, settings: dict
 def benchmark_runs(
     source_model, target_model, mapper, tokenizer, spec: TaskSpec, max_new_tokens: int = 256,
     conditions: Sequence[str] = ("target", "source", "transfer"), tok_id: str | None = None,
+    exact_prefix: int = 0,
 ) -> list[RecordRun]:
     """The record runs (target, source, transfer) of one benchmark task."""
     from kvhandoff.evaluation.scoring import evaluate_item, standard_conditions
 
     tok_id = tok_id or tokenizer_identity(tokenizer)
-    conds = standard_conditions(source_model, target_model, mapper)
+    conds = standard_conditions(source_model, target_model, mapper, exact_prefix)
     settings: dict[str, Any] = {"record_version": RECORD_VERSION, "task": spec.name}
     if spec.kind == GENERATE:
         settings["max_new_tokens"] = max_new_tokens
@@ -350,8 +351,8 @@ def benchmark_runs(
     for name in conditions:
         cond = conds[name]
         if name == "transfer":
-            runs.append(_transfer_run(name, source_model, target_model, mapper, tok_id, settings,
-                                      compute_for(cond)))
+            runs.append(_transfer_run(name, source_model, target_model, mapper, tok_id,
+                                      {**settings, "exact_prefix": exact_prefix}, compute_for(cond)))
         else:
             model = target_model if name == "target" else source_model
             runs.append(_standalone_run(name, model, tok_id, settings, compute_for(cond)))
@@ -369,6 +370,7 @@ def run_eval(
     *,
     tokenizer,
     reverse_mapper=None,
+    exact_prefix: int = 0,
     max_new_tokens: int = 256,
     n_resamples: int = 1000,
     confidence: float = 0.95,
@@ -391,6 +393,7 @@ def run_eval(
     tasks: names or groups ("core", "heldout", "all"), plus "perplexity" (conditional perplexity on
     ``documents`` or, when None, ``kvhandoff.corpus.heldout_documents``) and "coqa" (multi-turn switching;
     needs ``reverse_mapper``, target → source). limit: items per task from the report pool (None = all).
+    exact_prefix: leading positions the target recomputes after every handoff (0 = purely mapped cache).
     on_item(task, condition, record) runs after each newly computed record is stored (progress hooks, tests).
     Returns the result dictionary (also written as JSON when ``out_dir`` is given).
     """
@@ -409,6 +412,7 @@ def run_eval(
         "target": model_identity(target_model),
         "mapper": mapper_identity(mapper),
         "tokenizer": tok_id,
+        "exact_prefix": exact_prefix,
         "seed": seed,
         "limit": limit,
         "bootstrap": {"n_resamples": n_resamples, "confidence": confidence, "paired": True},
@@ -419,7 +423,8 @@ def run_eval(
             continue
         spec = get_task(name)
         items = select_items(name, limit, seed, "report")
-        runs = benchmark_runs(source_model, target_model, mapper, tokenizer, spec, max_new_tokens, tok_id=tok_id)
+        runs = benchmark_runs(source_model, target_model, mapper, tokenizer, spec, max_new_tokens, tok_id=tok_id,
+                              exact_prefix=exact_prefix)
         records = run_records(name, items, runs, store_dir, progress, on_item)
         result["tasks"][name] = {**task_summary(spec, items, records, n_resamples, seed, confidence),
                                  "item_ids": [item.id for item in items]}
@@ -427,12 +432,12 @@ def run_eval(
     if "perplexity" in names:
         result["perplexity"] = _run_perplexity(
             source_model, target_model, mapper, tokenizer, documents, perplexity_docs, prefix_len,
-            continuation_len, store_dir, progress, on_item, tok_id,
+            continuation_len, store_dir, progress, on_item, tok_id, exact_prefix,
         )
     if "coqa" in names:
         result["coqa"] = _run_coqa(
             source_model, target_model, mapper, reverse_mapper, tokenizer, coqa_conversations, coqa_turns,
-            coqa_max_new_tokens, seed, store_dir, progress, on_item, tok_id,
+            coqa_max_new_tokens, seed, store_dir, progress, on_item, tok_id, exact_prefix,
         )
     if out_path is not None:
         atomic_write_json(out_path / f"{result_name}.json", result)
@@ -458,7 +463,7 @@ def _group_means(tasks: Sequence[dict]) -> dict:
 
 
 def _run_perplexity(source_model, target_model, mapper, tokenizer, documents, num_docs, prefix_len,
-                    continuation_len, store_dir, progress, on_item, tok_id) -> dict:
+                    continuation_len, store_dir, progress, on_item, tok_id, exact_prefix) -> dict:
     from kvhandoff.evaluation.perplexity import (
         document_id,
         perplexity_record,
@@ -474,7 +479,7 @@ def _run_perplexity(source_model, target_model, mapper, tokenizer, documents, nu
     docs = usable_documents(documents, prefix_len, continuation_len)[:num_docs]
     if not docs:
         raise ConfigError(f"no held-out document has the {prefix_len + continuation_len} tokens needed")
-    conds = standard_conditions(source_model, target_model, mapper)
+    conds = standard_conditions(source_model, target_model, mapper, exact_prefix)
     settings = {"record_version": RECORD_VERSION, "task": "perplexity", "prefix_len": prefix_len,
                 "continuation_len": continuation_len}
 
@@ -484,8 +489,8 @@ def _run_perplexity(source_model, target_model, mapper, tokenizer, documents, nu
     runs = [
         _standalone_run("target", target_model, tok_id, settings, compute_for(conds["target"])),
         _standalone_run("source", source_model, tok_id, settings, compute_for(conds["source"])),
-        _transfer_run("transfer", source_model, target_model, mapper, tok_id, settings,
-                      compute_for(conds["transfer"])),
+        _transfer_run("transfer", source_model, target_model, mapper, tok_id,
+                      {**settings, "exact_prefix": exact_prefix}, compute_for(conds["transfer"])),
     ]
     records = run_records("perplexity", docs, runs, store_dir, progress, on_item, item_id=document_id)
     ids = [document_id(d) for d in docs]
@@ -494,7 +499,7 @@ def _run_perplexity(source_model, target_model, mapper, tokenizer, documents, nu
 
 
 def _run_coqa(source_model, target_model, mapper, reverse_mapper, tokenizer, num_conversations, num_turns,
-              max_new_tokens, seed, store_dir, progress, on_item, tok_id) -> dict:
+              max_new_tokens, seed, store_dir, progress, on_item, tok_id, exact_prefix) -> dict:
     from kvhandoff.evaluation.multiturn import (
         load_coqa_conversations,
         run_conversation,
@@ -514,7 +519,7 @@ def _run_coqa(source_model, target_model, mapper, reverse_mapper, tokenizer, num
     runs = []
     for run, schedule in schedules(num_turns, names).items():
         def compute(conv, schedule=schedule):
-            return run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens)
+            return run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens, exact_prefix)
 
         if run.startswith("standalone_"):
             model = models[run.removeprefix("standalone_")]
@@ -523,7 +528,8 @@ def _run_coqa(source_model, target_model, mapper, reverse_mapper, tokenizer, num
             header = {
                 "condition": "switch", "schedule": schedule, "source": model_identity(source_model),
                 "target": model_identity(target_model), "mapper": mapper_identity(mapper),
-                "reverse_mapper": mapper_identity(reverse_mapper), "tokenizer": tok_id, **settings,
+                "reverse_mapper": mapper_identity(reverse_mapper), "tokenizer": tok_id,
+                "exact_prefix": exact_prefix, **settings,
             }
             runs.append(RecordRun(run, f"{run}-{_hash(header)}", header, compute))
     records = run_records("coqa", conversations, runs, store_dir, progress, on_item)

@@ -48,16 +48,33 @@ class Standalone(Condition):
 
 
 class Transfer(Condition):
-    """The source prefills, the mapper converts the cache, the target reads on."""
+    """The source prefills, the mapper converts the cache, the target reads on.
 
-    def __init__(self, name: str, source_model, target_model, mapper) -> None:
+    exact_prefix: the target recomputes that many leading positions itself (``kvhandoff.handoff``'s
+    attention-sink patch); 0 = a purely mapped cache.
+    """
+
+    def __init__(self, name: str, source_model, target_model, mapper, exact_prefix: int = 0) -> None:
+        if exact_prefix < 0:
+            raise ConfigError(f"exact_prefix must be >= 0, got {exact_prefix}")
         self.name, self.source, self.reader, self.mapper = name, source_model, target_model, mapper
+        self.exact_prefix = exact_prefix
 
     def prefill(self, input_ids: torch.Tensor):
         from kvhandoff.handoff import prefill
 
         cache = prefill(self.source, input_ids.to(model_device(self.source)))[0]
-        return transfer_cache(self.mapper, cache, self.source, self.reader)
+        cache = transfer_cache(self.mapper, cache, self.source, self.reader)
+        return patch_prefix(cache, self.reader, input_ids, self.exact_prefix)
+
+
+def patch_prefix(cache, target_model, input_ids: torch.Tensor, exact_prefix: int):
+    """``kvhandoff.handoff.patch_exact_prefix`` (a no-op for exact_prefix 0)."""
+    if exact_prefix <= 0:
+        return cache
+    from kvhandoff.handoff import patch_exact_prefix
+
+    return patch_exact_prefix(cache, target_model, input_ids.to(model_device(target_model)), exact_prefix)
 
 
 def transfer_cache(mapper, cache, source_model, target_model):
@@ -68,12 +85,12 @@ def transfer_cache(mapper, cache, source_model, target_model):
     return mapper.transfer(cache)
 
 
-def standard_conditions(source_model, target_model, mapper) -> dict[str, Condition]:
+def standard_conditions(source_model, target_model, mapper, exact_prefix: int = 0) -> dict[str, Condition]:
     """The three conditions of one direction, in the order they are evaluated: target, source, transfer."""
     return {
         "target": Standalone("target", target_model),
         "source": Standalone("source", source_model),
-        "transfer": Transfer("transfer", source_model, target_model, mapper),
+        "transfer": Transfer("transfer", source_model, target_model, mapper, exact_prefix),
     }
 
 

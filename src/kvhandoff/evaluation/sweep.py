@@ -91,6 +91,7 @@ def choose_k(
     fit_kwargs: dict | None = None,
     progress: bool = False,
     on_item: ItemHook | None = None,
+    exact_prefix: int = 0,
 ) -> dict:
     """Score every candidate k on the dev pool and pick the best (mean transfer score; ties → larger k).
 
@@ -100,6 +101,7 @@ def choose_k(
 
     Returns {"best_k", "candidates", "scores": {k: mean score}, "per_task": {k: {task: score}},
     "target": {task: target score}, "tasks", "limit", "seed", "items": {task: n}} (k as strings).
+    exact_prefix: as in :func:`kvhandoff.evaluation.run_eval` (the transfer condition's sink patch).
     """
     for task in tasks:
         if get_task(task).kind != LOGLIKELIHOOD:
@@ -129,7 +131,7 @@ def choose_k(
         for task in tasks:
             spec = get_task(task)
             (run,) = benchmark_runs(source_model, target_model, mapper, tokenizer, spec,
-                                    conditions=("transfer",), tok_id=tok_id)
+                                    conditions=("transfer",), tok_id=tok_id, exact_prefix=exact_prefix)
             records = run_records(task, items[task], [run], store_dir, progress, on_item)["transfer"]
             per_task[str(k)][task] = mean(
                 [item_metrics(spec, records[i.id])[spec.primary_metric] for i in items[task]]
@@ -145,5 +147,6 @@ def choose_k(
         "tasks": list(tasks),
         "limit": limit,
         "seed": seed,
+        "exact_prefix": exact_prefix,
         "items": {task: len(v) for task, v in items.items()},
     }
