@@ -1,0 +1,533 @@
+"""Handoff vs re-prefill: latency, memory and FLOPs of getting the target to its first logits after a context.
+
+For each context length T a random-but-fixed token context `ids` [1, T] is drawn (seeded). The source
+prefills `ids[:, :-1]` once, untimed: a handoff starts from a cache the source already has. Then, in one
+process and interleaved (handoff, re-prefill, handoff, re-prefill, ...) so that both paths share the
+machine's noise, each path is run `warmup` times untimed and `repeats` times timed:
+
+- handoff   = `mapper.transfer(source_cache)` (strip source RoPE, map, apply target RoPE, build the target's
+  DynamicCache) + the target consuming the last context token up to its logits;
+- re-prefill = the target's own prefill of all T tokens up to the logits of the last position
+  (`kvhandoff.handoff.prefill`, logits_to_keep=1).
+
+Both end in the same thing: the target's next-token logits after the T-token context. Timings are wall clock
+(`time.perf_counter`) under `torch.inference_mode`; reported as median, min/max and quartiles, and the
+speed-up = median re-prefill ÷ median handoff. The transfer and the last-token step are also timed apart.
+
+Memory (`peak_memory_bytes`): the peak of live bytes allocated through torch's CPU allocator during one
+untimed run of each path, above what was allocated when it started (model weights, the source cache and
+the mapper are not counted; what the path returns, e.g. the new cache, is). It is read from the
+allocation/free events of `torch.profiler` (profile_memory=True), so it sees every tensor the path creates
+but not BLAS/oneDNN scratch space nor Python objects. RSS is not used: the allocator keeps freed memory
+mapped, so RSS deltas of repeated runs are mostly zero.
+
+FLOPs (multiply-add = 2 FLOPs; norms, activations and softmax ignored):
+- mapper per token = 2 · weight params (+ bias adds); the weight is [2, Lt, k·Fs, Ft], so k is accounted for;
+- target prefill of T tokens = 2 · body params · T + attention 2·2·layers·q_width·T(T+1)/2
+  (QKᵀ and AV over the causal prefix; q_width = heads · head_dim) + 2 · vocab · hidden once (logits_to_keep=1);
+- handoff = mapper · (T−1) + the target's one-token step (2 · body params + 2·2·layers·q_width·T + LM head).
+`flop_bound` = prefill FLOPs ÷ handoff FLOPs is the speed-up the arithmetic alone would allow, printed next to
+the measured one; `flop_ratio_per_token` = target prefill FLOPs per token ÷ mapper FLOPs per token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
+from kvhandoff.config import MAPPER_FORMAT_VERSION, FitConfig
+from kvhandoff.errors import ConfigError
+from kvhandoff.geometry import model_fingerprint, read_geometry
+from kvhandoff.handoff import prefill
+from kvhandoff.mapper import Mapper
+from kvhandoff.selection import resolve_k
+from kvhandoff.statistics import FeatureLayout
+
+BENCH_FORMAT = "kvhandoff-bench/1"
+DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+MEMORY_NOTE = (
+    "peak live bytes allocated through torch's CPU allocator during one untimed run of the path, above the "
+    "level at its start (torch.profiler profile_memory allocation events); excludes model weights, the source "
+    "cache and the mapper; excludes BLAS/oneDNN scratch and Python objects"
+)
+FLOPS_NOTE = (
+    "2 FLOPs per multiply-add; mapper/token = 2·weight params + bias; prefill = 2·body params·T + "
+    "2·2·layers·q_width·T(T+1)/2 + 2·vocab·hidden; handoff = mapper·(T−1) + one target step at position T−1"
+)
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+def summarize(seconds: list[float]) -> dict:
+    """Median, spread (min/max, quartiles) and mean of timings in seconds, with the raw samples."""
+    ordered = sorted(seconds)
+    quartiles = statistics.quantiles(ordered, n=4, method="inclusive") if len(ordered) > 1 else ordered * 3
+    return {
+        "median": statistics.median(ordered),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "q1": quartiles[0],
+        "q3": quartiles[2],
+        "mean": statistics.fmean(ordered),
+        "samples": seconds,
+    }
+
+
+def peak_tensor_memory(fn):
+    """Run `fn()` once; return (its result, peak live bytes of torch CPU allocations made during it).
+
+    Allocation and free events come from `torch.profiler` with profile_memory=True (see MEMORY_NOTE).
+    Returns None for the peak if this torch build does not expose the raw events.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    try:
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    except AttributeError:
+        return result, None
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return result, int(peak)
+
+
+def mapper_footprint(mapper: Mapper) -> dict:
+    """Parameter count, size on disk (saved to a temporary folder) and bytes held in memory."""
+    storages: dict[int, int] = {}
+    for value in vars(mapper).values():
+        if isinstance(value, torch.Tensor):
+            storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    with tempfile.TemporaryDirectory(prefix="kvhandoff-bench-") as tmp:
+        saved = mapper.save(Path(tmp) / "mapper")
+        disk = sum(p.stat().st_size for p in saved.iterdir())
+    return {
+        "parameters": mapper.num_parameters(),
+        "parameter_bytes": mapper.nbytes(),
+        "memory_bytes": sum(storages.values()),
+        "disk_bytes": disk,
+        "top_k": mapper.top_k,
+    }
+
+
+def _body_parameters(model) -> int:
+    """Parameters used per token: everything but the token embedding and the LM head."""
+    skip = {id(model.get_input_embeddings().weight)}
+    head = model.get_output_embeddings()
+    if head is not None:
+        skip.add(id(head.weight))
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def model_flops(model) -> dict:
+    """The constants of the FLOP model of one causal LM (see the module docstring)."""
+    geometry = read_geometry(model)
+    return {
+        "body_parameters": _body_parameters(model),
+        "layers": geometry.num_layers,
+        "q_width": geometry.num_attention_heads * geometry.head_dim,
+        "lm_head": geometry.vocab_size * geometry.hidden_size,
+    }
+
+
+def prefill_flops(constants: dict, tokens: int) -> float:
+    """FLOPs of a T-token prefill up to the last position's logits."""
+    attention = 2 * 2 * constants["layers"] * constants["q_width"] * tokens * (tokens + 1) / 2
+    return 2 * constants["body_parameters"] * tokens + attention + 2 * constants["lm_head"]
+
+
+def step_flops(constants: dict, position: int) -> float:
+    """FLOPs of one decode step at `position` (attending position + 1 keys) up to its logits."""
+    attention = 2 * 2 * constants["layers"] * constants["q_width"] * (position + 1)
+    return 2 * constants["body_parameters"] + attention + 2 * constants["lm_head"]
+
+
+def mapper_flops_per_token(mapper: Mapper) -> int:
+    return 2 * mapper.weight.numel() + mapper.bias.numel()
+
+
+def synthetic_mapper(source_model, target_model, top_k: int | str = "all", seed: int = 0) -> Mapper:
+    """A mapper of the right shape for this pair with random weights: for timing only (a transfer's cost does
+    not depend on the weights' values). Its manifest says `method: synthetic`."""
+    source = read_geometry(source_model)
+    target = read_geometry(target_model)
+    src = FeatureLayout(source.num_layers, source.num_kv_heads, source.head_dim)
+    tgt = FeatureLayout(target.num_layers, target.num_kv_heads, target.head_dim)
+    k = resolve_k(top_k, src.num_layers)
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(2, tgt.num_layers, k * src.layer_width, tgt.layer_width, generator=gen)
+    weight /= (k * src.layer_width) ** 0.5
+    bias = torch.zeros(2, tgt.num_layers, tgt.layer_width)
+    # k evenly spread source layers per target layer (k = all: every layer, the dense path)
+    selected = torch.linspace(0, src.num_layers - 1, k).round().long().expand(tgt.num_layers, k).clone()
+    manifest = {
+        "format_version": MAPPER_FORMAT_VERSION,
+        "method": "synthetic",
+        "config": FitConfig(top_k=top_k).to_dict(),
+        "source_fingerprint": model_fingerprint(source_model),
+        "target_fingerprint": model_fingerprint(target_model),
+        "source_max_position_embeddings": source_model.config.max_position_embeddings,
+        "target_max_position_embeddings": target_model.config.max_position_embeddings,
+        "source_layout": src.__dict__,
+        "target_layout": tgt.__dict__,
+        "selected_layers": selected.tolist(),
+    }
+    return Mapper(weight, bias, selected, manifest)
+
+
+def _model_summary(model, name: str | None) -> dict:
+    geometry = read_geometry(model)
+    return {
+        "name": name or getattr(model.config, "_name_or_path", None) or type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layers": geometry.num_layers,
+        "kv_heads": geometry.num_kv_heads,
+        "head_dim": geometry.head_dim,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    }
+
+
+def _vocab_size(source_model, target_model) -> int:
+    vocab = min(read_geometry(source_model).vocab_size, read_geometry(target_model).vocab_size)
+    return min(vocab, source_model.get_input_embeddings().weight.shape[0],
+               target_model.get_input_embeddings().weight.shape[0])
+
+
+# -- the benchmark ------------------------------------------------------------------------------------------
+def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, repeats: int, warmup: int,
+                 measure_memory: bool = True) -> dict:
+    """Time handoff and re-prefill for one context `ids` [1, T] (see the module docstring)."""
+    tokens = ids.shape[1]
+    target_dtype = next(target_model.parameters()).dtype
+    with torch.inference_mode():
+        started = time.perf_counter()
+        source_cache, _ = prefill(source_model, ids[:, :-1])
+        source_seconds = time.perf_counter() - started
+        last = ids[:, -1:]
+
+        def handoff():
+            t0 = time.perf_counter()
+            cache = mapper.transfer(source_cache, dtype=target_dtype)
+            t1 = time.perf_counter()
+            out = target_model(input_ids=last, cache=cache, use_cache=True, logits_to_keep=1)
+            t2 = time.perf_counter()
+            return out.logits[:, -1], t1 - t0, t2 - t1
+
+        def reprefill():
+            return prefill(target_model, ids)[1]
+
+        transfer_s, step_s, handoff_s, reprefill_s = [], [], [], []
+        handoff_logits = reprefill_logits = None
+        for run in range(warmup + repeats):
+            started = time.perf_counter()
+            handoff_logits, transfer_t, step_t = handoff()
+            elapsed = time.perf_counter() - started
+            if run >= warmup:
+                transfer_s.append(transfer_t)
+                step_s.append(step_t)
+                handoff_s.append(elapsed)
+            started = time.perf_counter()
+            reprefill_logits = reprefill()
+            elapsed = time.perf_counter() - started
+            if run >= warmup:
+                reprefill_s.append(elapsed)
+        memory = {"handoff": None, "reprefill": None}
+        if measure_memory:
+            _, memory["handoff"] = peak_tensor_memory(handoff)
+            _, memory["reprefill"] = peak_tensor_memory(reprefill)
+    handoff_stats, reprefill_stats = summarize(handoff_s), summarize(reprefill_s)
+    transfer_stats = summarize(transfer_s)
+    return {
+        "tokens": tokens,
+        "source_prefill_seconds": source_seconds,
+        "handoff": handoff_stats,
+        "transfer": transfer_stats,
+        "last_token": summarize(step_s),
+        "reprefill": reprefill_stats,
+        "speedup": reprefill_stats["median"] / handoff_stats["median"],
+        "speedup_transfer_only": reprefill_stats["median"] / transfer_stats["median"],
+        "peak_memory_bytes": memory,
+        # does the handoff's next token equal the re-prefill's? (meaningless for a synthetic mapper)
+        "top1_agree": None if mapper.manifest.get("method") == "synthetic"
+        else bool((handoff_logits.argmax(-1) == reprefill_logits.argmax(-1)).all()),
+    }
+
+
+def run_bench(
+    source_model,
+    target_model,
+    mapper: Mapper,
+    lengths=DEFAULT_LENGTHS,
+    repeats: int = 5,
+    warmup: int = 1,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    seed: int = 0,
+    measure_memory: bool = True,
+    time_budget_s: float | None = None,
+    source_name: str | None = None,
+    target_name: str | None = None,
+) -> dict:
+    """Handoff vs re-prefill latency for each context length; returns the result dict (and writes
+    bench.json + bench.png into `out_dir` when given).
+
+    lengths: context lengths T ≥ 2 (the caller picks how far memory and time allow);
+    time_budget_s: stop before a new length once this much wall time has passed (remaining lengths are
+    listed under "skipped"); a length that runs out of memory is recorded under "failed" and ends the run.
+    Result fields: format, source, target, mapper (parameters, parameter_bytes, memory_bytes, disk_bytes,
+    top_k, method, flops_per_token), settings, notes, and per length (`results`): tokens, handoff / transfer /
+    last_token / reprefill timing summaries (median, min, max, q1, q3, mean, samples; seconds), speedup,
+    speedup_transfer_only, peak_memory_bytes {handoff, reprefill}, flops {...}, flop_bound, top1_agree.
+    """
+    lengths = sorted({int(t) for t in lengths})
+    if not lengths or lengths[0] < 2:
+        raise ConfigError(f"context lengths must be integers >= 2, got {lengths}")
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    limit = min(source_model.config.max_position_embeddings, target_model.config.max_position_embeddings)
+    if lengths[-1] > limit:
+        raise ConfigError(f"context length {lengths[-1]} exceeds the models' max_position_embeddings ({limit})")
+    target_constants = model_flops(target_model)
+    mapper_per_token = mapper_flops_per_token(mapper)
+    result = {
+        "format": BENCH_FORMAT,
+        "source": _model_summary(source_model, source_name),
+        "target": _model_summary(target_model, target_name),
+        "mapper": {
+            **mapper_footprint(mapper),
+            "method": mapper.manifest.get("method", "ridge"),
+            "flops_per_token": mapper_per_token,
+        },
+        "target_flop_constants": target_constants,
+        "settings": {
+            "repeats": repeats,
+            "warmup": warmup,
+            "seed": seed,
+            "interleaved": True,
+            "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+        },
+        "notes": {"memory": MEMORY_NOTE, "flops": FLOPS_NOTE},
+        "results": [],
+        "skipped": [],
+        "failed": [],
+    }
+    vocab = _vocab_size(source_model, target_model)
+    gen = torch.Generator().manual_seed(seed)
+    context = torch.randint(0, vocab, (1, lengths[-1]), generator=gen)  # every length is a prefix of it
+    console = _console() if progress else None
+    started = time.perf_counter()
+    for index, tokens in enumerate(lengths):
+        if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
+            result["skipped"] = lengths[index:]
+            break
+        try:
+            row = bench_length(source_model, target_model, mapper, context[:, :tokens], repeats, warmup,
+                               measure_memory)
+        except (MemoryError, RuntimeError) as exc:  # allocator failures surface as RuntimeError in torch
+            if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower():
+                raise
+            result["failed"].append({"tokens": tokens, "error": str(exc)[:300]})
+            result["skipped"] = lengths[index + 1:]
+            break
+        prefill_total = prefill_flops(target_constants, tokens)
+        handoff_total = mapper_per_token * (tokens - 1) + step_flops(target_constants, tokens - 1)
+        row["flops"] = {
+            "mapper_per_token": mapper_per_token,
+            "prefill_per_token": prefill_total / tokens,
+            "prefill": prefill_total,
+            "handoff": handoff_total,
+            "transfer": mapper_per_token * (tokens - 1),
+        }
+        row["flop_ratio_per_token"] = prefill_total / tokens / mapper_per_token
+        row["flop_bound"] = prefill_total / handoff_total
+        result["results"].append(row)
+        if console is not None:
+            console.print(
+                f"T={tokens:>6}: handoff {_ms(row['handoff']['median'])} (transfer "
+                f"{_ms(row['transfer']['median'])}), re-prefill {_ms(row['reprefill']['median'])}: "
+                f"×{row['speedup']:.1f} (FLOP bound ×{row['flop_bound']:.1f})"
+            )
+    result["wall_seconds"] = time.perf_counter() - started
+    if out_dir is not None:
+        render_bench(result, out_dir)
+    if console is not None:
+        console.print(bench_table(result))
+    return result
+
+
+# -- output -------------------------------------------------------------------------------------------------
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+def bench_table(result: dict):
+    """A rich table of one bench result: latencies (median, min–max), speed-up, FLOP bound, peak memory."""
+    from rich.table import Table
+
+    mapper = result["mapper"]
+    table = Table(
+        title=(
+            f"handoff vs re-prefill: {result['source']['name']} → {result['target']['name']}\n"
+            f"mapper k={mapper['top_k']} ({mapper.get('method', 'ridge')}): {mapper['parameters']:,} params, "
+            f"{_mib(mapper['disk_bytes'])} MiB on disk, {_mib(mapper['memory_bytes'])} MiB in memory, "
+            f"{mapper['flops_per_token'] / 1e6:.0f} MFLOP/token; {result['settings']['repeats']} repeats, "
+            f"{result['settings']['torch_threads']} threads"
+        ),
+        caption="latency: median (min–max); peak MiB: torch tensor allocations of each path",
+    )
+    for column in ("tokens", "handoff", "transfer", "last tok", "re-prefill", "speed-up", "FLOP bound",
+                   "peak MiB h / r", "top-1"):
+        table.add_column(column, justify="right")
+    for row in result["results"]:
+        def cell(stats):
+            return f"{_ms(stats['median'])}\n({_ms(stats['min'])}–{_ms(stats['max'])})"
+
+        memory = row["peak_memory_bytes"]
+        agree = row.get("top1_agree")
+        table.add_row(
+            str(row["tokens"]), cell(row["handoff"]), _ms(row["transfer"]["median"]),
+            _ms(row["last_token"]["median"]), cell(row["reprefill"]), f"×{row['speedup']:.2f}",
+            f"×{row['flop_bound']:.1f}", f"{_mib(memory['handoff'])} / {_mib(memory['reprefill'])}",
+            "-" if agree is None else ("same" if agree else "differs"),
+        )
+    return table
+
+
+def render_bench(result: dict, out_dir: str | Path) -> dict[str, Path]:
+    """Write `bench.json` and `bench.png` (log-log latencies and the speed-up vs context length) into out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "bench.json"
+    tmp = json_path.with_name(json_path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(json_path)
+    png_path = out / "bench.png"
+    _plot(result, png_path)
+    return {"json": json_path, "png": png_path}
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    if rows:
+        tokens = [r["tokens"] for r in rows]
+        for key, label, style in (
+            ("reprefill", "target re-prefill", "o-"),
+            ("handoff", "handoff (transfer + last token)", "s-"),
+            ("transfer", "mapper transfer alone", "^--"),
+        ):
+            median = [r[key]["median"] for r in rows]
+            spread = [[m - r[key]["min"] for m, r in zip(median, rows, strict=True)],
+                      [r[key]["max"] - m for m, r in zip(median, rows, strict=True)]]
+            left.errorbar(tokens, median, yerr=spread, fmt=style, capsize=3, label=label, markersize=4)
+        right.plot(tokens, [r["speedup"] for r in rows], "o-", label="measured: re-prefill ÷ handoff")
+        right.plot(tokens, [r["flop_bound"] for r in rows], "k:", label="FLOP bound: prefill ÷ handoff FLOPs")
+        right.axhline(1.0, color="grey", linewidth=0.8)
+    for axis in (left, right):
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        if rows:
+            axis.set_xticks(tokens, [str(t) for t in tokens], fontsize=7)
+            axis.minorticks_off()
+        axis.set_xlabel("context length (tokens)")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    left.set_ylabel("seconds to the target's next-token logits (median, min–max)")
+    right.set_ylabel("speed-up (×)")
+    fig.suptitle(f"{result['source']['name']} → {result['target']['name']}: KV handoff vs re-prefill "
+                 f"({result['settings']['torch_threads']} CPU threads)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- command ------------------------------------------------------------------------------------------------
+def parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError as exc:
+        raise ConfigError(f"--lengths must be comma-separated integers, got {text!r}") from exc
+    if not lengths:
+        raise ConfigError("--lengths is empty")
+    return lengths
+
+
+def bench_command(
+    source: Annotated[str, typer.Option("--source", help="registry name, local model folder or hub id")] = (
+        DEFAULT_SOURCE
+    ),
+    target: Annotated[str, typer.Option("--target", help="registry name, local model folder or hub id")] = (
+        DEFAULT_TARGET
+    ),
+    mapper: Annotated[Path | None, typer.Option(help="saved mapper folder (default: fit or reuse the pair's "
+                                                     "cached default mapper)")] = None,
+    lengths: Annotated[str, typer.Option(help="comma-separated context lengths")] = ",".join(
+        map(str, DEFAULT_LENGTHS)
+    ),
+    repeats: Annotated[int, typer.Option(help="timed repeats per path and length")] = 5,
+    warmup: Annotated[int, typer.Option(help="untimed warm-up runs per path and length")] = 1,
+    out: Annotated[Path, typer.Option(help="folder for bench.json and bench.png")] = Path("runs/bench"),
+    synthetic: Annotated[bool, typer.Option(help="time a random mapper of the pair's shape (no fit needed; "
+                                                 "latency does not depend on the weights)")] = False,
+    top_k: Annotated[str, typer.Option("--top-k", help="k of the default / synthetic mapper")] = "all",
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice)")] = None,
+    budget: Annotated[float | None, typer.Option(help="stop starting new lengths after this many seconds")] = None,
+    memory: Annotated[bool, typer.Option(help="measure peak tensor memory of each path")] = True,
+) -> None:
+    """Latency of handoff (transfer + last token) vs the target's re-prefill, per context length."""
+    from kvhandoff.assets import load_model
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    parsed = parse_lengths(lengths)
+    k = "all" if top_k == "all" else int(top_k)
+    source_model, tokenizer = load_model(source)
+    target_model, _ = load_model(target)
+    if mapper is not None:
+        the_mapper = Mapper.load(mapper, source_model=source_model, target_model=target_model)
+    elif synthetic:
+        the_mapper = synthetic_mapper(source_model, target_model, top_k=k)
+    else:
+        from kvhandoff.workflow import obtain_mapper
+
+        the_mapper, folder, reused = obtain_mapper(source, target, source_model, target_model, tokenizer,
+                                                   FitConfig(top_k=k))
+        typer.echo(f"mapper: {folder} ({'reused' if reused else 'fitted'})")
+    result = run_bench(source_model, target_model, the_mapper, parsed, repeats=repeats, warmup=warmup,
+                       out_dir=out, time_budget_s=budget, measure_memory=memory, source_name=source,
+                       target_name=target)
+    typer.echo(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    if result["failed"] or result["skipped"]:
+        typer.echo(f"not measured: skipped {result['skipped']}, failed {[f['tokens'] for f in result['failed']]}")

@@ -1,0 +1,94 @@
+import json
+
+import pytest
+import torch
+
+from kvhandoff import FitConfig, fit_mapper
+from kvhandoff.bench import (
+    bench_table,
+    mapper_flops_per_token,
+    mapper_footprint,
+    parse_lengths,
+    peak_tensor_memory,
+    prefill_flops,
+    run_bench,
+    summarize,
+    synthetic_mapper,
+)
+from kvhandoff.errors import ConfigError
+
+from conftest import exactly_related, random_batches, tiny_model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    source = tiny_model("qwen2", layers=2)
+    target = exactly_related(source)
+    mapper = fit_mapper(source, target, random_batches(4), FitConfig(ridge_lambda=1e-6), progress=False)
+    return source, target, mapper
+
+
+def test_bench_writes_documented_fields_json_and_png(pair, tmp_path):
+    source, target, mapper = pair
+    result = run_bench(source, target, mapper, lengths=(12, 24), repeats=2, warmup=1, out_dir=tmp_path,
+                       progress=False)
+    assert [r["tokens"] for r in result["results"]] == [12, 24]
+    for row in result["results"]:
+        for path in ("handoff", "transfer", "last_token", "reprefill"):
+            stats = row[path]
+            assert len(stats["samples"]) == 2 and stats["min"] <= stats["median"] <= stats["max"]
+            assert stats["min"] <= stats["q1"] <= stats["q3"] <= stats["max"]
+        assert row["speedup"] == pytest.approx(row["reprefill"]["median"] / row["handoff"]["median"])
+        assert row["flop_bound"] > 0 and row["flops"]["mapper_per_token"] == mapper_flops_per_token(mapper)
+        assert all(isinstance(v, int) and v > 0 for v in row["peak_memory_bytes"].values())
+        assert row["top1_agree"]  # exactly related pair: the handoff reproduces the target's own next token
+    assert result["mapper"]["parameters"] == mapper.num_parameters()
+    assert result["mapper"]["disk_bytes"] > mapper.nbytes() and result["mapper"]["memory_bytes"] >= mapper.nbytes()
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["format"] == "kvhandoff-bench/1" and len(saved["results"]) == 2
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert bench_table(result).row_count == 2
+
+
+def test_flop_model_counts_k_and_attention(pair):
+    source, target, _ = pair
+    dense, sparse = synthetic_mapper(source, target), synthetic_mapper(source, target, top_k=1)
+    assert mapper_flops_per_token(dense) == 2 * dense.weight.numel() + dense.bias.numel()
+    assert mapper_flops_per_token(sparse) < mapper_flops_per_token(dense) / 1.5  # k=1 of 2 source layers
+    constants = {"body_parameters": 100, "layers": 2, "q_width": 8, "lm_head": 50}
+    assert prefill_flops(constants, 1) == 2 * 100 + 2 * 2 * 2 * 8 + 2 * 50
+    assert prefill_flops(constants, 4) == 2 * 100 * 4 + 2 * 2 * 2 * 8 * 10 + 2 * 50
+
+
+def test_synthetic_mapper_transfers_and_footprint(pair):
+    source, target, _ = pair
+    mapper = synthetic_mapper(source, target, top_k=1)
+    cache = mapper.transfer(source(input_ids=torch.randint(0, 128, (1, 7)), use_cache=True).cache)
+    assert cache.layers[0].keys.shape == (1, 2, 7, 16) and len(cache.layers) == 2
+    footprint = mapper_footprint(mapper)
+    assert footprint["top_k"] == 1 and footprint["parameters"] == mapper.num_parameters()
+
+
+def test_peak_memory_sees_tensor_allocations():
+    def work():
+        a = torch.ones(1 << 20)  # 4 MiB
+        b = a * 2  # another 4 MiB while a lives
+        del a
+        return b
+
+    _, peak = peak_tensor_memory(work)
+    assert 8 << 20 <= peak < 9 << 20
+
+
+def test_summaries_and_argument_checks(pair):
+    stats = summarize([3.0, 1.0, 2.0])
+    assert (stats["median"], stats["min"], stats["max"], stats["samples"]) == (2.0, 1.0, 3.0, [3.0, 1.0, 2.0])
+    assert summarize([5.0])["q1"] == 5.0
+    assert parse_lengths("64, 128,256") == [64, 128, 256]
+    with pytest.raises(ConfigError):
+        parse_lengths("64,abc")
+    source, target, mapper = pair
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        run_bench(source, target, mapper, lengths=(8, 100_000), progress=False)
+    with pytest.raises(ConfigError, match=">= 2"):
+        run_bench(source, target, mapper, lengths=(1,), progress=False)
