@@ -14,7 +14,7 @@ from kvhandoff.errors import IncompatiblePairError, StatisticsError
 from kvhandoff.geometry import model_fingerprint, read_geometry
 from kvhandoff.mapper import Mapper
 from kvhandoff.selection import layer_r2_matrix, select_layers
-from kvhandoff.solve import solve_layer
+from kvhandoff.solve import solve_layers
 from kvhandoff.statistics import MODALITIES, CalibrationStats, FeatureLayout
 
 
@@ -88,12 +88,14 @@ def mapper_from_statistics(
     weight = torch.empty(2, tgt.num_layers, selected.shape[1] * stats.source.layer_width, tgt.layer_width)
     bias = torch.empty(2, tgt.num_layers, tgt.layer_width)
     r2 = torch.empty(2, tgt.num_layers, tgt.num_kv_heads)
+    readers: dict[tuple[int, ...], list[int]] = {}  # source-layer set → target layers that read it
+    for layer in range(tgt.num_layers):
+        readers.setdefault(tuple(selected[layer].tolist()), []).append(layer)
     for modality in range(len(MODALITIES)):
-        for layer in range(tgt.num_layers):
-            w, b, layer_r2 = solve_layer(
-                stats, modality, layer, selected[layer].tolist(), config.ridge_lambda
-            )
-            weight[modality, layer], bias[modality, layer], r2[modality, layer] = w, b, layer_r2
+        for source_layers, target_layers in readers.items():
+            solved = solve_layers(stats, modality, target_layers, list(source_layers), config.ridge_lambda)
+            for layer, (w, b, layer_r2) in zip(target_layers, solved, strict=True):
+                weight[modality, layer], bias[modality, layer], r2[modality, layer] = w, b, layer_r2
     manifest = {
         "format_version": MAPPER_FORMAT_VERSION,
         "method": "ridge",

@@ -29,22 +29,29 @@ def residual_variance(
     return var_y - 2 * (weights * cov_xy).sum(0) + (weights * (cov_xx @ weights)).sum(0)
 
 
-def solve_layer(
-    stats: CalibrationStats, modality: int, target_layer: int, source_layers, ridge_lambda: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ridge map for one (target layer, modality), all its KV heads at once.
+def solve_layers(
+    stats: CalibrationStats, modality: int, target_layers, source_layers, ridge_lambda: float
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Ridge maps for target layers that read the same source layers, all their KV heads at once.
 
-    Every head of a target layer sees the same input (all KV heads of the selected source layers), so
-    solving the columns of all heads together is identical to one ridge per head, at a fraction of the cost.
-    Returns (weight [in, out], bias [out], R² per target head) in float64.
+    Every head of those target layers sees the same input (all KV heads of the selected source layers), so
+    solving all their columns against one factorisation is identical to one ridge per (layer, head), at a
+    fraction of the cost. Returns per target layer (weight [in, out], bias [out], R² per KV head), float64.
     """
     idx_x = stats.source.layer_indices(modality, source_layers)
-    idx_y = stats.target.layer_slice(modality, target_layer)
+    idx_y = torch.cat(
+        [torch.arange(s.start, s.stop) for s in (stats.target.layer_slice(modality, layer) for layer in target_layers)]
+    )
     cov_xx, cov_xy = stats.cov_xx(idx_x), stats.cov_xy(idx_x, idx_y)
     weight = ridge_from_covariance(cov_xx, cov_xy, ridge_lambda)
     bias = stats.mean_y(idx_y) - weight.T @ stats.mean_x(idx_x)
     var_y = stats.var_y(idx_y)
     resid = residual_variance(weight, cov_xx, cov_xy, var_y)
-    heads = stats.target.num_kv_heads
-    r2 = 1 - resid.view(heads, -1).sum(1) / var_y.view(heads, -1).sum(1).clamp_min(1e-30)
-    return weight, bias, r2
+    heads, width = stats.target.num_kv_heads, stats.target.layer_width
+    r2 = 1 - resid.view(-1, heads, width // heads).sum(-1) / var_y.view(-1, heads, width // heads).sum(-1).clamp_min(
+        1e-30
+    )
+    return [
+        (weight[:, i * width : (i + 1) * width], bias[i * width : (i + 1) * width], r2[i])
+        for i in range(len(target_layers))
+    ]
