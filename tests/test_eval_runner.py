@@ -206,7 +206,7 @@ def test_identities():
 
 @pytest.mark.real_models
 def test_real_pair_transfer_retains_most_of_the_target(tmp_path):
-    """The default pair with a mapper fitted on the built-in calibration corpus (slow: minutes on CPU)."""
+    """The default pair with a mapper fitted on the built-in calibration corpus (slow: ~25 min on 2 busy CPUs)."""
     from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
     from kvhandoff.corpus import calibration_batches
     from kvhandoff.fit import fit_mapper
@@ -221,4 +221,4 @@ def test_real_pair_transfer_retains_most_of_the_target(tmp_path):
         acc = task["accuracy"]
         assert acc["target"]["value"] > task["chance"] + 0.1, task  # the target model itself is competent
         assert acc["transfer"]["value"] > task["chance"], task  # the mapped cache carries the context
-    assert result["summary"]["all"]["mean_retention"] > 0.7, result["summary"]
+    assert result["summary"]["all"]["mean_retention"] > 0.6, result["summary"]  # measured: 0.78 (40 items)
