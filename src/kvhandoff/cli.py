@@ -8,9 +8,12 @@ from typing import Annotated
 
 import typer
 
+from kvhandoff.analyze import analyze_command
 from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
+from kvhandoff.bench import bench_command
 from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.errors import KVHandoffError
+from kvhandoff.evaluation.cli import eval_command, render_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -152,22 +155,13 @@ def tune(
                                "prefix_len": prefix_len, "continuation_len": continuation_len, "rows": rows}, indent=2))
 
 
-def _register_optional_commands() -> None:
-    """Commands whose modules sit on top of the core (evaluation, bench, analyze)."""
-    from kvhandoff.analyze import analyze_command
-    from kvhandoff.bench import bench_command
-    from kvhandoff.evaluation.cli import eval_command
-
-    app.command("eval")(eval_command)
-    app.command("bench")(bench_command)
-    app.command("analyze")(analyze_command)
+app.command("eval")(eval_command)
+app.command("eval-render")(render_command)
+app.command("bench")(bench_command)
+app.command("analyze")(analyze_command)
 
 
 def main() -> None:
-    try:
-        _register_optional_commands()
-    except ImportError:  # during development a sibling module may not exist yet
-        pass
     try:
         app()
     except KVHandoffError as exc:
