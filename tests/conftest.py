@@ -19,6 +19,9 @@ from transformers import (
 
 VOCAB = 128
 
+# tiny models: one thread avoids oversubscription on shared 2-core machines (≈40× faster here)
+torch.set_num_threads(1)
+
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),

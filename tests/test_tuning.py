@@ -35,7 +35,7 @@ def test_sweep_scores_each_exact_prefix(setup):
     rows = sweep(stats, [FitConfig(ridge_lambda=10.0)], divergence, model_fingerprint(source),
                  model_fingerprint(target), (512, 512), exact_prefixes=(0, 40), progress=False)
     by_prefix = {row["exact_prefix"]: row for row in rows}
-    assert by_prefix[40]["mean_kl"] < 1e-4 < by_prefix[0]["mean_kl"]  # whole prefix recomputed = own cache
+    assert by_prefix[40]["mean_kl"] < 1e-4 < by_prefix[0]["mean_kl"]  # whole cached prefix recomputed = own cache
 
 
 def test_short_documents_are_refused(setup):

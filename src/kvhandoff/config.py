@@ -31,12 +31,16 @@ class FitConfig:
     token_stride: keep every n-th token position of each calibration sequence (paper: 4).
     skip_first_tokens: positions dropped at the start of every sequence (attention-sink tokens carry
         outlier K/V that would dominate the statistics).
+    exact_prefix: leading context tokens the target recomputes itself at handoff instead of reading mapped
+        K/V (they are attention sinks: errors there reach every later token). Costs a prefill of that many
+        tokens, independent of context length. Recorded in the manifest; handoffs use it by default.
     """
 
     top_k: int | str = "all"
     ridge_lambda: float = 0.01
     token_stride: int = 4
     skip_first_tokens: int = 0
+    exact_prefix: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.top_k, str):
@@ -52,6 +56,8 @@ class FitConfig:
             raise ConfigError(f"token_stride must be an integer >= 1, got {self.token_stride!r}")
         if not isinstance(self.skip_first_tokens, int) or self.skip_first_tokens < 0:
             raise ConfigError(f"skip_first_tokens must be an integer >= 0, got {self.skip_first_tokens!r}")
+        if not isinstance(self.exact_prefix, int) or self.exact_prefix < 0:
+            raise ConfigError(f"exact_prefix must be an integer >= 0, got {self.exact_prefix!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -23,16 +23,16 @@ def _check_ids(input_ids: torch.Tensor, minimum: int) -> None:
 
 
 @torch.inference_mode()
-def patch_exact_prefix(mapped_cache, target_model, input_ids: torch.Tensor, exact_prefix: int):
+def patch_exact_prefix(mapped_cache, target_model, input_ids: torch.Tensor, exact_prefix: int | None):
     """Overwrite the first `exact_prefix` cached positions with the target's own K/V for those tokens.
 
     The leading positions act as attention sinks (they draw much of every query's attention), so an error
     there reaches every later token; the target recomputes them from `exact_prefix` tokens alone (causal
     attention makes that exact), a cost independent of the context length.
     """
-    if exact_prefix <= 0:
+    if not exact_prefix or exact_prefix <= 0:
         return mapped_cache
-    n = min(exact_prefix, input_ids.shape[1])
+    n = min(exact_prefix, input_ids.shape[1], mapped_cache.get_seq_length())
     own_cache, _ = prefill(target_model, input_ids[:, :n])
     for mapped, own in zip(mapped_cache.layers, own_cache.layers, strict=True):
         mapped.keys[:, :, :n] = own.keys
@@ -40,18 +40,27 @@ def patch_exact_prefix(mapped_cache, target_model, input_ids: torch.Tensor, exac
     return mapped_cache
 
 
-def handoff_cache(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor, exact_prefix: int = 0):
+def handoff_cache(
+    source_model, target_model, mapper: Mapper, input_ids: torch.Tensor, exact_prefix: int | None = None
+):
     """The target's cache for all of `input_ids`, built from the source's prefill (no target prefill of the
-    context; with `exact_prefix` > 0 the target recomputes only that many leading tokens)."""
+    context; with `exact_prefix` > 0 the target recomputes only that many leading tokens; None = the
+    mapper's own setting)."""
     _check_ids(input_ids, 1)
     source_cache, _ = prefill(source_model, input_ids)
     mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
-    return patch_exact_prefix(mapped, target_model, input_ids, exact_prefix)
+    prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
+    return patch_exact_prefix(mapped, target_model, input_ids, prefix)
 
 
 @torch.inference_mode()
 def handoff_generate(
-    source_model, target_model, mapper: Mapper, input_ids: torch.Tensor, exact_prefix: int = 0, **generate_kwargs
+    source_model,
+    target_model,
+    mapper: Mapper,
+    input_ids: torch.Tensor,
+    exact_prefix: int | None = None,
+    **generate_kwargs,
 ):
     """Source prefills all but the last token; the mapped cache goes to the target, which generates.
 

@@ -84,6 +84,11 @@ class Mapper:
     def top_k(self) -> int:
         return int(self.selected.shape[1])
 
+    @property
+    def exact_prefix(self) -> int:
+        """Leading tokens the target should recompute at handoff (from the fit config; 0 for older mappers)."""
+        return int(self.manifest.get("config", {}).get("exact_prefix", 0))
+
     def num_parameters(self) -> int:
         return self.weight.numel() + self.bias.numel()
 

@@ -59,7 +59,7 @@ class HandoffDivergence:
         kls, agree, own_nll, handoff_nll, tokens = [], [], 0.0, 0.0, 0
         for doc in self.documents:
             cache = mapper.transfer(doc.source_cache, dtype=self.target.dtype)
-            patch_exact_prefix(cache, self.target, torch.tensor([doc.prefix]), exact_prefix)
+            patch_exact_prefix(cache, self.target, torch.tensor([doc.prefix[:-1]]), exact_prefix)
             mapped = feed(self.target, cache, [doc.prefix[-1], *doc.continuation[:-1]])
             own = doc.own_logprobs
             kls.append((own.exp() * (own - mapped)).sum(-1))

@@ -201,7 +201,7 @@ def multiturn_switching(
     conversations: Sequence[Conversation],
     max_new_tokens: int = 50,
     names: tuple[str, str] = ("small", "large"),
-    exact_prefix: int = 0,
+    exact_prefix: int | None = None,
 ) -> dict:
     """Run the four schedules on every conversation and summarise drift per turn for both directions.
 
@@ -209,6 +209,8 @@ def multiturn_switching(
     """
     if not conversations:
         raise ConfigError("no conversations given")
+    if exact_prefix is None:
+        exact_prefix = getattr(small_to_large, "exact_prefix", 0)
     a, b = names
     models = {a: small_model, b: large_model}
     mappers = {(a, b): small_to_large, (b, a): large_to_small}

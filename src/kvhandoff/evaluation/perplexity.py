@@ -75,7 +75,7 @@ def conditional_perplexity(
     prefix_len: int = 1024,
     continuation_len: int = 1024,
     conditions: Sequence[str] = ("target", "transfer"),
-    exact_prefix: int = 0,
+    exact_prefix: int | None = None,
 ) -> dict:
     """Target perplexity of each document's continuation with its own prefix cache vs. a mapped one.
 

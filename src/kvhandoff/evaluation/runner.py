@@ -370,7 +370,7 @@ def run_eval(
     *,
     tokenizer,
     reverse_mapper=None,
-    exact_prefix: int = 0,
+    exact_prefix: int | None = None,
     max_new_tokens: int = 256,
     n_resamples: int = 1000,
     confidence: float = 0.95,
@@ -393,7 +393,8 @@ def run_eval(
     tasks: names or groups ("core", "heldout", "all"), plus "perplexity" (conditional perplexity on
     ``documents`` or, when None, ``kvhandoff.corpus.heldout_documents``) and "coqa" (multi-turn switching;
     needs ``reverse_mapper``, target → source). limit: items per task from the report pool (None = all).
-    exact_prefix: leading positions the target recomputes after every handoff (0 = purely mapped cache).
+    exact_prefix: leading positions the target recomputes after every handoff (0 = purely mapped cache;
+    None = the mapper's own setting).
     on_item(task, condition, record) runs after each newly computed record is stored (progress hooks, tests).
     Returns the result dictionary (also written as JSON when ``out_dir`` is given).
     """

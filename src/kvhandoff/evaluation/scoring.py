@@ -51,10 +51,12 @@ class Transfer(Condition):
     """The source prefills, the mapper converts the cache, the target reads on.
 
     exact_prefix: the target recomputes that many leading positions itself (``kvhandoff.handoff``'s
-    attention-sink patch); 0 = a purely mapped cache.
+    attention-sink patch); 0 = a purely mapped cache; None = the mapper's own setting.
     """
 
-    def __init__(self, name: str, source_model, target_model, mapper, exact_prefix: int = 0) -> None:
+    def __init__(self, name: str, source_model, target_model, mapper, exact_prefix: int | None = None) -> None:
+        if exact_prefix is None:
+            exact_prefix = getattr(mapper, "exact_prefix", 0)
         if exact_prefix < 0:
             raise ConfigError(f"exact_prefix must be >= 0, got {exact_prefix}")
         self.name, self.source, self.reader, self.mapper = name, source_model, target_model, mapper
@@ -68,10 +70,8 @@ class Transfer(Condition):
         return patch_prefix(cache, self.reader, input_ids, self.exact_prefix)
 
 
-def patch_prefix(cache, target_model, input_ids: torch.Tensor, exact_prefix: int):
-    """``kvhandoff.handoff.patch_exact_prefix`` (a no-op for exact_prefix 0)."""
-    if exact_prefix <= 0:
-        return cache
+def patch_prefix(cache, target_model, input_ids: torch.Tensor, exact_prefix: int | None):
+    """``kvhandoff.handoff.patch_exact_prefix`` on the target's device (a no-op for 0 or None)."""
     from kvhandoff.handoff import patch_exact_prefix
 
     return patch_exact_prefix(cache, target_model, input_ids.to(model_device(target_model)), exact_prefix)
@@ -85,7 +85,9 @@ def transfer_cache(mapper, cache, source_model, target_model):
     return mapper.transfer(cache)
 
 
-def standard_conditions(source_model, target_model, mapper, exact_prefix: int = 0) -> dict[str, Condition]:
+def standard_conditions(
+    source_model, target_model, mapper, exact_prefix: int | None = None
+) -> dict[str, Condition]:
     """The three conditions of one direction, in the order they are evaluated: target, source, transfer."""
     return {
         "target": Standalone("target", target_model),

@@ -91,7 +91,7 @@ def choose_k(
     fit_kwargs: dict | None = None,
     progress: bool = False,
     on_item: ItemHook | None = None,
-    exact_prefix: int = 0,
+    exact_prefix: int | None = None,
 ) -> dict:
     """Score every candidate k on the dev pool and pick the best (mean transfer score; ties → larger k).
 
