@@ -92,7 +92,7 @@ def test_eval_with_statistics_and_k_sweep(app, tmp_path):
 def test_argument_errors(app, tmp_path):
     runner = CliRunner()
     base = ["eval", "--source", "small", "--target", "large", "--out", str(tmp_path), "--no-progress"]
-    result = runner.invoke(app, base)
+    result = runner.invoke(app, [*base, "--mapper", "m", "--statistics", "s"])
     assert isinstance(result.exception, ConfigError) and "--mapper" in str(result.exception)
     result = runner.invoke(app, [*base, "--mapper", "m", "--sweep-k"])
     assert isinstance(result.exception, ConfigError)

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.errors import ConfigError, IncompatiblePairError
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -45,11 +46,21 @@ def check_tokenizers(source_tokenizer, target_tokenizer) -> None:
 
 
 def eval_command(
-    source: Annotated[str, typer.Option(help="Source model (prefills): registry name, folder or hub id.")],
-    target: Annotated[str, typer.Option(help="Target model (decodes on): registry name, folder or hub id.")],
+    source: Annotated[
+        str, typer.Option(help="Source model (prefills): registry name, folder or hub id.")
+    ] = DEFAULT_SOURCE,
+    target: Annotated[
+        str, typer.Option(help="Target model (decodes on): registry name, folder or hub id.")
+    ] = DEFAULT_TARGET,
     mapper: Annotated[
-        Path | None, typer.Option(help="Fitted mapper folder (source → target). Or give --statistics.")
+        Path | None,
+        typer.Option(help="Fitted mapper folder (source → target). Or give --statistics. Without either, the "
+                          "pair's default mapper is fitted or reused from the cache (as `kvhandoff demo` does)."),
     ] = None,
+    both_directions: Annotated[
+        bool, typer.Option(help="Without --mapper/--reverse-mapper, also evaluate target → source with the "
+                                "pair's default reverse mapper.")
+    ] = True,
     tasks: Annotated[
         str,
         typer.Option(help="Comma list of tasks or groups: core, heldout, all, arc_challenge, hellaswag, "
@@ -75,8 +86,10 @@ def eval_command(
     sweep_limit: Annotated[int, typer.Option(help="Dev items per task for the k sweep.")] = 50,
     top_k: Annotated[str, typer.Option(help="k when building from --statistics without --sweep-k.")] = "all",
     exact_prefix: Annotated[
-        int, typer.Option(help="Leading positions the target recomputes itself after each handoff (0 = none).")
-    ] = 0,
+        int | None,
+        typer.Option(help="Leading positions the target recomputes itself after each handoff (0 = none; "
+                          "default: the mapper's own setting)."),
+    ] = None,
     max_new_tokens: Annotated[int, typer.Option(help="GSM8K generation budget.")] = 256,
     n_resamples: Annotated[int, typer.Option(help="Bootstrap resamples.")] = 1000,
     perplexity_docs: Annotated[int, typer.Option(help="Held-out documents for 'perplexity'.")] = 16,
@@ -96,21 +109,22 @@ def eval_command(
 
     if mapper is not None and (statistics is not None or sweep_k):
         raise ConfigError("give either --mapper or --statistics (with or without --sweep-k), not both")
-    if mapper is None and statistics is None:
-        raise ConfigError("give --mapper (a fitted mapper folder) or --statistics (to build one for any k); "
-                          "fit one with `kvhandoff fit --source ... --target ... --out DIR`")
     if sweep_k and statistics is None:
         raise ConfigError("--sweep-k needs --statistics (a mapper per candidate k is built from them)")
     source_model, target_model, tokenizer = _load_pair(source, target, dtype, progress)
     forward_mapper = _forward_mapper(
         source_model, target_model, tokenizer, mapper, statistics, sweep_k, sweep_limit, top_k, seed, out, progress,
-        exact_prefix,
+        exact_prefix, source, target,
     )
     backward = None
     if reverse_mapper is not None:
         from kvhandoff.mapper import Mapper
 
         backward = Mapper.load(reverse_mapper, source_model=target_model, target_model=source_model)
+    elif mapper is None and statistics is None and both_directions:
+        from kvhandoff.workflow import obtain_mapper
+
+        backward = obtain_mapper(target, source, target_model, source_model, tokenizer, progress=progress)[0]
     common = dict(
         tokenizer=tokenizer, exact_prefix=exact_prefix, max_new_tokens=max_new_tokens, n_resamples=n_resamples,
         perplexity_docs=perplexity_docs, prefix_len=prefix_len, continuation_len=continuation_len,
@@ -132,12 +146,17 @@ def eval_command(
 
 
 def _forward_mapper(source_model, target_model, tokenizer, mapper_path, statistics, sweep_k, sweep_limit,
-                    top_k, seed, out: Path, progress: bool, exact_prefix: int = 0):
+                    top_k, seed, out: Path, progress: bool, exact_prefix: int | None = None,
+                    source_name: str = DEFAULT_SOURCE, target_name: str = DEFAULT_TARGET):
     from kvhandoff.config import FitConfig
     from kvhandoff.mapper import Mapper
 
     if mapper_path is not None:
         return Mapper.load(mapper_path, source_model=source_model, target_model=target_model)
+    if statistics is None:
+        from kvhandoff.workflow import obtain_mapper
+
+        return obtain_mapper(source_name, target_name, source_model, target_model, tokenizer, progress=progress)[0]
     from kvhandoff.evaluation.runner import atomic_write_json
     from kvhandoff.evaluation.sweep import choose_k, default_mapper_factory
     from kvhandoff.statistics import CalibrationStats
