@@ -29,3 +29,10 @@ def test_defaults_follow_the_paper_and_errors_share_a_base():
 def test_home_follows_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path))
     assert kvhandoff_home() == tmp_path
+
+
+def test_gcv_lambda_is_accepted_and_probes_use_a_fixed_lambda():
+    assert FitConfig(ridge_lambda="gcv").probe_lambda == 0.01
+    assert FitConfig(ridge_lambda=0.3).probe_lambda == 0.3
+    with pytest.raises(ConfigError, match="'gcv'"):
+        FitConfig(ridge_lambda="auto")

@@ -29,3 +29,41 @@ def test_rank_deficient_input_still_solves():
     cov = x.T @ x / 100
     weights = ridge_from_covariance(cov, cov[:, :1], 1e-9)
     assert torch.isfinite(weights).all()
+
+
+def _covariances(signal: float, n: int = 400, features: int = 20, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=gen, dtype=torch.float64)
+    y = signal * x @ torch.randn(features, 4, generator=gen, dtype=torch.float64)
+    y = y + torch.randn(n, 4, generator=gen, dtype=torch.float64)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    return xc.T @ xc / n, xc.T @ yc / n, yc.var(0, unbiased=False), n
+
+
+def test_gcv_weights_equal_plain_ridge_at_the_chosen_lambda():
+    from kvhandoff.solve import ridge_by_gcv
+
+    cov_xx, cov_xy, var_y, n = _covariances(signal=1.0)
+    weight, chosen = ridge_by_gcv(cov_xx, cov_xy, var_y, n, (0.3,), group_width=2)
+    assert chosen == [0.3, 0.3]
+    assert torch.allclose(weight, ridge_from_covariance(cov_xx, cov_xy, 0.3), atol=1e-10)
+
+
+def test_gcv_picks_small_lambda_for_signal_and_large_for_noise():
+    from kvhandoff.solve import ridge_by_gcv
+
+    grid = (0.001, 0.01, 0.1, 1.0, 10.0)
+    _, strong = ridge_by_gcv(*_covariances(signal=3.0), grid, group_width=4)
+    _, noise = ridge_by_gcv(*_covariances(signal=0.0, n=60), grid, group_width=4)
+    assert strong[0] <= 0.01 and noise[0] >= 1.0
+
+
+def test_gcv_config_fits_and_records_chosen_lambdas():
+    from kvhandoff import FitConfig, fit_mapper
+
+    from conftest import random_batches, tiny_model
+
+    mapper = fit_mapper(tiny_model("qwen2"), tiny_model("qwen2", seed=3), random_batches(3),
+                        FitConfig(ridge_lambda="gcv"), progress=False)
+    chosen = mapper.manifest["fit_metrics"]["ridge_lambda_per_target_layer"]
+    assert len(chosen["K"]) == 2 and all(lam > 0 for lam in chosen["K"] + chosen["V"])

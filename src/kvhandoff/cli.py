@@ -25,6 +25,10 @@ def _top_k(value: str) -> int | str:
     return "all" if value == "all" else int(value)
 
 
+def _ridge_lambda(value: str) -> float | str:
+    return "gcv" if value == "gcv" else float(value)
+
+
 @app.command()
 def prepare(
     names: Annotated[list[str] | None, typer.Argument(help="registry names (default: the default pair)")] = None,
@@ -43,7 +47,9 @@ def fit(
     target: TargetOption = DEFAULT_TARGET,
     out: Annotated[Path, typer.Option(help="folder to write the mapper into")] = Path("mapper"),
     top_k: Annotated[str, typer.Option("--top-k", help="source layers per target layer: an integer or 'all'")] = "all",
-    ridge_lambda: Annotated[float, typer.Option("--lambda", help="ridge λ, relative to mean input variance")] = 0.01,
+    ridge_lambda: Annotated[
+        str, typer.Option("--lambda", help="ridge λ relative to mean input variance, or 'gcv'")
+    ] = str(FitConfig().ridge_lambda),
     stride: Annotated[int, typer.Option(help="keep every n-th calibration token")] = 4,
     sequences: Annotated[int, typer.Option(help="calibration windows")] = CalibrationSpec().num_sequences,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = CalibrationSpec().seq_len,
@@ -56,7 +62,7 @@ def fit(
     from kvhandoff.corpus import calibration_batches, pack_texts
     from kvhandoff.fit import fit_mapper
 
-    config = FitConfig(top_k=_top_k(top_k), ridge_lambda=ridge_lambda, token_stride=stride)
+    config = FitConfig(top_k=_top_k(top_k), ridge_lambda=_ridge_lambda(ridge_lambda), token_stride=stride)
     source_model, tokenizer = load_model(source)
     target_model, target_tokenizer = load_model(target)
     if texts is not None:
@@ -136,7 +142,7 @@ def tune(
     stats, _ = obtain_statistics(source, target, source_model, target_model, tokenizer, FitConfig(), calibration)
     documents = heldout_documents(tokenizer, docs, min_tokens=prefix_len + continuation_len, source="lambada-heldout")
     divergence = HandoffDivergence(source_model, target_model, documents, prefix_len, continuation_len)
-    configs = [FitConfig(top_k=_top_k(k.strip()), ridge_lambda=float(lam))
+    configs = [FitConfig(top_k=_top_k(k.strip()), ridge_lambda=_ridge_lambda(lam.strip()))
                for lam in lambdas.split(",") for k in ks.split(",")]
     rows = sweep(stats, configs, divergence, model_fingerprint(source_model, tokenizer),
                  model_fingerprint(target_model, tokenizer),
@@ -146,7 +152,7 @@ def tune(
     for column in ("k", "λ", "exact prefix", "R² K", "R² V", "mean KL", "top-1", "ppl ratio"):
         table.add_column(column)
     for row in rows:
-        table.add_row(str(row["top_k"]), f"{row['ridge_lambda']:g}", str(row["exact_prefix"]),
+        table.add_row(str(row["top_k"]), str(row["ridge_lambda"]), str(row["exact_prefix"]),
                       f"{row['r2_k']:.3f}", f"{row['r2_v']:.3f}",
                       f"{row['mean_kl']:.3f}", f"{row['top1_agreement']:.3f}", f"{row['ppl_ratio']:.3f}")
     Console().print(table)

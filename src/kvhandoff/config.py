@@ -8,6 +8,12 @@ from pathlib import Path
 
 from kvhandoff.errors import ConfigError
 
+#: relative ridge λ candidates for ridge_lambda="gcv" (chosen per target layer and K|V by generalised
+#: cross-validation, computed from the statistics alone).
+GCV_LAMBDAS: tuple[float, ...] = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+#: λ of the single-source probes that rank layers when ridge_lambda="gcv".
+PROBE_LAMBDA = 0.01
+
 #: k values the layer-selection sweep considers ("all" = every source layer).
 TOP_K_CHOICES: tuple[int | str, ...] = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, "all")
 
@@ -27,7 +33,8 @@ class FitConfig:
     ridge_lambda: ridge strength *relative to the mean input-feature variance*: the solve uses
         (C_xx + ridge_lambda * mean(diag C_xx) * I) where C_xx is the centred input covariance
         (Gram / token count). This keeps λ independent of the number of calibration tokens and of
-        the activations' scale; λ = 0.01 is the paper's default.
+        the activations' scale; λ = 0.01 is the paper's default. "gcv" picks λ from GCV_LAMBDAS for each
+        (target layer, K|V) by generalised cross-validation.
     token_stride: keep every n-th token position of each calibration sequence (paper: 4).
     skip_first_tokens: positions dropped at the start of every sequence (attention-sink tokens carry
         outlier K/V that would dominate the statistics).
@@ -37,7 +44,7 @@ class FitConfig:
     """
 
     top_k: int | str = "all"
-    ridge_lambda: float = 0.01
+    ridge_lambda: float | str = 0.01
     token_stride: int = 4
     skip_first_tokens: int = 0
     exact_prefix: int = 0
@@ -48,9 +55,9 @@ class FitConfig:
                 raise ConfigError(f"top_k must be a positive integer or 'all', got {self.top_k!r}")
         elif isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise ConfigError(f"top_k must be a positive integer or 'all', got {self.top_k!r}")
-        if not self.ridge_lambda > 0:
+        if self.ridge_lambda != "gcv" and (isinstance(self.ridge_lambda, str | bool) or not self.ridge_lambda > 0):
             raise ConfigError(
-                f"ridge_lambda must be > 0 (0.01 is the paper's value), got {self.ridge_lambda!r}"
+                f"ridge_lambda must be > 0 (0.01 is the paper's value) or 'gcv', got {self.ridge_lambda!r}"
             )
         if not isinstance(self.token_stride, int) or self.token_stride < 1:
             raise ConfigError(f"token_stride must be an integer >= 1, got {self.token_stride!r}")
@@ -58,6 +65,11 @@ class FitConfig:
             raise ConfigError(f"skip_first_tokens must be an integer >= 0, got {self.skip_first_tokens!r}")
         if not isinstance(self.exact_prefix, int) or self.exact_prefix < 0:
             raise ConfigError(f"exact_prefix must be an integer >= 0, got {self.exact_prefix!r}")
+
+    @property
+    def probe_lambda(self) -> float:
+        """λ of the layer-ranking probes."""
+        return PROBE_LAMBDA if self.ridge_lambda == "gcv" else float(self.ridge_lambda)
 
     def to_dict(self) -> dict:
         return asdict(self)

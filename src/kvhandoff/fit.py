@@ -82,20 +82,22 @@ def mapper_from_statistics(
     """Select layers and solve the ridge maps from existing statistics (any k, no pass over data)."""
     started = time.perf_counter()
     if r2_matrix is None:
-        r2_matrix = layer_r2_matrix(stats, config.ridge_lambda)
+        r2_matrix = layer_r2_matrix(stats, config.probe_lambda)
     selected = select_layers(r2_matrix, config.top_k)
     tgt = stats.target
     weight = torch.empty(2, tgt.num_layers, selected.shape[1] * stats.source.layer_width, tgt.layer_width)
     bias = torch.empty(2, tgt.num_layers, tgt.layer_width)
     r2 = torch.empty(2, tgt.num_layers, tgt.num_kv_heads)
+    chosen_lambda = [[0.0] * tgt.num_layers for _ in MODALITIES]
     readers: dict[tuple[int, ...], list[int]] = {}  # source-layer set → target layers that read it
     for layer in range(tgt.num_layers):
         readers.setdefault(tuple(selected[layer].tolist()), []).append(layer)
     for modality in range(len(MODALITIES)):
         for source_layers, target_layers in readers.items():
             solved = solve_layers(stats, modality, target_layers, list(source_layers), config.ridge_lambda)
-            for layer, (w, b, layer_r2) in zip(target_layers, solved, strict=True):
+            for layer, (w, b, layer_r2, lam) in zip(target_layers, solved, strict=True):
                 weight[modality, layer], bias[modality, layer], r2[modality, layer] = w, b, layer_r2
+                chosen_lambda[modality][layer] = lam
     manifest = {
         "format_version": MAPPER_FORMAT_VERSION,
         "method": "ridge",
@@ -114,6 +116,7 @@ def mapper_from_statistics(
             "r2_k_mean": float(r2[0].mean()),
             "r2_v_mean": float(r2[1].mean()),
             "r2_per_head": {"K": r2[0].tolist(), "V": r2[1].tolist()},
+            "ridge_lambda_per_target_layer": {"K": chosen_lambda[0], "V": chosen_lambda[1]},
             "solve_seconds": round(time.perf_counter() - started, 3),
         },
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvhandoff.config import GCV_LAMBDAS
 from kvhandoff.statistics import CalibrationStats
 
 
@@ -30,28 +31,66 @@ def residual_variance(
 
 
 def solve_layers(
-    stats: CalibrationStats, modality: int, target_layers, source_layers, ridge_lambda: float
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    stats: CalibrationStats, modality: int, target_layers, source_layers, ridge_lambda: float | str
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
     """Ridge maps for target layers that read the same source layers, all their KV heads at once.
 
     Every head of those target layers sees the same input (all KV heads of the selected source layers), so
     solving all their columns against one factorisation is identical to one ridge per (layer, head), at a
-    fraction of the cost. Returns per target layer (weight [in, out], bias [out], R² per KV head), float64.
+    fraction of the cost. ridge_lambda "gcv" picks λ per target layer (see `ridge_by_gcv`).
+    Returns per target layer (weight [in, out], bias [out], R² per KV head, λ used), float64.
     """
     idx_x = stats.source.layer_indices(modality, source_layers)
-    idx_y = torch.cat(
-        [torch.arange(s.start, s.stop) for s in (stats.target.layer_slice(modality, layer) for layer in target_layers)]
-    )
+    slices = [stats.target.layer_slice(modality, layer) for layer in target_layers]
+    idx_y = torch.cat([torch.arange(s.start, s.stop) for s in slices])
     cov_xx, cov_xy = stats.cov_xx(idx_x), stats.cov_xy(idx_x, idx_y)
-    weight = ridge_from_covariance(cov_xx, cov_xy, ridge_lambda)
-    bias = stats.mean_y(idx_y) - weight.T @ stats.mean_x(idx_x)
     var_y = stats.var_y(idx_y)
+    width = stats.target.layer_width
+    if ridge_lambda == "gcv":
+        weight, chosen = ridge_by_gcv(cov_xx, cov_xy, var_y, stats.count, GCV_LAMBDAS, width)
+    else:
+        weight = ridge_from_covariance(cov_xx, cov_xy, ridge_lambda)
+        chosen = [float(ridge_lambda)] * len(target_layers)
+    bias = stats.mean_y(idx_y) - weight.T @ stats.mean_x(idx_x)
     resid = residual_variance(weight, cov_xx, cov_xy, var_y)
-    heads, width = stats.target.num_kv_heads, stats.target.layer_width
+    heads = stats.target.num_kv_heads
     r2 = 1 - resid.view(-1, heads, width // heads).sum(-1) / var_y.view(-1, heads, width // heads).sum(-1).clamp_min(
         1e-30
     )
     return [
-        (weight[:, i * width : (i + 1) * width], bias[i * width : (i + 1) * width], r2[i])
+        (weight[:, i * width : (i + 1) * width], bias[i * width : (i + 1) * width], r2[i], chosen[i])
         for i in range(len(target_layers))
     ]
+
+
+def ridge_by_gcv(
+    cov_xx: torch.Tensor, cov_xy: torch.Tensor, var_y: torch.Tensor, count: int, lambdas, group_width: int
+) -> tuple[torch.Tensor, list[float]]:
+    """Ridge with λ chosen per group of `group_width` outputs (one target layer) by generalised CV.
+
+    GCV(λ) = RSS(λ) / (1 − df(λ)/n)², df = Σ dᵢ/(dᵢ + s) over the eigenvalues dᵢ of C_xx, s = λ·mean(d).
+    Both terms come from the covariances alone (RSS in the eigenbasis: var − Σᵢ pᵢ²(dᵢ + 2s)/(dᵢ + s)² with
+    p = Vᵀ C_xy), so no held-out pass is needed. Calibration tokens of one sequence are correlated, so n
+    overstates the independent samples and GCV leans towards small λ; the grid bounds that.
+    Returns (weight [in, out], chosen relative λ per group).
+    """
+    eigenvalues, vectors = torch.linalg.eigh(cov_xx)
+    eigenvalues = eigenvalues.clamp_min(0)
+    projected = vectors.T @ cov_xy  # [in, out]
+    scale = eigenvalues.mean().clamp_min(1e-12)
+    groups = cov_xy.shape[1] // group_width
+    best_score = torch.full((groups,), float("inf"), dtype=cov_xx.dtype)
+    best = torch.zeros(groups, dtype=torch.long)
+    for i, lam in enumerate(lambdas):
+        shift = lam * scale
+        explained = (projected**2 * ((eigenvalues + 2 * shift) / (eigenvalues + shift) ** 2)[:, None]).sum(0)
+        rss = (var_y - explained).clamp_min(0).view(groups, group_width).sum(1)
+        dof = (eigenvalues / (eigenvalues + shift)).sum()
+        score = rss / (1 - dof / count).clamp_min(1e-6) ** 2
+        improved = score < best_score
+        best_score = torch.where(improved, score, best_score)
+        best = torch.where(improved, torch.full_like(best, i), best)
+    shifts = torch.tensor([lambdas[int(i)] for i in best], dtype=cov_xx.dtype) * scale
+    shift_per_column = shifts.repeat_interleave(group_width)
+    weight = vectors @ (projected / (eigenvalues[:, None] + shift_per_column[None, :]))
+    return weight, [float(lambdas[int(i)]) for i in best]

@@ -96,7 +96,7 @@ def sweep(
     for config in tqdm(configs, desc="candidates", disable=not progress):
         started = time.perf_counter()
         if config.ridge_lambda not in r2_by_lambda:
-            r2_by_lambda[config.ridge_lambda] = layer_r2_matrix(stats, config.ridge_lambda)
+            r2_by_lambda[config.ridge_lambda] = layer_r2_matrix(stats, config.probe_lambda)
         mapper = mapper_from_statistics(
             stats, config, source_fingerprint, target_fingerprint,
             max_position_embeddings=max_position_embeddings, r2_matrix=r2_by_lambda[config.ridge_lambda],
