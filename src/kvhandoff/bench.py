@@ -6,7 +6,8 @@ process and interleaved (handoff, re-prefill, handoff, re-prefill, ...) so that 
 machine's noise, each path is run `warmup` times untimed and `repeats` times timed:
 
 - handoff   = `mapper.transfer(source_cache)` (strip source RoPE, map, apply target RoPE, build the target's
-  DynamicCache) + the target consuming the last context token up to its logits;
+  DynamicCache) + the target recomputing the mapper's `exact_prefix` leading tokens (counted in the
+  transfer time) + the target consuming the last context token up to its logits;
 - re-prefill = the target's own prefill of all T tokens up to the logits of the last position
   (`kvhandoff.handoff.prefill`, logits_to_keep=1).
 
@@ -48,7 +49,7 @@ from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.config import MAPPER_FORMAT_VERSION, FitConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.geometry import model_fingerprint, read_geometry
-from kvhandoff.handoff import prefill
+from kvhandoff.handoff import patch_exact_prefix, prefill
 from kvhandoff.mapper import Mapper
 from kvhandoff.selection import resolve_k
 from kvhandoff.statistics import FeatureLayout
@@ -219,6 +220,7 @@ def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, 
         def handoff():
             t0 = time.perf_counter()
             cache = mapper.transfer(source_cache, dtype=target_dtype)
+            patch_exact_prefix(cache, target_model, ids[:, :-1], mapper.exact_prefix)
             t1 = time.perf_counter()
             out = target_model(input_ids=last, cache=cache, use_cache=True, logits_to_keep=1)
             t2 = time.perf_counter()
