@@ -13,7 +13,7 @@ from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.errors import AssetError
 from kvhandoff.evaluation.multiturn import Conversation, load_coqa_conversations
 from kvhandoff.evaluation.scoring import OpenContext, feed, greedy_from, rollback
-from kvhandoff.handoff import prefill
+from kvhandoff.handoff import patch_exact_prefix, prefill
 
 MIN_CONTEXT_TOKENS = 1000
 
@@ -114,6 +114,7 @@ def run_demo(
 
         def handoff():
             cache = mapper.transfer(source_cache, dtype=target.dtype)
+            patch_exact_prefix(cache, target, ids[:, :-1], mapper.exact_prefix)
             return cache, feed(target, cache, ids[0, -1:].tolist())[-1]
 
         def reprefill():
@@ -141,6 +142,7 @@ def run_demo(
         "mapper_fit_or_load_seconds": fit_seconds,
         "mapper_r2_k": mapper.manifest["fit_metrics"]["r2_k_mean"],
         "mapper_r2_v": mapper.manifest["fit_metrics"]["r2_v_mean"],
+        "mapper_settings": ", ".join(f"{k}={v}" for k, v in mapper.manifest["config"].items()),
         "calibration_tokens": mapper.manifest["calibration"].get("num_tokens"),
         "context_id": context.conversation_id,
         "context_tokens": length,
@@ -168,6 +170,7 @@ def render_demo(result: dict, console=None) -> None:
     rows = [
         ("mapper", f"{reuse} ({result['mapper_fit_or_load_seconds']:.1f} s): {result['mapper_dir']}"),
         ("mapper fit R² (K / V)", f"{result['mapper_r2_k']:.3f} / {result['mapper_r2_v']:.3f}"),
+        ("mapper settings", result["mapper_settings"]),
         ("calibration tokens", str(result["calibration_tokens"])),
         ("context", f"CoQA {result['context_id']}, {result['context_tokens']} tokens"),
         ("source prefill (done before the switch)", f"{result['source_prefill_seconds']:.3f} s"),
