@@ -26,7 +26,8 @@ FLOPs (multiply-add = 2 FLOPs; norms, activations and softmax ignored):
 - mapper per token = 2 · weight params (+ bias adds); the weight is [2, Lt, k·Fs, Ft], so k is accounted for;
 - target prefill of T tokens = 2 · body params · T + attention 2·2·layers·q_width·T(T+1)/2
   (QKᵀ and AV over the causal prefix; q_width = heads · head_dim) + 2 · vocab · hidden once (logits_to_keep=1);
-- handoff = mapper · (T−1) + the target's one-token step (2 · body params + 2·2·layers·q_width·T + LM head).
+- handoff = mapper · (T−1) + the target's prefill of the mapper's exact_prefix tokens + the target's one-token
+  step (2 · body params + 2·2·layers·q_width·T + LM head).
 `flop_bound` = prefill FLOPs ÷ handoff FLOPs is the speed-up the arithmetic alone would allow, printed next to
 the measured one; `flop_ratio_per_token` = target prefill FLOPs per token ÷ mapper FLOPs per token.
 """
@@ -347,13 +348,16 @@ def run_bench(
             result["skipped"] = lengths[index + 1:]
             break
         prefill_total = prefill_flops(target_constants, tokens)
-        handoff_total = mapper_per_token * (tokens - 1) + step_flops(target_constants, tokens - 1)
+        exact_prefix = min(mapper.exact_prefix, tokens - 1)
+        prefix_total = prefill_flops(target_constants, exact_prefix) if exact_prefix else 0.0
+        handoff_total = mapper_per_token * (tokens - 1) + prefix_total + step_flops(target_constants, tokens - 1)
         row["flops"] = {
             "mapper_per_token": mapper_per_token,
             "prefill_per_token": prefill_total / tokens,
             "prefill": prefill_total,
             "handoff": handoff_total,
             "transfer": mapper_per_token * (tokens - 1),
+            "exact_prefix": prefix_total,
         }
         row["flop_ratio_per_token"] = prefill_total / tokens / mapper_per_token
         row["flop_bound"] = prefill_total / handoff_total
