@@ -83,8 +83,11 @@ def test_exact_prefix_restores_the_targets_own_leading_positions():
     mapper = fit_mapper(source, target, random_batches(2), FitConfig(top_k=1), progress=False)
     ids = torch.randint(0, 128, (1, 20))
     own, _ = prefill(target, ids)
-    plain = handoff_cache(source, target, mapper, ids)
+    plain = handoff_cache(source, target, mapper, ids, exact_prefix=0)
     patched = handoff_cache(source, target, mapper, ids, exact_prefix=3)
+    default = handoff_cache(source, target, mapper, ids)  # the mapper's own setting (FitConfig default 4)
+    assert mapper.exact_prefix == 4
+    assert torch.allclose(default.layers[0].keys[:, :, :4], own.layers[0].keys[:, :, :4], atol=1e-5)
     for p_layer, o_layer, m_layer in zip(patched.layers, own.layers, plain.layers, strict=True):
         assert torch.allclose(p_layer.keys[:, :, :3], o_layer.keys[:, :, :3], atol=1e-5)
         assert torch.equal(p_layer.values[:, :, 3:], m_layer.values[:, :, 3:])

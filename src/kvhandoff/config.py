@@ -47,7 +47,7 @@ class FitConfig:
     ridge_lambda: float | str = 0.01
     token_stride: int = 4
     skip_first_tokens: int = 0
-    exact_prefix: int = 0
+    exact_prefix: int = 4
 
     def __post_init__(self) -> None:
         if isinstance(self.top_k, str):
