@@ -42,3 +42,10 @@ def test_short_documents_are_refused(setup):
     source, target, _, _ = setup
     with pytest.raises(ConfigError, match="no dev document"):
         HandoffDivergence(source, target, [torch.arange(10)], prefix_len=40, continuation_len=16)
+
+
+def test_source_reference_is_zero_for_a_source_equal_to_the_target():
+    model = tiny_model("llama", layers=2)
+    docs = [torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(3))]
+    reference = HandoffDivergence(model, model, docs, prefix_len=20, continuation_len=8).source_reference()
+    assert reference["mean_kl"] < 1e-6 and reference["top1_agreement"] == 1.0

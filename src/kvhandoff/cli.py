@@ -148,7 +148,9 @@ def tune(
                  model_fingerprint(target_model, tokenizer),
                  (source_model.config.max_position_embeddings, target_model.config.max_position_embeddings),
                  exact_prefixes=[int(p) for p in exact_prefixes.split(",")])
-    table = Table(title=f"dev sweep {source} → {target} ({rows[0]['documents']} docs, {rows[0]['tokens']} tokens)")
+    reference = divergence.source_reference()
+    table = Table(title=f"dev sweep {source} → {target} ({rows[0]['documents']} docs, {rows[0]['tokens']} tokens); "
+                        f"source model alone: KL {reference['mean_kl']:.3f}, top-1 {reference['top1_agreement']:.3f}")
     for column in ("k", "λ", "exact prefix", "R² K", "R² V", "mean KL", "top-1", "ppl ratio"):
         table.add_column(column)
     for row in rows:
@@ -158,7 +160,8 @@ def tune(
     Console().print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"source": source, "target": target, "dev": documents.describe(),
-                               "prefix_len": prefix_len, "continuation_len": continuation_len, "rows": rows}, indent=2))
+                               "prefix_len": prefix_len, "continuation_len": continuation_len,
+                               "source_reference": reference, "rows": rows}, indent=2))
 
 
 app.command("eval")(eval_command)

@@ -9,6 +9,7 @@ k and λ costs solves and target forwards over the continuations, never another 
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ class _DevDocument:
     continuation: list[int]
     source_cache: object
     own_logprobs: torch.Tensor  # [continuation, vocab]
+    source_logprobs: torch.Tensor  # the source model's own predictions (the "no handoff benefit" reference)
 
 
 class HandoffDivergence:
@@ -50,17 +52,31 @@ class HandoffDivergence:
                 own_cache, _ = prefill(target, torch.tensor([prefix[:-1]]))
                 own = feed(target, own_cache, [prefix[-1], *continuation[:-1]])
                 source_cache, _ = prefill(source, torch.tensor([prefix[:-1]]))
-                self.documents.append(_DevDocument(prefix, continuation, source_cache, own))
+                source_own = feed(source, copy.deepcopy(source_cache), [prefix[-1], *continuation[:-1]])
+                self.documents.append(_DevDocument(prefix, continuation, source_cache, own, source_own))
         if not self.documents:
             raise ConfigError(f"no dev document has the {prefix_len + continuation_len} tokens needed")
 
     @torch.inference_mode()
     def score(self, mapper, exact_prefix: int = 0) -> dict:
-        kls, agree, own_nll, handoff_nll, tokens = [], [], 0.0, 0.0, 0
-        for doc in self.documents:
+        """Divergence of the target reading the mapped cache from the target reading its own."""
+
+        def mapped(doc):
             cache = mapper.transfer(doc.source_cache, dtype=self.target.dtype)
             patch_exact_prefix(cache, self.target, torch.tensor([doc.prefix[:-1]]), exact_prefix)
-            mapped = feed(self.target, cache, [doc.prefix[-1], *doc.continuation[:-1]])
+            return feed(self.target, cache, [doc.prefix[-1], *doc.continuation[:-1]])
+
+        return self._divergence(mapped)
+
+    def source_reference(self) -> dict:
+        """The same measures for the source model's own predictions: a handoff that scores no better than
+        this has bought nothing over staying on the source (for small → large)."""
+        return self._divergence(lambda doc: doc.source_logprobs)
+
+    def _divergence(self, predictions) -> dict:
+        kls, agree, own_nll, handoff_nll, tokens = [], [], 0.0, 0.0, 0
+        for doc in self.documents:
+            mapped = predictions(doc)
             own = doc.own_logprobs
             kls.append((own.exp() * (own - mapped)).sum(-1))
             agree.append((own.argmax(-1) == mapped.argmax(-1)).float())
