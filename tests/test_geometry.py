@@ -31,32 +31,19 @@ def test_llama31_rope_scaling_is_read():
     assert rope.rope_type == "llama3" and rope.rope_theta == 500000.0
 
 
+# a minimal decoder shape shared by the configs of refused architectures below
+SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+
+
 def test_gemma3_mixed_attention_is_refused():
-    config = Gemma3TextConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
+    config = Gemma3TextConfig(**SMALL, num_hidden_layers=2, num_key_value_heads=1, head_dim=16)
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
         read_geometry(Gemma3ForCausalLM(config))
 
 
 def test_sliding_window_qwen2_is_refused():
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        use_sliding_window=True,
-        sliding_window=16,
-        max_window_layers=0,
-    )
+    config = Qwen2Config(**SMALL, num_hidden_layers=2, num_key_value_heads=1, use_sliding_window=True,
+                         sliding_window=16, max_window_layers=0)
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
         read_geometry(Qwen2ForCausalLM(config))
 
@@ -78,12 +65,9 @@ def test_mla_is_refused_with_reason():
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
+        **SMALL,
         moe_intermediate_size=16,
         num_hidden_layers=1,
-        num_attention_heads=2,
         num_key_value_heads=2,
         n_routed_experts=2,
         num_experts_per_tok=1,
