@@ -59,7 +59,7 @@ def _timed(fn, repeats: int):
 
 def _answer(model, cache, length: int, next_logprobs, tokenizer, max_new_tokens: int) -> tuple[str, list[int]]:
     state = OpenContext(model, cache, length, next_logprobs)
-    text, ids = greedy_from(state, tokenizer, max_new_tokens, stop=("\n",))
+    text, ids = greedy_from(state, tokenizer, max_new_tokens, stop=("\n", "Q:"))
     rollback(cache, length)
     return text.strip(), ids
 
