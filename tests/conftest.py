@@ -130,6 +130,29 @@ def exactly_related(model, seed: int = 1):
     return related
 
 
+def tiny_tokenizer():
+    """A byte-level Qwen2 tokenizer with a 259-token vocabulary, built offline (use models with vocab ≥ 300)."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["he"] = len(vocab)
+    return Qwen2Tokenizer(
+        vocab=vocab, merges=[("h", "e")], eos_token="<|endoftext|>", unk_token=None, pad_token="<|endoftext|>"
+    )
+
+
+def save_tiny_pair(folder, source_layers: int = 2, target_layers: int = 3):
+    """Two tiny Qwen2 models with one shared tokenizer saved as local model folders; returns their paths."""
+    paths = []
+    for name, layers, head_dim, seed in (("small", source_layers, 16, 0), ("large", target_layers, 32, 1)):
+        path = folder / name
+        tiny_model("qwen2", layers=layers, head_dim=head_dim, seed=seed, vocab_size=300).save_pretrained(path)
+        tiny_tokenizer().save_pretrained(path)
+        paths.append(str(path))
+    return paths
+
+
 def random_batches(count: int = 6, batch: int = 2, tokens: int = 48, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (batch, tokens), generator=gen) for _ in range(count)]

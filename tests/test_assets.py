@@ -26,6 +26,8 @@ from kvhandoff.assets import (
 )
 from kvhandoff.errors import AssetError
 
+from conftest import tiny_tokenizer
+
 
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
@@ -207,18 +209,6 @@ def test_prepare_is_a_noop_when_complete(tmp_path, monkeypatch, home):
 # ----------------------------------------------------------------------------------------------- loading
 
 
-def _tiny_tokenizer():
-    """A byte-level Qwen2 tokenizer with a 259-token vocabulary, built offline."""
-    from tokenizers import pre_tokenizers
-    from transformers import Qwen2Tokenizer
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["he"] = len(vocab)
-    return Qwen2Tokenizer(
-        vocab=vocab, merges=[("h", "e")], eos_token="<|endoftext|>", unk_token=None, pad_token="<|endoftext|>"
-    )
-
-
 def _tiny_qwen2(tie: bool):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -237,7 +227,7 @@ def _tiny_qwen2(tie: bool):
 
 
 def test_load_model_from_local_directory(tmp_path):
-    model, tokenizer = _tiny_qwen2(tie=False), _tiny_tokenizer()
+    model, tokenizer = _tiny_qwen2(tie=False), tiny_tokenizer()
     model.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     loaded, loaded_tok = load_model(str(tmp_path / "tiny"), progress=False)
@@ -251,7 +241,7 @@ def test_load_model_from_local_directory(tmp_path):
 
 def test_load_model_dtype(tmp_path):
     _tiny_qwen2(tie=False).save_pretrained(tmp_path / "tiny")
-    _tiny_tokenizer().save_pretrained(tmp_path / "tiny")
+    tiny_tokenizer().save_pretrained(tmp_path / "tiny")
     loaded, _ = load_model(tmp_path / "tiny", dtype=torch.bfloat16, progress=False)
     assert next(loaded.parameters()).dtype == torch.bfloat16
 

@@ -63,11 +63,11 @@ def fit(
     from kvhandoff.fit import fit_mapper
 
     config = FitConfig(top_k=_top_k(top_k), ridge_lambda=_ridge_lambda(ridge_lambda), token_stride=stride)
+    if texts is not None and not texts.is_file():
+        raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")
     source_model, tokenizer = load_model(source)
     target_model, target_tokenizer = load_model(target)
     if texts is not None:
-        if not texts.is_file():
-            raise typer.BadParameter(f"{texts} is not a file", param_hint="--texts")
         paragraphs = [p.strip() for p in texts.read_text(encoding="utf-8").split("\n\n") if p.strip()]
         corpus = pack_texts(tokenizer, paragraphs, sequences, seq_len, seed=seed, name=str(texts))
     else:

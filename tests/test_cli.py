@@ -1,0 +1,57 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvhandoff.cli import app
+from kvhandoff.mapper import Mapper
+
+from conftest import save_tiny_pair
+
+
+@pytest.fixture
+def pair(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
+    return save_tiny_pair(tmp_path)
+
+
+def test_fit_writes_a_loadable_mapper(pair, tmp_path):
+    small, large = pair
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+                                      "--top-k", "1", "--lambda", "0.1", "--sequences", "2", "--seq-len", "48"])
+    assert result.exit_code == 0, result.output
+    assert "saved" in result.output
+    mapper = Mapper.load(tmp_path / "m")
+    assert mapper.top_k == 1 and mapper.manifest["config"]["ridge_lambda"] == 0.1
+    assert mapper.manifest["calibration"]["num_tokens"] == 96
+
+
+def test_fit_on_a_text_file_and_gcv(pair, tmp_path):
+    small, large = pair
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n\n".join(f"Paragraph {i}: the cache moves from one model to another." for i in range(40)))
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+                                      "--texts", str(texts), "--lambda", "gcv", "--sequences", "2", "--seq-len", "40"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert manifest["config"]["ridge_lambda"] == "gcv"
+    assert str(texts) in json.dumps(manifest["calibration"])
+
+
+def test_fit_refuses_a_missing_texts_file(pair, tmp_path):
+    small, large = pair
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--texts", str(tmp_path / "no")])
+    assert result.exit_code != 0 and "not a file" in result.output
+
+
+def test_tune_prints_and_saves_the_sweep(pair, tmp_path):
+    small, large = pair
+    out = tmp_path / "tune.json"
+    result = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--ks", "1,all",
+                                      "--lambdas", "0.01", "--exact-prefixes", "0,2", "--docs", "1",
+                                      "--prefix-len", "40", "--continuation-len", "8", "--sequences", "2",
+                                      "--seq-len", "48", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert len(saved["rows"]) == 4 and "mean_kl" in saved["source_reference"]
+    assert "dev sweep" in result.output
