@@ -399,6 +399,8 @@ def run_eval(
     Returns the result dictionary (also written as JSON when ``out_dir`` is given).
     """
     names = parse_tasks(tasks, extra=EXTRA_TASKS)
+    if exact_prefix is None:  # the mapper's own setting, recorded explicitly in the results
+        exact_prefix = getattr(mapper, "exact_prefix", 0)
     if "coqa" in names and reverse_mapper is None:
         raise ConfigError("the 'coqa' multi-turn task needs the reverse mapper (target → source) as well")
     out_path = None if out_dir is None else Path(out_dir)
