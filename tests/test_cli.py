@@ -18,11 +18,12 @@ def pair(tmp_path, monkeypatch):
 def test_fit_writes_a_loadable_mapper(pair, tmp_path):
     small, large = pair
     result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
-                                      "--top-k", "1", "--lambda", "0.1", "--sequences", "2", "--seq-len", "48"])
+                                      "--top-k", "1", "--lambda", "0.1", "--sequences", "2", "--seq-len", "48",
+                                      "--exact-prefix", "2"])
     assert result.exit_code == 0, result.output
     assert "saved" in result.output
     mapper = Mapper.load(tmp_path / "m")
-    assert mapper.top_k == 1 and mapper.manifest["config"]["ridge_lambda"] == 0.1
+    assert mapper.top_k == 1 and mapper.manifest["config"]["ridge_lambda"] == 0.1 and mapper.exact_prefix == 2
     assert mapper.manifest["calibration"]["num_tokens"] == 96
 
 

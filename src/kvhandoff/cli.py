@@ -51,6 +51,9 @@ def fit(
         str, typer.Option("--lambda", help="ridge λ relative to mean input variance, or 'gcv'")
     ] = str(FitConfig().ridge_lambda),
     stride: Annotated[int, typer.Option(help="keep every n-th calibration token")] = 4,
+    exact_prefix: Annotated[
+        int, typer.Option(help="leading tokens the target recomputes at handoff (recorded in the manifest)")
+    ] = FitConfig().exact_prefix,
     sequences: Annotated[int, typer.Option(help="calibration windows")] = CalibrationSpec().num_sequences,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = CalibrationSpec().seq_len,
     texts: Annotated[Path | None, typer.Option(help="UTF-8 text file to calibrate on (paragraphs split on blank "
@@ -62,7 +65,9 @@ def fit(
     from kvhandoff.corpus import calibration_batches, pack_texts
     from kvhandoff.fit import fit_mapper
 
-    config = FitConfig(top_k=_top_k(top_k), ridge_lambda=_ridge_lambda(ridge_lambda), token_stride=stride)
+    config = FitConfig(
+        top_k=_top_k(top_k), ridge_lambda=_ridge_lambda(ridge_lambda), token_stride=stride, exact_prefix=exact_prefix
+    )
     if texts is not None and not texts.is_file():
         raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")
     source_model, tokenizer = load_model(source)
