@@ -5,18 +5,6 @@ from __future__ import annotations
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-
-def one_thread():
-    """Generator for a module fixture: torch on one thread while the module runs (tiny models gain nothing from
-    more, and on a shared machine intra-op threads spin against other processes: tens of times slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 EOS = 256
 VOCAB = 260
 

@@ -9,16 +9,11 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from _eval_support import ByteTokenizer, NoisyMapper, one_thread, tiny_qwen2
+from _eval_support import ByteTokenizer, NoisyMapper, tiny_qwen2
 from kvhandoff.errors import ConfigError, IncompatiblePairError
 from kvhandoff.evaluation import cli as C
 
 MODELS = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_thread()
 
 
 @pytest.fixture

@@ -6,16 +6,11 @@ import dataclasses
 
 import pytest
 
-from _eval_support import ByteTokenizer, IdentityMapper, NoisyMapper, one_thread, tiny_qwen2
+from _eval_support import ByteTokenizer, IdentityMapper, NoisyMapper, tiny_qwen2
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation import multiturn as MT
 
 TOK = ByteTokenizer()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_thread()
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,10 @@ import math
 import pytest
 import torch
 
-from _eval_support import IdentityMapper, NoisyMapper, full_sequence_logprob, one_thread, tiny_qwen2
+from _eval_support import IdentityMapper, NoisyMapper, full_sequence_logprob, tiny_qwen2
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation import perplexity as P
 from kvhandoff.evaluation.scoring import Standalone
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_thread()
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,13 @@ import json
 import pytest
 import torch
 
-from _eval_support import ByteTokenizer, IdentityMapper, NoisyMapper, one_thread, tiny_qwen2
+from _eval_support import ByteTokenizer, IdentityMapper, NoisyMapper, tiny_qwen2
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation import runner as R
 from kvhandoff.evaluation.tasks import load_items
 
 TOK = ByteTokenizer()
 FAST = dict(tokenizer=TOK, n_resamples=50, progress=False, max_new_tokens=4)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_thread()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from _eval_support import (
     IdentityMapper,
     NoisyMapper,
     full_sequence_logprob,
-    one_thread,
     short_items,
     tiny_qwen2,
 )
@@ -21,11 +20,6 @@ from kvhandoff.evaluation import scoring as S
 from kvhandoff.evaluation.tasks import GenItem, load_items
 
 TOK = ByteTokenizer()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_thread()
 
 
 @pytest.fixture(scope="module")

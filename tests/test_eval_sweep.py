@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _eval_support import ByteTokenizer, IdentityMapper, NoisyMapper, one_thread, tiny_qwen2
+from _eval_support import ByteTokenizer, IdentityMapper, NoisyMapper, tiny_qwen2
 from kvhandoff.config import TOP_K_CHOICES
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation import sweep as SW
@@ -13,11 +13,6 @@ from kvhandoff.evaluation.runner import select_items
 
 TOK = ByteTokenizer()
 TASKS = ("arc_challenge", "winogrande")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    yield from one_thread()
 
 
 @pytest.fixture(scope="module")
