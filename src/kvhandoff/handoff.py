@@ -47,10 +47,10 @@ def handoff_cache(
     context; with `exact_prefix` > 0 the target recomputes only that many leading tokens; None = the
     mapper's own setting)."""
     _check_ids(input_ids, 1)
-    source_cache, _ = prefill(source_model, input_ids)
+    source_cache, _ = prefill(source_model, input_ids.to(source_model.device))
     mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
     prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
-    return patch_exact_prefix(mapped, target_model, input_ids, prefix)
+    return patch_exact_prefix(mapped, target_model, input_ids.to(target_model.device), prefix)
 
 
 @torch.inference_mode()

@@ -63,11 +63,9 @@ class Transfer(Condition):
         self.exact_prefix = exact_prefix
 
     def prefill(self, input_ids: torch.Tensor):
-        from kvhandoff.handoff import prefill
+        from kvhandoff.handoff import handoff_cache
 
-        cache = prefill(self.source, input_ids.to(model_device(self.source)))[0]
-        cache = transfer_cache(self.mapper, cache, self.source, self.reader)
-        return patch_prefix(cache, self.reader, input_ids, self.exact_prefix)
+        return handoff_cache(self.source, self.reader, self.mapper, input_ids, self.exact_prefix)
 
 
 def patch_prefix(cache, target_model, input_ids: torch.Tensor, exact_prefix: int | None):
