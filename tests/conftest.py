@@ -30,6 +30,17 @@ FAMILIES = {
 }
 
 
+#: Llama 3.1-style RoPE scaling, shrunk to the tiny models' context length.
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
+
+
 def tiny_model(
     family: str = "qwen2",
     layers: int = 2,

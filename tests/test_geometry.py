@@ -4,7 +4,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2
 from kvhandoff.errors import UnsupportedModelError
 from kvhandoff.geometry import model_fingerprint, read_geometry, signatures_match
 
-from conftest import tiny_model
+from conftest import LLAMA31_ROPE, tiny_model
 
 
 def test_reads_each_supported_family(family):
@@ -18,14 +18,7 @@ def test_reads_each_supported_family(family):
 def test_llama31_rope_scaling_is_read():
     model = tiny_model(
         "llama",
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 128,
-        },
+        rope_parameters=LLAMA31_ROPE,
     )
     rope = read_geometry(model).rope
     assert rope.rope_type == "llama3" and rope.rope_theta == 500000.0

@@ -5,18 +5,13 @@ from transformers import LlamaConfig
 from kvhandoff.errors import UnsupportedModelError
 from kvhandoff.rope import apply_rope, rope_frequencies, strip_rope
 
+from conftest import LLAMA31_ROPE
+
 ROPE_CASES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-    "llama3": {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 128,
-    },
+    "llama3": LLAMA31_ROPE,
     "yarn": {
         "rope_type": "yarn",
         "rope_theta": 10000.0,
