@@ -217,3 +217,21 @@ def test_real_pair_transfer_retains_most_of_the_target(tmp_path):
         assert acc["target"]["value"] > task["chance"] + 0.1, task  # the target model itself is competent
         assert acc["transfer"]["value"] > task["chance"], task  # the mapped cache carries the context
     assert result["summary"]["all"]["mean_retention"] > 0.6, result["summary"]  # measured: 0.78 (40 items)
+
+
+def test_items_sharing_a_prefix_are_computed_together():
+    from kvhandoff.evaluation.tasks import Choice, MCItem
+
+    def item(i, prefix):
+        context = (prefix or "") + f"Q{i}?"
+        return MCItem(f"i{i}", (Choice(context, " a", 1), Choice(context, " b", 1)), 0, shared_prefix=prefix)
+
+    items = [item(0, "A."), item(1, None), item(2, "B."), item(3, "A."), item(4, None), item(5, "B."), item(6, "A.")]
+    assert R.prefix_grouped_order(items) == [0, 3, 6, 1, 2, 5, 4]
+    assert R.prefix_grouped_order(items[1:2] + items[4:5]) == [0, 1]  # no prefixes: the order given
+
+    computed = []
+    run = R.RecordRun("target", "k", {}, lambda it: computed.append(it.id) or {"id": it.id, "gold": 0})
+    records = R.run_records("t", items, [run], None)
+    assert computed == ["i0", "i3", "i6", "i1", "i2", "i5", "i4"]
+    assert list(records["target"]) == [it.id for it in items]  # results keep the items' order

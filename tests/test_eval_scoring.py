@@ -17,7 +17,7 @@ from _eval_support import (
 )
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation import scoring as S
-from kvhandoff.evaluation.tasks import GenItem, load_items
+from kvhandoff.evaluation.tasks import Choice, GenItem, MCItem, load_items
 
 TOK = ByteTokenizer()
 
@@ -172,3 +172,192 @@ def test_exact_prefix_recomputes_the_leading_positions(models):
     assert patched["loglikelihoods"] != noisy["loglikelihoods"]
     with pytest.raises(ConfigError):
         S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=-1)
+
+
+# -- shared few-shot prefixes ---------------------------------------------------------------------------------
+
+FEWSHOT = "Answer with a letter.\n\nQ: Sky colour?\nA. blue\nB. red\nAnswer: A\n\n"
+
+
+def fewshot_items(prefix: str = FEWSHOT, questions=("Two plus two?", "Grass colour?", "Ice is?"), lead="Q: "):
+    """MMLU-like items sharing ``prefix`` (a short one keeps the byte-level models fast)."""
+    items = []
+    for i, question in enumerate(questions):
+        context = f"{prefix}{lead}{question}\nA. one\nB. two\nAnswer:"
+        choices = tuple(Choice(context, f" {letter}", 1) for letter in "AB")
+        items.append(MCItem(id=f"fewshot-{i}", choices=choices, gold=i % 2, shared_prefix=prefix))
+    return items
+
+
+class ForwardTokens:
+    """Counts the tokens a model runs forward (a forward pre-hook)."""
+
+    def __init__(self, model) -> None:
+        self.lengths: list[int] = []
+        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.lengths.append(int(ids.shape[1]))
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+@pytest.fixture(scope="module")
+def fitted_mapper(models):
+    from kvhandoff import FitConfig, fit_mapper
+
+    from conftest import random_batches
+
+    target, source = models
+    return fit_mapper(source, target, random_batches(4, tokens=32), FitConfig(ridge_lambda=1e-3), progress=False)
+
+
+def _conditions(kind, models, fitted_mapper, prefix_entries):
+    target, source = models
+    if kind == "target":
+        return S.Standalone("target", target, prefix_entries=prefix_entries)
+    if kind == "source":
+        return S.Standalone("source", source, prefix_entries=prefix_entries)
+    if kind == "transfer-noisy":
+        return S.Transfer("transfer", source, target, NoisyMapper(scale=0.3), exact_prefix=0,
+                          prefix_entries=prefix_entries)
+    if kind == "transfer-exact-prefix":
+        return S.Transfer("transfer", source, target, NoisyMapper(scale=0.3), exact_prefix=5,
+                          prefix_entries=prefix_entries)
+    # a real (fitted) mapper between two different models, with its own exact_prefix setting
+    return S.Transfer("transfer", source, target, fitted_mapper, prefix_entries=prefix_entries)
+
+
+@pytest.mark.parametrize("kind", ["target", "source", "transfer-noisy", "transfer-exact-prefix", "transfer-fitted"])
+def test_prefix_reuse_matches_full_prefill(models, fitted_mapper, kind):
+    items = fewshot_items()
+    gen = GenItem(id="fewshot-gen", context=FEWSHOT + "Q: One more?\nA. x\nB. y\nAnswer:", answer="A",
+                  shared_prefix=FEWSHOT)
+    reuse, full = (_conditions(kind, models, fitted_mapper, n) for n in (4, 0))
+    assert full.prefixes is None
+    for item in items:
+        with_reuse = S.evaluate_mc_item(reuse, TOK, item)["loglikelihoods"]
+        without = S.evaluate_mc_item(full, TOK, item)["loglikelihoods"]
+        assert with_reuse == pytest.approx(without, abs=1e-4)
+    assert S.evaluate_gen_item(reuse, TOK, gen, 8) == S.evaluate_gen_item(full, TOK, gen, 8)
+    assert (reuse.prefixes.misses, reuse.prefixes.hits, reuse.prefixes.mismatches) == (1, len(items), 0)
+    assert reuse.prefixes.keys() == [tuple(TOK.encode(FEWSHOT))]
+
+
+def test_prefix_reuse_differs_from_a_wrong_cache(models):
+    """The agreement above can fail: a prefix cache from the wrong model changes the scores."""
+    target, source = models
+    items = fewshot_items()
+    full = [S.evaluate_mc_item(S.Standalone("t", target, 0), TOK, it)["loglikelihoods"] for it in items]
+    cond = S.Standalone("t", target)
+    prefix_ids = TOK.encode(FEWSHOT)
+    cond.prefixes.copy_of(prefix_ids, lambda: S.Standalone("s", source, 0).prefill(torch.tensor([prefix_ids])))
+    wrong = [S.evaluate_mc_item(cond, TOK, it)["loglikelihoods"] for it in items]
+    assert cond.prefixes.hits == len(items)
+    assert all(w != pytest.approx(f, abs=1e-3) for w, f in zip(wrong, full, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["target", "transfer"])
+def test_prefix_prefilled_once_for_several_items(models, kind):
+    target, source = models
+    items = fewshot_items()
+    prefix_len = len(TOK.encode(FEWSHOT))
+    item_lens = [len(TOK.encode(it.choices[0].context)) - 1 for it in items]  # each item's prefill
+    totals = {}
+    for entries in (4, 0):
+        if kind == "target":
+            cond, prefiller = S.Standalone("target", target, prefix_entries=entries), target
+        else:  # the source prefills; the target only reads on (exact_prefix 0)
+            cond = S.Transfer("transfer", source, target, IdentityMapper(), exact_prefix=0, prefix_entries=entries)
+            prefiller = source
+        counter = ForwardTokens(prefiller)
+        try:
+            for item in items:
+                S.evaluate_mc_item(cond, TOK, item)
+        finally:
+            counter.close()
+        totals[entries] = counter.lengths
+    if kind == "transfer":
+        assert sorted(totals[0]) == sorted(item_lens)  # the source runs only the prefills
+        assert totals[4] == [prefix_len] + [n - prefix_len for n in item_lens]
+    assert sum(totals[0]) - sum(totals[4]) == (len(items) - 1) * prefix_len
+    assert totals[4].count(prefix_len) == 1 and totals[0].count(prefix_len) == 0
+
+
+def test_prefix_boundary_mismatch_falls_back(models):
+    """A BPE merge across the prefix boundary ("h" + "e" → "he") makes the prefix's tokens no prefix of the
+    context's: the context is prefilled in full; a boundary that tokenizes alike is reused."""
+    from conftest import tiny_tokenizer
+
+    target, _ = models
+    tok = tiny_tokenizer()
+    split = FEWSHOT + "Q: which is h"
+    items = fewshot_items(split, ("ello?", "eat?"), lead="")
+    assert tok.encode(split) != tok.encode(items[0].choices[0].context)[: len(tok.encode(split))]
+    reuse, full = S.Standalone("target", target), S.Standalone("target", target, prefix_entries=0)
+    for item in items:
+        assert S.evaluate_mc_item(reuse, tok, item) == S.evaluate_mc_item(full, tok, item)  # the same path
+    assert (reuse.prefixes.mismatches, reuse.prefixes.misses, len(reuse.prefixes)) == (len(items), 0, 0)
+
+    ok = fewshot_items()  # ends in "\n\n": the same tokens on both sides of the boundary
+    for item in ok:
+        assert S.evaluate_mc_item(reuse, tok, item)["loglikelihoods"] == pytest.approx(
+            S.evaluate_mc_item(full, tok, item)["loglikelihoods"], abs=1e-4)
+    assert (reuse.prefixes.misses, reuse.prefixes.hits) == (1, len(ok) - 1)
+
+
+def test_reusable_prefix_len():
+    assert S.reusable_prefix_len([1, 2, 3, 4], [1, 2]) == 2
+    assert S.reusable_prefix_len([1, 2, 3, 4], [1, 2, 3]) == 3  # the whole prefill ([:-1]) may be the prefix
+    assert S.reusable_prefix_len([1, 2, 3, 4], [1, 2, 3, 4]) == 0  # the prefill covers only [:-1]
+    assert S.reusable_prefix_len([1, 2, 3, 4], [1, 5]) == 0
+    assert S.reusable_prefix_len([1, 2, 3, 4], None) == S.reusable_prefix_len([1, 2, 3, 4], []) == 0
+
+
+def test_prefix_cache_lru_bound_and_copies():
+    built = []
+
+    def build(name):
+        return lambda: built.append(name) or {"cache": [name]}
+
+    lru = S.PrefixCache(max_entries=2)
+    a = lru.copy_of([1], build("a"))
+    a["cache"].append("mutated")  # callers get copies: the stored cache is untouched
+    assert lru.copy_of([1], build("a")) == {"cache": ["a"]}
+    lru.copy_of([2], build("b"))
+    lru.copy_of([1], build("a"))  # a is now the most recently used
+    lru.copy_of([3], build("c"))  # evicts b
+    assert len(lru) == 2 and lru.keys() == [(1,), (3,)] and [2] not in lru
+    lru.copy_of([2], build("b"))  # rebuilt, evicting a
+    assert built == ["a", "b", "c", "b"] and lru.keys() == [(3,), (2,)]
+    assert (lru.hits, lru.misses) == (2, 4)
+    none = S.PrefixCache(0)
+    none.copy_of([1], build("x"))
+    assert len(none) == 0
+    with pytest.raises(ConfigError):
+        S.PrefixCache(-1)
+
+
+def test_condition_prefix_cache_is_bounded(models):
+    target, _ = models
+    cond = S.Standalone("target", target, prefix_entries=2)
+    prefixes = [f"Topic {t}.\n\n" for t in "abc"]
+    for prefix in prefixes + prefixes[:1]:  # a, b, c, then a again (evicted by c)
+        S.evaluate_mc_item(cond, TOK, fewshot_items(prefix, ("Why?",))[0])
+    assert len(cond.prefixes) == 2
+    assert cond.prefixes.keys() == [tuple(TOK.encode(prefixes[2])), tuple(TOK.encode(prefixes[0]))]
+    assert (cond.prefixes.misses, cond.prefixes.hits) == (4, 0)
+
+
+@pytest.mark.parametrize("task", ["mmlu", "gsm8k"])
+def test_real_fewshot_prefixes_are_reused_token_prefixes(task):
+    """The MMLU and GSM8K prompts end their few-shot block at a boundary that both tokenizers keep."""
+    from conftest import tiny_tokenizer
+
+    item = load_items(task)[0]
+    context = item.choices[0].context if isinstance(item, MCItem) else item.context
+    for tok in (TOK, BosByteTokenizer(), tiny_tokenizer()):
+        prefix_ids = S.prefix_ids_of(tok, item)
+        assert prefix_ids and S.reusable_prefix_len(S.encode(tok, context), prefix_ids) == len(prefix_ids)

@@ -79,6 +79,9 @@ def test_mmlu_five_shot_from_dev_split():
     assert all(c.norm_length == 1 for c in item.choices)
     test_rows = hf_rows("hails/mmlu_no_train/abstract_algebra/test")
     assert item.gold == test_rows[0]["answer"]
+    # the 5-shot block is the item's shared prefix: one string per subject
+    assert item.shared_prefix == T.mmlu_prefix("abstract_algebra", list(dev))
+    assert context == item.shared_prefix + T._mmlu_question(test_rows[0])
 
 
 def test_gsm8k_eight_shot_cot_prompt():
@@ -88,6 +91,8 @@ def test_gsm8k_eight_shot_cot_prompt():
     assert "So the answer is" not in item.context and "Question:" not in item.context
     assert item.context.endswith("How much in dollars does she make every day at the farmers' market?\nA:")
     assert item.answer == "18" and item.stop == T.GSM8K_STOP and item.chance == 0.0
+    assert item.shared_prefix.count("The answer is") == 8 and item.shared_prefix.endswith(".\n\n")
+    assert item.context == item.shared_prefix + "Q: " + item.context.rsplit("Q: ", 1)[1]
 
 
 @pytest.mark.parametrize(
@@ -139,3 +144,25 @@ def test_parse_tasks():
         T.parse_tasks("core,squad")
     with pytest.raises(ConfigError):
         T.parse_tasks(" , ")
+
+
+def test_shared_prefixes_of_the_few_shot_tasks():
+    mmlu = T.load_items("mmlu")
+    by_subject: dict[str, set[str]] = {}
+    for item in mmlu:
+        assert all(c.context.startswith(item.shared_prefix) for c in item.choices)
+        by_subject.setdefault(item.id.rsplit("-", 1)[0], set()).add(item.shared_prefix)
+    assert len(by_subject) == 57 and all(len(prefixes) == 1 for prefixes in by_subject.values())
+    assert len(set().union(*by_subject.values())) == 57
+    assert len({item.shared_prefix for item in T.load_items("gsm8k")}) == 1
+    for name in ("arc_challenge", "hellaswag", "winogrande", "piqa", "boolq", "arc_easy"):
+        assert all(item.shared_prefix is None for item in T.load_items(name)[:50])
+
+
+def test_shared_prefix_must_start_every_context():
+    choices = (T.Choice("Shots. Q?", " a", 1), T.Choice("Shots. Q?", " b", 1))
+    assert T.MCItem("x", choices, 0, shared_prefix="Shots. ").shared_prefix == "Shots. "
+    with pytest.raises(ConfigError, match="shared_prefix"):
+        T.MCItem("x", choices, 0, shared_prefix="Other. ")
+    with pytest.raises(ConfigError, match="shared_prefix"):
+        T.GenItem("g", "Q: 1?\nA:", "1", shared_prefix="Q: 2")

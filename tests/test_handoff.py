@@ -92,3 +92,16 @@ def test_exact_prefix_restores_the_targets_own_leading_positions():
         assert torch.allclose(p_layer.keys[:, :, :3], o_layer.keys[:, :, :3], atol=1e-5)
         assert torch.equal(p_layer.values[:, :, 3:], m_layer.values[:, :, 3:])
     assert not torch.allclose(plain.layers[0].keys[:, :, :3], own.layers[0].keys[:, :, :3], atol=1e-3)
+
+
+def test_handoff_cache_from_a_given_source_cache(related_pairs):
+    source, target, mapper = related_pairs["qwen2"]
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(2))
+    given, _ = prefill(source, ids[:, :12])  # a prefix cache, extended by the rest
+    prefill(source, ids[:, 12:], cache=given)
+    fresh = handoff_cache(source, target, mapper, ids, exact_prefix=3)
+    reused = handoff_cache(source, target, mapper, ids, exact_prefix=3, source_cache=given)
+    for a, b in zip(fresh.layers, reused.layers, strict=True):
+        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+    with pytest.raises(ConfigError, match="source_cache"):
+        handoff_cache(source, target, mapper, ids[:, :20], source_cache=given)

@@ -41,13 +41,24 @@ def patch_exact_prefix(mapped_cache, target_model, input_ids: torch.Tensor, exac
 
 
 def handoff_cache(
-    source_model, target_model, mapper: Mapper, input_ids: torch.Tensor, exact_prefix: int | None = None
+    source_model,
+    target_model,
+    mapper: Mapper,
+    input_ids: torch.Tensor,
+    exact_prefix: int | None = None,
+    source_cache=None,
 ):
     """The target's cache for all of `input_ids`, built from the source's prefill (no target prefill of the
     context; with `exact_prefix` > 0 the target recomputes only that many leading tokens; None = the
-    mapper's own setting)."""
+    mapper's own setting). `source_cache`: the source's cache of exactly `input_ids` when the caller already
+    has one (e.g. a reused few-shot prefix extended by the rest); the source prefill is then skipped."""
     _check_ids(input_ids, 1)
-    source_cache, _ = prefill(source_model, input_ids.to(source_model.device))
+    if source_cache is None:
+        source_cache, _ = prefill(source_model, input_ids.to(source_model.device))
+    elif source_cache.get_seq_length() != input_ids.shape[1]:
+        raise ConfigError(
+            f"source_cache holds {source_cache.get_seq_length()} tokens, input_ids {input_ids.shape[1]}"
+        )
     mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
     prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
     return patch_exact_prefix(mapped, target_model, input_ids.to(target_model.device), prefix)

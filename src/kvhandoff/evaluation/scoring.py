@@ -9,12 +9,19 @@ A :class:`Condition` turns ``context_ids[:-1]`` into a KV cache and names the mo
 The reading model then consumes the last context token (whose logits predict the first continuation token)
 and the continuation. Multiple-choice items prefill each distinct context once per condition and score every
 choice from that cache, rolling it back with ``cache.crop`` between choices.
+
+Few-shot prefixes shared across items (``shared_prefix`` of MMLU and GSM8K items) are prefilled once per
+condition and kept in a small LRU (:class:`PrefixCache`, keyed by token ids): each item starts from a deep copy
+and prefills only its own tokens. ``target``/``source`` reuse the model's own prefix cache; ``transfer`` reuses
+the *source's* and maps the whole extended source cache as before. Reuse needs token-level agreement
+(``context_ids[:len(prefix_ids)] == prefix_ids``); otherwise the context is prefilled in full.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,27 +30,97 @@ import torch
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.tasks import GenItem, MCItem
 
+#: prefilled few-shot prefixes kept per condition (MMLU has 57 subject prefixes, GSM8K one)
+PREFIX_CACHE_ENTRIES = 4
+
+
+class PrefixCache:
+    """Prefilled shared prefixes, keyed by their token ids, least recently used dropped beyond ``max_entries``
+    (0 = keep none). Callers get deep copies; the stored caches are never extended."""
+
+    def __init__(self, max_entries: int = PREFIX_CACHE_ENTRIES) -> None:
+        if max_entries < 0:
+            raise ConfigError(f"max_entries must be >= 0, got {max_entries}")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+        self.hits = self.misses = self.mismatches = 0  # mismatches: contexts not starting with the prefix ids
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, prefix_ids: Sequence[int]) -> bool:
+        return tuple(prefix_ids) in self._entries
+
+    def keys(self) -> list[tuple[int, ...]]:
+        """Stored prefixes, least recently used first."""
+        return list(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def copy_of(self, prefix_ids: Sequence[int], build: Callable[[], Any]):
+        """A private copy of the cache of ``prefix_ids`` (``build()`` makes it on a miss)."""
+        key = tuple(int(i) for i in prefix_ids)
+        if key in self._entries:
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return copy.deepcopy(self._entries[key])
+        self.misses += 1
+        cache = build()
+        if self.max_entries == 0:
+            return cache
+        self._entries[key] = cache
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return copy.deepcopy(cache)
+
+    def prefill(self, model, input_ids: torch.Tensor, prefix_len: int):
+        """``model``'s cache of ``input_ids`` [1, T]: a copy of the cached first ``prefix_len`` tokens, extended
+        by the rest (a plain prefill when ``prefix_len`` is 0)."""
+        from kvhandoff.handoff import prefill
+
+        input_ids = input_ids.to(model_device(model))
+        if not 0 <= prefix_len <= input_ids.shape[1]:
+            raise ConfigError(f"prefix_len {prefix_len} outside 0..{input_ids.shape[1]}")
+        if prefix_len == 0:
+            return prefill(model, input_ids)[0]
+        cache = self.copy_of(input_ids[0, :prefix_len].tolist(), lambda: prefill(model, input_ids[:, :prefix_len])[0])
+        if input_ids.shape[1] > prefix_len:
+            prefill(model, input_ids[:, prefix_len:], cache)
+        return cache
+
 
 class Condition:
-    """How the context cache is made (:meth:`prefill`) and which model reads on from it (``reader``)."""
+    """How the context cache is made (:meth:`prefill`) and which model reads on from it (``reader``).
+
+    ``prefixes``: the condition's :class:`PrefixCache`, or None when it does not reuse shared prefixes.
+    """
 
     name: str
     reader: Any
+    prefixes: PrefixCache | None = None
 
-    def prefill(self, input_ids: torch.Tensor):
-        """A cache for ``input_ids`` [1, T] that ``reader`` can continue from."""
+    def prefill(self, input_ids: torch.Tensor, prefix_len: int = 0):
+        """A cache for ``input_ids`` [1, T] that ``reader`` can continue from; the first ``prefix_len`` tokens
+        are a shared prefix whose prefill may come from ``prefixes`` (only passed when ``prefixes`` is set)."""
         raise NotImplementedError
 
 
 class Standalone(Condition):
-    """A model on its own: it prefills the context and reads on."""
+    """A model on its own: it prefills the context and reads on.
 
-    def __init__(self, name: str, model) -> None:
+    prefix_entries: shared prefixes kept prefilled (:class:`PrefixCache`; 0 = no reuse).
+    """
+
+    def __init__(self, name: str, model, prefix_entries: int = PREFIX_CACHE_ENTRIES) -> None:
         self.name, self.model, self.reader = name, model, model
+        self.prefixes = PrefixCache(prefix_entries) if prefix_entries else None
 
-    def prefill(self, input_ids: torch.Tensor):
+    def prefill(self, input_ids: torch.Tensor, prefix_len: int = 0):
         from kvhandoff.handoff import prefill
 
+        if prefix_len and self.prefixes is not None:
+            return self.prefixes.prefill(self.model, input_ids, prefix_len)
         return prefill(self.model, input_ids.to(model_device(self.model)))[0]
 
 
@@ -52,20 +129,34 @@ class Transfer(Condition):
 
     exact_prefix: the target recomputes that many leading positions itself (``kvhandoff.handoff``'s
     attention-sink patch); 0 = a purely mapped cache; None = the mapper's own setting.
+    prefix_entries: shared prefixes kept prefilled by the *source* (0 = no reuse); the extended source cache
+    is mapped as a whole, as without reuse.
     """
 
-    def __init__(self, name: str, source_model, target_model, mapper, exact_prefix: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        source_model,
+        target_model,
+        mapper,
+        exact_prefix: int | None = None,
+        prefix_entries: int = PREFIX_CACHE_ENTRIES,
+    ) -> None:
         if exact_prefix is None:
             exact_prefix = getattr(mapper, "exact_prefix", 0)
         if exact_prefix < 0:
             raise ConfigError(f"exact_prefix must be >= 0, got {exact_prefix}")
         self.name, self.source, self.reader, self.mapper = name, source_model, target_model, mapper
         self.exact_prefix = exact_prefix
+        self.prefixes = PrefixCache(prefix_entries) if prefix_entries else None
 
-    def prefill(self, input_ids: torch.Tensor):
+    def prefill(self, input_ids: torch.Tensor, prefix_len: int = 0):
         from kvhandoff.handoff import handoff_cache
 
-        return handoff_cache(self.source, self.reader, self.mapper, input_ids, self.exact_prefix)
+        source_cache = None
+        if prefix_len and self.prefixes is not None:
+            source_cache = self.prefixes.prefill(self.source, input_ids, prefix_len)
+        return handoff_cache(self.source, self.reader, self.mapper, input_ids, self.exact_prefix, source_cache)
 
 
 def patch_prefix(cache, target_model, input_ids: torch.Tensor, exact_prefix: int | None):
@@ -138,12 +229,34 @@ class OpenContext:
     next_logprobs: torch.Tensor  # [V], float32
 
 
-def open_context(condition: Condition, context_ids: Sequence[int]) -> OpenContext:
-    """Prefill ``context_ids[:-1]`` with the condition, then let its reader consume the last context token."""
+def reusable_prefix_len(context_ids: Sequence[int], prefix_ids: Sequence[int] | None) -> int:
+    """``len(prefix_ids)`` when the context's prefill (``context_ids[:-1]``) starts with exactly those token ids,
+    else 0 (tokenisation at the prefix boundary can differ from the prefix's own)."""
+    if not prefix_ids:
+        return 0
+    n = len(prefix_ids)
+    if n > len(context_ids) - 1 or list(context_ids[:n]) != list(prefix_ids):
+        return 0
+    return n
+
+
+def open_context(
+    condition: Condition, context_ids: Sequence[int], prefix_ids: Sequence[int] | None = None
+) -> OpenContext:
+    """Prefill ``context_ids[:-1]`` with the condition, then let its reader consume the last context token.
+
+    prefix_ids: the token ids of a shared few-shot prefix; when the context starts with them and the condition
+    keeps a prefix cache, the prefix's prefill is reused (see the module docstring).
+    """
     if len(context_ids) < 2:
         raise ConfigError("a context needs at least 2 tokens (the prefill covers all but the last)")
+    prefixes = getattr(condition, "prefixes", None)
+    prefix_len = reusable_prefix_len(context_ids, prefix_ids) if prefixes is not None else 0
+    if prefix_ids and prefixes is not None and not prefix_len:
+        prefixes.mismatches += 1
     with torch.inference_mode():
-        cache = condition.prefill(torch.tensor([list(context_ids[:-1])], dtype=torch.long))
+        input_ids = torch.tensor([list(context_ids[:-1])], dtype=torch.long)
+        cache = condition.prefill(input_ids, prefix_len) if prefix_len else condition.prefill(input_ids)
         if cache.get_seq_length() != len(context_ids) - 1:
             raise RuntimeError(
                 f"condition {condition.name!r} returned a cache of {cache.get_seq_length()} tokens for a "
@@ -154,12 +267,15 @@ def open_context(condition: Condition, context_ids: Sequence[int]) -> OpenContex
 
 
 def continuation_logprobs(
-    condition: Condition, context_ids: Sequence[int], continuations: Sequence[Sequence[int]]
+    condition: Condition,
+    context_ids: Sequence[int],
+    continuations: Sequence[Sequence[int]],
+    prefix_ids: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of each continuation given the context, from one prefill of the context."""
     if any(len(c) == 0 for c in continuations):
         raise ConfigError("every continuation needs at least one token")
-    state = open_context(condition, context_ids)
+    state = open_context(condition, context_ids, prefix_ids)
     exact = _crop_is_exact(state.cache)
     results = []
     with torch.inference_mode():
@@ -178,10 +294,14 @@ def continuation_logprobs(
 
 
 def score_continuations(
-    condition: Condition, context_ids: Sequence[int], continuations: Sequence[Sequence[int]]
+    condition: Condition,
+    context_ids: Sequence[int],
+    continuations: Sequence[Sequence[int]],
+    prefix_ids: Sequence[int] | None = None,
 ) -> list[float]:
     """Summed log-likelihood of each continuation given the shared context (one prefill per call)."""
-    return [float(lp.double().sum()) for lp in continuation_logprobs(condition, context_ids, continuations)]
+    logprobs = continuation_logprobs(condition, context_ids, continuations, prefix_ids)
+    return [float(lp.double().sum()) for lp in logprobs]
 
 
 # -- tokenisation ---------------------------------------------------------------------------------------------
@@ -249,17 +369,30 @@ def greedy_from(state: OpenContext, tokenizer, max_new_tokens: int, stop: Sequen
 
 
 def generate_greedy(
-    condition: Condition, tokenizer, context_ids: Sequence[int], max_new_tokens: int, stop: Sequence[str] = ()
+    condition: Condition,
+    tokenizer,
+    context_ids: Sequence[int],
+    max_new_tokens: int,
+    stop: Sequence[str] = (),
+    prefix_ids: Sequence[int] | None = None,
 ) -> str:
     """Greedy continuation of ``context_ids`` under the condition, cut at the first stop string."""
-    return greedy_from(open_context(condition, context_ids), tokenizer, max_new_tokens, stop)[0]
+    return greedy_from(open_context(condition, context_ids, prefix_ids), tokenizer, max_new_tokens, stop)[0]
 
 
 # -- items ----------------------------------------------------------------------------------------------------
 
 
+def prefix_ids_of(tokenizer, item: MCItem | GenItem) -> list[int] | None:
+    """The token ids of the item's shared few-shot prefix, encoded as contexts are (special tokens included)."""
+    prefix = getattr(item, "shared_prefix", None)
+    return encode(tokenizer, prefix) if prefix else None
+
+
 def evaluate_mc_item(condition: Condition, tokenizer, item: MCItem) -> dict[str, Any]:
-    """Log-likelihood of every choice; choices sharing a context share its prefill."""
+    """Log-likelihood of every choice; choices sharing a context share its prefill, items sharing a few-shot
+    prefix share the prefix's prefill."""
+    prefix_ids = prefix_ids_of(tokenizer, item)
     groups: dict[str, list[int]] = {}
     for i, choice in enumerate(item.choices):
         groups.setdefault(choice.context, []).append(i)
@@ -267,7 +400,7 @@ def evaluate_mc_item(condition: Condition, tokenizer, item: MCItem) -> dict[str,
     for context, indices in groups.items():
         pairs = [encode_pair(tokenizer, context, item.choices[i].continuation) for i in indices]
         context_ids = pairs[0][0]
-        scores = score_continuations(condition, context_ids, [cont for _, cont in pairs])
+        scores = score_continuations(condition, context_ids, [cont for _, cont in pairs], prefix_ids)
         for i, score in zip(indices, scores, strict=True):
             lls[i] = score
     return {
@@ -280,7 +413,8 @@ def evaluate_mc_item(condition: Condition, tokenizer, item: MCItem) -> dict[str,
 
 def evaluate_gen_item(condition: Condition, tokenizer, item: GenItem, max_new_tokens: int = 256) -> dict[str, Any]:
     """Greedy generation for one item (the context is encoded as a whole, special tokens included)."""
-    output = generate_greedy(condition, tokenizer, encode(tokenizer, item.context), max_new_tokens, item.stop)
+    context_ids, prefix_ids = encode(tokenizer, item.context), prefix_ids_of(tokenizer, item)
+    output = generate_greedy(condition, tokenizer, context_ids, max_new_tokens, item.stop, prefix_ids)
     return {"id": item.id, "output": output, "gold": item.answer}
 
 

@@ -35,6 +35,10 @@ Deviations from lm-eval, by necessity or for speed:
   "Question:/Answer:" rewritten to lm-eval's "Q:/A:" and "So the answer is" to "The answer is"; generation also
   stops at a blank line (OLMES does, lm-eval does not) — an answer never spans one.
 - Every item id is a stable string (dataset id where there is one, else ``<task>-<row>``).
+- MMLU and GSM8K items name their few-shot prefix (``shared_prefix``: the subject's 5-shot block, the 8-shot
+  block); the conditions prefill it once and start each item from a copy of that cache (see
+  ``kvhandoff.evaluation.scoring``). The prompts are unchanged; scores agree with a full prefill up to
+  floating-point noise, and a prefix whose tokens do not match the context's leading tokens is not reused.
 """
 
 from __future__ import annotations
@@ -70,6 +74,11 @@ class MCItem:
     id: str
     choices: tuple[Choice, ...]
     gold: int
+    #: few-shot text every choice's context starts with, shared with other items (prefilled once); None = none
+    shared_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_prefix(self.id, self.shared_prefix, [c.context for c in self.choices])
 
     @property
     def chance(self) -> float:
@@ -84,6 +93,11 @@ class GenItem:
     context: str
     answer: str
     stop: tuple[str, ...] = ()
+    #: few-shot text ``context`` starts with, shared with other items (prefilled once); None = none
+    shared_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_prefix(self.id, self.shared_prefix, [self.context])
 
     @property
     def chance(self) -> float:
@@ -91,6 +105,11 @@ class GenItem:
 
 
 Item = MCItem | GenItem
+
+
+def _check_prefix(item_id: str, prefix: str | None, contexts: list[str]) -> None:
+    if prefix is not None and not all(context.startswith(prefix) for context in contexts):
+        raise ConfigError(f"item {item_id!r}: shared_prefix is not a prefix of every context")
 
 
 @dataclass(frozen=True)
@@ -190,6 +209,7 @@ def mmlu_item(row: dict[str, Any], subject: str, index: int, prefix: str) -> MCI
         id=f"mmlu-{subject}-{index}",
         choices=tuple(Choice(context, " " + letter, 1) for letter in MMLU_LETTERS),
         gold=int(row["answer"]),
+        shared_prefix=prefix,
     )
 
 
@@ -318,6 +338,7 @@ def _load_gsm8k() -> list[Item]:
             context=prefix + f"Q: {r['doc']['question']}\nA:",
             answer=gsm8k_gold(r["doc"]["answer"]),
             stop=GSM8K_STOP,
+            shared_prefix=prefix,
         )
         for r in requests
     ]
