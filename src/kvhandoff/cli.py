@@ -129,6 +129,8 @@ def tune(
     continuation_len: int = 128,
     sequences: Annotated[int, typer.Option(help="calibration windows")] = CalibrationSpec().num_sequences,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = CalibrationSpec().seq_len,
+    stride: Annotated[int, typer.Option(help="keep every n-th calibration token")] = FitConfig().token_stride,
+    features: Annotated[bool, typer.Option(help="also keep the feature rows (for --method mlp)")] = False,
     out: Annotated[Path, typer.Option(help="JSON file for the sweep table")] = Path("runs/tune.json"),
 ) -> None:
     """Sweep k × λ from one set of statistics, scored by next-token KL on held-out dev prose."""
@@ -144,10 +146,11 @@ def tune(
     source_model, tokenizer = load_model(source)
     target_model, _ = load_model(target)
     calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len)
-    stats, _ = obtain_statistics(source, target, source_model, target_model, tokenizer, FitConfig(), calibration)
+    stats, _ = obtain_statistics(source, target, source_model, target_model, tokenizer,
+                                 FitConfig(token_stride=stride), calibration, features=features)
     documents = heldout_documents(tokenizer, docs, min_tokens=prefix_len + continuation_len, source="lambada-heldout")
     divergence = HandoffDivergence(source_model, target_model, documents, prefix_len, continuation_len)
-    configs = [FitConfig(top_k=_top_k(k.strip()), ridge_lambda=_ridge_lambda(lam.strip()))
+    configs = [FitConfig(top_k=_top_k(k.strip()), ridge_lambda=_ridge_lambda(lam.strip()), token_stride=stride)
                for lam in lambdas.split(",") for k in ks.split(",")]
     rows = sweep(stats, configs, divergence, model_fingerprint(source_model, tokenizer),
                  model_fingerprint(target_model, tokenizer),

@@ -17,7 +17,12 @@ PROBE_LAMBDA = 0.01
 #: k values the layer-selection sweep considers ("all" = every source layer).
 TOP_K_CHOICES: tuple[int | str, ...] = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, "all")
 
-MAPPER_FORMAT_VERSION = 1
+#: newest mapper format this kvhandoff reads. Ridge mappers are written as version 1 (unchanged since the
+#: first release), MLP mappers as version 2, so an older kvhandoff refuses them instead of applying the
+#: linear part alone.
+MAPPER_FORMAT_VERSION = 2
+RIDGE_FORMAT_VERSION = 1
+MLP_FORMAT_VERSION = 2
 
 
 def kvhandoff_home() -> Path:
@@ -95,6 +100,47 @@ class CalibrationSpec:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.seq_len < 8:
             raise ConfigError(f"seq_len must be at least 8 tokens, got {self.seq_len}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """The MLP mapper (`--method mlp`): a residual MLP per target layer on top of a ridge mapper.
+
+    Each target layer's MLP reads the content-space K *and* V of its `input_layers` best source layers
+    (ranked by the same R² probes as the ridge), standardised, through two ReLU layers of `hidden` units, and
+    predicts what the ridge map leaves over (its last layer starts at zero, so training starts from the ridge
+    mapper exactly). Loss: squared error per (layer, K|V) relative to that output's total variance, i.e. 1 − R².
+    Trained with Adam on calibration feature rows; `validation_fraction` of the calibration windows (whole
+    windows) is held out and every target layer keeps the epoch with its lowest held-out loss, epoch 0 (the
+    ridge alone) included, so the MLP never makes a layer worse on held-out windows.
+    """
+
+    hidden: int = 256
+    input_layers: int = 4
+    epochs: int = 8
+    batch_size: int = 1024
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    validation_fraction: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "input_layers", "epochs", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"mlp {name} must be a positive integer, got {value!r}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"mlp learning_rate must be > 0, got {self.learning_rate!r}")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"mlp weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not 0 < self.validation_fraction < 1:
+            raise ConfigError(
+                f"mlp validation_fraction must be in (0, 1) (held-out windows choose each layer's epoch), "
+                f"got {self.validation_fraction!r}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)

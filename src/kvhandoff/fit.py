@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvhandoff.capture import capture_content_kv
-from kvhandoff.config import MAPPER_FORMAT_VERSION, FitConfig
+from kvhandoff.config import RIDGE_FORMAT_VERSION, FitConfig
 from kvhandoff.errors import IncompatiblePairError, StatisticsError
 from kvhandoff.geometry import model_fingerprint, read_geometry
 from kvhandoff.mapper import Mapper
@@ -51,8 +51,12 @@ def collect_statistics(
     config: FitConfig = FitConfig(),  # noqa: B008 - frozen, immutable default
     progress: bool = True,
     total: int | None = None,
+    feature_writer=None,
 ) -> CalibrationStats:
-    """One pass over calibration batches [batch, tokens]: capture both models, accumulate statistics."""
+    """One pass over calibration batches [batch, tokens]: capture both models, accumulate statistics.
+
+    feature_writer: a `features.FeatureShardWriter` that also receives every kept row (for the MLP mapper).
+    """
     stats = CalibrationStats(feature_layout(source_model), feature_layout(target_model))
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
@@ -61,12 +65,14 @@ def collect_statistics(
             raise StatisticsError(
                 f"calibration batches must be [batch, tokens] token ids, got {tuple(input_ids.shape)}"
             )
-        stats.update(
+        rows = stats.update(
             capture_content_kv(source_model, input_ids),
             capture_content_kv(target_model, input_ids),
             token_stride=config.token_stride,
             skip_first_tokens=config.skip_first_tokens,
         )
+        if feature_writer is not None:
+            feature_writer.append(*rows)
     return stats
 
 
@@ -99,7 +105,7 @@ def mapper_from_statistics(
                 weight[modality, layer], bias[modality, layer], r2[modality, layer] = w, b, layer_r2
                 chosen_lambda[modality][layer] = lam
     manifest = {
-        "format_version": MAPPER_FORMAT_VERSION,
+        "format_version": RIDGE_FORMAT_VERSION,
         "method": "ridge",
         "config": config.to_dict(),
         "source_fingerprint": source_fingerprint,

@@ -249,7 +249,8 @@ class Mapper:
         staging = path.with_name(f".{path.name}.saving")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        tensors = {"weight": self.weight.contiguous(), "bias": self.bias, "selected": self.selected}
+        tensors = {"weight": self.weight.contiguous(), "bias": self.bias, "selected": self.selected,
+                   **self._extra_tensors()}
         save_file(tensors, str(staging / TENSOR_FILE))
         manifest = {**self.manifest, "tensor_sha256": _sha256_file(staging / TENSOR_FILE)}
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
@@ -298,9 +299,17 @@ class Mapper:
             )
         with safe_open(str(tensor_path), framework="pt") as handle:
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-        mapper = cls(tensors["weight"], tensors["bias"], tensors["selected"], manifest)
+        mapper = _class_for(manifest, path)._from_tensors(tensors, manifest)
         mapper.verify_pair(source_model, target_model, source_tokenizer, target_tokenizer)
         return mapper
+
+    @classmethod
+    def _from_tensors(cls, tensors: dict[str, torch.Tensor], manifest: dict) -> Mapper:
+        return cls(tensors["weight"], tensors["bias"], tensors["selected"], manifest)
+
+    def _extra_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors a subclass saves beside the linear map's."""
+        return {}
 
     def verify_pair(self, source_model=None, target_model=None, source_tokenizer=None, target_tokenizer=None):
         """Raise MapperMismatchError unless the given models (and tokenizers) are the ones fitted for."""
@@ -326,6 +335,17 @@ class Mapper:
                         f"{_short(expected.get(key))}, given {_short(actual[key])}); load the mapper fitted for "
                         f"this pair or fit one with `kvhandoff fit`"
                     )
+
+
+def _class_for(manifest: dict, path: Path) -> type[Mapper]:
+    method = manifest.get("method", "ridge")
+    if method in ("ridge", "synthetic"):
+        return Mapper
+    if method == "mlp":
+        from kvhandoff.mlp import MLPMapper  # the MLP builds on Mapper: imported here, not at module level
+
+        return MLPMapper
+    raise MapperFormatError(f"{path} holds a mapper of unknown method {method!r}; upgrade kvhandoff or re-fit it")
 
 
 _SEQ_LEN_FREE_ROPE = frozenset({"default", "linear", "llama3", "yarn"})

@@ -74,8 +74,11 @@ class CalibrationStats:
         self.sum_yy = torch.zeros(target.width, target.width, dtype=torch.float64)
 
     # -- accumulation -----------------------------------------------------------------------------
-    def update(self, source: ContentKV, target: ContentKV, token_stride: int = 4, skip_first_tokens: int = 0):
-        """Add one batch. Both captures must cover the same token ids; every `token_stride`-th position is kept."""
+    def update(
+        self, source: ContentKV, target: ContentKV, token_stride: int = 4, skip_first_tokens: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add one batch. Both captures must cover the same token ids; every `token_stride`-th position is kept.
+        Returns the rows added (x [n, source width], y [n, target width], float64)."""
         tokens = source.num_tokens
         if target.num_tokens != tokens or source.keys.shape[1] != target.keys.shape[1]:
             raise StatisticsError(
@@ -83,8 +86,6 @@ class CalibrationStats:
                 f"{tuple(target.keys.shape)}): feed both models the same token batch"
             )
         positions = torch.arange(skip_first_tokens, tokens, token_stride)
-        if positions.numel() == 0:
-            return
         x = self.source.flatten(source, positions)
         y = self.target.flatten(target, positions)
         self.count += x.shape[0]
@@ -93,6 +94,7 @@ class CalibrationStats:
         self.sum_xx.addmm_(x.T, x)
         self.sum_xy.addmm_(x.T, y)
         self.sum_yy.addmm_(y.T, y)
+        return x, y
 
     def merge(self, other: CalibrationStats) -> CalibrationStats:
         """Statistics of the union of both token sets (shards of one calibration run add up exactly)."""

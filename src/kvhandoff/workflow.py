@@ -12,12 +12,15 @@ import json
 import time
 from pathlib import Path
 
-from kvhandoff.config import CalibrationSpec, FitConfig, kvhandoff_home
+from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, kvhandoff_home
 from kvhandoff.corpus import calibration_batches
 from kvhandoff.errors import KVHandoffError
-from kvhandoff.fit import check_pair, collect_statistics, mapper_from_statistics
+from kvhandoff.features import FeatureShardWriter, features_complete
+from kvhandoff.fit import check_pair, collect_statistics, feature_layout, mapper_from_statistics
 from kvhandoff.geometry import model_fingerprint
 from kvhandoff.mapper import Mapper
+from kvhandoff.mlp import MLPMapper, fit_mlp_mapper
+from kvhandoff.selection import layer_r2_matrix
 from kvhandoff.statistics import CalibrationStats
 
 
@@ -38,24 +41,35 @@ def statistics_path(source_spec: str, target_spec: str, config: FitConfig, calib
     return pair_dir(source_spec, target_spec) / f"stats-{key}.safetensors"
 
 
+def features_dir(source_spec: str, target_spec: str, config: FitConfig, calibration: CalibrationSpec) -> Path:
+    """Calibration feature rows of the same pass as `statistics_path` (only written when asked for)."""
+    stats_file = statistics_path(source_spec, target_spec, config, calibration)
+    return stats_file.with_name(stats_file.stem.replace("stats-", "features-", 1))
+
+
 def mapper_dir(source_spec: str, target_spec: str, config: FitConfig, calibration: CalibrationSpec) -> Path:
     return pair_dir(source_spec, target_spec) / f"mapper-{_key(config.to_dict(), calibration.to_dict())}"
 
 
 def obtain_statistics(
     source_spec: str, target_spec: str, source, target, tokenizer, config: FitConfig,
-    calibration: CalibrationSpec, progress: bool = True,
+    calibration: CalibrationSpec, progress: bool = True, features: bool = False,
 ) -> tuple[CalibrationStats, dict]:
     """Load the pair's calibration statistics, or collect and save them. Returns (stats, calibration info).
 
     Statistics collected for the opposite direction serve too: they hold both models' full Grams.
+    features: also make sure the pass's feature rows are on disk; info["features"] then says where
+    ({"folder", "reverse"}). When they are missing the pass is run again (statistics and rows must come
+    from the same tokens).
     """
-    path = statistics_path(source_spec, target_spec, config, calibration)
-    info_path = path.with_suffix(".json")
-    reverse_path = statistics_path(target_spec, source_spec, config, calibration)
-    for candidate, flip in ((path, False), (reverse_path, True)):
+    candidates = ((source_spec, target_spec, False), (target_spec, source_spec, True))
+    for first, second, flip in candidates:
+        candidate = statistics_path(first, second, config, calibration)
         candidate_info = candidate.with_suffix(".json")
+        feature_folder = features_dir(first, second, config, calibration)
         if not (candidate.is_file() and candidate_info.is_file()):
+            continue
+        if features and not features_complete(feature_folder):
             continue
         try:
             stats, info = CalibrationStats.load(candidate), json.loads(candidate_info.read_text())
@@ -63,24 +77,54 @@ def obtain_statistics(
             if progress:
                 print(f"cached statistics {candidate} not usable ({exc}); collecting again")
             continue
+        if features:
+            info = {**info, "features": {"folder": str(feature_folder), "reverse": flip}}
         if flip:
             stats = stats.reversed()
             info = {**info, "source_model": source_spec, "target_model": target_spec, "reused_reverse_pass": True}
         return stats, info
+    feature_folder = features_dir(source_spec, target_spec, config, calibration) if features else None
+    return _collect(source_spec, target_spec, source, target, tokenizer, config, calibration, progress,
+                    feature_folder)
+
+
+def _collect(source_spec, target_spec, source, target, tokenizer, config, calibration, progress, feature_folder=None):
+    path = statistics_path(source_spec, target_spec, config, calibration)
+    info_path = path.with_suffix(".json")
     corpus = calibration_batches(
         tokenizer, calibration.num_sequences, calibration.seq_len, seed=calibration.seed,
         batch_size=calibration.batch_size,
     )
     started = time.perf_counter()
-    stats = collect_statistics(source, target, corpus, config, progress)
+    writer = None
+    if feature_folder is not None:
+        writer = FeatureShardWriter(feature_folder, feature_layout(source), feature_layout(target))
+    stats = collect_statistics(source, target, corpus, config, progress, feature_writer=writer)
     info = {**corpus.describe(), "source_model": source_spec, "target_model": target_spec,
             "collect_seconds": round(time.perf_counter() - started, 1)}
+    if writer is not None:
+        writer.close({"calibration": info, "token_stride": config.token_stride})
     path.parent.mkdir(parents=True, exist_ok=True)
     stats.save(path)
     tmp = info_path.with_name(info_path.name + ".tmp")
     tmp.write_text(json.dumps(info, indent=2))
     tmp.replace(info_path)
+    if writer is not None:
+        info = {**info, "features": {"folder": str(feature_folder), "reverse": False}}
     return stats, info
+
+
+def _cached(folder: Path, source, target, tokenizer, expected: dict, progress: bool) -> Mapper | None:
+    """The mapper saved in `folder` if it loads, fits this pair and its manifest matches `expected`."""
+    if not folder.exists():
+        return None
+    try:
+        mapper = Mapper.load(folder, source, target, tokenizer, tokenizer)
+    except KVHandoffError as exc:  # stale or damaged cache entry: refit, never reuse silently
+        if progress:
+            print(f"cached mapper in {folder} not usable ({exc}); refitting")
+        return None
+    return mapper if all(mapper.manifest.get(key) == value for key, value in expected.items()) else None
 
 
 def obtain_mapper(
@@ -94,16 +138,11 @@ def obtain_mapper(
     progress: bool = True,
     refit: bool = False,
 ) -> tuple[Mapper, Path, bool]:
-    """Return (mapper, its folder, whether it was reused from the cache)."""
+    """Return (ridge mapper, its folder, whether it was reused from the cache)."""
     folder = mapper_dir(source_spec, target_spec, config, calibration)
-    if folder.exists() and not refit:
-        try:
-            mapper = Mapper.load(folder, source, target, tokenizer, tokenizer)
-            if mapper.manifest.get("config") == config.to_dict():
-                return mapper, folder, True
-        except KVHandoffError as exc:  # stale or damaged cache entry: refit, never reuse silently
-            if progress:
-                print(f"cached mapper in {folder} not usable ({exc}); refitting")
+    cached = None if refit else _cached(folder, source, target, tokenizer, {"config": config.to_dict()}, progress)
+    if cached is not None:
+        return cached, folder, True
     check_pair(source, target, tokenizer, tokenizer)
     stats, info = obtain_statistics(
         source_spec, target_spec, source, target, tokenizer, config, calibration, progress
@@ -112,5 +151,47 @@ def obtain_mapper(
         stats, config, model_fingerprint(source, tokenizer), model_fingerprint(target, tokenizer), info,
         max_position_embeddings=(source.config.max_position_embeddings, target.config.max_position_embeddings),
     )
+    mapper.save(folder)
+    return mapper, folder, False
+
+
+def mlp_mapper_dir(source_spec: str, target_spec: str, config: FitConfig, calibration: CalibrationSpec,
+                   mlp: MLPConfig) -> Path:
+    return pair_dir(source_spec, target_spec) / f"mlp-{_key(config.to_dict(), calibration.to_dict(), mlp.to_dict())}"
+
+
+def obtain_mlp_mapper(
+    source_spec: str,
+    target_spec: str,
+    source,
+    target,
+    tokenizer,
+    config: FitConfig = FitConfig(),  # noqa: B008 - frozen
+    calibration: CalibrationSpec = CalibrationSpec(),  # noqa: B008 - frozen
+    mlp: MLPConfig = MLPConfig(),  # noqa: B008 - frozen
+    progress: bool = True,
+    refit: bool = False,
+) -> tuple[MLPMapper, Path, bool]:
+    """Return (MLP mapper around the ridge mapper of `config`, its folder, whether it was reused).
+
+    Needs the calibration rows: a pass that kept none runs again with them (`obtain_statistics`).
+    """
+    folder = mlp_mapper_dir(source_spec, target_spec, config, calibration, mlp)
+    expected = {"config": config.to_dict(), "mlp_config": mlp.to_dict()}
+    cached = None if refit else _cached(folder, source, target, tokenizer, expected, progress)
+    if cached is not None:
+        return cached, folder, True
+    check_pair(source, target, tokenizer, tokenizer)
+    stats, info = obtain_statistics(
+        source_spec, target_spec, source, target, tokenizer, config, calibration, progress, features=True
+    )
+    features = info.pop("features")
+    r2 = layer_r2_matrix(stats, config.probe_lambda)
+    base = mapper_from_statistics(
+        stats, config, model_fingerprint(source, tokenizer), model_fingerprint(target, tokenizer), info,
+        max_position_embeddings=(source.config.max_position_embeddings, target.config.max_position_embeddings),
+        r2_matrix=r2,
+    )
+    mapper = fit_mlp_mapper(base, features["folder"], r2, mlp, reverse=features["reverse"], progress=progress)
     mapper.save(folder)
     return mapper, folder, False

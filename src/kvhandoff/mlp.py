@@ -1,0 +1,257 @@
+"""The MLP mapper (`--method mlp`): a ridge mapper plus a small residual MLP per target layer.
+
+The paper rescues pairs where ridge fails with per-(layer, head, K|V) MLPs of two 1,024-unit hidden layers.
+That size does not train on a 2-core CPU, so this is the same idea in a form that does: per target layer one
+MLP reads the content-space K *and* V of its `input_layers` best source layers and predicts what the ridge
+map leaves over; its output layer starts at zero, so training starts from the ridge mapper exactly and
+per-layer early stopping on held-out windows never lets a layer end worse than the ridge on them
+(settings: `config.MLPConfig`). Training needs the calibration rows themselves (`features.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from kvhandoff.config import MLP_FORMAT_VERSION, MLPConfig
+from kvhandoff.errors import MapperFormatError, StatisticsError
+from kvhandoff.features import load_features, read_manifest
+from kvhandoff.mapper import Mapper
+from kvhandoff.selection import select_layers
+from kvhandoff.statistics import FeatureLayout
+
+_MLP_TENSORS = ("in_mean", "in_scale", "out_scale", "w1", "b1", "w2", "b2", "w3", "b3")
+
+
+class ResidualMLP(torch.nn.Module):
+    """`layers` independent MLPs applied as batched matmuls: x [layers, rows, in] → [layers, rows, out]."""
+
+    def __init__(self, layers: int, in_features: int, hidden: int, out_features: int, seed: int = 0):
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+
+        def kaiming(fan_in: int, fan_out: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.randn(layers, fan_in, fan_out, generator=generator) * math.sqrt(2 / fan_in))
+
+        self.w1, self.w2 = kaiming(in_features, hidden), kaiming(hidden, hidden)
+        self.b1 = torch.nn.Parameter(torch.zeros(layers, 1, hidden))
+        self.b2 = torch.nn.Parameter(torch.zeros(layers, 1, hidden))
+        self.w3 = torch.nn.Parameter(torch.zeros(layers, hidden, out_features))  # zero: starts as "no correction"
+        self.b3 = torch.nn.Parameter(torch.zeros(layers, 1, out_features))
+        self.register_buffer("in_mean", torch.zeros(layers, 1, in_features))
+        self.register_buffer("in_scale", torch.ones(layers, 1, in_features))
+        self.register_buffer("out_scale", torch.ones(layers, 1, out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = (x - self.in_mean) * self.in_scale
+        h = torch.relu(torch.baddbmm(self.b1, z, self.w1))
+        h = torch.relu(torch.baddbmm(self.b2, h, self.w2))
+        return torch.baddbmm(self.b3, h, self.w3) * self.out_scale
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name).detach().contiguous() for name in _MLP_TENSORS}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> ResidualMLP:
+        layers, in_features, hidden = tensors["w1"].shape
+        model = cls(layers, in_features, hidden, tensors["w3"].shape[2])
+        with torch.no_grad():
+            for name in _MLP_TENSORS:
+                if tuple(tensors[name].shape) != tuple(getattr(model, name).shape):
+                    raise MapperFormatError(f"MLP tensor {name} has shape {tuple(tensors[name].shape)}, expected "
+                                            f"{tuple(getattr(model, name).shape)}; re-fit the mapper")
+                getattr(model, name).copy_(tensors[name])
+        return model.eval().requires_grad_(False)
+
+    def num_parameters(self) -> int:
+        return sum(t.numel() for t in self.tensors().values())
+
+
+def input_columns(layout: FeatureLayout, input_layers: torch.Tensor) -> torch.Tensor:
+    """[target layers, 2·m·Fs] columns of a source feature row read by each target layer's MLP: K of its m
+    source layers, then their V (the order `MLPMapper._map_rows` gathers in)."""
+    return torch.stack([torch.cat([layout.layer_indices(0, layers), layout.layer_indices(1, layers)])
+                        for layers in input_layers])
+
+
+def output_columns(layout: FeatureLayout) -> torch.Tensor:
+    """[target layers, 2·Ft] columns of a target feature row: each layer's K, then its V."""
+    return torch.stack([torch.cat([torch.arange(layout.layer_slice(m, t).start, layout.layer_slice(m, t).stop)
+                                   for m in (0, 1)]) for t in range(layout.num_layers)])
+
+
+class MLPMapper(Mapper):
+    """A ridge `Mapper` whose content-space output each target layer's `ResidualMLP` corrects."""
+
+    def __init__(self, weight, bias, selected, manifest, input_layers: torch.Tensor, mlp: ResidualMLP):
+        super().__init__(weight, bias, selected, manifest)
+        self.input_layers = input_layers.long()
+        expected = (self.target.num_layers, 2 * self.input_layers.shape[1] * self.source.layer_width,
+                    2 * self.target.layer_width)
+        if (tuple(self.input_layers.shape[:1]), mlp.w1.shape[0], mlp.w1.shape[1], mlp.w3.shape[2]) != (
+            expected[:1], *expected
+        ):
+            raise MapperFormatError(
+                f"MLP of {tuple(mlp.w1.shape)}→{tuple(mlp.w3.shape)} does not fit a {expected[0]}-layer target "
+                f"reading {self.input_layers.shape[1]} source layers; re-fit the mapper"
+            )
+        self.mlp = mlp.eval().requires_grad_(False)
+
+    def _map_rows(self, x: torch.Tensor) -> torch.Tensor:
+        y = super()._map_rows(x)  # [2, B, T, Lt, Ht, Dt]
+        src, tgt = self.source, self.target
+        _, batch, tokens = x.shape[:3]
+        rows = x.reshape(2, batch * tokens, src.num_layers, src.layer_width)[:, :, self.input_layers]
+        inputs = rows.permute(2, 1, 0, 3, 4).reshape(tgt.num_layers, batch * tokens, -1)  # [Lt, N, 2·m·Fs]
+        with torch.no_grad():
+            correction = self.mlp(inputs)  # [Lt, N, 2·Ft]
+        y += correction.view(tgt.num_layers, batch, tokens, 2, tgt.num_kv_heads, tgt.head_dim).permute(
+            3, 1, 2, 0, 4, 5
+        )
+        return y
+
+    def num_parameters(self) -> int:
+        return super().num_parameters() + self.mlp.num_parameters()
+
+    def nbytes(self) -> int:
+        return super().nbytes() + sum(t.numel() * t.element_size() for t in self.mlp.tensors().values())
+
+    def _extra_tensors(self) -> dict[str, torch.Tensor]:
+        return {"mlp_input_layers": self.input_layers, **{f"mlp.{k}": v for k, v in self.mlp.tensors().items()}}
+
+    @classmethod
+    def _from_tensors(cls, tensors: dict[str, torch.Tensor], manifest: dict) -> MLPMapper:
+        missing = [n for n in ("mlp_input_layers", *(f"mlp.{k}" for k in _MLP_TENSORS)) if n not in tensors]
+        if missing:
+            raise MapperFormatError(f"MLP mapper file lacks tensors {missing}; re-fit the mapper")
+        mlp = ResidualMLP.from_tensors({k: tensors[f"mlp.{k}"] for k in _MLP_TENSORS})
+        return cls(tensors["weight"], tensors["bias"], tensors["selected"], manifest, tensors["mlp_input_layers"], mlp)
+
+
+def ridge_rows(base: Mapper, x: torch.Tensor) -> torch.Tensor:
+    """The linear mapper's prediction for source feature rows x [n, source width] as target rows [n, target width]."""
+    src = base.source
+    grid = x.view(-1, 2, src.num_layers, src.num_kv_heads, src.head_dim).transpose(0, 1).unsqueeze(1).contiguous()
+    y = Mapper._map_rows(base, grid)  # [2, 1, n, Lt, Ht, Dt]
+    return y.permute(1, 2, 0, 3, 4, 5).reshape(x.shape[0], -1)
+
+
+def _validation_shards(num_shards: int, fraction: float, seed: int) -> torch.Tensor:
+    if num_shards < 2:
+        raise StatisticsError(
+            f"the MLP holds out whole calibration windows to choose its epochs, but the features have only "
+            f"{num_shards} window(s); calibrate on at least 2 (better 20+) windows"
+        )
+    count = min(num_shards - 1, max(1, round(fraction * num_shards)))
+    return torch.randperm(num_shards, generator=torch.Generator().manual_seed(seed))[:count]
+
+
+def fit_mlp_mapper(
+    base: Mapper,
+    features: str | Path,
+    r2_matrix: torch.Tensor,
+    config: MLPConfig = MLPConfig(),  # noqa: B008 - frozen
+    reverse: bool = False,
+    progress: bool = True,
+) -> MLPMapper:
+    """Train the residual MLPs on the calibration rows in `features` around the ridge mapper `base`.
+
+    r2_matrix: the single-source probe R² [K|V, target layer, source layer] that ranks each target layer's
+    MLP inputs (`selection.layer_r2_matrix` of the same statistics). reverse: the rows were written for the
+    opposite direction (swap x and y), as reversed statistics are.
+    """
+    started = time.perf_counter()
+    torch.manual_seed(config.seed)
+    manifest = read_manifest(features)
+    x, y, shard = load_features(features)
+    layouts = (FeatureLayout(**manifest["source_layout"]), FeatureLayout(**manifest["target_layout"]))
+    if reverse:
+        x, y, layouts = y, x, layouts[::-1]
+    if layouts != (base.source, base.target):
+        raise StatisticsError(
+            f"feature rows in {features} have layouts {layouts}, the mapper {(base.source, base.target)}: they "
+            "come from another model pair or direction"
+        )
+    src, tgt = base.source, base.target
+    input_layers = select_layers(r2_matrix, config.input_layers)  # [Lt, m]
+    in_cols, out_cols = input_columns(src, input_layers), output_columns(tgt)
+
+    held_out = torch.isin(shard, _validation_shards(int(shard.max()) + 1, config.validation_fraction, config.seed))
+    train_rows, val_rows = (~held_out).nonzero().squeeze(1), held_out.nonzero().squeeze(1)
+    y_var = y[train_rows].var(0)  # before y becomes the residual: the loss is relative to each output's variance
+    with torch.no_grad():
+        for start in range(0, x.shape[0], 4096):
+            y[start : start + 4096] -= ridge_rows(base, x[start : start + 4096])
+    x_mean, x_std = x[train_rows].mean(0), x[train_rows].std(0).clamp_min(1e-6)
+
+    model = ResidualMLP(tgt.num_layers, in_cols.shape[1], config.hidden, out_cols.shape[1], seed=config.seed)
+    with torch.no_grad():
+        model.in_mean.copy_(x_mean[in_cols].unsqueeze(1))
+        model.in_scale.copy_(1 / x_std[in_cols].unsqueeze(1))
+        per_modality = y_var[out_cols].view(tgt.num_layers, 2, -1).mean(-1).clamp_min(1e-12).sqrt()
+        model.out_scale.copy_(per_modality.repeat_interleave(tgt.layer_width, dim=1).unsqueeze(1))
+
+    def batch(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x[rows][:, in_cols].transpose(0, 1), y[rows][:, out_cols].transpose(0, 1)
+
+    def layer_losses(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((pred - target) / model.out_scale).pow(2).mean(dim=(1, 2))  # [Lt]: (1 − R²) units
+
+    @torch.no_grad()
+    def validation_loss() -> torch.Tensor:
+        total = torch.zeros(tgt.num_layers)
+        for start in range(0, val_rows.numel(), 4096):
+            rows = val_rows[start : start + 4096]
+            inputs, target = batch(rows)
+            total += layer_losses(model(inputs), target) * rows.numel()
+        return total / val_rows.numel()
+
+    ridge_loss = validation_loss()
+    best_loss, best_epoch = ridge_loss.clone(), torch.zeros(tgt.num_layers, dtype=torch.long)
+    best = {name: tensor.detach().clone() for name, tensor in model.named_parameters()}
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    history = []
+    steps = math.ceil(train_rows.numel() / config.batch_size)
+    bar = tqdm(total=config.epochs * steps, desc="mlp", unit="step", disable=not progress)
+    for epoch in range(1, config.epochs + 1):
+        order = train_rows[torch.randperm(train_rows.numel())]
+        train_total = 0.0
+        for start in range(0, order.numel(), config.batch_size):
+            inputs, target = batch(order[start : start + config.batch_size])
+            loss = layer_losses(model(inputs), target).sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            train_total += float(loss.detach()) / tgt.num_layers
+            bar.update()
+        val = validation_loss()
+        improved = val < best_loss
+        with torch.no_grad():
+            for name, tensor in model.named_parameters():
+                best[name][improved] = tensor.detach()[improved]
+        best_loss, best_epoch = torch.where(improved, val, best_loss), torch.where(improved, epoch, best_epoch)
+        history.append({"epoch": epoch, "train_loss": train_total / steps, "val_loss": float(val.mean())})
+        bar.set_postfix(val=f"{float(val.mean()):.4f}", ridge=f"{float(ridge_loss.mean()):.4f}")
+    bar.close()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            tensor.copy_(best[name])
+
+    base_manifest = {k: v for k, v in copy.deepcopy(base.manifest).items() if k != "tensor_sha256"}
+    base_manifest["fit_metrics"]["mlp"] = {
+        "heldout_windows": int(torch.unique(shard[val_rows]).numel()),
+        "train_rows": int(train_rows.numel()), "heldout_rows": int(val_rows.numel()),
+        "heldout_loss_ridge": float(ridge_loss.mean()), "heldout_loss_mlp": float(best_loss.mean()),
+        "heldout_loss_ridge_per_layer": ridge_loss.tolist(), "heldout_loss_mlp_per_layer": best_loss.tolist(),
+        "epoch_per_layer": best_epoch.tolist(), "history": history,
+        "train_seconds": round(time.perf_counter() - started, 1),
+    }
+    manifest = {**base_manifest, "format_version": MLP_FORMAT_VERSION, "method": "mlp",
+                "mlp_config": config.to_dict(), "mlp_input_layers": input_layers.tolist(),
+                "mlp_features": {"rows": int(x.shape[0]), "calibration": manifest.get("calibration")}}
+    return MLPMapper(base.weight, base.bias, base.selected, manifest, input_layers, model)
