@@ -56,3 +56,33 @@ def test_tune_prints_and_saves_the_sweep(pair, tmp_path):
     saved = json.loads(out.read_text())
     assert len(saved["rows"]) == 4 and "mean_kl" in saved["source_reference"]
     assert "dev sweep" in result.output
+
+
+def test_fit_mlp_then_score_it_in_tune(pair, tmp_path):
+    small, large = pair
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+                                      "--method", "mlp", "--sequences", "3", "--seq-len", "48", "--epochs", "1",
+                                      "--hidden", "8", "--mlp-inputs", "1"])
+    assert result.exit_code == 0, result.output
+    assert "held-out loss" in result.output
+    mapper = Mapper.load(tmp_path / "m")
+    assert mapper.manifest["method"] == "mlp" and mapper.manifest["mlp_config"]["hidden"] == 8
+    out = tmp_path / "tune.json"
+    result = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--ks", "all",
+                                      "--lambdas", "0.01", "--docs", "1", "--prefix-len", "40",
+                                      "--continuation-len", "8", "--sequences", "3", "--seq-len", "48",
+                                      "--mapper", str(tmp_path / "m"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert {row.get("method", "ridge") for row in rows} == {"ridge", "mlp"}
+
+
+def test_fit_refuses_unknown_method_and_mlp_on_texts(pair, tmp_path):
+    small, large = pair
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--method", "forest"])
+    assert result.exit_code != 0 and "unknown method" in result.output
+    texts = tmp_path / "t.txt"
+    texts.write_text("some text")
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--method", "mlp",
+                                      "--texts", str(texts)])
+    assert result.exit_code != 0 and "built-in corpus" in result.output

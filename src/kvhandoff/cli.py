@@ -11,7 +11,7 @@ import typer
 from kvhandoff.analyze import analyze_command
 from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.bench import bench_command
-from kvhandoff.config import CalibrationSpec, FitConfig
+from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig
 from kvhandoff.errors import KVHandoffError
 from kvhandoff.evaluation.cli import eval_command, render_command
 
@@ -59,6 +59,13 @@ def fit(
     texts: Annotated[Path | None, typer.Option(help="UTF-8 text file to calibrate on (paragraphs split on blank "
                                                "lines) instead of the built-in prose corpus")] = None,
     seed: int = 0,
+    method: Annotated[str, typer.Option(help="'ridge' (closed form) or 'mlp' (ridge + residual MLP per target "
+                                             "layer, trained on the calibration rows)")] = "ridge",
+    hidden: Annotated[int, typer.Option(help="mlp: hidden units per layer")] = MLPConfig().hidden,
+    mlp_inputs: Annotated[int, typer.Option(help="mlp: source layers (K and V) read by each target layer's MLP")] = (
+        MLPConfig().input_layers
+    ),
+    epochs: Annotated[int, typer.Option(help="mlp: training epochs")] = MLPConfig().epochs,
 ) -> None:
     """Fit a mapper from SOURCE's KV cache to TARGET's and save it to OUT."""
     from kvhandoff.assets import load_model
@@ -68,10 +75,26 @@ def fit(
     config = FitConfig(
         top_k=_top_k(top_k), ridge_lambda=_ridge_lambda(ridge_lambda), token_stride=stride, exact_prefix=exact_prefix
     )
+    if method not in ("ridge", "mlp"):
+        raise typer.BadParameter(f"unknown method {method!r}; use 'ridge' or 'mlp'", param_hint="--method")
     if texts is not None and not texts.is_file():
         raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")
     source_model, tokenizer = load_model(source)
     target_model, target_tokenizer = load_model(target)
+    if method == "mlp":
+        from kvhandoff.workflow import obtain_mlp_mapper
+
+        if texts is not None:
+            raise typer.BadParameter("--method mlp calibrates on the built-in corpus (its rows are cached per "
+                                     "pair); drop --texts or use --method ridge", param_hint="--texts")
+        mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed)
+        mapper, _, _ = obtain_mlp_mapper(source, target, source_model, target_model, tokenizer, config,
+                                         CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed), mlp)
+        mapper.save(out)
+        metrics = mapper.manifest["fit_metrics"]["mlp"]
+        typer.echo(f"saved {out} ({mapper.num_parameters():,} parameters); held-out loss (1 − R²) ridge "
+                   f"{metrics['heldout_loss_ridge']:.4f} → mlp {metrics['heldout_loss_mlp']:.4f}")
+        return
     if texts is not None:
         paragraphs = [p.strip() for p in texts.read_text(encoding="utf-8").split("\n\n") if p.strip()]
         corpus = pack_texts(tokenizer, paragraphs, sequences, seq_len, seed=seed, name=str(texts))
@@ -131,6 +154,8 @@ def tune(
     seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = CalibrationSpec().seq_len,
     stride: Annotated[int, typer.Option(help="keep every n-th calibration token")] = FitConfig().token_stride,
     features: Annotated[bool, typer.Option(help="also keep the feature rows (for --method mlp)")] = False,
+    mappers: Annotated[list[Path] | None, typer.Option("--mapper", help="also score this saved mapper (repeatable)")]
+    = None,
     out: Annotated[Path, typer.Option(help="JSON file for the sweep table")] = Path("runs/tune.json"),
 ) -> None:
     """Sweep k × λ from one set of statistics, scored by next-token KL on held-out dev prose."""
@@ -140,7 +165,8 @@ def tune(
     from kvhandoff.assets import load_model
     from kvhandoff.corpus import heldout_documents
     from kvhandoff.geometry import model_fingerprint
-    from kvhandoff.tuning import HandoffDivergence, sweep
+    from kvhandoff.mapper import Mapper
+    from kvhandoff.tuning import HandoffDivergence, score_saved_mapper, sweep
     from kvhandoff.workflow import obtain_statistics
 
     source_model, tokenizer = load_model(source)
@@ -156,13 +182,17 @@ def tune(
                  model_fingerprint(target_model, tokenizer),
                  (source_model.config.max_position_embeddings, target_model.config.max_position_embeddings),
                  exact_prefixes=[int(p) for p in exact_prefixes.split(",")])
+    for folder in mappers or []:
+        rows.extend(score_saved_mapper(Mapper.load(folder, source_model, target_model, tokenizer, tokenizer),
+                                       divergence, [int(p) for p in exact_prefixes.split(",")], str(folder)))
+    rows.sort(key=lambda row: row["mean_kl"])
     reference = divergence.source_reference()
     table = Table(title=f"dev sweep {source} → {target} ({rows[0]['documents']} docs, {rows[0]['tokens']} tokens); "
                         f"source model alone: KL {reference['mean_kl']:.3f}, top-1 {reference['top1_agreement']:.3f}")
-    for column in ("k", "λ", "exact prefix", "R² K", "R² V", "mean KL", "top-1", "ppl ratio"):
+    for column in ("mapper", "k", "λ", "exact prefix", "R² K", "R² V", "mean KL", "top-1", "ppl ratio"):
         table.add_column(column)
     for row in rows:
-        table.add_row(str(row["top_k"]), str(row["ridge_lambda"]), str(row["exact_prefix"]),
+        table.add_row(row.get("mapper", "ridge"), str(row["top_k"]), str(row["ridge_lambda"]), str(row["exact_prefix"]),
                       f"{row['r2_k']:.3f}", f"{row['r2_v']:.3f}",
                       f"{row['mean_kl']:.3f}", f"{row['top1_agreement']:.3f}", f"{row['ppl_ratio']:.3f}")
     Console().print(table)

@@ -127,3 +127,14 @@ def sweep(
                 "solve_seconds": round(solve_seconds, 2), "parameters": mapper.num_parameters(), **metrics,
             })
     return sorted(rows, key=lambda row: row["mean_kl"])
+
+
+def score_saved_mapper(mapper, divergence: HandoffDivergence, exact_prefixes: Sequence[int], name: str) -> list[dict]:
+    """Rows like `sweep`'s for an already fitted mapper (e.g. an MLP mapper), labelled `name`."""
+    metrics = mapper.manifest.get("fit_metrics", {})
+    config = mapper.manifest.get("config", {})
+    return [{"mapper": name, "method": mapper.manifest.get("method", "ridge"), "top_k": config.get("top_k"),
+             "ridge_lambda": config.get("ridge_lambda"), "exact_prefix": exact_prefix,
+             "r2_k": metrics.get("r2_k_mean", float("nan")), "r2_v": metrics.get("r2_v_mean", float("nan")),
+             "parameters": mapper.num_parameters(), **divergence.score(mapper, exact_prefix)}
+            for exact_prefix in exact_prefixes]
