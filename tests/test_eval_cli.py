@@ -82,6 +82,14 @@ def test_eval_with_statistics_and_k_sweep(app, tmp_path):
     assert sweep["candidates"] == ["1", "all"] and "best k" in result.output
     forward = json.loads((out / "forward.json").read_text())
     assert forward["mapper"]["top_k"] == sweep["best_k"]
+    # --sweep-ks restricts the candidates (the dev records of k = 1 are reused from the first sweep)
+    result = CliRunner().invoke(app, [
+        "eval", "--source", "small", "--target", "large", "--statistics", str(tmp_path / "stats"),
+        "--sweep-k", "--sweep-ks", "1", "--sweep-limit", "2", "--tasks", "winogrande", "--limit", "2",
+        "--n-resamples", "10", "--out", str(out), "--no-progress",
+    ])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "sweep.json").read_text())["candidates"] == ["1"]
 
 
 def test_argument_errors(app, tmp_path):
@@ -95,6 +103,8 @@ def test_argument_errors(app, tmp_path):
     assert isinstance(result.exception, ConfigError)
     result = runner.invoke(app, [*base, "--mapper", "m", "--tasks", "nope"])
     assert isinstance(result.exception, ConfigError)
+    result = runner.invoke(app, [*base, "--mapper", "m", "--sweep-ks", "1,zero"])
+    assert isinstance(result.exception, ConfigError) and "zero" in str(result.exception)
 
 
 def test_tokenizers_must_agree():

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
+from kvhandoff.config import TOP_K_CHOICES
 from kvhandoff.errors import ConfigError, IncompatiblePairError
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -84,6 +85,9 @@ def eval_command(
         bool, typer.Option(help="Choose k on the dev pool (needs --statistics); evaluate with the best k.")
     ] = False,
     sweep_limit: Annotated[int, typer.Option(help="Dev items per task for the k sweep.")] = 50,
+    sweep_ks: Annotated[
+        str, typer.Option(help="Comma list of candidate k for --sweep-k (integers or 'all').")
+    ] = ",".join(str(k) for k in TOP_K_CHOICES),
     top_k: Annotated[str, typer.Option(help="k when building from --statistics without --sweep-k.")] = "all",
     exact_prefix: Annotated[
         int | None,
@@ -114,7 +118,7 @@ def eval_command(
     source_model, target_model, tokenizer = _load_pair(source, target, dtype, progress)
     forward_mapper = _forward_mapper(
         source_model, target_model, tokenizer, mapper, statistics, sweep_k, sweep_limit, top_k, seed, out, progress,
-        exact_prefix, source, target,
+        exact_prefix, source, target, candidates=parse_ks(sweep_ks),
     )
     backward = None
     if reverse_mapper is not None:
@@ -145,9 +149,29 @@ def eval_command(
     typer.echo(f"wrote {md} and {png}")
 
 
+def parse_ks(text: str) -> list[int | str]:
+    """'1,4,all' → [1, 4, 'all'] (clear error for anything else)."""
+    ks: list[int | str] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if part == "all":
+            ks.append(part)
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ConfigError(f"--sweep-ks takes positive integers or 'all', got {part!r}")
+        ks.append(value)
+    if not ks:
+        raise ConfigError("--sweep-ks is empty; give e.g. 1,4,all")
+    return ks
+
+
 def _forward_mapper(source_model, target_model, tokenizer, mapper_path, statistics, sweep_k, sweep_limit,
                     top_k, seed, out: Path, progress: bool, exact_prefix: int | None = None,
-                    source_name: str = DEFAULT_SOURCE, target_name: str = DEFAULT_TARGET):
+                    source_name: str = DEFAULT_SOURCE, target_name: str = DEFAULT_TARGET,
+                    candidates=TOP_K_CHOICES):
     from kvhandoff.config import FitConfig
     from kvhandoff.mapper import Mapper
 
@@ -165,6 +189,7 @@ def _forward_mapper(source_model, target_model, tokenizer, mapper_path, statisti
     factory = default_mapper_factory(stats, source_model, target_model, tokenizer)
     if sweep_k:
         sweep = choose_k(source_model, target_model, tokenizer, mapper_factory=factory, limit=sweep_limit,
+                         candidates=candidates,
                          seed=seed, out_dir=out, progress=progress, exact_prefix=exact_prefix)
         atomic_write_json(out / "sweep.json", sweep)
         typer.echo(f"k sweep: best k = {sweep['best_k']} "
