@@ -47,3 +47,17 @@ def test_damaged_cached_mapper_is_refitted_not_reused(pair, capsys):
     mapper, _, reused = obtain_mapper(small, large, source, target, tokenizer, calibration=CALIBRATION)
     assert not reused and mapper.num_parameters() > 0
     assert "not usable" in capsys.readouterr().out
+
+
+def test_heldout_config_collects_rows_and_reuses_them(pair):
+    from kvhandoff.workflow import features_dir
+
+    small, large, source, target, tokenizer = pair
+    config = FitConfig(top_k="heldout", ridge_lambda="heldout")
+    mapper, _, reused = obtain_mapper(small, large, source, target, tokenizer, config, CALIBRATION, progress=False)
+    assert not reused and features_dir(small, large, config, CALIBRATION).is_dir()
+    assert len(mapper.manifest["fit_metrics"]["heldout_choice"]["k_per_target_layer"]) == 3
+    # the reverse direction reads the same pass's rows, flipped
+    reverse, _, _ = obtain_mapper(large, small, target, source, tokenizer, config, CALIBRATION, progress=False)
+    assert reverse.manifest["calibration"]["reused_reverse_pass"] is True
+    assert len(reverse.manifest["fit_metrics"]["heldout_choice"]["k_per_target_layer"]) == 2

@@ -22,7 +22,7 @@ TargetOption = Annotated[str, typer.Option("--target", help="registry name, loca
 
 
 def _top_k(value: str) -> int | str:
-    return "all" if value == "all" else int(value)
+    return value if value in ("all", "heldout") else int(value)
 
 
 def _ridge_lambda(value: str) -> float | str:
@@ -46,9 +46,11 @@ def fit(
     source: SourceOption = DEFAULT_SOURCE,
     target: TargetOption = DEFAULT_TARGET,
     out: Annotated[Path, typer.Option(help="folder to write the mapper into")] = Path("mapper"),
-    top_k: Annotated[str, typer.Option("--top-k", help="source layers per target layer: an integer or 'all'")] = "all",
+    top_k: Annotated[str, typer.Option("--top-k", help="source layers per target layer: an integer, 'all', or "
+                                                       "'heldout' (k and λ per layer on held-out windows)")] = "all",
     ridge_lambda: Annotated[
-        str, typer.Option("--lambda", help="ridge λ relative to mean input variance, or 'gcv'")
+        str, typer.Option("--lambda", help="ridge λ relative to mean input variance, or 'gcv' (ignored with "
+                                           "--top-k heldout)")
     ] = str(FitConfig().ridge_lambda),
     stride: Annotated[int, typer.Option(help="keep every n-th calibration token")] = 4,
     exact_prefix: Annotated[
@@ -73,7 +75,8 @@ def fit(
     from kvhandoff.fit import fit_mapper
 
     config = FitConfig(
-        top_k=_top_k(top_k), ridge_lambda=_ridge_lambda(ridge_lambda), token_stride=stride, exact_prefix=exact_prefix
+        top_k=_top_k(top_k), ridge_lambda="heldout" if top_k == "heldout" else _ridge_lambda(ridge_lambda),
+        token_stride=stride, exact_prefix=exact_prefix,
     )
     if method not in ("ridge", "mlp"):
         raise typer.BadParameter(f"unknown method {method!r}; use 'ridge' or 'mlp'", param_hint="--method")
@@ -81,19 +84,25 @@ def fit(
         raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")
     source_model, tokenizer = load_model(source)
     target_model, target_tokenizer = load_model(target)
-    if method == "mlp":
-        from kvhandoff.workflow import obtain_mlp_mapper
+    if method == "mlp" or config.top_k == "heldout":  # these need the calibration rows: cached per pair
+        from kvhandoff.workflow import obtain_mapper, obtain_mlp_mapper
 
         if texts is not None:
-            raise typer.BadParameter("--method mlp calibrates on the built-in corpus (its rows are cached per "
-                                     "pair); drop --texts or use --method ridge", param_hint="--texts")
-        mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed)
-        mapper, _, _ = obtain_mlp_mapper(source, target, source_model, target_model, tokenizer, config,
-                                         CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed), mlp)
+            raise typer.BadParameter("--method mlp and --top-k heldout calibrate on the built-in corpus (its rows "
+                                     "are cached per pair); drop --texts", param_hint="--texts")
+        calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed)
+        if method == "mlp":
+            mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed)
+            mapper = obtain_mlp_mapper(source, target, source_model, target_model, tokenizer, config, calibration,
+                                       mlp)[0]
+            metrics = mapper.manifest["fit_metrics"]["mlp"]
+            note = (f"held-out loss (1 − R²) ridge {metrics['heldout_loss_ridge']:.4f} → mlp "
+                    f"{metrics['heldout_loss_mlp']:.4f}")
+        else:
+            mapper = obtain_mapper(source, target, source_model, target_model, tokenizer, config, calibration)[0]
+            note = f"k per target layer {mapper.manifest['fit_metrics']['heldout_choice']['k_per_target_layer']}"
         mapper.save(out)
-        metrics = mapper.manifest["fit_metrics"]["mlp"]
-        typer.echo(f"saved {out} ({mapper.num_parameters():,} parameters); held-out loss (1 − R²) ridge "
-                   f"{metrics['heldout_loss_ridge']:.4f} → mlp {metrics['heldout_loss_mlp']:.4f}")
+        typer.echo(f"saved {out} ({mapper.num_parameters():,} parameters); {note}")
         return
     if texts is not None:
         paragraphs = [p.strip() for p in texts.read_text(encoding="utf-8").split("\n\n") if p.strip()]

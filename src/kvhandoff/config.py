@@ -14,6 +14,12 @@ GCV_LAMBDAS: tuple[float, ...] = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 #: λ of the single-source probes that rank layers when ridge_lambda="gcv".
 PROBE_LAMBDA = 0.01
 
+#: candidates for top_k="heldout" / ridge_lambda="heldout": each target layer gets the k (and each of its K and
+#: V maps the λ) with the lowest error on held-out calibration windows (needs the calibration rows on disk).
+HELDOUT_KS: tuple[int | str, ...] = (1, 2, 4, 8, 16, "all")
+HELDOUT_LAMBDAS: tuple[float, ...] = (0.01, 0.1, 1.0)
+HELDOUT_FRACTION = 0.1
+
 #: k values the layer-selection sweep considers ("all" = every source layer).
 TOP_K_CHOICES: tuple[int | str, ...] = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, "all")
 
@@ -34,12 +40,14 @@ def kvhandoff_home() -> Path:
 class FitConfig:
     """How a mapper is fitted.
 
-    top_k: source layers feeding each target layer (an int, or "all").
+    top_k: source layers feeding each target layer (an int, or "all"; "heldout": chosen per target layer
+        from HELDOUT_KS on held-out calibration windows, which needs the calibration rows — `heldout.py`).
     ridge_lambda: ridge strength *relative to the mean input-feature variance*: the solve uses
         (C_xx + ridge_lambda * mean(diag C_xx) * I) where C_xx is the centred input covariance
         (Gram / token count). This keeps λ independent of the number of calibration tokens and of
         the activations' scale; λ = 0.01 is the paper's default. "gcv" picks λ from GCV_LAMBDAS for each
-        (target layer, K|V) by generalised cross-validation.
+        (target layer, K|V) by generalised cross-validation; "heldout" from HELDOUT_LAMBDAS on held-out
+        calibration windows (only together with top_k="heldout").
     token_stride: keep every n-th token position of each calibration sequence (paper: 4).
     skip_first_tokens: positions dropped at the start of every sequence (attention-sink tokens carry
         outlier K/V that would dominate the statistics).
@@ -56,13 +64,20 @@ class FitConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.top_k, str):
-            if self.top_k != "all":
-                raise ConfigError(f"top_k must be a positive integer or 'all', got {self.top_k!r}")
+            if self.top_k not in ("all", "heldout"):
+                raise ConfigError(f"top_k must be a positive integer, 'all' or 'heldout', got {self.top_k!r}")
         elif isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise ConfigError(f"top_k must be a positive integer or 'all', got {self.top_k!r}")
-        if self.ridge_lambda != "gcv" and (isinstance(self.ridge_lambda, str | bool) or not self.ridge_lambda > 0):
+        if self.ridge_lambda not in ("gcv", "heldout") and (
+            isinstance(self.ridge_lambda, str | bool) or not self.ridge_lambda > 0
+        ):
             raise ConfigError(
-                f"ridge_lambda must be > 0 (0.01 is the paper's value) or 'gcv', got {self.ridge_lambda!r}"
+                f"ridge_lambda must be > 0 (0.01 is the paper's value), 'gcv' or 'heldout', got {self.ridge_lambda!r}"
+            )
+        if (self.top_k == "heldout") != (self.ridge_lambda == "heldout"):
+            raise ConfigError(
+                "top_k='heldout' and ridge_lambda='heldout' go together (both are chosen per target layer on "
+                f"held-out calibration windows); got top_k={self.top_k!r}, ridge_lambda={self.ridge_lambda!r}"
             )
         if not isinstance(self.token_stride, int) or self.token_stride < 1:
             raise ConfigError(f"token_stride must be an integer >= 1, got {self.token_stride!r}")
@@ -74,7 +89,7 @@ class FitConfig:
     @property
     def probe_lambda(self) -> float:
         """λ of the layer-ranking probes."""
-        return PROBE_LAMBDA if self.ridge_lambda == "gcv" else float(self.ridge_lambda)
+        return PROBE_LAMBDA if self.ridge_lambda in ("gcv", "heldout") else float(self.ridge_lambda)
 
     def to_dict(self) -> dict:
         return asdict(self)

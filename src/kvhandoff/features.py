@@ -68,14 +68,19 @@ def read_manifest(folder: str | Path) -> dict:
 
 
 def load_features(
-    folder: str | Path, source_columns: torch.Tensor | None = None, target_columns: torch.Tensor | None = None
+    folder: str | Path, source_columns: torch.Tensor | None = None, target_columns: torch.Tensor | None = None,
+    shards=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All rows as float32 (x [N, selected source columns], y [N, selected target columns]) and the shard
-    index of each row (one shard = one calibration batch: use it to hold out whole windows)."""
+    index of each row (one shard = one calibration batch: use it to hold out whole windows).
+    shards: only these shard indices (default all)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
+    wanted = None if shards is None else {int(i) for i in shards}
     xs, ys, shard_ids = [], [], []
     for index, shard in enumerate(manifest["shards"]):
+        if wanted is not None and index not in wanted:
+            continue
         try:
             with safe_open(str(folder / shard["file"]), framework="pt") as handle:
                 x, y = handle.get_tensor("x"), handle.get_tensor("y")
@@ -89,3 +94,14 @@ def load_features(
         ys.append(y.float())
         shard_ids.append(torch.full((x.shape[0],), index, dtype=torch.long))
     return torch.cat(xs), torch.cat(ys), torch.cat(shard_ids)
+
+
+def validation_shards(num_shards: int, fraction: float, seed: int) -> torch.Tensor:
+    """Indices of the calibration windows (feature shards) held out for choosing settings."""
+    if num_shards < 2:
+        raise StatisticsError(
+            f"choosing settings on held-out calibration windows needs at least 2 windows, but the features have "
+            f"{num_shards}; calibrate on more windows (20+ recommended)"
+        )
+    count = min(num_shards - 1, max(1, round(fraction * num_shards)))
+    return torch.randperm(num_shards, generator=torch.Generator().manual_seed(seed))[:count]

@@ -4,18 +4,42 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from kvhandoff.capture import capture_content_kv
 from kvhandoff.config import RIDGE_FORMAT_VERSION, FitConfig
-from kvhandoff.errors import IncompatiblePairError, StatisticsError
+from kvhandoff.errors import ConfigError, IncompatiblePairError, StatisticsError
 from kvhandoff.geometry import model_fingerprint, read_geometry
 from kvhandoff.mapper import Mapper
 from kvhandoff.selection import layer_r2_matrix, select_layers
 from kvhandoff.solve import solve_layers
 from kvhandoff.statistics import MODALITIES, CalibrationStats, FeatureLayout
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What each target layer's maps read: source layers per target layer (ascending; their number may differ
+    between layers) and λ per (K|V, target layer) (a float or "gcv")."""
+
+    source_layers: list[list[int]]
+    lambdas: list[list[float | str]]
+
+    def is_ragged(self) -> bool:
+        return len({len(layers) for layers in self.source_layers}) > 1
+
+    def padded(self, r2_matrix: torch.Tensor) -> torch.Tensor:
+        """[target layers, k_max] selection for the mapper: layers reading fewer than k_max source layers are
+        padded with their next-best ones (by probe R²), which get zero weights, so one batched GEMM applies all."""
+        k_max = max(len(layers) for layers in self.source_layers)
+        score = r2_matrix.mean(0)
+        rows = []
+        for target_layer, layers in enumerate(self.source_layers):
+            extra = [int(i) for i in score[target_layer].argsort(descending=True) if int(i) not in layers]
+            rows.append(sorted([*layers, *extra[: k_max - len(layers)]]))
+        return torch.tensor(rows, dtype=torch.long)
 
 
 def feature_layout(model) -> FeatureLayout:
@@ -84,25 +108,45 @@ def mapper_from_statistics(
     calibration: dict | None = None,
     max_position_embeddings: tuple[int, int] = (32768, 32768),
     r2_matrix: torch.Tensor | None = None,
+    plan: LayerPlan | None = None,
 ) -> Mapper:
-    """Select layers and solve the ridge maps from existing statistics (any k, no pass over data)."""
+    """Select layers and solve the ridge maps from existing statistics (any k, no pass over data).
+
+    plan: source layers per target layer and λ per (K|V, target layer) chosen elsewhere (`heldout.py`);
+    required for config top_k="heldout", which statistics alone cannot decide.
+    """
     started = time.perf_counter()
     if r2_matrix is None:
         r2_matrix = layer_r2_matrix(stats, config.probe_lambda)
-    selected = select_layers(r2_matrix, config.top_k)
-    tgt = stats.target
-    weight = torch.empty(2, tgt.num_layers, selected.shape[1] * stats.source.layer_width, tgt.layer_width)
+    if plan is None:
+        if config.top_k == "heldout":
+            raise ConfigError(
+                "top_k='heldout' chooses k per target layer on held-out calibration windows: it needs the "
+                "calibration rows, not statistics alone; fit it with kvhandoff.heldout.fit_heldout_mapper "
+                "(or `kvhandoff fit --top-k heldout`)"
+            )
+        selected = select_layers(r2_matrix, config.top_k)
+        plan = LayerPlan([row.tolist() for row in selected], [[config.ridge_lambda] * len(selected)] * 2)
+    tgt, width = stats.target, stats.source.layer_width
+    selected = plan.padded(r2_matrix)
+    weight = torch.zeros(2, tgt.num_layers, selected.shape[1] * width, tgt.layer_width)
     bias = torch.empty(2, tgt.num_layers, tgt.layer_width)
     r2 = torch.empty(2, tgt.num_layers, tgt.num_kv_heads)
     chosen_lambda = [[0.0] * tgt.num_layers for _ in MODALITIES]
-    readers: dict[tuple[int, ...], list[int]] = {}  # source-layer set → target layers that read it
-    for layer in range(tgt.num_layers):
-        readers.setdefault(tuple(selected[layer].tolist()), []).append(layer)
     for modality in range(len(MODALITIES)):
-        for source_layers, target_layers in readers.items():
-            solved = solve_layers(stats, modality, target_layers, list(source_layers), config.ridge_lambda)
+        # target layers reading the same source layers with the same λ share one factorisation
+        readers: dict[tuple, list[int]] = {}
+        for layer in range(tgt.num_layers):
+            key = (tuple(plan.source_layers[layer]), plan.lambdas[modality][layer])
+            readers.setdefault(key, []).append(layer)
+        for (source_layers, ridge_lambda), target_layers in readers.items():
+            solved = solve_layers(stats, modality, target_layers, list(source_layers), ridge_lambda)
             for layer, (w, b, layer_r2, lam) in zip(target_layers, solved, strict=True):
-                weight[modality, layer], bias[modality, layer], r2[modality, layer] = w, b, layer_r2
+                rows = selected[layer].tolist()
+                for i, source_layer in enumerate(source_layers):  # padding layers keep zero weights
+                    p = rows.index(source_layer)
+                    weight[modality, layer, p * width : (p + 1) * width] = w[i * width : (i + 1) * width]
+                bias[modality, layer], r2[modality, layer] = b, layer_r2
                 chosen_lambda[modality][layer] = lam
     manifest = {
         "format_version": RIDGE_FORMAT_VERSION,
@@ -115,6 +159,7 @@ def mapper_from_statistics(
         "source_layout": stats.source.__dict__,
         "target_layout": stats.target.__dict__,
         "selected_layers": selected.tolist(),
+        **({"source_layers_per_target_layer": plan.source_layers} if plan.is_ragged() else {}),
         "calibration": {**(calibration or {}), "tokens_in_statistics": stats.count},
         "fit_metrics": {
             "r2_k_per_target_layer": r2[0].mean(-1).tolist(),

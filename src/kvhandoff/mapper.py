@@ -120,6 +120,15 @@ class Mapper:
         y = y.view(2, tgt.num_layers, batch, tokens, tgt.num_kv_heads, tgt.head_dim)
         return y.permute(0, 2, 3, 1, 4, 5)
 
+    @torch.no_grad()
+    def map_feature_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Calibration-layout rows (`FeatureLayout`: K then V of every source layer) [n, source width] → target
+        rows [n, target width], content space."""
+        src = self.source
+        grid = x.float().view(-1, 2, src.num_layers, src.num_kv_heads, src.head_dim).transpose(0, 1)
+        y = self._map_rows(grid.unsqueeze(1).contiguous())  # [2, 1, n, Lt, Ht, Dt]
+        return y.permute(1, 2, 0, 3, 4, 5).reshape(x.shape[0], -1)
+
     @torch.inference_mode()
     def map_content(self, content: ContentKV) -> ContentKV:
         """Map content-space source K/V [Ls, B, Hs, T, Ds] to content-space target K/V [Lt, B, Ht, T, Dt]."""

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from kvhandoff.config import MLP_FORMAT_VERSION, MLPConfig
 from kvhandoff.errors import MapperFormatError, StatisticsError
-from kvhandoff.features import load_features, read_manifest
+from kvhandoff.features import load_features, read_manifest, validation_shards
 from kvhandoff.mapper import Mapper
 from kvhandoff.selection import select_layers
 from kvhandoff.statistics import FeatureLayout
@@ -135,20 +135,7 @@ class MLPMapper(Mapper):
 
 def ridge_rows(base: Mapper, x: torch.Tensor) -> torch.Tensor:
     """The linear mapper's prediction for source feature rows x [n, source width] as target rows [n, target width]."""
-    src = base.source
-    grid = x.view(-1, 2, src.num_layers, src.num_kv_heads, src.head_dim).transpose(0, 1).unsqueeze(1).contiguous()
-    y = Mapper._map_rows(base, grid)  # [2, 1, n, Lt, Ht, Dt]
-    return y.permute(1, 2, 0, 3, 4, 5).reshape(x.shape[0], -1)
-
-
-def _validation_shards(num_shards: int, fraction: float, seed: int) -> torch.Tensor:
-    if num_shards < 2:
-        raise StatisticsError(
-            f"the MLP holds out whole calibration windows to choose its epochs, but the features have only "
-            f"{num_shards} window(s); calibrate on at least 2 (better 20+) windows"
-        )
-    count = min(num_shards - 1, max(1, round(fraction * num_shards)))
-    return torch.randperm(num_shards, generator=torch.Generator().manual_seed(seed))[:count]
+    return base.map_feature_rows(x)
 
 
 def fit_mlp_mapper(
@@ -181,7 +168,7 @@ def fit_mlp_mapper(
     input_layers = select_layers(r2_matrix, config.input_layers)  # [Lt, m]
     in_cols, out_cols = input_columns(src, input_layers), output_columns(tgt)
 
-    held_out = torch.isin(shard, _validation_shards(int(shard.max()) + 1, config.validation_fraction, config.seed))
+    held_out = torch.isin(shard, validation_shards(int(shard.max()) + 1, config.validation_fraction, config.seed))
     train_rows, val_rows = (~held_out).nonzero().squeeze(1), held_out.nonzero().squeeze(1)
     y_var = y[train_rows].var(0)  # before y becomes the residual: the loss is relative to each output's variance
     with torch.no_grad():

@@ -106,6 +106,26 @@ class CalibrationStats:
             setattr(merged, name, getattr(self, name) + getattr(other, name))
         return merged
 
+    @classmethod
+    def from_rows(cls, source: FeatureLayout, target: FeatureLayout, x: torch.Tensor, y: torch.Tensor):
+        """Statistics of explicit feature rows x [n, source width], y [n, target width] (e.g. held-out windows)."""
+        stats = cls(source, target)
+        x, y = x.double(), y.double()
+        stats.count = x.shape[0]
+        stats.sum_x, stats.sum_y = x.sum(0), y.sum(0)
+        stats.sum_xx, stats.sum_xy, stats.sum_yy = x.T @ x, x.T @ y, y.T @ y
+        return stats
+
+    def without(self, part: CalibrationStats) -> CalibrationStats:
+        """Statistics of these tokens minus `part`'s (a subset of them, e.g. held-out windows)."""
+        if (self.source, self.target) != (part.source, part.target) or part.count >= self.count:
+            raise StatisticsError("can only remove a strict subset of the same pair's calibration tokens")
+        rest = CalibrationStats(self.source, self.target)
+        rest.count = self.count - part.count
+        for name in _TENSORS:
+            setattr(rest, name, getattr(self, name) - getattr(part, name))
+        return rest
+
     # -- centred moments --------------------------------------------------------------------------
     def _require_data(self) -> None:
         if self.count < 2:

@@ -18,6 +18,7 @@ from kvhandoff.errors import KVHandoffError
 from kvhandoff.features import FeatureShardWriter, features_complete
 from kvhandoff.fit import check_pair, collect_statistics, feature_layout, mapper_from_statistics
 from kvhandoff.geometry import model_fingerprint
+from kvhandoff.heldout import fit_heldout_mapper
 from kvhandoff.mapper import Mapper
 from kvhandoff.mlp import MLPMapper, fit_mlp_mapper
 from kvhandoff.selection import layer_r2_matrix
@@ -144,15 +145,27 @@ def obtain_mapper(
     if cached is not None:
         return cached, folder, True
     check_pair(source, target, tokenizer, tokenizer)
+    heldout = config.top_k == "heldout"  # chosen on held-out windows: needs the calibration rows
     stats, info = obtain_statistics(
-        source_spec, target_spec, source, target, tokenizer, config, calibration, progress
+        source_spec, target_spec, source, target, tokenizer, config, calibration, progress, features=heldout
     )
-    mapper = mapper_from_statistics(
-        stats, config, model_fingerprint(source, tokenizer), model_fingerprint(target, tokenizer), info,
-        max_position_embeddings=(source.config.max_position_embeddings, target.config.max_position_embeddings),
-    )
+    mapper = _ridge_mapper(stats, info, config, source, target, tokenizer)
     mapper.save(folder)
     return mapper, folder, False
+
+
+def _ridge_mapper(stats, info: dict, config: FitConfig, source, target, tokenizer, r2_matrix=None) -> Mapper:
+    """The ridge mapper of `config` from a pass's statistics (and its rows, in info["features"], when the
+    config chooses settings on held-out windows)."""
+    info = dict(info)
+    features = info.pop("features", None)
+    fingerprints = (model_fingerprint(source, tokenizer), model_fingerprint(target, tokenizer))
+    positions = (source.config.max_position_embeddings, target.config.max_position_embeddings)
+    if config.top_k == "heldout":
+        return fit_heldout_mapper(stats, features["folder"], config, *fingerprints, info, positions,
+                                  reverse=features["reverse"])
+    return mapper_from_statistics(stats, config, *fingerprints, info, max_position_embeddings=positions,
+                                  r2_matrix=r2_matrix)
 
 
 def mlp_mapper_dir(source_spec: str, target_spec: str, config: FitConfig, calibration: CalibrationSpec,
@@ -185,13 +198,9 @@ def obtain_mlp_mapper(
     stats, info = obtain_statistics(
         source_spec, target_spec, source, target, tokenizer, config, calibration, progress, features=True
     )
-    features = info.pop("features")
+    features = info["features"]
     r2 = layer_r2_matrix(stats, config.probe_lambda)
-    base = mapper_from_statistics(
-        stats, config, model_fingerprint(source, tokenizer), model_fingerprint(target, tokenizer), info,
-        max_position_embeddings=(source.config.max_position_embeddings, target.config.max_position_embeddings),
-        r2_matrix=r2,
-    )
+    base = _ridge_mapper(stats, info, config, source, target, tokenizer, r2_matrix=r2)
     mapper = fit_mlp_mapper(base, features["folder"], r2, mlp, reverse=features["reverse"], progress=progress)
     mapper.save(folder)
     return mapper, folder, False
