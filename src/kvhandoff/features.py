@@ -77,23 +77,29 @@ def load_features(
     folder = Path(folder)
     manifest = read_manifest(folder)
     wanted = None if shards is None else {int(i) for i in shards}
-    xs, ys, shard_ids = [], [], []
-    for index, shard in enumerate(manifest["shards"]):
-        if wanted is not None and index not in wanted:
-            continue
+    chosen = [(i, s) for i, s in enumerate(manifest["shards"]) if wanted is None or i in wanted]
+    total = sum(s["rows"] for _, s in chosen)
+    x_width = len(source_columns) if source_columns is not None else FeatureLayout(**manifest["source_layout"]).width
+    y_width = len(target_columns) if target_columns is not None else FeatureLayout(**manifest["target_layout"]).width
+    # filled in place: the float32 rows of a real pair run to gigabytes, so no list-then-concatenate copy
+    x_out, y_out = torch.empty(total, x_width), torch.empty(total, y_width)
+    shard_ids = torch.empty(total, dtype=torch.long)
+    start = 0
+    for index, shard in chosen:
         try:
             with safe_open(str(folder / shard["file"]), framework="pt") as handle:
                 x, y = handle.get_tensor("x"), handle.get_tensor("y")
         except Exception as exc:  # safetensors raises several types for damaged files
             raise StatisticsError(f"cannot read feature shard {folder / shard['file']}: {exc}; collect again") from exc
-        if source_columns is not None:
-            x = x[:, source_columns]
-        if target_columns is not None:
-            y = y[:, target_columns]
-        xs.append(x.float())
-        ys.append(y.float())
-        shard_ids.append(torch.full((x.shape[0],), index, dtype=torch.long))
-    return torch.cat(xs), torch.cat(ys), torch.cat(shard_ids)
+        if x.shape[0] != shard["rows"] or y.shape[0] != shard["rows"]:
+            raise StatisticsError(f"feature shard {folder / shard['file']} has {x.shape[0]} rows, its manifest says "
+                                  f"{shard['rows']}; collect the features again")
+        stop = start + shard["rows"]
+        x_out[start:stop] = x if source_columns is None else x[:, source_columns]
+        y_out[start:stop] = y if target_columns is None else y[:, target_columns]
+        shard_ids[start:stop] = index
+        start = stop
+    return x_out, y_out, shard_ids
 
 
 def validation_shards(num_shards: int, fraction: float, seed: int) -> torch.Tensor:
