@@ -105,3 +105,22 @@ def test_handoff_cache_from_a_given_source_cache(related_pairs):
         assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
     with pytest.raises(ConfigError, match="source_cache"):
         handoff_cache(source, target, mapper, ids[:, :20], source_cache=given)
+
+
+def test_target_tail_is_prefilled_by_the_target_itself():
+    source = tiny_model("qwen2", layers=2)
+    target = tiny_model("qwen2", layers=2, seed=9)
+    mapper = fit_mapper(source, target, random_batches(2), FitConfig(top_k=1), progress=False)
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    own, _ = prefill(target, ids)
+    # only the first token mapped, and the exact prefix recomputes it: the whole cache is the target's own
+    everything = handoff_cache(source, target, mapper, ids, exact_prefix=1, target_tail=19)
+    for a, b in zip(everything.layers, own.layers, strict=True):
+        assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
+    tail = handoff_cache(source, target, mapper, ids, exact_prefix=0, target_tail=5)
+    plain = handoff_cache(source, target, mapper, ids, exact_prefix=0)
+    assert tail.get_seq_length() == 20
+    assert torch.equal(tail.layers[1].values[:, :, :15], plain.layers[1].values[:, :, :15])  # mapped part
+    assert not torch.allclose(tail.layers[1].values[:, :, 15:], plain.layers[1].values[:, :, 15:], atol=1e-3)
+    with pytest.raises(ConfigError, match="target_tail"):
+        handoff_cache(source, target, mapper, ids, target_tail=20)

@@ -49,3 +49,21 @@ def test_source_reference_is_zero_for_a_source_equal_to_the_target():
     docs = [torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(3))]
     reference = HandoffDivergence(model, model, docs, prefix_len=20, continuation_len=8).source_reference()
     assert reference["mean_kl"] < 1e-6 and reference["top1_agreement"] == 1.0
+
+
+def test_target_tail_covering_the_prefix_gives_zero_divergence():
+    from kvhandoff.fit import mapper_from_statistics
+
+    source, target = tiny_model("qwen2", layers=2), tiny_model("qwen2", layers=2, seed=9)
+    stats = collect_statistics(source, target, random_batches(2), progress=False)
+    docs = [torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    divergence = HandoffDivergence(source, target, docs, prefix_len=40, continuation_len=16)
+    mapper = mapper_from_statistics(stats, FitConfig(top_k=1), model_fingerprint(source), model_fingerprint(target),
+                                    max_position_embeddings=(512, 512))
+    plain = divergence.score(mapper, exact_prefix=0)
+    whole = divergence.score(mapper, exact_prefix=1, target_tail=38)  # only token 0 mapped, and it is patched
+    assert plain["mean_kl"] > 1e-3 and whole["mean_kl"] < 1e-6 and whole["tokens"] == plain["tokens"]
+    partial = divergence.score(mapper, exact_prefix=0, target_tail=8)
+    assert whole["mean_kl"] < partial["mean_kl"] < plain["mean_kl"]
+    with pytest.raises(ConfigError, match="target_tail"):
+        divergence.score(mapper, target_tail=39)

@@ -156,6 +156,8 @@ def tune(
     ks: Annotated[str, typer.Option(help="comma-separated k values ('all' allowed)")] = "1,2,4,8,all",
     lambdas: Annotated[str, typer.Option(help="comma-separated relative ridge λ values")] = "0.001,0.01,0.1,1",
     exact_prefixes: Annotated[str, typer.Option(help="comma-separated leading tokens the target recomputes")] = "0",
+    target_tails: Annotated[str, typer.Option(help="comma-separated last context tokens the target prefills "
+                                                   "itself instead of reading them mapped")] = "0",
     docs: Annotated[int, typer.Option(help="held-out dev documents (LAMBADA held-out slice)")] = 4,
     prefix_len: int = 512,
     continuation_len: int = 128,
@@ -190,18 +192,21 @@ def tune(
     rows = sweep(stats, configs, divergence, model_fingerprint(source_model, tokenizer),
                  model_fingerprint(target_model, tokenizer),
                  (source_model.config.max_position_embeddings, target_model.config.max_position_embeddings),
-                 exact_prefixes=[int(p) for p in exact_prefixes.split(",")])
+                 exact_prefixes=[int(p) for p in exact_prefixes.split(",")],
+                 target_tails=[int(t) for t in target_tails.split(",")])
     for folder in mappers or []:
         rows.extend(score_saved_mapper(Mapper.load(folder, source_model, target_model, tokenizer, tokenizer),
-                                       divergence, [int(p) for p in exact_prefixes.split(",")], str(folder)))
+                                       divergence, [int(p) for p in exact_prefixes.split(",")], str(folder),
+                                       [int(t) for t in target_tails.split(",")]))
     rows.sort(key=lambda row: row["mean_kl"])
     reference = divergence.source_reference()
     table = Table(title=f"dev sweep {source} → {target} ({rows[0]['documents']} docs, {rows[0]['tokens']} tokens); "
                         f"source model alone: KL {reference['mean_kl']:.3f}, top-1 {reference['top1_agreement']:.3f}")
-    for column in ("mapper", "k", "λ", "exact prefix", "R² K", "R² V", "mean KL", "top-1", "ppl ratio"):
+    for column in ("mapper", "k", "λ", "exact prefix", "target tail", "R² K", "R² V", "mean KL", "top-1", "ppl ratio"):
         table.add_column(column)
     for row in rows:
         table.add_row(row.get("mapper", "ridge"), str(row["top_k"]), str(row["ridge_lambda"]), str(row["exact_prefix"]),
+                      str(row["target_tail"]),
                       f"{row['r2_k']:.3f}", f"{row['r2_v']:.3f}",
                       f"{row['mean_kl']:.3f}", f"{row['top1_agreement']:.3f}", f"{row['ppl_ratio']:.3f}")
     Console().print(table)

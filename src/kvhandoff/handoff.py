@@ -47,21 +47,38 @@ def handoff_cache(
     input_ids: torch.Tensor,
     exact_prefix: int | None = None,
     source_cache=None,
+    target_tail: int = 0,
 ):
     """The target's cache for all of `input_ids`, built from the source's prefill (no target prefill of the
     context; with `exact_prefix` > 0 the target recomputes only that many leading tokens; None = the
-    mapper's own setting). `source_cache`: the source's cache of exactly `input_ids` when the caller already
-    has one (e.g. a reused few-shot prefix extended by the rest); the source prefill is then skipped."""
+    mapper's own setting). `source_cache`: the source's cache of exactly the mapped part of `input_ids` when
+    the caller already has one (e.g. a reused few-shot prefix extended by the rest); the source prefill is
+    then skipped.
+
+    target_tail: the last `target_tail` tokens are not mapped but prefilled by the target itself on top of
+    the mapped cache — what a switch looks like when the new turn has not been read by any model yet. It
+    costs a target prefill of that many tokens (independent of the context length) and keeps the positions
+    the next token attends to most exact.
+    """
     _check_ids(input_ids, 1)
-    if source_cache is None:
-        source_cache, _ = prefill(source_model, input_ids.to(source_model.device))
-    elif source_cache.get_seq_length() != input_ids.shape[1]:
+    if not 0 <= target_tail < input_ids.shape[1]:
         raise ConfigError(
-            f"source_cache holds {source_cache.get_seq_length()} tokens, input_ids {input_ids.shape[1]}"
+            f"target_tail must be in 0..{input_ids.shape[1] - 1} (at least one token is mapped), got {target_tail}"
+        )
+    mapped_ids = input_ids[:, : input_ids.shape[1] - target_tail]
+    if source_cache is None:
+        source_cache, _ = prefill(source_model, mapped_ids.to(source_model.device))
+    elif source_cache.get_seq_length() != mapped_ids.shape[1]:
+        raise ConfigError(
+            f"source_cache holds {source_cache.get_seq_length()} tokens, the mapped part of input_ids "
+            f"{mapped_ids.shape[1]}"
         )
     mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
     prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
-    return patch_exact_prefix(mapped, target_model, input_ids.to(target_model.device), prefix)
+    cache = patch_exact_prefix(mapped, target_model, mapped_ids.to(target_model.device), prefix)
+    if target_tail:
+        prefill(target_model, input_ids[:, mapped_ids.shape[1] :].to(target_model.device), cache)
+    return cache
 
 
 @torch.inference_mode()
@@ -71,15 +88,18 @@ def handoff_generate(
     mapper: Mapper,
     input_ids: torch.Tensor,
     exact_prefix: int | None = None,
+    target_tail: int = 0,
     **generate_kwargs,
 ):
-    """Source prefills all but the last token; the mapped cache goes to the target, which generates.
+    """Source prefills all but the last token (all but the last 1 + `target_tail`, which the target
+    prefills itself: see `handoff_cache`); the mapped cache goes to the target, which generates.
 
     generate_kwargs go to `target_model.generate` (max_new_tokens, do_sample, temperature, ...).
     Returns the full sequences [batch, tokens + new], as `generate` does.
     """
     _check_ids(input_ids, 2)
-    cache = handoff_cache(source_model, target_model, mapper, input_ids[:, :-1], exact_prefix)
+    cache = handoff_cache(source_model, target_model, mapper, input_ids[:, :-1], exact_prefix,
+                          target_tail=target_tail)
     attention_mask = torch.ones_like(input_ids)
     return target_model.generate(
         input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.scoring import feed
+from kvhandoff.evaluation.scoring import feed, rollback
 from kvhandoff.fit import mapper_from_statistics
 from kvhandoff.handoff import patch_exact_prefix, prefill
 from kvhandoff.selection import layer_r2_matrix
@@ -58,13 +58,21 @@ class HandoffDivergence:
             raise ConfigError(f"no dev document has the {prefix_len + continuation_len} tokens needed")
 
     @torch.inference_mode()
-    def score(self, mapper, exact_prefix: int = 0) -> dict:
-        """Divergence of the target reading the mapped cache from the target reading its own."""
+    def score(self, mapper, exact_prefix: int = 0, target_tail: int = 0) -> dict:
+        """Divergence of the target reading the mapped cache from the target reading its own.
+        target_tail: the last that many prefix tokens are prefilled by the target (see `handoff_cache`)."""
+        if not 0 <= target_tail < self.prefix_len - 1:
+            raise ConfigError(f"target_tail must be in 0..{self.prefix_len - 2}, got {target_tail}")
 
         def mapped(doc):
-            cache = mapper.transfer(doc.source_cache, dtype=self.target.dtype)
-            patch_exact_prefix(cache, self.target, torch.tensor([doc.prefix[:-1]]), exact_prefix)
-            return feed(self.target, cache, [doc.prefix[-1], *doc.continuation[:-1]])
+            keep = len(doc.prefix) - 1 - target_tail
+            source_cache = doc.source_cache
+            if target_tail:
+                source_cache = copy.deepcopy(source_cache)
+                rollback(source_cache, keep)
+            cache = mapper.transfer(source_cache, dtype=self.target.dtype)
+            patch_exact_prefix(cache, self.target, torch.tensor([doc.prefix[:keep]]), exact_prefix)
+            return feed(self.target, cache, [*doc.prefix[keep:], *doc.continuation[:-1]])[target_tail:]
 
         return self._divergence(mapped)
 
@@ -104,6 +112,7 @@ def sweep(
     max_position_embeddings: tuple[int, int],
     exact_prefixes: Sequence[int] = (0,),
     progress: bool = True,
+    target_tails: Sequence[int] = (0,),
 ) -> list[dict]:
     """Score each candidate config (solved from `stats`), with each exact-prefix length, on the dev set;
     best (lowest KL) first."""
@@ -118,10 +127,11 @@ def sweep(
             max_position_embeddings=max_position_embeddings, r2_matrix=r2_by_lambda[config.ridge_lambda],
         )
         solve_seconds = time.perf_counter() - started
-        for exact_prefix in exact_prefixes:
-            metrics = divergence.score(mapper, exact_prefix)
+        for exact_prefix, tail in ((p, t) for p in exact_prefixes for t in target_tails):
+            metrics = divergence.score(mapper, exact_prefix, tail)
             rows.append({
                 "top_k": config.top_k, "ridge_lambda": config.ridge_lambda, "exact_prefix": exact_prefix,
+                "target_tail": tail,
                 "r2_k": mapper.manifest["fit_metrics"]["r2_k_mean"],
                 "r2_v": mapper.manifest["fit_metrics"]["r2_v_mean"],
                 "solve_seconds": round(solve_seconds, 2), "parameters": mapper.num_parameters(), **metrics,
@@ -129,12 +139,13 @@ def sweep(
     return sorted(rows, key=lambda row: row["mean_kl"])
 
 
-def score_saved_mapper(mapper, divergence: HandoffDivergence, exact_prefixes: Sequence[int], name: str) -> list[dict]:
+def score_saved_mapper(mapper, divergence: HandoffDivergence, exact_prefixes: Sequence[int], name: str,
+                       target_tails: Sequence[int] = (0,)) -> list[dict]:
     """Rows like `sweep`'s for an already fitted mapper (e.g. an MLP mapper), labelled `name`."""
     metrics = mapper.manifest.get("fit_metrics", {})
     config = mapper.manifest.get("config", {})
     return [{"mapper": name, "method": mapper.manifest.get("method", "ridge"), "top_k": config.get("top_k"),
-             "ridge_lambda": config.get("ridge_lambda"), "exact_prefix": exact_prefix,
+             "ridge_lambda": config.get("ridge_lambda"), "exact_prefix": exact_prefix, "target_tail": tail,
              "r2_k": metrics.get("r2_k_mean", float("nan")), "r2_v": metrics.get("r2_v_mean", float("nan")),
-             "parameters": mapper.num_parameters(), **divergence.score(mapper, exact_prefix)}
-            for exact_prefix in exact_prefixes]
+             "parameters": mapper.num_parameters(), **divergence.score(mapper, exact_prefix, tail)}
+            for exact_prefix in exact_prefixes for tail in target_tails]
