@@ -75,3 +75,10 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(ConfigError, match="not a kvhandoff"):
         RP.render_results(write(tmp_path / "other.json", {"x": 1}), tmp_path)
     assert RP._fmt(math.nan) == "–" and RP._fmt(None) == "–"
+
+
+def test_perplexity_only_run_has_no_empty_benchmark_table(tmp_path):
+    result = {**fake_result("small", "large", 0.9), "tasks": {}, "summary": {}}
+    md, _ = RP.render_results(write(tmp_path / "forward.json", result), tmp_path)
+    text = md.read_text()
+    assert "| Task |" not in text and "transfer ÷ target = 1.250" in text

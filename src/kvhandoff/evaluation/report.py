@@ -56,10 +56,13 @@ def markdown_table(result: dict) -> str:
         f"Accuracy per condition; retention = transfer ÷ target; floor-normalised = (transfer − chance) ÷ "
         f"(target − chance); [{level}% paired bootstrap, {boot.get('n_resamples', '?')} resamples, "
         f"seed {result.get('seed')}].",
-        "",
-        "| Task | Metric | n | Chance | Source | Target | Transfer | Retention | Floor-normalised retention |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
+    if result["tasks"]:  # perplexity- or CoQA-only runs have no benchmark table
+        lines += [
+            "",
+            "| Task | Metric | n | Chance | Source | Target | Transfer | Retention | Floor-normalised retention |",
+            "|---|---|---:|---:|---:|---:|---:|---|---|",
+        ]
     for task in result["tasks"].values():
         acc = task["accuracy"]
         lines.append(
