@@ -71,7 +71,7 @@ def fit(
 ) -> None:
     """Fit a mapper from SOURCE's KV cache to TARGET's and save it to OUT."""
     from kvhandoff.assets import load_model
-    from kvhandoff.corpus import calibration_batches, pack_texts
+    from kvhandoff.corpus import pack_texts
     from kvhandoff.fit import fit_mapper
 
     config = FitConfig(
@@ -84,12 +84,9 @@ def fit(
         raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")
     source_model, tokenizer = load_model(source)
     target_model, target_tokenizer = load_model(target)
-    if method == "mlp" or config.top_k == "heldout":  # these need the calibration rows: cached per pair
+    if texts is None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
         from kvhandoff.workflow import obtain_mapper, obtain_mlp_mapper
 
-        if texts is not None:
-            raise typer.BadParameter("--method mlp and --top-k heldout calibrate on the built-in corpus (its rows "
-                                     "are cached per pair); drop --texts", param_hint="--texts")
         calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed)
         if method == "mlp":
             mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed)
@@ -100,15 +97,18 @@ def fit(
                     f"{metrics['heldout_loss_mlp']:.4f}")
         else:
             mapper = obtain_mapper(source, target, source_model, target_model, tokenizer, config, calibration)[0]
-            note = f"k per target layer {mapper.manifest['fit_metrics']['heldout_choice']['k_per_target_layer']}"
+            metrics = mapper.manifest["fit_metrics"]
+            note = f"R² K {metrics['r2_k_mean']:.3f}, V {metrics['r2_v_mean']:.3f}"
+            if config.top_k == "heldout":
+                note += f"; k per target layer {metrics['heldout_choice']['k_per_target_layer']}"
         mapper.save(out)
         typer.echo(f"saved {out} ({mapper.num_parameters():,} parameters); {note}")
         return
-    if texts is not None:
-        paragraphs = [p.strip() for p in texts.read_text(encoding="utf-8").split("\n\n") if p.strip()]
-        corpus = pack_texts(tokenizer, paragraphs, sequences, seq_len, seed=seed, name=str(texts))
-    else:
-        corpus = calibration_batches(tokenizer, sequences, seq_len, seed=seed)
+    if method == "mlp" or config.top_k == "heldout":
+        raise typer.BadParameter("--method mlp and --top-k heldout calibrate on the built-in corpus (its rows "
+                                 "are cached per pair); drop --texts", param_hint="--texts")
+    paragraphs = [p.strip() for p in texts.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    corpus = pack_texts(tokenizer, paragraphs, sequences, seq_len, seed=seed, name=str(texts))
     mapper = fit_mapper(
         source_model, target_model, corpus, config, tokenizer, target_tokenizer,
         calibration={**corpus.describe(), "source_model": source, "target_model": target},
