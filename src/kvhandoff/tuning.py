@@ -21,7 +21,7 @@ from kvhandoff.config import FitConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.scoring import feed, rollback
 from kvhandoff.fit import mapper_from_statistics
-from kvhandoff.handoff import patch_exact_prefix, prefill
+from kvhandoff.handoff import handoff_cache, prefill
 from kvhandoff.selection import layer_r2_matrix
 
 
@@ -65,14 +65,13 @@ class HandoffDivergence:
             raise ConfigError(f"target_tail must be in 0..{self.prefix_len - 2}, got {target_tail}")
 
         def mapped(doc):
-            keep = len(doc.prefix) - 1 - target_tail
-            source_cache = doc.source_cache
+            source_cache = doc.source_cache  # of prefix[:-1]; the tail is left to the target
             if target_tail:
                 source_cache = copy.deepcopy(source_cache)
-                rollback(source_cache, keep)
-            cache = mapper.transfer(source_cache, dtype=self.target.dtype)
-            patch_exact_prefix(cache, self.target, torch.tensor([doc.prefix[:keep]]), exact_prefix)
-            return feed(self.target, cache, [*doc.prefix[keep:], *doc.continuation[:-1]])[target_tail:]
+                rollback(source_cache, len(doc.prefix) - 1 - target_tail)
+            cache = handoff_cache(self.source, self.target, mapper, torch.tensor([doc.prefix[:-1]]), exact_prefix,
+                                  source_cache=source_cache, target_tail=target_tail)
+            return feed(self.target, cache, [doc.prefix[-1], *doc.continuation[:-1]])
 
         return self._divergence(mapped)
 

@@ -39,9 +39,7 @@ from kvhandoff.evaluation.scoring import (
     feed,
     greedy_from,
     model_device,
-    patch_prefix,
     rollback,
-    transfer_cache,
 )
 
 STOP = ("\n",)
@@ -128,7 +126,7 @@ def run_conversation(
 ) -> dict:
     """Answer every turn with the scheduled model, handing the cache over at each switch (the new server
     recomputes the first ``exact_prefix`` positions itself when > 0)."""
-    from kvhandoff.handoff import prefill
+    from kvhandoff.handoff import handoff_cache, prefill
 
     if len(schedule) != len(conversation.turns):
         raise ConfigError(f"schedule has {len(schedule)} turns, conversation {len(conversation.turns)}")
@@ -147,8 +145,8 @@ def run_conversation(
                 if server != owner:
                     if (owner, server) not in mappers:
                         raise ConfigError(f"no mapper for the handoff {owner} → {server}")
-                    cache = transfer_cache(mappers[(owner, server)], cache, models[owner], model)
-                    cache = patch_prefix(cache, model, torch.tensor([history]), exact_prefix)
+                    cache = handoff_cache(models[owner], model, mappers[(owner, server)], torch.tensor([history]),
+                                          exact_prefix, source_cache=cache)
                 ids = encode(tokenizer, next_segment(answers[-1], turn.question), add_special_tokens=False)
                 logprobs = feed(model, cache, ids)[-1]
             history += ids

@@ -159,21 +159,6 @@ class Transfer(Condition):
         return handoff_cache(self.source, self.reader, self.mapper, input_ids, self.exact_prefix, source_cache)
 
 
-def patch_prefix(cache, target_model, input_ids: torch.Tensor, exact_prefix: int | None):
-    """``kvhandoff.handoff.patch_exact_prefix`` on the target's device (a no-op for 0 or None)."""
-    from kvhandoff.handoff import patch_exact_prefix
-
-    return patch_exact_prefix(cache, target_model, input_ids.to(model_device(target_model)), exact_prefix)
-
-
-def transfer_cache(mapper, cache, source_model, target_model):
-    """``mapper.transfer(cache)``, asking for the target's dtype when it differs from the source's."""
-    src_dtype, tgt_dtype = getattr(source_model, "dtype", None), getattr(target_model, "dtype", None)
-    if tgt_dtype is not None and src_dtype != tgt_dtype:
-        return mapper.transfer(cache, dtype=tgt_dtype)
-    return mapper.transfer(cache)
-
-
 def standard_conditions(
     source_model, target_model, mapper, exact_prefix: int | None = None
 ) -> dict[str, Condition]:
