@@ -3,7 +3,7 @@ import torch
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.fit import collect_statistics
-from kvhandoff.selection import layer_r2_matrix, resolve_k, select_layers
+from kvhandoff.selection import layer_r2_matrix, parse_ks, resolve_k, select_layers
 
 from conftest import exactly_related, random_batches, tiny_model
 
@@ -26,3 +26,10 @@ def test_select_layers_orders_and_clamps():
     assert resolve_k("all", 24) == 24
     with pytest.raises(ConfigError, match="top_k"):
         resolve_k(0, 3)
+
+
+def test_parse_ks_accepts_integers_and_all_and_names_the_option():
+    assert parse_ks(" 1, 4 ,all") == [1, 4, "all"]
+    for bad in ("0", "1,x", "-2", ","):
+        with pytest.raises(ConfigError, match="--sweep-ks"):
+            parse_ks(bad, "--sweep-ks")

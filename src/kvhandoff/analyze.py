@@ -63,7 +63,7 @@ from kvhandoff.fit import feature_layout, mapper_from_statistics
 from kvhandoff.geometry import decoder_layers, model_fingerprint, read_geometry
 from kvhandoff.mapper import Mapper
 from kvhandoff.rope import apply_rope, rope_frequencies
-from kvhandoff.selection import layer_r2_matrix
+from kvhandoff.selection import layer_r2_matrix, parse_ks
 from kvhandoff.statistics import CalibrationStats
 
 ANALYSIS_FORMAT = "kvhandoff-analysis/1"
@@ -591,13 +591,6 @@ def _plot_attention(result: dict, path: Path) -> Path:
 
 
 # -- command --------------------------------------------------------------------------------------------------
-def parse_ks(text: str) -> list[int | str]:
-    try:
-        return ["all" if part == "all" else int(part) for part in text.replace(" ", "").split(",") if part]
-    except ValueError as exc:
-        raise ConfigError(f"--ks must be comma-separated integers or 'all', got {text!r}") from exc
-
-
 def analyze_command(
     source: Annotated[str, typer.Option("--source", help="registry name, local model folder or hub id")] = (
         DEFAULT_SOURCE

@@ -40,6 +40,26 @@ def resolve_k(top_k: int | str, num_source_layers: int) -> int:
     return min(top_k, num_source_layers)
 
 
+def parse_ks(text: str, option: str = "--ks") -> list[int | str]:
+    """'1,4,all' → [1, 4, 'all']; anything but positive integers and 'all', or nothing at all, is an error
+    naming `option`."""
+    ks: list[int | str] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if part == "all":
+            ks.append(part)
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ConfigError(f"{option} takes positive integers or 'all', got {part!r}")
+        ks.append(value)
+    if not ks:
+        raise ConfigError(f"{option} is empty; give e.g. 1,4,all")
+    return ks
+
+
 def select_layers(r2: torch.Tensor, top_k: int | str) -> torch.Tensor:
     """Indices [target_layers, k] of the k source layers with the best mean (K, V) R², in ascending layer order."""
     score = r2.mean(0)  # [target, source]

@@ -12,6 +12,7 @@ import typer
 from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.config import TOP_K_CHOICES
 from kvhandoff.errors import ConfigError, IncompatiblePairError
+from kvhandoff.selection import parse_ks
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -118,7 +119,7 @@ def eval_command(
     source_model, target_model, tokenizer = _load_pair(source, target, dtype, progress)
     forward_mapper = _forward_mapper(
         source_model, target_model, tokenizer, mapper, statistics, sweep_k, sweep_limit, top_k, seed, out, progress,
-        exact_prefix, source, target, candidates=parse_ks(sweep_ks),
+        exact_prefix, source, target, candidates=parse_ks(sweep_ks, "--sweep-ks"),
     )
     backward = None
     if reverse_mapper is not None:
@@ -147,25 +148,6 @@ def eval_command(
     md, png = render_results(files, out, stem="summary")
     typer.echo(md.read_text(encoding="utf-8"))
     typer.echo(f"wrote {md} and {png}")
-
-
-def parse_ks(text: str) -> list[int | str]:
-    """'1,4,all' → [1, 4, 'all'] (clear error for anything else)."""
-    ks: list[int | str] = []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        if part == "all":
-            ks.append(part)
-            continue
-        try:
-            value = int(part)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise ConfigError(f"--sweep-ks takes positive integers or 'all', got {part!r}")
-        ks.append(value)
-    if not ks:
-        raise ConfigError("--sweep-ks is empty; give e.g. 1,4,all")
-    return ks
 
 
 def _forward_mapper(source_model, target_model, tokenizer, mapper_path, statistics, sweep_k, sweep_limit,
