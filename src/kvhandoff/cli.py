@@ -85,13 +85,13 @@ def fit(
     source_model, tokenizer = load_model(source)
     target_model, target_tokenizer = load_model(target)
     if texts is None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
-        from kvhandoff.workflow import obtain_mapper, obtain_mlp_mapper
+        from kvhandoff.workflow import obtain_mapper
 
         calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed)
         if method == "mlp":
             mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed)
-            mapper = obtain_mlp_mapper(source, target, source_model, target_model, tokenizer, config, calibration,
-                                       mlp)[0]
+            mapper = obtain_mapper(source, target, source_model, target_model, tokenizer, config, calibration,
+                                   mlp=mlp)[0]
             metrics = mapper.manifest["fit_metrics"]["mlp"]
             note = (f"held-out loss (1 − R²) ridge {metrics['heldout_loss_ridge']:.4f} → mlp "
                     f"{metrics['heldout_loss_mlp']:.4f}")

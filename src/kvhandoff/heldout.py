@@ -90,15 +90,17 @@ def fit_heldout_mapper(
     max_position_embeddings: tuple[int, int] = (32768, 32768),
     reverse: bool = False,
     seed: int = 0,
+    r2_matrix: torch.Tensor | None = None,
 ) -> Mapper:
-    """A ridge mapper with k per target layer and λ per map chosen on held-out windows (see module doc)."""
+    """A ridge mapper with k per target layer and λ per map chosen on held-out windows (see module doc).
+    r2_matrix: `layer_r2_matrix(stats, config.probe_lambda)` when the caller has it already."""
     if config.top_k != "heldout":
         raise ConfigError(f"fit_heldout_mapper is for top_k='heldout', got {config.top_k!r}")
     started = time.perf_counter()
     train, x, y, windows = split_heldout(stats, features, reverse, HELDOUT_FRACTION, seed)
     train_r2 = layer_r2_matrix(train, config.probe_lambda)
     losses = heldout_losses(train, x, y, HELDOUT_KS, HELDOUT_LAMBDAS, train_r2)
-    full_r2 = layer_r2_matrix(stats, config.probe_lambda)
+    full_r2 = layer_r2_matrix(stats, config.probe_lambda) if r2_matrix is None else r2_matrix
     plan, chosen_k, chosen_loss = choose_plan(losses, full_r2)
     mapper = mapper_from_statistics(stats, config, source_fingerprint, target_fingerprint, calibration,
                                     max_position_embeddings, r2_matrix=full_r2, plan=plan)

@@ -20,7 +20,7 @@ from kvhandoff.fit import check_pair, collect_statistics, feature_layout, mapper
 from kvhandoff.geometry import model_fingerprint
 from kvhandoff.heldout import fit_heldout_mapper
 from kvhandoff.mapper import Mapper
-from kvhandoff.mlp import MLPMapper, fit_mlp_mapper
+from kvhandoff.mlp import fit_mlp_mapper
 from kvhandoff.selection import layer_r2_matrix
 from kvhandoff.statistics import CalibrationStats
 
@@ -50,6 +50,11 @@ def features_dir(source_spec: str, target_spec: str, config: FitConfig, calibrat
 
 def mapper_dir(source_spec: str, target_spec: str, config: FitConfig, calibration: CalibrationSpec) -> Path:
     return pair_dir(source_spec, target_spec) / f"mapper-{_key(config.to_dict(), calibration.to_dict())}"
+
+
+def mlp_mapper_dir(source_spec: str, target_spec: str, config: FitConfig, calibration: CalibrationSpec,
+                   mlp: MLPConfig) -> Path:
+    return pair_dir(source_spec, target_spec) / f"mlp-{_key(config.to_dict(), calibration.to_dict(), mlp.to_dict())}"
 
 
 def obtain_statistics(
@@ -138,18 +143,27 @@ def obtain_mapper(
     calibration: CalibrationSpec = CalibrationSpec(),  # noqa: B008 - frozen
     progress: bool = True,
     refit: bool = False,
+    mlp: MLPConfig | None = None,
 ) -> tuple[Mapper, Path, bool]:
-    """Return (ridge mapper, its folder, whether it was reused from the cache)."""
-    folder = mapper_dir(source_spec, target_spec, config, calibration)
-    cached = None if refit else _cached(folder, source, target, tokenizer, {"config": config.to_dict()}, progress)
+    """Return (mapper, its folder, whether it was reused from the cache): the ridge mapper of `config`, or with
+    `mlp` an `MLPMapper` around it. Settings that need the calibration rows (top_k="heldout", the MLP) make the
+    pass keep them, running it again when a cached pass kept none (`obtain_statistics`)."""
+    folder = (mapper_dir(source_spec, target_spec, config, calibration) if mlp is None
+              else mlp_mapper_dir(source_spec, target_spec, config, calibration, mlp))
+    expected = {"config": config.to_dict(), **({} if mlp is None else {"mlp_config": mlp.to_dict()})}
+    cached = None if refit else _cached(folder, source, target, tokenizer, expected, progress)
     if cached is not None:
         return cached, folder, True
     check_pair(source, target, tokenizer, tokenizer)
-    heldout = config.top_k == "heldout"  # chosen on held-out windows: needs the calibration rows
     stats, info = obtain_statistics(
-        source_spec, target_spec, source, target, tokenizer, config, calibration, progress, features=heldout
+        source_spec, target_spec, source, target, tokenizer, config, calibration, progress,
+        features=mlp is not None or config.top_k == "heldout",
     )
-    mapper = _ridge_mapper(stats, info, config, source, target, tokenizer)
+    r2 = layer_r2_matrix(stats, config.probe_lambda)
+    mapper = _ridge_mapper(stats, info, config, source, target, tokenizer, r2_matrix=r2)
+    if mlp is not None:
+        features = info["features"]
+        mapper = fit_mlp_mapper(mapper, features["folder"], r2, mlp, reverse=features["reverse"], progress=progress)
     mapper.save(folder)
     return mapper, folder, False
 
@@ -163,44 +177,6 @@ def _ridge_mapper(stats, info: dict, config: FitConfig, source, target, tokenize
     positions = (source.config.max_position_embeddings, target.config.max_position_embeddings)
     if config.top_k == "heldout":
         return fit_heldout_mapper(stats, features["folder"], config, *fingerprints, info, positions,
-                                  reverse=features["reverse"])
+                                  reverse=features["reverse"], r2_matrix=r2_matrix)
     return mapper_from_statistics(stats, config, *fingerprints, info, max_position_embeddings=positions,
                                   r2_matrix=r2_matrix)
-
-
-def mlp_mapper_dir(source_spec: str, target_spec: str, config: FitConfig, calibration: CalibrationSpec,
-                   mlp: MLPConfig) -> Path:
-    return pair_dir(source_spec, target_spec) / f"mlp-{_key(config.to_dict(), calibration.to_dict(), mlp.to_dict())}"
-
-
-def obtain_mlp_mapper(
-    source_spec: str,
-    target_spec: str,
-    source,
-    target,
-    tokenizer,
-    config: FitConfig = FitConfig(),  # noqa: B008 - frozen
-    calibration: CalibrationSpec = CalibrationSpec(),  # noqa: B008 - frozen
-    mlp: MLPConfig = MLPConfig(),  # noqa: B008 - frozen
-    progress: bool = True,
-    refit: bool = False,
-) -> tuple[MLPMapper, Path, bool]:
-    """Return (MLP mapper around the ridge mapper of `config`, its folder, whether it was reused).
-
-    Needs the calibration rows: a pass that kept none runs again with them (`obtain_statistics`).
-    """
-    folder = mlp_mapper_dir(source_spec, target_spec, config, calibration, mlp)
-    expected = {"config": config.to_dict(), "mlp_config": mlp.to_dict()}
-    cached = None if refit else _cached(folder, source, target, tokenizer, expected, progress)
-    if cached is not None:
-        return cached, folder, True
-    check_pair(source, target, tokenizer, tokenizer)
-    stats, info = obtain_statistics(
-        source_spec, target_spec, source, target, tokenizer, config, calibration, progress, features=True
-    )
-    features = info["features"]
-    r2 = layer_r2_matrix(stats, config.probe_lambda)
-    base = _ridge_mapper(stats, info, config, source, target, tokenizer, r2_matrix=r2)
-    mapper = fit_mlp_mapper(base, features["folder"], r2, mlp, reverse=features["reverse"], progress=progress)
-    mapper.save(folder)
-    return mapper, folder, False
