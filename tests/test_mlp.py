@@ -9,19 +9,11 @@ from kvhandoff.errors import ConfigError, MapperFormatError, StatisticsError
 from kvhandoff.features import FeatureShardWriter
 from kvhandoff.fit import collect_statistics, feature_layout, mapper_from_statistics
 from kvhandoff.geometry import model_fingerprint
-from kvhandoff.mlp import MLPMapper, ResidualMLP, fit_mlp_mapper, input_columns, output_columns, ridge_rows
+from kvhandoff.mlp import MLPMapper, ResidualMLP, fit_mlp_mapper, input_columns, output_columns
 from kvhandoff.selection import layer_r2_matrix
 from kvhandoff.statistics import CalibrationStats, FeatureLayout
 
 from conftest import random_batches, tiny_model
-
-
-def _stats_from_rows(source: FeatureLayout, target: FeatureLayout, x: torch.Tensor, y: torch.Tensor):
-    stats = CalibrationStats(source, target)
-    x, y = x.double(), y.double()
-    stats.count, stats.sum_x, stats.sum_y = x.shape[0], x.sum(0), y.sum(0)
-    stats.sum_xx, stats.sum_xy, stats.sum_yy = x.T @ x, x.T @ y, y.T @ y
-    return stats
 
 
 def _write_rows(folder, source, target, x, y, windows):
@@ -40,7 +32,7 @@ def nonlinear_pair(tmp_path_factory):
     mixing = torch.randn(source.width, target.width, generator=generator) / source.width**0.5
     y = torch.tanh(2 * x @ mixing) + 0.5 * (x @ mixing) ** 2
     folder = _write_rows(tmp_path_factory.mktemp("rows") / "f", source, target, x, y, windows=12)
-    stats = _stats_from_rows(source, target, x.half().float(), y.half().float())
+    stats = CalibrationStats.from_rows(source, target, x.half().float(), y.half().float())
     base = mapper_from_statistics(stats, FitConfig(top_k="all", exact_prefix=0), {}, {})
     return base, stats, folder
 
@@ -66,35 +58,29 @@ def test_early_stopping_never_ends_worse_than_ridge_on_heldout(nonlinear_pair):
     rows = torch.randn(7, base.source.width)
     chosen_zero = [i for i, e in enumerate(metrics["epoch_per_layer"]) if e == 0]
     assert chosen_zero, "a diverging run should keep the ridge for some layer"
-    mapped, linear = mapper_rows(mapper, rows), ridge_rows(base, rows)
+    mapped, linear = mapper.map_feature_rows(rows), base.map_feature_rows(rows)
     for layer in chosen_zero:
         assert torch.allclose(mapped[:, output_columns(base.target)[layer]],
                               linear[:, output_columns(base.target)[layer]], atol=1e-5)
-
-
-def mapper_rows(mapper: Mapper, rows: torch.Tensor) -> torch.Tensor:
-    src = mapper.source
-    grid = rows.view(-1, 2, src.num_layers, src.num_kv_heads, src.head_dim).transpose(0, 1).unsqueeze(1).contiguous()
-    return mapper._map_rows(grid).permute(1, 2, 0, 3, 4, 5).reshape(rows.shape[0], -1)
 
 
 def test_applied_layout_matches_the_training_layout():
     """What the mapper adds at transfer time is the MLP of exactly the columns it was trained on."""
     source, target = FeatureLayout(3, 2, 4), FeatureLayout(2, 1, 6)
     x = torch.randn(500, source.width)
-    stats = _stats_from_rows(source, target, x, torch.randn(500, target.width))
+    stats = CalibrationStats.from_rows(source, target, x, torch.randn(500, target.width))
     base = mapper_from_statistics(stats, FitConfig(top_k=2, exact_prefix=0), {}, {})
     input_layers = torch.tensor([[2, 0], [1, 2]])
     mlp = ResidualMLP(2, 2 * 2 * source.layer_width, 8, 2 * target.layer_width, seed=3)
     torch.nn.init.normal_(mlp.w3)
     mapper = MLPMapper(base.weight, base.bias, base.selected, base.manifest, input_layers, mlp)
     rows = torch.randn(9, source.width)
-    expected = ridge_rows(base, rows)
+    expected = base.map_feature_rows(rows)
     with torch.no_grad():
         correction = mlp(rows[:, input_columns(source, input_layers)].transpose(0, 1))  # [Lt, n, 2·Ft]
     for layer, columns in enumerate(output_columns(target)):
         expected[:, columns] += correction[layer]
-    assert torch.allclose(mapper_rows(mapper, rows), expected, atol=1e-5)
+    assert torch.allclose(mapper.map_feature_rows(rows), expected, atol=1e-5)
 
 
 def test_save_load_round_trip_and_refusals(tmp_path):

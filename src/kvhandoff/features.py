@@ -67,6 +67,20 @@ def read_manifest(folder: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def check_layouts(folder: str | Path, manifest: dict, reverse: bool, source: FeatureLayout,
+                  target: FeatureLayout) -> None:
+    """Refuse rows written for another model pair or direction (`reverse`: rows of the opposite direction,
+    used with x and y swapped)."""
+    layouts = (FeatureLayout(**manifest["source_layout"]), FeatureLayout(**manifest["target_layout"]))
+    if reverse:
+        layouts = layouts[::-1]
+    if layouts != (source, target):
+        raise StatisticsError(
+            f"feature rows in {folder} have layouts {layouts}, expected {(source, target)}: they come from "
+            "another model pair or direction"
+        )
+
+
 def load_features(
     folder: str | Path, source_columns: torch.Tensor | None = None, target_columns: torch.Tensor | None = None,
     shards=None,

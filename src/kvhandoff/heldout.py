@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from kvhandoff.config import HELDOUT_FRACTION, HELDOUT_KS, HELDOUT_LAMBDAS, FitConfig
-from kvhandoff.errors import ConfigError, StatisticsError
-from kvhandoff.features import load_features, read_manifest, validation_shards
+from kvhandoff.errors import ConfigError
+from kvhandoff.features import check_layouts, load_features, read_manifest, validation_shards
 from kvhandoff.fit import LayerPlan, mapper_from_statistics
 from kvhandoff.mapper import Mapper
 from kvhandoff.selection import layer_r2_matrix, resolve_k, select_layers
-from kvhandoff.statistics import MODALITIES, CalibrationStats, FeatureLayout
+from kvhandoff.statistics import MODALITIES, CalibrationStats
 
 
 def split_heldout(
@@ -31,12 +31,7 @@ def split_heldout(
 ) -> tuple[CalibrationStats, torch.Tensor, torch.Tensor, list[int]]:
     """(statistics without the held-out windows, held-out x rows, held-out y rows, held-out window indices)."""
     manifest = read_manifest(features)
-    layouts = (FeatureLayout(**manifest["source_layout"]), FeatureLayout(**manifest["target_layout"]))
-    if reverse:
-        layouts = layouts[::-1]
-    if layouts != (stats.source, stats.target):
-        raise StatisticsError(f"feature rows in {features} come from another model pair or direction than the "
-                              "statistics")
+    check_layouts(features, manifest, reverse, stats.source, stats.target)
     windows = validation_shards(len(manifest["shards"]), fraction, seed)
     x, y, _ = load_features(features, shards=windows.tolist())
     if reverse:

@@ -19,8 +19,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvhandoff.config import MLP_FORMAT_VERSION, MLPConfig
-from kvhandoff.errors import MapperFormatError, StatisticsError
-from kvhandoff.features import load_features, read_manifest, validation_shards
+from kvhandoff.errors import MapperFormatError
+from kvhandoff.features import check_layouts, load_features, read_manifest, validation_shards
 from kvhandoff.mapper import Mapper
 from kvhandoff.selection import select_layers
 from kvhandoff.statistics import FeatureLayout
@@ -81,8 +81,8 @@ def input_columns(layout: FeatureLayout, input_layers: torch.Tensor) -> torch.Te
 
 def output_columns(layout: FeatureLayout) -> torch.Tensor:
     """[target layers, 2·Ft] columns of a target feature row: each layer's K, then its V."""
-    return torch.stack([torch.cat([torch.arange(layout.layer_slice(m, t).start, layout.layer_slice(m, t).stop)
-                                   for m in (0, 1)]) for t in range(layout.num_layers)])
+    return torch.stack([torch.cat([layout.layer_indices(0, [t]), layout.layer_indices(1, [t])])
+                        for t in range(layout.num_layers)])
 
 
 class MLPMapper(Mapper):
@@ -133,11 +133,6 @@ class MLPMapper(Mapper):
         return cls(tensors["weight"], tensors["bias"], tensors["selected"], manifest, tensors["mlp_input_layers"], mlp)
 
 
-def ridge_rows(base: Mapper, x: torch.Tensor) -> torch.Tensor:
-    """The linear mapper's prediction for source feature rows x [n, source width] as target rows [n, target width]."""
-    return base.map_feature_rows(x)
-
-
 def fit_mlp_mapper(
     base: Mapper,
     features: str | Path,
@@ -155,15 +150,10 @@ def fit_mlp_mapper(
     started = time.perf_counter()
     torch.manual_seed(config.seed)
     manifest = read_manifest(features)
+    check_layouts(features, manifest, reverse, base.source, base.target)
     x, y, shard = load_features(features)
-    layouts = (FeatureLayout(**manifest["source_layout"]), FeatureLayout(**manifest["target_layout"]))
     if reverse:
-        x, y, layouts = y, x, layouts[::-1]
-    if layouts != (base.source, base.target):
-        raise StatisticsError(
-            f"feature rows in {features} have layouts {layouts}, the mapper {(base.source, base.target)}: they "
-            "come from another model pair or direction"
-        )
+        x, y = y, x
     src, tgt = base.source, base.target
     input_layers = select_layers(r2_matrix, config.input_layers)  # [Lt, m]
     in_cols, out_cols = input_columns(src, input_layers), output_columns(tgt)
@@ -173,7 +163,7 @@ def fit_mlp_mapper(
     y_var = y[train_rows].var(0)  # before y becomes the residual: the loss is relative to each output's variance
     with torch.no_grad():
         for start in range(0, x.shape[0], 4096):
-            y[start : start + 4096] -= ridge_rows(base, x[start : start + 4096])
+            y[start : start + 4096] -= base.map_feature_rows(x[start : start + 4096])
     x_mean, x_std = x[train_rows].mean(0), x[train_rows].std(0).clamp_min(1e-6)
 
     model = ResidualMLP(tgt.num_layers, in_cols.shape[1], config.hidden, out_cols.shape[1], seed=config.seed)
