@@ -88,16 +88,13 @@ def fit(
         from kvhandoff.workflow import obtain_mapper
 
         calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed)
-        if method == "mlp":
-            mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed)
-            mapper = obtain_mapper(source, target, source_model, target_model, tokenizer, config, calibration,
-                                   mlp=mlp)[0]
-            metrics = mapper.manifest["fit_metrics"]["mlp"]
-            note = (f"held-out loss (1 − R²) ridge {metrics['heldout_loss_ridge']:.4f} → mlp "
-                    f"{metrics['heldout_loss_mlp']:.4f}")
+        mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed) if method == "mlp" else None
+        mapper = obtain_mapper(source, target, source_model, target_model, tokenizer, config, calibration, mlp=mlp)[0]
+        metrics = mapper.manifest["fit_metrics"]
+        if mlp is not None:
+            note = (f"held-out loss (1 − R²) ridge {metrics['mlp']['heldout_loss_ridge']:.4f} → mlp "
+                    f"{metrics['mlp']['heldout_loss_mlp']:.4f}")
         else:
-            mapper = obtain_mapper(source, target, source_model, target_model, tokenizer, config, calibration)[0]
-            metrics = mapper.manifest["fit_metrics"]
             note = f"R² K {metrics['r2_k_mean']:.3f}, V {metrics['r2_v_mean']:.3f}"
             if config.top_k == "heldout":
                 note += f"; k per target layer {metrics['heldout_choice']['k_per_target_layer']}"
