@@ -91,13 +91,12 @@ class MLPMapper(Mapper):
     def __init__(self, weight, bias, selected, manifest, input_layers: torch.Tensor, mlp: ResidualMLP):
         super().__init__(weight, bias, selected, manifest)
         self.input_layers = input_layers.long()
-        expected = (self.target.num_layers, 2 * self.input_layers.shape[1] * self.source.layer_width,
-                    2 * self.target.layer_width)
-        if (tuple(self.input_layers.shape[:1]), mlp.w1.shape[0], mlp.w1.shape[1], mlp.w3.shape[2]) != (
-            expected[:1], *expected
-        ):
+        layers = self.target.num_layers
+        expected = (layers, layers, 2 * self.input_layers.shape[1] * self.source.layer_width,
+                    2 * self.target.layer_width)  # input-layer rows, MLPs, MLP inputs, MLP outputs
+        if (self.input_layers.shape[0], *mlp.w1.shape[:2], mlp.w3.shape[2]) != expected:
             raise MapperFormatError(
-                f"MLP of {tuple(mlp.w1.shape)}→{tuple(mlp.w3.shape)} does not fit a {expected[0]}-layer target "
+                f"MLP of {tuple(mlp.w1.shape)}→{tuple(mlp.w3.shape)} does not fit a {layers}-layer target "
                 f"reading {self.input_layers.shape[1]} source layers; re-fit the mapper"
             )
         self.mlp = mlp.eval().requires_grad_(False)
