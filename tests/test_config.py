@@ -36,3 +36,19 @@ def test_gcv_lambda_is_accepted_and_probes_use_a_fixed_lambda():
     assert FitConfig(ridge_lambda=0.3).probe_lambda == 0.3
     with pytest.raises(ConfigError, match="'gcv'"):
         FitConfig(ridge_lambda="auto")
+
+
+def test_calibration_mix_is_validated_and_keeps_default_cache_keys():
+    from kvhandoff.config import CalibrationSpec
+
+    default = CalibrationSpec()
+    # the default mix is left out of the key dict: statistics cached before `mix` existed stay valid
+    assert default.to_dict() == {"num_sequences": 40, "seq_len": 512, "seed": 0, "batch_size": 1}
+    mixed = CalibrationSpec(num_sequences=81, mix=("prose", "exams"))
+    assert mixed.to_dict()["mix"] == ["prose", "exams"]
+    assert mixed.windows_per_group() == {"prose": 41, "exams": 40}
+    for bad, message in (((), "mix"), ("prose", "mix"), (("prose", "prose"), "twice"), (("poetry",), "mix")):
+        with pytest.raises(ConfigError, match=message):
+            CalibrationSpec(mix=bad)
+    with pytest.raises(ConfigError, match="window"):
+        CalibrationSpec(num_sequences=1, mix=("prose", "exams"))

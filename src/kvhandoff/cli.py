@@ -11,7 +11,7 @@ import typer
 from kvhandoff.analyze import analyze_command
 from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.bench import bench_command
-from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig
+from kvhandoff.config import DEFAULT_CALIBRATION_MIX, CalibrationSpec, FitConfig, MLPConfig
 from kvhandoff.errors import KVHandoffError
 from kvhandoff.evaluation.cli import eval_command, render_command
 
@@ -19,6 +19,18 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
 SourceOption = Annotated[str, typer.Option("--source", help="registry name, local model folder or hub id")]
 TargetOption = Annotated[str, typer.Option("--target", help="registry name, local model folder or hub id")]
+
+
+MixOption = Annotated[str, typer.Option(
+    "--mix", help="calibration text groups sharing the windows equally, comma-separated: 'prose' (BoolQ train "
+                  "passages, LAMBADA), 'exams' (multiple-choice questions with answers, few-shot layout)")]
+
+
+DEFAULT_MIX = ",".join(DEFAULT_CALIBRATION_MIX)
+
+
+def _mix(value: str) -> tuple[str, ...]:
+    return tuple(group.strip() for group in value.split(",") if group.strip())
 
 
 def _top_k(value: str) -> int | str:
@@ -59,7 +71,8 @@ def fit(
     sequences: Annotated[int, typer.Option(help="calibration windows")] = CalibrationSpec().num_sequences,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = CalibrationSpec().seq_len,
     texts: Annotated[Path | None, typer.Option(help="UTF-8 text file to calibrate on (paragraphs split on blank "
-                                               "lines) instead of the built-in prose corpus")] = None,
+                                               "lines) instead of the built-in corpus")] = None,
+    mix: MixOption = DEFAULT_MIX,
     seed: int = 0,
     method: Annotated[str, typer.Option(help="'ridge' (closed form) or 'mlp' (ridge + residual MLP per target "
                                              "layer, trained on the calibration rows)")] = "ridge",
@@ -87,7 +100,7 @@ def fit(
     if texts is None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
         from kvhandoff.workflow import obtain_mapper
 
-        calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed)
+        calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed, mix=_mix(mix))
         mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed) if method == "mlp" else None
         mapper = obtain_mapper(source, target, source_model, target_model, tokenizer, config, calibration, mlp=mlp)[0]
         metrics = mapper.manifest["fit_metrics"]
@@ -126,6 +139,7 @@ def demo(
     top_k: Annotated[str, typer.Option("--top-k")] = str(FitConfig().top_k),
     sequences: Annotated[int, typer.Option(help="calibration windows")] = CalibrationSpec().num_sequences,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = CalibrationSpec().seq_len,
+    mix: MixOption = DEFAULT_MIX,
     max_new_tokens: int = 40,
     repeats: Annotated[int, typer.Option(help="timed repeats of each path (median reported)")] = 1,
     refit: Annotated[bool, typer.Option(help="fit again even if a cached mapper matches")] = False,
@@ -138,7 +152,7 @@ def demo(
         source, target = target, source
     result = run_demo(
         source, target, FitConfig(top_k=_top_k(top_k)),
-        CalibrationSpec(num_sequences=sequences, seq_len=seq_len),
+        CalibrationSpec(num_sequences=sequences, seq_len=seq_len, mix=_mix(mix)),
         max_new_tokens=max_new_tokens, repeats=repeats, refit=refit,
     )
     render_demo(result)
@@ -161,6 +175,7 @@ def tune(
     sequences: Annotated[int, typer.Option(help="calibration windows")] = CalibrationSpec().num_sequences,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = CalibrationSpec().seq_len,
     stride: Annotated[int, typer.Option(help="keep every n-th calibration token")] = FitConfig().token_stride,
+    mix: MixOption = DEFAULT_MIX,
     features: Annotated[bool, typer.Option(help="also keep the feature rows (for --method mlp)")] = False,
     mappers: Annotated[list[Path] | None, typer.Option("--mapper", help="also score this saved mapper (repeatable)")]
     = None,
@@ -179,7 +194,7 @@ def tune(
 
     source_model, tokenizer = load_model(source)
     target_model, _ = load_model(target)
-    calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len)
+    calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, mix=_mix(mix))
     stats, _ = obtain_statistics(source, target, source_model, target_model, tokenizer,
                                  FitConfig(token_stride=stride), calibration, features=features)
     documents = heldout_documents(tokenizer, docs, min_tokens=prefix_len + continuation_len, source="lambada-heldout")

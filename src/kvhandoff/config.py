@@ -20,6 +20,12 @@ HELDOUT_KS: tuple[int | str, ...] = (1, 2, 4, 8, 16, "all")
 HELDOUT_LAMBDAS: tuple[float, ...] = (0.01, 0.1, 1.0)
 HELDOUT_FRACTION = 0.1
 
+#: calibration text groups (`CalibrationSpec.mix`) and the corpus sources each packs (see `corpus.py`):
+#: "prose" — BoolQ train passages and LAMBADA novels; "exams" — multiple-choice questions with their answers
+#: in the few-shot exam layout (CommonsenseQA, SciQ, MedMCQA; none of them an evaluation task).
+CALIBRATION_GROUPS: dict[str, tuple[str, ...]] = {"prose": ("boolq-train", "lambada"), "exams": ("mc-exams",)}
+DEFAULT_CALIBRATION_MIX: tuple[str, ...] = ("prose",)
+
 #: k values the layer-selection sweep considers ("all" = every source layer).
 TOP_K_CHOICES: tuple[int | str, ...] = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, "all")
 
@@ -97,16 +103,20 @@ class FitConfig:
 
 @dataclass(frozen=True)
 class CalibrationSpec:
-    """How much real prose the default fit reads: `num_sequences` windows of `seq_len` tokens.
+    """How much real text the default fit reads: `num_sequences` windows of `seq_len` tokens.
 
     The default (40 × 512 = 20,480 tokens, 5,120 kept at stride 4) fits 0.5B→1.5B in about 15 minutes
     on a 2-core CPU; the cost is linear in num_sequences × seq_len.
+    mix: the text groups of `CALIBRATION_GROUPS`; the windows are shared out equally between them (the first
+    groups take the remainder), each group packed on its own, so a mix's windows of one group are exactly
+    those a calibration of that group alone would read first.
     """
 
     num_sequences: int = 40
     seq_len: int = 512
     seed: int = 0
     batch_size: int = 1
+    mix: tuple[str, ...] = DEFAULT_CALIBRATION_MIX
 
     def __post_init__(self) -> None:
         for name in ("num_sequences", "seq_len", "batch_size"):
@@ -115,9 +125,30 @@ class CalibrationSpec:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.seq_len < 8:
             raise ConfigError(f"seq_len must be at least 8 tokens, got {self.seq_len}")
+        if isinstance(self.mix, str) or not self.mix or any(group not in CALIBRATION_GROUPS for group in self.mix):
+            raise ConfigError(
+                f"mix must be a non-empty tuple of calibration groups among {tuple(CALIBRATION_GROUPS)}, "
+                f"got {self.mix!r}"
+            )
+        if len(set(self.mix)) != len(self.mix):
+            raise ConfigError(f"mix names a calibration group twice: {self.mix!r}")
+        if self.num_sequences < len(self.mix):
+            raise ConfigError(f"num_sequences ({self.num_sequences}) must give every group of mix {self.mix} a window")
+
+    def windows_per_group(self) -> dict[str, int]:
+        """How many of the windows each group of `mix` gets."""
+        share, extra = divmod(self.num_sequences, len(self.mix))
+        return {group: share + (i < extra) for i, group in enumerate(self.mix)}
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The spec as cache keys see it. The default mix is left out, so keys (and cached statistics) of specs
+        written before `mix` existed stay valid."""
+        data = asdict(self)
+        if self.mix == DEFAULT_CALIBRATION_MIX:
+            del data["mix"]
+        else:
+            data["mix"] = list(self.mix)
+        return data
 
 
 @dataclass(frozen=True)

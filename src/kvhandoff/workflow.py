@@ -99,7 +99,7 @@ def _collect(source_spec, target_spec, source, target, tokenizer, config, calibr
     info_path = path.with_suffix(".json")
     corpus = calibration_batches(
         tokenizer, calibration.num_sequences, calibration.seq_len, seed=calibration.seed,
-        batch_size=calibration.batch_size,
+        batch_size=calibration.batch_size, mix=calibration.mix,
     )
     started = time.perf_counter()
     writer = None
