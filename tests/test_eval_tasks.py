@@ -166,3 +166,22 @@ def test_shared_prefix_must_start_every_context():
         T.MCItem("x", choices, 0, shared_prefix="Other. ")
     with pytest.raises(ConfigError, match="shared_prefix"):
         T.GenItem("g", "Q: 1?\nA:", "1", shared_prefix="Q: 2")
+
+
+def test_mmlu_dev_examples_are_validation_items_in_the_task_layout():
+    from conftest import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    examples = T.mmlu_dev_examples(tokenizer, 3)
+    assert len(examples) == 3
+    prompt, answer = examples[0]
+    text = tokenizer.decode(prompt)
+    row = hf_rows("hails/mmlu_no_train/abstract_algebra/validation")[0]
+    assert text == T.mmlu_prefix("abstract_algebra", list(hf_rows("hails/mmlu_no_train/abstract_algebra/dev"))) + \
+        T._mmlu_question(row)
+    assert tokenizer.decode(answer) == " " + T.MMLU_LETTERS[int(row["answer"])]
+    # never a reported (test-split) item
+    test_questions = {r["question"] for r in hf_rows("hails/mmlu_no_train/abstract_algebra/test")}
+    assert row["question"] not in test_questions
+    with pytest.raises(ConfigError, match="count"):
+        T.mmlu_dev_examples(tokenizer, 0)

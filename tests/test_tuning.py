@@ -67,3 +67,23 @@ def test_target_tail_covering_the_prefix_gives_zero_divergence():
     assert whole["mean_kl"] < partial["mean_kl"] < plain["mean_kl"]
     with pytest.raises(ConfigError, match="target_tail"):
         divergence.score(mapper, target_tail=39)
+
+
+def test_examples_of_any_length_match_the_document_form(setup):
+    """A dev set of (prefix, continuation) pairs of different lengths, e.g. few-shot prompts and their answer."""
+    from kvhandoff.fit import mapper_from_statistics
+
+    source, target, stats, by_documents = setup
+    docs = [torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    same = HandoffDivergence.from_examples(source, target, [(d[:40].tolist(), d[40:56].tolist()) for d in docs])
+    ragged = HandoffDivergence.from_examples(source, target, [(docs[0][:30].tolist(), docs[0][30:31].tolist()),
+                                                              (docs[1][:45].tolist(), docs[1][45:48].tolist())])
+    mapper = mapper_from_statistics(stats, FitConfig(ridge_lambda=10.0), model_fingerprint(source),
+                                    model_fingerprint(target), max_position_embeddings=(512, 512))
+    assert same.score(mapper) == by_documents.score(mapper)
+    scored = ragged.score(mapper)
+    assert scored["tokens"] == 4 and scored["documents"] == 2 and scored["mean_kl"] > 0
+    with pytest.raises(ConfigError, match="target_tail"):
+        ragged.score(mapper, target_tail=29)  # the shortest prefix has 30 tokens
+    with pytest.raises(ConfigError, match="dev examples"):
+        HandoffDivergence.from_examples(source, target, [([1, 2, 3], [])])

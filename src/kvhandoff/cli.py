@@ -169,7 +169,11 @@ def tune(
     exact_prefixes: Annotated[str, typer.Option(help="comma-separated leading tokens the target recomputes")] = "0",
     target_tails: Annotated[str, typer.Option(help="comma-separated last context tokens the target prefills "
                                                    "itself instead of reading them mapped")] = "0",
-    docs: Annotated[int, typer.Option(help="held-out dev documents (LAMBADA held-out slice)")] = 4,
+    dev: Annotated[str, typer.Option(help="dev set: 'prose' (held-out LAMBADA documents, --prefix-len + "
+                                          "--continuation-len tokens each) or 'mmlu' (5-shot prompts of MMLU "
+                                          "validation items, one per subject; the answer letter is scored)")]
+    = "prose",
+    docs: Annotated[int, typer.Option(help="dev documents (prose) or MMLU subjects (mmlu)")] = 4,
     prefix_len: int = 512,
     continuation_len: int = 128,
     sequences: Annotated[int, typer.Option(help="calibration windows")] = CalibrationSpec().num_sequences,
@@ -197,8 +201,19 @@ def tune(
     calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, mix=_mix(mix))
     stats, _ = obtain_statistics(source, target, source_model, target_model, tokenizer,
                                  FitConfig(token_stride=stride), calibration, features=features)
-    documents = heldout_documents(tokenizer, docs, min_tokens=prefix_len + continuation_len, source="lambada-heldout")
-    divergence = HandoffDivergence(source_model, target_model, documents, prefix_len, continuation_len)
+    if dev == "prose":
+        documents = heldout_documents(tokenizer, docs, min_tokens=prefix_len + continuation_len,
+                                      source="lambada-heldout")
+        divergence = HandoffDivergence(source_model, target_model, documents, prefix_len, continuation_len)
+        dev_info = documents.describe()
+    elif dev == "mmlu":
+        from kvhandoff.evaluation.tasks import mmlu_dev_examples
+
+        divergence = HandoffDivergence.from_examples(source_model, target_model, mmlu_dev_examples(tokenizer, docs))
+        dev_info = {"kind": "mmlu-validation", "subjects": docs,
+                    "description": "first validation item of each of the first subjects, 5-shot, answer letter"}
+    else:
+        raise typer.BadParameter(f"unknown dev set {dev!r}; use 'prose' or 'mmlu'", param_hint="--dev")
     configs = [FitConfig(top_k=_top_k(k.strip()), ridge_lambda=_ridge_lambda(lam.strip()), token_stride=stride)
                for lam in lambdas.split(",") for k in ks.split(",")]
     rows = sweep(stats, configs, divergence, model_fingerprint(source_model, tokenizer),
@@ -223,7 +238,7 @@ def tune(
                       f"{row['mean_kl']:.3f}", f"{row['top1_agreement']:.3f}", f"{row['ppl_ratio']:.3f}")
     Console().print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"source": source, "target": target, "dev": documents.describe(),
+    out.write_text(json.dumps({"source": source, "target": target, "dev": dev_info, "calibration_mix": list(_mix(mix)),
                                "prefix_len": prefix_len, "continuation_len": continuation_len,
                                "source_reference": reference, "rows": rows}, indent=2))
 

@@ -1,10 +1,11 @@
 """Choosing fit settings on a dev set: how far the target's next-token distributions move after a handoff.
 
-The dev metric is teacher-forced: for held-out prose documents (never calibration, never evaluation items)
-the target reads a continuation once from its own prefix cache (the reference, computed once) and once from
-the mapped cache of the source's prefix. Reported per candidate mapper: mean KL(own ‖ handoff), top-1
-agreement and the perplexity ratio handoff ÷ own. Candidates come from one set of statistics, so a sweep over
-k and λ costs solves and target forwards over the continuations, never another calibration pass.
+The dev metric is teacher-forced: for held-out prose documents or few-shot dev prompts (never calibration,
+never reported evaluation items) the target reads a continuation once from its own prefix cache (the
+reference, computed once) and once from the mapped cache of the source's prefix. Reported per candidate
+mapper: mean KL(own ‖ handoff), top-1 agreement and the perplexity ratio handoff ÷ own. Candidates come from
+one set of statistics, so a sweep over k and λ costs solves and target forwards over the continuations, never
+another calibration pass.
 """
 
 from __future__ import annotations
@@ -38,31 +39,45 @@ class HandoffDivergence:
     """Reference distributions for a dev set; `score(mapper)` measures a candidate against them."""
 
     def __init__(self, source, target, documents: Iterable, prefix_len: int = 512, continuation_len: int = 128):
+        """Dev documents cut into a `prefix_len` prefix and the `continuation_len` tokens after it (documents
+        shorter than both together are skipped)."""
         if prefix_len < 2 or continuation_len < 1:
             raise ConfigError("prefix_len must be ≥ 2 and continuation_len ≥ 1")
+        cut = [[int(t) for t in doc][: prefix_len + continuation_len] for doc in documents]
+        examples = [(ids[:prefix_len], ids[prefix_len:]) for ids in cut if len(ids) == prefix_len + continuation_len]
+        if not examples:
+            raise ConfigError(f"no dev document has the {prefix_len + continuation_len} tokens needed")
+        self._prepare(source, target, examples)
+
+    @classmethod
+    def from_examples(cls, source, target, examples: Iterable[tuple[Sequence[int], Sequence[int]]]):
+        """A dev set of (prefix, continuation) token-id pairs of any lengths — e.g. few-shot prompts and the
+        answer after them (`kvhandoff.evaluation.tasks.mmlu_dev_examples`)."""
+        examples = [([int(t) for t in prefix], [int(t) for t in continuation]) for prefix, continuation in examples]
+        if not examples or any(len(prefix) < 2 or not continuation for prefix, continuation in examples):
+            raise ConfigError("dev examples need a prefix of ≥ 2 tokens and a continuation of ≥ 1 token each")
+        divergence = cls.__new__(cls)
+        divergence._prepare(source, target, examples)
+        return divergence
+
+    def _prepare(self, source, target, examples: list[tuple[list[int], list[int]]]) -> None:
         self.source, self.target = source, target
-        self.prefix_len, self.continuation_len = prefix_len, continuation_len
         self.documents: list[_DevDocument] = []
         with torch.inference_mode():
-            for doc in documents:
-                ids = [int(t) for t in doc][: prefix_len + continuation_len]
-                if len(ids) < prefix_len + continuation_len:
-                    continue
-                prefix, continuation = ids[:prefix_len], ids[prefix_len:]
+            for prefix, continuation in examples:
                 own_cache, _ = prefill(target, torch.tensor([prefix[:-1]]))
                 own = feed(target, own_cache, [prefix[-1], *continuation[:-1]])
                 source_cache, _ = prefill(source, torch.tensor([prefix[:-1]]))
                 source_own = feed(source, copy.deepcopy(source_cache), [prefix[-1], *continuation[:-1]])
                 self.documents.append(_DevDocument(prefix, continuation, source_cache, own, source_own))
-        if not self.documents:
-            raise ConfigError(f"no dev document has the {prefix_len + continuation_len} tokens needed")
 
     @torch.inference_mode()
     def score(self, mapper, exact_prefix: int = 0, target_tail: int = 0) -> dict:
         """Divergence of the target reading the mapped cache from the target reading its own.
         target_tail: the last that many prefix tokens are prefilled by the target (see `handoff_cache`)."""
-        if not 0 <= target_tail < self.prefix_len - 1:
-            raise ConfigError(f"target_tail must be in 0..{self.prefix_len - 2}, got {target_tail}")
+        shortest = min(len(doc.prefix) for doc in self.documents)
+        if not 0 <= target_tail < shortest - 1:
+            raise ConfigError(f"target_tail must be in 0..{shortest - 2} (the shortest dev prefix), got {target_tail}")
 
         def mapped(doc):
             source_cache = doc.source_cache  # of prefix[:-1]; the tail is left to the target

@@ -325,6 +325,25 @@ def _load_mmlu() -> list[Item]:
     return items
 
 
+def mmlu_dev_examples(tokenizer, count: int) -> list[tuple[list[int], list[int]]]:
+    """A few-shot dev set for choosing fit settings, disjoint from the reported MMLU items (those are test-split):
+    the first *validation* item of each of the first `count` subjects (sorted), in the task's 5-shot layout, as
+    (prompt token ids up to "Answer:", [the token of the correct letter])."""
+    subjects = mmlu_subjects()
+    if not 1 <= count <= len(subjects):
+        raise ConfigError(
+            f"the MMLU dev set has one item per subject: count must be in 1..{len(subjects)}, got {count}"
+        )
+    examples = []
+    for subject in subjects[:count]:
+        prefix = mmlu_prefix(subject, list(hf_rows(f"hails/mmlu_no_train/{subject}/dev")))
+        row = hf_rows(f"hails/mmlu_no_train/{subject}/validation")[0]
+        prompt = tokenizer.encode(prefix + _mmlu_question(row), add_special_tokens=False)
+        answer = tokenizer.encode(" " + MMLU_LETTERS[int(row["answer"])], add_special_tokens=False)
+        examples.append((list(prompt), list(answer)))
+    return examples
+
+
 def _load_gsm8k() -> list[Item]:
     requests = oe_requests("gsm8k/gold_bpb_5shot")
     first = requests[0]["request"]["context"]
