@@ -86,3 +86,27 @@ def test_fit_refuses_unknown_method_and_mlp_on_texts(pair, tmp_path):
     result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--method", "mlp",
                                       "--texts", str(texts)])
     assert result.exit_code != 0 and "built-in corpus" in result.output
+
+
+def test_fit_with_an_exam_mix_and_joint_inputs(pair, tmp_path):
+    small, large = pair
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+                                      "--sequences", "2", "--seq-len", "48", "--mix", "prose,exams",
+                                      "--inputs", "kv"])
+    assert result.exit_code == 0, result.output
+    mapper = Mapper.load(tmp_path / "m")
+    assert mapper.joint_inputs and mapper.manifest["calibration"]["mix"] == {"prose": 1, "exams": 1}
+    bad = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--mix", "poetry"])
+    assert bad.exit_code != 0 and "mix" in str(bad.exception)
+
+
+def test_tune_on_the_mmlu_dev_set_sweeps_inputs(pair, tmp_path):
+    small, large = pair
+    out = tmp_path / "tune.json"
+    result = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--ks", "all",
+                                      "--lambdas", "0.01", "--inputs", "own,kv", "--dev", "mmlu", "--docs", "1",
+                                      "--sequences", "2", "--seq-len", "48", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert {row["source_inputs"] for row in saved["rows"]} == {"own", "kv"}
+    assert saved["dev"]["kind"] == "mmlu-validation" and saved["rows"][0]["documents"] == 1

@@ -49,3 +49,41 @@ def test_different_tokenizers_are_refused():
 def test_bad_batches_are_refused():
     with pytest.raises(StatisticsError, match=r"\[batch, tokens\]"):
         fit_mapper(tiny_model(), tiny_model(seed=2), [torch.zeros(5, dtype=torch.long)], progress=False)
+
+
+def _cross_modal_stats(source, target, rows: int = 600, seed: int = 0):
+    """Synthetic rows where every target K and V is an exact linear function of source K *and* V."""
+    from kvhandoff.fit import feature_layout
+    from kvhandoff.statistics import CalibrationStats
+
+    src, tgt = feature_layout(source), feature_layout(target)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, src.width, generator=gen, dtype=torch.float64)
+    y = x @ torch.randn(src.width, tgt.width, generator=gen, dtype=torch.float64) / src.width**0.5 + 0.3
+    return CalibrationStats.from_rows(src, tgt, x, y), x, y
+
+
+@pytest.mark.parametrize("top_k", [1, "all"])
+def test_joint_inputs_recover_maps_that_read_source_k_and_v(top_k):
+    source, target = tiny_model("qwen2", layers=2), tiny_model("qwen2", layers=3, head_dim=32, seed=3)
+    stats, x, y = _cross_modal_stats(source, target)
+    fps = model_fingerprint(source), model_fingerprint(target)
+    own = mapper_from_statistics(stats, FitConfig(top_k=top_k, ridge_lambda=1e-8), *fps)
+    joint = mapper_from_statistics(stats, FitConfig(top_k=top_k, ridge_lambda=1e-8, source_inputs="kv"), *fps)
+    assert joint.weight.shape[2] == 2 * own.weight.shape[2]
+    assert joint.manifest["format_version"] == 3 and own.manifest["format_version"] == 1
+    assert "source_inputs" not in own.manifest["config"] and joint.manifest["config"]["source_inputs"] == "kv"
+    own_r2, joint_r2 = own.manifest["fit_metrics"]["r2_v_mean"], joint.manifest["fit_metrics"]["r2_v_mean"]
+    assert own_r2 + 0.1 < joint_r2 <= 1.0 + 1e-9
+    if top_k == "all":  # every source layer is an input: the map is exact
+        assert own_r2 < 0.9 and joint_r2 > 1 - 1e-6
+        assert torch.allclose(joint.map_feature_rows(x.float()), y.float(), atol=1e-3)
+
+
+def test_joint_inputs_are_refused_with_the_heldout_choice():
+    from kvhandoff.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="source_inputs"):
+        FitConfig(top_k="heldout", ridge_lambda="heldout", source_inputs="kv")
+    with pytest.raises(ConfigError, match="source_inputs"):
+        FitConfig(source_inputs="k")

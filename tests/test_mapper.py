@@ -104,3 +104,25 @@ def test_mapper_files_hold_no_pickle(fitted, tmp_path):
     path = mapper.save(tmp_path / "m")
     assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "mapper.safetensors"]
     assert b"\x80\x04" not in (path / "mapper.safetensors").read_bytes()[:8]
+
+
+def test_joint_input_mapper_dense_and_gathered_paths_agree_and_survive_a_reload(tmp_path):
+    source, target = tiny_model("qwen2", layers=3), tiny_model("qwen2", layers=2, head_dim=32, seed=2)
+    dense = fit_mapper(source, target, random_batches(4), FitConfig(source_inputs="kv"), progress=False)
+    assert dense._dense and dense.joint_inputs and dense.weight.shape[2] == 2 * 3 * 2 * 16
+    gathered = Mapper(dense.weight, dense.bias, dense.selected, dense.manifest)
+    gathered._dense = False
+    gathered._flat_weight = gathered.weight.reshape(-1, *gathered.weight.shape[2:])
+    cache, _ = prefill(source, torch.randint(0, 128, (2, 9)))
+    a, b = dense.transfer(cache), gathered.transfer(cache)
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        assert torch.allclose(la.keys, lb.keys, atol=1e-5) and torch.allclose(la.values, lb.values, atol=1e-5)
+    dense.save(tmp_path / "joint")
+    loaded = Mapper.load(tmp_path / "joint", source_model=source, target_model=target)
+    c = loaded.transfer(cache)
+    assert loaded.joint_inputs and all(torch.equal(x.values, y.values) for x, y in zip(a.layers, c.layers, strict=True))
+    # the values now depend on the source keys too: zeroing the V-block weights changes the mapped keys
+    k_only = Mapper(dense.weight.clone(), dense.bias, dense.selected, dense.manifest)
+    k_only.weight[:, :, dense.weight.shape[2] // 2:] = 0
+    k_only = Mapper(k_only.weight, dense.bias, dense.selected, dense.manifest)
+    assert not torch.allclose(k_only.transfer(cache).layers[0].keys, a.layers[0].keys)

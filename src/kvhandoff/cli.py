@@ -68,6 +68,8 @@ def fit(
     exact_prefix: Annotated[
         int, typer.Option(help="leading tokens the target recomputes at handoff (recorded in the manifest)")
     ] = FitConfig().exact_prefix,
+    inputs: Annotated[str, typer.Option(help="what each map reads of the selected source layers: 'own' (K maps "
+                                             "K, V maps V) or 'kv' (both read K and V)")] = "own",
     sequences: Annotated[int, typer.Option(help="calibration windows")] = CalibrationSpec().num_sequences,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration window")] = CalibrationSpec().seq_len,
     texts: Annotated[Path | None, typer.Option(help="UTF-8 text file to calibrate on (paragraphs split on blank "
@@ -89,18 +91,18 @@ def fit(
 
     config = FitConfig(
         top_k=_top_k(top_k), ridge_lambda="heldout" if top_k == "heldout" else _ridge_lambda(ridge_lambda),
-        token_stride=stride, exact_prefix=exact_prefix,
+        token_stride=stride, exact_prefix=exact_prefix, source_inputs=inputs,
     )
     if method not in ("ridge", "mlp"):
         raise typer.BadParameter(f"unknown method {method!r}; use 'ridge' or 'mlp'", param_hint="--method")
     if texts is not None and not texts.is_file():
         raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")
+    calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed, mix=_mix(mix))
     source_model, tokenizer = load_model(source)
     target_model, target_tokenizer = load_model(target)
     if texts is None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
         from kvhandoff.workflow import obtain_mapper
 
-        calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed, mix=_mix(mix))
         mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed) if method == "mlp" else None
         mapper = obtain_mapper(source, target, source_model, target_model, tokenizer, config, calibration, mlp=mlp)[0]
         metrics = mapper.manifest["fit_metrics"]
@@ -167,6 +169,7 @@ def tune(
     ks: Annotated[str, typer.Option(help="comma-separated k values ('all' allowed)")] = "1,2,4,8,all",
     lambdas: Annotated[str, typer.Option(help="comma-separated relative ridge λ values")] = "0.001,0.01,0.1,1",
     exact_prefixes: Annotated[str, typer.Option(help="comma-separated leading tokens the target recomputes")] = "0",
+    inputs: Annotated[str, typer.Option(help="comma-separated source inputs per map: own, kv")] = "own",
     target_tails: Annotated[str, typer.Option(help="comma-separated last context tokens the target prefills "
                                                    "itself instead of reading them mapped")] = "0",
     dev: Annotated[str, typer.Option(help="dev set: 'prose' (held-out LAMBADA documents, --prefix-len + "
@@ -214,8 +217,9 @@ def tune(
                     "description": "first validation item of each of the first subjects, 5-shot, answer letter"}
     else:
         raise typer.BadParameter(f"unknown dev set {dev!r}; use 'prose' or 'mmlu'", param_hint="--dev")
-    configs = [FitConfig(top_k=_top_k(k.strip()), ridge_lambda=_ridge_lambda(lam.strip()), token_stride=stride)
-               for lam in lambdas.split(",") for k in ks.split(",")]
+    configs = [FitConfig(top_k=_top_k(k.strip()), ridge_lambda=_ridge_lambda(lam.strip()), token_stride=stride,
+                         source_inputs=inp.strip())
+               for inp in inputs.split(",") for lam in lambdas.split(",") for k in ks.split(",")]
     rows = sweep(stats, configs, divergence, model_fingerprint(source_model, tokenizer),
                  model_fingerprint(target_model, tokenizer),
                  (source_model.config.max_position_embeddings, target_model.config.max_position_embeddings),
@@ -229,10 +233,12 @@ def tune(
     reference = divergence.source_reference()
     table = Table(title=f"dev sweep {source} → {target} ({rows[0]['documents']} docs, {rows[0]['tokens']} tokens); "
                         f"source model alone: KL {reference['mean_kl']:.3f}, top-1 {reference['top1_agreement']:.3f}")
-    for column in ("mapper", "k", "λ", "exact prefix", "target tail", "R² K", "R² V", "mean KL", "top-1", "ppl ratio"):
+    for column in ("mapper", "k", "λ", "inputs", "exact prefix", "target tail", "R² K", "R² V", "mean KL", "top-1",
+                   "ppl ratio"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row.get("mapper", "ridge"), str(row["top_k"]), str(row["ridge_lambda"]), str(row["exact_prefix"]),
+        table.add_row(row.get("mapper", "ridge"), str(row["top_k"]), str(row["ridge_lambda"]),
+                      str(row.get("source_inputs", "own")), str(row["exact_prefix"]),
                       str(row["target_tail"]),
                       f"{row['r2_k']:.3f}", f"{row['r2_v']:.3f}",
                       f"{row['mean_kl']:.3f}", f"{row['top1_agreement']:.3f}", f"{row['ppl_ratio']:.3f}")

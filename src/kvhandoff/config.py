@@ -31,10 +31,11 @@ TOP_K_CHOICES: tuple[int | str, ...] = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, "all"
 
 #: newest mapper format this kvhandoff reads. Ridge mappers are written as version 1 (unchanged since the
 #: first release), MLP mappers as version 2, so an older kvhandoff refuses them instead of applying the
-#: linear part alone.
-MAPPER_FORMAT_VERSION = 2
+#: linear part alone; ridge mappers whose maps read source K and V together (source_inputs="kv") as version 3.
+MAPPER_FORMAT_VERSION = 3
 RIDGE_FORMAT_VERSION = 1
 MLP_FORMAT_VERSION = 2
+JOINT_INPUTS_FORMAT_VERSION = 3
 
 
 def kvhandoff_home() -> Path:
@@ -60,6 +61,8 @@ class FitConfig:
     exact_prefix: leading context tokens the target recomputes itself at handoff instead of reading mapped
         K/V (they are attention sinks: errors there reach every later token). Costs a prefill of that many
         tokens, independent of context length. Recorded in the manifest; handoffs use it by default.
+    source_inputs: what each map reads from the selected source layers: "own" (the paper: K maps read source
+        K, V maps source V) or "kv" (both maps read source K and V: twice the inputs, weights and transfer GEMM).
     """
 
     top_k: int | str = "all"
@@ -67,6 +70,7 @@ class FitConfig:
     token_stride: int = 4
     skip_first_tokens: int = 0
     exact_prefix: int = 4
+    source_inputs: str = "own"
 
     def __post_init__(self) -> None:
         if isinstance(self.top_k, str):
@@ -91,6 +95,14 @@ class FitConfig:
             raise ConfigError(f"skip_first_tokens must be an integer >= 0, got {self.skip_first_tokens!r}")
         if not isinstance(self.exact_prefix, int) or self.exact_prefix < 0:
             raise ConfigError(f"exact_prefix must be an integer >= 0, got {self.exact_prefix!r}")
+        if self.source_inputs not in ("own", "kv"):
+            raise ConfigError(f"source_inputs must be 'own' or 'kv', got {self.source_inputs!r}")
+        if self.source_inputs == "kv" and self.top_k == "heldout":
+            raise ConfigError("source_inputs='kv' is not combined with top_k='heldout'; choose a fixed k or 'all'")
+
+    def input_modalities(self, modality: int) -> tuple[int, ...]:
+        """Source modalities (0 = K, 1 = V) the map of target `modality` reads, in the order of its input columns."""
+        return (0, 1) if self.source_inputs == "kv" else (modality,)
 
     @property
     def probe_lambda(self) -> float:
@@ -98,7 +110,12 @@ class FitConfig:
         return PROBE_LAMBDA if self.ridge_lambda in ("gcv", "heldout") else float(self.ridge_lambda)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The config as manifests and cache keys see it; the default source_inputs is left out, so mappers
+        fitted before the option existed still match."""
+        data = asdict(self)
+        if self.source_inputs == "own":
+            del data["source_inputs"]
+        return data
 
 
 @dataclass(frozen=True)

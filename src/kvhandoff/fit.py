@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvhandoff.capture import capture_content_kv
-from kvhandoff.config import RIDGE_FORMAT_VERSION, FitConfig
+from kvhandoff.config import JOINT_INPUTS_FORMAT_VERSION, RIDGE_FORMAT_VERSION, FitConfig
 from kvhandoff.errors import ConfigError, IncompatiblePairError, StatisticsError
 from kvhandoff.geometry import model_fingerprint, read_geometry
 from kvhandoff.mapper import Mapper
@@ -129,7 +129,9 @@ def mapper_from_statistics(
         plan = LayerPlan([row.tolist() for row in selected], [[config.ridge_lambda] * len(selected)] * 2)
     tgt, width = stats.target, stats.source.layer_width
     selected = plan.padded(r2_matrix)
-    weight = torch.zeros(2, tgt.num_layers, selected.shape[1] * width, tgt.layer_width)
+    k = selected.shape[1]
+    blocks = len(config.input_modalities(0))  # input column blocks (K, or K then V) of k source layers each
+    weight = torch.zeros(2, tgt.num_layers, blocks * k * width, tgt.layer_width)
     bias = torch.empty(2, tgt.num_layers, tgt.layer_width)
     r2 = torch.empty(2, tgt.num_layers, tgt.num_kv_heads)
     chosen_lambda = [[0.0] * tgt.num_layers for _ in MODALITIES]
@@ -140,16 +142,19 @@ def mapper_from_statistics(
             key = (tuple(plan.source_layers[layer]), plan.lambdas[modality][layer])
             readers.setdefault(key, []).append(layer)
         for (source_layers, ridge_lambda), target_layers in readers.items():
-            solved = solve_layers(stats, modality, target_layers, list(source_layers), ridge_lambda)
+            solved = solve_layers(stats, modality, target_layers, list(source_layers), ridge_lambda,
+                                  config.input_modalities(modality))
             for layer, (w, b, layer_r2, lam) in zip(target_layers, solved, strict=True):
                 rows = selected[layer].tolist()
-                for i, source_layer in enumerate(source_layers):  # padding layers keep zero weights
-                    p = rows.index(source_layer)
-                    weight[modality, layer, p * width : (p + 1) * width] = w[i * width : (i + 1) * width]
+                for block in range(blocks):
+                    for i, source_layer in enumerate(source_layers):  # padding layers keep zero weights
+                        p = block * k + rows.index(source_layer)
+                        q = block * len(source_layers) + i
+                        weight[modality, layer, p * width : (p + 1) * width] = w[q * width : (q + 1) * width]
                 bias[modality, layer], r2[modality, layer] = b, layer_r2
                 chosen_lambda[modality][layer] = lam
     manifest = {
-        "format_version": RIDGE_FORMAT_VERSION,
+        "format_version": RIDGE_FORMAT_VERSION if blocks == 1 else JOINT_INPUTS_FORMAT_VERSION,
         "method": "ridge",
         "config": config.to_dict(),
         "source_fingerprint": source_fingerprint,

@@ -51,10 +51,12 @@ class Mapper:
         self.source = FeatureLayout(**manifest["source_layout"])
         self.target = FeatureLayout(**manifest["target_layout"])
         self.selected = selected.long()
+        # "kv": each map reads the selected source layers' K and V (input columns: K block, then V block)
+        self.joint_inputs = manifest.get("config", {}).get("source_inputs", "own") == "kv"
         expected = (
             2,
             self.target.num_layers,
-            self.selected.shape[1] * self.source.layer_width,
+            (2 if self.joint_inputs else 1) * self.selected.shape[1] * self.source.layer_width,
             self.target.layer_width,
         )
         if tuple(weight.shape) != expected or tuple(bias.shape) != (2, *expected[1:2], expected[3]):
@@ -68,7 +70,12 @@ class Mapper:
         self._dense = k == self.source.num_layers and bool(
             (self.selected == torch.arange(self.source.num_layers)).all()
         )
-        if self._dense:
+        if self._dense and self.joint_inputs:
+            # [2·Ls·Fs, 2·Lt·Ft]: K and V of every target layer from all source K and V in one GEMM
+            self._dense_weight = self.weight.permute(2, 0, 1, 3).reshape(expected[2], -1).contiguous()
+            self.weight = self._dense_weight.view(expected[2], 2, expected[1], expected[3]).permute(1, 2, 0, 3)
+            self._dense_bias = self.bias.reshape(-1)
+        elif self._dense:
             # [2, Ls·Fs, Lt·Ft]: all target layers of one modality in one GEMM. `weight` becomes a view of it,
             # so the mapper holds its parameters once.
             self._dense_weight = self.weight.permute(0, 2, 1, 3).reshape(2, expected[2], -1).contiguous()
@@ -111,11 +118,19 @@ class Mapper:
         src, tgt = self.source, self.target
         _, batch, tokens = x.shape[:3]
         rows = batch * tokens
+        if self._dense and self.joint_inputs:
+            joint = x.view(2, rows, -1).transpose(0, 1).reshape(rows, -1)  # [N, K of all layers ‖ V of all layers]
+            y = torch.addmm(self._dense_bias, joint, self._dense_weight)
+            return y.view(batch, tokens, 2, tgt.num_layers, tgt.num_kv_heads, tgt.head_dim).permute(2, 0, 1, 3, 4, 5)
         if self._dense:
             y = torch.baddbmm(self._dense_bias[:, None], x.view(2, rows, -1), self._dense_weight)
             return y.view(2, batch, tokens, tgt.num_layers, tgt.num_kv_heads, tgt.head_dim)
         gathered = x.view(2, rows, src.num_layers, src.layer_width)[:, :, self.selected]  # [2, N, Lt, k, Fs]
-        gathered = gathered.transpose(1, 2).reshape(2 * tgt.num_layers, rows, -1)
+        if self.joint_inputs:  # both maps of a target layer read [its K block ‖ its V block]
+            joint = gathered.permute(2, 1, 0, 3, 4).reshape(tgt.num_layers, rows, -1)
+            gathered = torch.cat([joint, joint])
+        else:
+            gathered = gathered.transpose(1, 2).reshape(2 * tgt.num_layers, rows, -1)
         y = torch.baddbmm(self.bias.reshape(2 * tgt.num_layers, 1, -1), gathered, self._flat_weight)
         y = y.view(2, tgt.num_layers, batch, tokens, tgt.num_kv_heads, tgt.head_dim)
         return y.permute(0, 2, 3, 1, 4, 5)

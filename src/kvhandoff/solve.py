@@ -31,16 +31,18 @@ def residual_variance(
 
 
 def solve_layers(
-    stats: CalibrationStats, modality: int, target_layers, source_layers, ridge_lambda: float | str
+    stats: CalibrationStats, modality: int, target_layers, source_layers, ridge_lambda: float | str,
+    input_modalities: tuple[int, ...] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
     """Ridge maps for target layers that read the same source layers, all their KV heads at once.
 
     Every head of those target layers sees the same input (all KV heads of the selected source layers), so
     solving all their columns against one factorisation is identical to one ridge per (layer, head), at a
     fraction of the cost. ridge_lambda "gcv" picks λ per target layer (see `ridge_by_gcv`).
+    input_modalities: the source modalities read, in input-column order (default: the map's own, `modality`).
     Returns per target layer (weight [in, out], bias [out], R² per KV head, λ used), float64.
     """
-    idx_x = stats.source.layer_indices(modality, source_layers)
+    idx_x = torch.cat([stats.source.layer_indices(m, source_layers) for m in input_modalities or (modality,)])
     slices = [stats.target.layer_slice(modality, layer) for layer in target_layers]
     idx_y = torch.cat([torch.arange(s.start, s.stop) for s in slices])
     cov_xx, cov_xy = stats.cov_xx(idx_x), stats.cov_xy(idx_x, idx_y)

@@ -144,7 +144,8 @@ def sweep(
         for exact_prefix, tail in ((p, t) for p in exact_prefixes for t in target_tails):
             metrics = divergence.score(mapper, exact_prefix, tail)
             rows.append({
-                "top_k": config.top_k, "ridge_lambda": config.ridge_lambda, "exact_prefix": exact_prefix,
+                "top_k": config.top_k, "ridge_lambda": config.ridge_lambda, "source_inputs": config.source_inputs,
+                "exact_prefix": exact_prefix,
                 "target_tail": tail,
                 "r2_k": mapper.manifest["fit_metrics"]["r2_k_mean"],
                 "r2_v": mapper.manifest["fit_metrics"]["r2_v_mean"],
@@ -159,7 +160,8 @@ def score_saved_mapper(mapper, divergence: HandoffDivergence, exact_prefixes: Se
     metrics = mapper.manifest.get("fit_metrics", {})
     config = mapper.manifest.get("config", {})
     return [{"mapper": name, "method": mapper.manifest.get("method", "ridge"), "top_k": config.get("top_k"),
-             "ridge_lambda": config.get("ridge_lambda"), "exact_prefix": exact_prefix, "target_tail": tail,
+             "ridge_lambda": config.get("ridge_lambda"), "source_inputs": config.get("source_inputs", "own"),
+             "exact_prefix": exact_prefix, "target_tail": tail,
              "r2_k": metrics.get("r2_k_mean", float("nan")), "r2_v": metrics.get("r2_v_mean", float("nan")),
              "parameters": mapper.num_parameters(), **divergence.score(mapper, exact_prefix, tail)}
             for exact_prefix in exact_prefixes for tail in target_tails]
