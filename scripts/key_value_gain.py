@@ -1,0 +1,53 @@
+"""Dev KL of the default mapper with its K (and V) outputs' deviations from the target mean scaled by a gain
+(undoing ridge shrinkage). Usage:
+.venv/bin/python scripts/key_value_gain.py qwen2.5-coder:0.5b qwen2.5-coder:1.5b 512 runs/gain.json \
+    1:1,1.15:1,1.3:1,1.5:1,1:1.15,1.3:1.15 2
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvhandoff.assets import load_model
+from kvhandoff.config import CalibrationSpec, FitConfig
+from kvhandoff.corpus import heldout_documents
+from kvhandoff.mapper import Mapper
+from kvhandoff.tuning import HandoffDivergence
+from kvhandoff.workflow import obtain_mapper, obtain_statistics
+
+src, tgt = sys.argv[1], sys.argv[2]
+prefix_len = int(sys.argv[3])
+out = sys.argv[4]
+alphas = [tuple(map(float, a.split(":"))) for a in sys.argv[5].split(",")]
+torch.set_num_threads(int(sys.argv[6]) if len(sys.argv) > 6 else 2)
+s, tok = load_model(src)
+t, _ = load_model(tgt)
+mapper, _, _ = obtain_mapper(src, tgt, s, t, tok)
+stats, _ = obtain_statistics(src, tgt, s, t, tok, FitConfig(), CalibrationSpec())
+mean_y = torch.stack(
+    [
+        stats.mean_y(stats.target.layer_indices(m, list(range(stats.target.num_layers))))
+        .float()
+        .view(stats.target.num_layers, -1)
+        for m in (0, 1)
+    ]
+)
+docs = heldout_documents(tok, 4, min_tokens=prefix_len + 128, source="lambada-heldout")
+div = HandoffDivergence(s, t, docs, prefix_len, 128)
+rows = [{"alpha": "source", **div.source_reference()}]
+print(rows[-1], flush=True)
+for ak, av in alphas:
+    w = mapper.weight.clone()
+    b = mapper.bias.clone()
+    for m, a in ((0, ak), (1, av)):
+        w[m] *= a
+        b[m] = a * b[m] + (1 - a) * mean_y[m]
+    m2 = Mapper(w, b, mapper.selected, mapper.manifest)
+    t0 = time.time()
+    r = div.score(m2, 4)
+    rows.append({"alpha_k": ak, "alpha_v": av, "prefix_len": prefix_len, **r, "seconds": time.time() - t0})
+    print(rows[-1], flush=True)
+    Path(out).write_text(json.dumps(rows, indent=1))

@@ -1,0 +1,59 @@
+"""Where does the handoff loss come from? Dev KL (512-token LAMBADA held-out prefixes, 4 documents, exact prefix 4)
+with parts of the default mapper's cache replaced by the target's own K/V (all K, all V, first/last/middle layers).
+
+Usage: .venv/bin/python scripts/oracle_attribution.py qwen2.5-coder:0.5b qwen2.5-coder:1.5b runs/oracle_fwd.json
+"""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from kvhandoff.assets import load_model
+from kvhandoff.corpus import heldout_documents
+from kvhandoff.evaluation.scoring import feed
+from kvhandoff.handoff import handoff_cache, prefill
+from kvhandoff.tuning import HandoffDivergence
+from kvhandoff.workflow import obtain_mapper
+
+src, tgt, out = sys.argv[1], sys.argv[2], sys.argv[3]
+torch.set_num_threads(2)
+s, tok = load_model(src)
+t, _ = load_model(tgt)
+mapper, _, _ = obtain_mapper(src, tgt, s, t, tok)
+docs = heldout_documents(tok, 4, min_tokens=640, source="lambada-heldout")
+div = HandoffDivergence(s, t, docs, 512, 128)
+L = len(t.model.layers)
+variants = {"mapped": ([], ""), "exact K": (range(L), "k"), "exact V": (range(L), "v")}
+for m in (1, 2, 4, 8):
+    variants[f"exact layers 0..{m - 1}"] = (range(m), "kv")
+variants["exact last 4 layers"] = (range(L - 4, L), "kv")
+third = L // 3
+variants["exact middle third"] = (range(third, 2 * third), "kv")
+own_caches = []
+with torch.inference_mode():
+    for doc in div.documents:
+        own_caches.append(prefill(t, torch.tensor([doc.prefix[:-1]]))[0])
+rows = [{"variant": "source alone", **div.source_reference()}]
+for name, (layers, what) in variants.items():
+    it = iter(own_caches)
+
+    def predict(doc, it=it, layers=layers, what=what):
+        own = next(it)
+        cache = handoff_cache(
+            s, t, mapper, torch.tensor([doc.prefix[:-1]]), 4, source_cache=copy.deepcopy(doc.source_cache)
+        )
+        for i in layers:
+            if "k" in what:
+                cache.layers[i].keys.copy_(own.layers[i].keys)
+            if "v" in what:
+                cache.layers[i].values.copy_(own.layers[i].values)
+        return feed(t, cache, [doc.prefix[-1], *doc.continuation[:-1]])
+
+    with torch.inference_mode():
+        r = div._divergence(predict)
+    rows.append({"variant": name, **r})
+    print(name, round(r["mean_kl"], 4), round(r["top1_agreement"], 3), flush=True)
+    Path(out).write_text(json.dumps(rows, indent=1))
