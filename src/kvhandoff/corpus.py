@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.config import CALIBRATION_GROUPS, DEFAULT_CALIBRATION_MIX
+from kvhandoff.config import CALIBRATION_GROUPS, DEFAULT_CALIBRATION_MIX, CalibrationSpec
 from kvhandoff.errors import AssetError, ConfigError
 
 SETUP_COMMAND = "bash scripts/setup.sh"
@@ -362,22 +362,18 @@ def calibration_batches(
         texts = calibration_texts(sources)
         return _pack(tokenizer, texts, num_sequences, seq_len, seed, batch_size,
                      [SOURCES[n].describe() for n in sources])
-    unknown = [group for group in mix if group not in CALIBRATION_GROUPS]
-    if unknown or not mix or isinstance(num_sequences, bool) or not isinstance(num_sequences, int) \
-            or num_sequences < len(mix):
-        raise ConfigError(
-            f"mix must name calibration groups among {tuple(CALIBRATION_GROUPS)} and num_sequences must give each "
-            f"a window; got mix {list(mix)}, num_sequences {num_sequences!r}"
-        )
-    share, extra = divmod(num_sequences, len(mix))
-    parts = [calibration_batches(tokenizer, share + (i < extra), seq_len, seed, batch_size, CALIBRATION_GROUPS[group])
-             for i, group in enumerate(mix)]
+    # the spec validates the mix and owns the window split, as for the workflow's cached passes
+    spec = CalibrationSpec(num_sequences=num_sequences, seq_len=seq_len, seed=seed, batch_size=batch_size,
+                           mix=tuple(mix))
+    parts = [calibration_batches(tokenizer, windows, seq_len, seed, batch_size, CALIBRATION_GROUPS[group])
+             for group, windows in spec.windows_per_group().items()]
     if len(parts) == 1:
         return parts[0]
-    info = {**parts[0].describe(), "sources": [s for p in parts for s in p.describe()["sources"]],
-            "num_texts": sum(p.describe()["num_texts"] for p in parts),
-            "num_texts_available": sum(p.describe()["num_texts_available"] for p in parts),
-            "mix": {group: p.num_sequences for group, p in zip(mix, parts, strict=True)},
+    described = [p.describe() for p in parts]  # each hashes its token ids: once per part
+    info = {**described[0], "sources": [s for d in described for s in d["sources"]],
+            "num_texts": sum(d["num_texts"] for d in described),
+            "num_texts_available": sum(d["num_texts_available"] for d in described),
+            "mix": spec.windows_per_group(),
             "packing": "per group of the mix: shuffled texts, each followed by EOS, cut into consecutive windows; "
                        "the groups' windows stacked in mix order"}
     for key in ("num_sequences", "seq_len", "batch_size", "num_tokens", "token_ids_sha256"):
