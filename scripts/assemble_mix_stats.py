@@ -22,7 +22,7 @@ corpus = calibration_batches(tok, 80, 512, seed=0, batch_size=1, mix=spec.mix)
 prose = calibration_batches(tok, 40, 512, seed=0, batch_size=1)
 exam = calibration_batches(tok, 40, 512, seed=0, batch_size=1, sources=("mc-exams",))
 assert torch.equal(corpus.input_ids, torch.cat([prose.input_ids, exam.input_ids])), "windows differ"
-prose_stats_path = statistics_path(src, tgt, FitConfig(), CalibrationSpec())
+prose_stats_path = statistics_path(src, tgt, FitConfig(), CalibrationSpec(num_sequences=40, mix=("prose",)))
 exam_stats = CalibrationStats.load("runs/exam_fwd/stats_exam40.safetensors")
 merged = CalibrationStats.load(prose_stats_path).merge(exam_stats)
 prose_info = json.loads(prose_stats_path.with_suffix(".json").read_text())

@@ -18,9 +18,8 @@ import torch
 from kvhandoff.assets import load_model
 from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.corpus import calibration_batches, heldout_documents
-from kvhandoff.evaluation.data import hf_rows, mmlu_subjects
 from kvhandoff.evaluation.scoring import feed
-from kvhandoff.evaluation.tasks import MMLU_LETTERS, _mmlu_question, mmlu_prefix
+from kvhandoff.evaluation.tasks import MMLU_LETTERS, mmlu_dev_examples
 from kvhandoff.fit import collect_statistics, mapper_from_statistics
 from kvhandoff.geometry import model_fingerprint
 from kvhandoff.handoff import handoff_cache, prefill
@@ -37,7 +36,8 @@ fps = (model_fingerprint(s, tok), model_fingerprint(t, tok))
 mpe = (s.config.max_position_embeddings, t.config.max_position_embeddings)
 
 
-prose, _ = obtain_statistics(src, tgt, s, t, tok, FitConfig(), CalibrationSpec())
+previous_default = CalibrationSpec(num_sequences=40, mix=("prose",))  # 40 prose windows
+prose, _ = obtain_statistics(src, tgt, s, t, tok, FitConfig(), previous_default)
 exam_path = outdir / "stats_exam40.safetensors"
 if len(sys.argv) > 5:  # the forward pass's exam statistics, reversed
     exam = CalibrationStats.load(sys.argv[5]).reversed()
@@ -49,25 +49,17 @@ else:
     exam = collect_statistics(s, t, corpus, FitConfig())
     exam.save(exam_path)
     print("exam stats", time.time() - t0, flush=True)
-if src != "qwen2.5-coder:0.5b":
-    pass
-mappers = {"prose40 (default)": obtain_mapper(src, tgt, s, t, tok)[0]}
+mappers = {"prose40 (default)": obtain_mapper(src, tgt, s, t, tok, calibration=previous_default)[0]}
 for name, st in (("exam40", exam), ("prose40+exam40", prose.merge(exam))):
     mappers[name] = mapper_from_statistics(st, FitConfig(), *fps, max_position_embeddings=mpe)
 
-# MMLU validation items: the first validation item of each subject (5-shot dev prefix as in the task)
-items = []
-for subj in mmlu_subjects()[: int(sys.argv[4]) if len(sys.argv) > 4 else 40]:
-    prefix = mmlu_prefix(subj, list(hf_rows(f"hails/mmlu_no_train/{subj}/dev")))
-    row = hf_rows(f"hails/mmlu_no_train/{subj}/validation")[0]
-    items.append((tok.encode(prefix + _mmlu_question(row), add_special_tokens=False), int(row["answer"])))
+# MMLU validation items: the first validation item of each subject, 5-shot as in the task (the tune dev set)
 letters = [tok.encode(" " + L, add_special_tokens=False)[0] for L in MMLU_LETTERS]
+items = [
+    (prompt, letters.index(answer[0]))
+    for prompt, answer in mmlu_dev_examples(tok, int(sys.argv[4]) if len(sys.argv) > 4 else 40)
+]
 print("items", len(items), "mean tokens", sum(len(i) for i, _ in items) / len(items), flush=True)
-
-
-def letter_logprobs(logprobs):
-    return logprobs[letters]
-
 
 with torch.inference_mode():
     refs = []

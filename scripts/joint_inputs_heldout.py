@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("--stride", type=int, default=1)
     parser.add_argument("--lambdas", default="0.01,0.1")
     args = parser.parse_args()
-    config, calibration = FitConfig(token_stride=args.stride), CalibrationSpec(num_sequences=args.sequences)
+    config = FitConfig(token_stride=args.stride)
+    calibration = CalibrationSpec(num_sequences=args.sequences, mix=("prose",))  # the documented prose-only pass
     stats = CalibrationStats.load(statistics_path(DEFAULT_SOURCE, DEFAULT_TARGET, config, calibration))
     train, x, y, windows = split_heldout(stats, features_dir(DEFAULT_SOURCE, DEFAULT_TARGET, config, calibration))
     rows = []

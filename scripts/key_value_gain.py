@@ -25,8 +25,9 @@ alphas = [tuple(map(float, a.split(":"))) for a in sys.argv[5].split(",")]
 torch.set_num_threads(int(sys.argv[6]) if len(sys.argv) > 6 else 2)
 s, tok = load_model(src)
 t, _ = load_model(tgt)
-mapper, _, _ = obtain_mapper(src, tgt, s, t, tok)
-stats, _ = obtain_statistics(src, tgt, s, t, tok, FitConfig(), CalibrationSpec())
+previous_default = CalibrationSpec(num_sequences=40, mix=("prose",))  # the documented numbers' mapper
+mapper, _, _ = obtain_mapper(src, tgt, s, t, tok, calibration=previous_default)
+stats, _ = obtain_statistics(src, tgt, s, t, tok, FitConfig(), previous_default)
 mean_y = torch.stack(
     [
         stats.mean_y(stats.target.layer_indices(m, list(range(stats.target.num_layers))))
