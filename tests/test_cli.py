@@ -110,3 +110,17 @@ def test_tune_on_the_mmlu_dev_set_sweeps_inputs(pair, tmp_path):
     saved = json.loads(out.read_text())
     assert {row["source_inputs"] for row in saved["rows"]} == {"own", "kv"}
     assert saved["dev"]["kind"] == "mmlu-validation" and saved["rows"][0]["documents"] == 1
+
+
+def test_tune_on_the_gsm8k_dev_set(pair, tmp_path):
+    small, large = pair
+    out = tmp_path / "tune.json"
+    result = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--ks", "all",
+                                      "--lambdas", "0.01", "--dev", "gsm8k", "--docs", "1",
+                                      "--sequences", "2", "--seq-len", "48", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert saved["dev"]["kind"] == "gsm8k-dev-pool" and saved["rows"][0]["documents"] == 1
+    assert saved["rows"][0]["mean_kl"] >= 0
+    bad = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--dev", "poems"])
+    assert bad.exit_code != 0 and "gsm8k" in bad.output

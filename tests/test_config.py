@@ -48,6 +48,8 @@ def test_calibration_mix_is_validated_and_keeps_default_cache_keys():
     mixed = CalibrationSpec(num_sequences=81, mix=("prose", "exams"))
     assert mixed.to_dict()["mix"] == ["prose", "exams"]
     assert mixed.windows_per_group() == {"prose": 41, "exams": 40}
+    assert CalibrationSpec(num_sequences=122, mix=("prose", "exams", "math")).windows_per_group() == \
+        {"prose": 41, "exams": 41, "math": 40}
     for bad, message in (((), "mix"), ("prose", "mix"), (("prose", "prose"), "twice"), (("poetry",), "mix")):
         with pytest.raises(ConfigError, match=message):
             CalibrationSpec(mix=bad)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import pytest
 import torch
@@ -108,6 +109,20 @@ def test_exam_texts_are_answered_multiple_choice_questions():
     from kvhandoff.evaluation.tasks import TASKS
 
     assert not {"csqa", "sciq", "medmcqa"} & set(TASKS)
+
+
+def test_math_texts_are_worked_solutions_in_the_gsm8k_layout():
+    texts = calibration_texts(("math-solutions",))
+    problems = [p for t in texts for p in t.split("\n\nQ: ")]
+    assert len(texts) > 400 and all(t.startswith("Q: ") for t in texts)
+    assert max(len(t.split("\n\nQ: ")) for t in texts) == corpus.MATH_PROBLEMS_PER_TEXT
+    assert len(problems) > 3000 and not any("[asy]" in p for p in problems)
+    for problem in problems[:200]:
+        assert "\nA: " in problem and re.search(r" The answer is .+\.$", problem)
+    # MATH is not an evaluated task; GSM8K (evaluated) shares only the layout
+    from kvhandoff.evaluation.tasks import TASKS
+
+    assert "minerva_math" not in TASKS and "math" not in TASKS
 
 
 def test_a_mix_shares_the_windows_between_groups(tok):

@@ -185,3 +185,25 @@ def test_mmlu_dev_examples_are_validation_items_in_the_task_layout():
     assert row["question"] not in test_questions
     with pytest.raises(ConfigError, match="count"):
         T.mmlu_dev_examples(tokenizer, 0)
+
+
+def test_gsm8k_worked_answer_is_in_the_exemplars_layout():
+    answer = "She sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    assert T.gsm8k_worked_answer(answer) == "She sold 48/2 = 24 clips in May. She sold 48+24 = 72 clips. " \
+        "The answer is 72."
+    assert T.extract_gsm8k_answer(T.gsm8k_worked_answer(answer), "strict") == "72"
+
+
+def test_gsm8k_dev_examples_come_from_the_dev_pool_only():
+    from conftest import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    examples = T.gsm8k_dev_examples(tokenizer, 2)
+    dev = [i for i in T.load_items("gsm8k") if T.pool_of("gsm8k", i.id) == "dev"]
+    assert len(examples) == 2 and 200 < len(dev) < 330  # one item in five
+    for (prompt, solution), item in zip(examples, dev, strict=False):
+        assert tokenizer.decode(prompt) == item.context  # the reported task's 8-shot prompt
+        worked = tokenizer.decode(solution)
+        assert worked.startswith(" ") and worked.endswith(f" The answer is {item.answer}.")
+    with pytest.raises(ConfigError, match="count"):
+        T.gsm8k_dev_examples(tokenizer, len(dev) + 1)

@@ -173,10 +173,13 @@ def tune(
     target_tails: Annotated[str, typer.Option(help="comma-separated last context tokens the target prefills "
                                                    "itself instead of reading them mapped")] = "0",
     dev: Annotated[str, typer.Option(help="dev set: 'prose' (held-out LAMBADA documents, --prefix-len + "
-                                          "--continuation-len tokens each) or 'mmlu' (5-shot prompts of MMLU "
-                                          "validation items, one per subject; the answer letter is scored)")]
+                                          "--continuation-len tokens each), 'mmlu' (5-shot prompts of MMLU "
+                                          "validation items, one per subject; the answer letter is scored) or "
+                                          "'gsm8k' (8-shot prompts of GSM8K dev-pool items; the reference "
+                                          "solution is scored)")]
     = "prose",
-    docs: Annotated[int, typer.Option(help="dev documents (prose) or MMLU subjects (mmlu)")] = 4,
+    docs: Annotated[int, typer.Option(help="dev documents (prose), MMLU subjects (mmlu) or GSM8K items (gsm8k)")]
+    = 4,
     prefix_len: int = 512,
     continuation_len: int = 128,
     sequences: Annotated[int, typer.Option(help="calibration windows")] = CalibrationSpec().num_sequences,
@@ -199,6 +202,8 @@ def tune(
     from kvhandoff.tuning import HandoffDivergence, score_saved_mapper, sweep
     from kvhandoff.workflow import obtain_statistics
 
+    if dev not in ("prose", "mmlu", "gsm8k"):  # before minutes of model loading and calibration
+        raise typer.BadParameter(f"unknown dev set {dev!r}; use 'prose', 'mmlu' or 'gsm8k'", param_hint="--dev")
     source_model, tokenizer = load_model(source)
     target_model, _ = load_model(target)
     calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, mix=_mix(mix))
@@ -216,7 +221,11 @@ def tune(
         dev_info = {"kind": "mmlu-validation", "subjects": docs,
                     "description": "first validation item of each of the first subjects, 5-shot, answer letter"}
     else:
-        raise typer.BadParameter(f"unknown dev set {dev!r}; use 'prose' or 'mmlu'", param_hint="--dev")
+        from kvhandoff.evaluation.tasks import gsm8k_dev_examples
+
+        divergence = HandoffDivergence.from_examples(source_model, target_model, gsm8k_dev_examples(tokenizer, docs))
+        dev_info = {"kind": "gsm8k-dev-pool", "items": docs,
+                    "description": "first dev-pool test items, 8-shot chain of thought, reference solution"}
     configs = [FitConfig(top_k=_top_k(k.strip()), ridge_lambda=_ridge_lambda(lam.strip()), token_stride=stride,
                          source_inputs=inp.strip())
                for inp in inputs.split(",") for lam in lambdas.split(",") for k in ks.split(",")]

@@ -23,7 +23,11 @@ HELDOUT_FRACTION = 0.1
 #: calibration text groups (`CalibrationSpec.mix`) and the corpus sources each packs (see `corpus.py`):
 #: "prose" — BoolQ train passages and LAMBADA novels; "exams" — multiple-choice questions with their answers
 #: in the few-shot exam layout (CommonsenseQA, SciQ, MedMCQA; none of them an evaluation task).
-CALIBRATION_GROUPS: dict[str, tuple[str, ...]] = {"prose": ("boolq-train", "lambada"), "exams": ("mc-exams",)}
+CALIBRATION_GROUPS: dict[str, tuple[str, ...]] = {
+    "prose": ("boolq-train", "lambada"),
+    "exams": ("mc-exams",),
+    "math": ("math-solutions",),
+}
 #: the default mix: prose alone left few-shot prompts unreadable after a handoff (MMLU, docs/RESULTS.md)
 DEFAULT_CALIBRATION_MIX: tuple[str, ...] = ("prose", "exams")
 #: the only mix before mixes existed; cache keys leave it out so statistics cached then stay valid

