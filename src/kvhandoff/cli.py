@@ -253,9 +253,10 @@ def tune(
                       f"{row['mean_kl']:.3f}", f"{row['top1_agreement']:.3f}", f"{row['ppl_ratio']:.3f}")
     Console().print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
+    lengths = {"prefix_len": prefix_len, "continuation_len": continuation_len} if dev == "prose" else {}
     out.write_text(json.dumps({"source": source, "target": target, "dev": dev_info, "calibration_mix": list(_mix(mix)),
-                               "prefix_len": prefix_len, "continuation_len": continuation_len,
-                               "source_reference": reference, "rows": rows}, indent=2))
+                               "calibration_windows": sequences, **lengths, "source_reference": reference,
+                               "rows": rows}, indent=2))
 
 
 app.command("eval")(eval_command)
