@@ -122,6 +122,10 @@ def test_gsm8k_exact_match_normalisation():
     assert T.gen_item_metrics(record) == {"exact_match": 1.0, "exact_match_strict": 0.0}
     record = {"output": " 18 eggs, 2 left", "gold": "18"}
     assert T.gen_item_metrics(record)["exact_match"] == 0.0
+    # the model ended the document: what follows its end-of-text token is not its answer
+    record = {"output": " The answer is 112.<|endoftext|>Human: A man has 1500 dollars", "gold": "112"}
+    assert T.gen_item_metrics(record) == {"exact_match": 1.0, "exact_match_strict": 1.0}
+    assert T.until_end_of_text(" a<|im_end|> b<|endoftext|>") == " a" and T.until_end_of_text(" a b") == " a b"
     with pytest.raises(ConfigError):
         T.extract_gsm8k_answer("1", "loose")
 

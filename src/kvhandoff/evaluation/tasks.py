@@ -227,6 +227,10 @@ def pool_of(task: str, item_id: str) -> str:
 
 
 GSM8K_STOP = ("Q:", "</s>", "<|im_end|>", "\n\n")
+#: special tokens that end a document or a turn. Generation stops at every one the tokenizer has as a special
+#: token, whatever the model's generation config lists: GGUF conversions of chat models list only the turn end
+#: (Qwen: <|im_end|>), and in a few-shot completion the model ends the document with <|endoftext|> instead.
+END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|end_of_text|>", "<|eot_id|>", "<|end|>", "</s>")
 GSM8K_SHOTS = 8
 
 
@@ -300,8 +304,15 @@ def mc_item_metrics(record: dict[str, Any]) -> dict[str, float]:
     return {"acc": float(int(np.argmax(lls)) == gold), "acc_norm": float(int(np.argmax(lls / lengths)) == gold)}
 
 
+def until_end_of_text(output: str) -> str:
+    """The output up to the first end-of-text marker: what generation that stops there returns. Records written
+    before generation stopped at every end-of-text token score as if it had (greedy decoding: same prefix)."""
+    cuts = [output.find(marker) for marker in END_OF_TEXT_TOKENS if marker in output]
+    return output[: min(cuts)] if cuts else output
+
+
 def gen_item_metrics(record: dict[str, Any]) -> dict[str, float]:
-    output, gold = record["output"], record["gold"]
+    output, gold = until_end_of_text(record["output"]), record["gold"]
     return {
         "exact_match": gsm8k_exact_match(extract_gsm8k_answer(output, "flexible"), gold),
         "exact_match_strict": gsm8k_exact_match(extract_gsm8k_answer(output, "strict"), gold),
