@@ -25,7 +25,9 @@ src, tgt = "qwen2.5-coder:0.5b", "qwen2.5-coder:1.5b"
 outdir = Path(sys.argv[1])
 outdir.mkdir(parents=True, exist_ok=True)
 tok = AutoTokenizer.from_pretrained(model_dir(src))
-default, mixed = CalibrationSpec(), CalibrationSpec(num_sequences=120, mix=("prose", "exams", "math"))
+# the third session's default, which these statistics extend
+default = CalibrationSpec(num_sequences=80, mix=("prose", "exams"))
+mixed = CalibrationSpec(num_sequences=120, mix=("prose", "exams", "math"))
 corpus = calibration_batches(tok, 120, 512, seed=0, batch_size=1, mix=mixed.mix)
 base = calibration_batches(tok, default.num_sequences, 512, seed=0, batch_size=1, mix=default.mix)
 math = calibration_batches(tok, 40, 512, seed=0, batch_size=1, sources=("math-solutions",))
