@@ -18,13 +18,13 @@ def pair(tmp_path, monkeypatch):
 def test_fit_writes_a_loadable_mapper(pair, tmp_path):
     small, large = pair
     result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
-                                      "--top-k", "1", "--lambda", "0.1", "--sequences", "2", "--seq-len", "48",
+                                      "--top-k", "1", "--lambda", "0.1", "--sequences", "3", "--seq-len", "48",
                                       "--exact-prefix", "2"])
     assert result.exit_code == 0, result.output
     assert "saved" in result.output
     mapper = Mapper.load(tmp_path / "m")
     assert mapper.top_k == 1 and mapper.manifest["config"]["ridge_lambda"] == 0.1 and mapper.exact_prefix == 2
-    assert mapper.manifest["calibration"]["num_tokens"] == 96
+    assert mapper.manifest["calibration"]["num_tokens"] == 3 * 48
 
 
 def test_fit_on_a_text_file_and_gcv(pair, tmp_path):
@@ -50,7 +50,7 @@ def test_tune_prints_and_saves_the_sweep(pair, tmp_path):
     out = tmp_path / "tune.json"
     result = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--ks", "1,all",
                                       "--lambdas", "0.01", "--exact-prefixes", "0,2", "--docs", "1",
-                                      "--prefix-len", "40", "--continuation-len", "8", "--sequences", "2",
+                                      "--prefix-len", "40", "--continuation-len", "8", "--sequences", "3",
                                       "--seq-len", "48", "--out", str(out)])
     assert result.exit_code == 0, result.output
     saved = json.loads(out.read_text())
@@ -105,7 +105,7 @@ def test_tune_on_the_mmlu_dev_set_sweeps_inputs(pair, tmp_path):
     out = tmp_path / "tune.json"
     result = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--ks", "all",
                                       "--lambdas", "0.01", "--inputs", "own,kv", "--dev", "mmlu", "--docs", "1",
-                                      "--sequences", "2", "--seq-len", "48", "--out", str(out)])
+                                      "--sequences", "3", "--seq-len", "48", "--out", str(out)])
     assert result.exit_code == 0, result.output
     saved = json.loads(out.read_text())
     assert {row["source_inputs"] for row in saved["rows"]} == {"own", "kv"}
@@ -117,11 +117,11 @@ def test_tune_on_the_gsm8k_dev_set(pair, tmp_path):
     out = tmp_path / "tune.json"
     result = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--ks", "all",
                                       "--lambdas", "0.01", "--dev", "gsm8k", "--docs", "1",
-                                      "--sequences", "2", "--seq-len", "48", "--out", str(out)])
+                                      "--sequences", "3", "--seq-len", "48", "--out", str(out)])
     assert result.exit_code == 0, result.output
     saved = json.loads(out.read_text())
     assert saved["dev"]["kind"] == "gsm8k-dev-pool" and saved["rows"][0]["documents"] == 1
-    assert "prefix_len" not in saved and saved["calibration_windows"] == 2  # prose-only settings left out
+    assert "prefix_len" not in saved and saved["calibration_windows"] == 3  # prose-only settings left out
     assert saved["rows"][0]["mean_kl"] >= 0
     bad = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--dev", "poems"])
     assert bad.exit_code != 0 and "gsm8k" in bad.output

@@ -44,7 +44,8 @@ def test_calibration_mix_is_validated_and_keeps_default_cache_keys():
     # the prose-only mix is left out of the key dict: statistics cached before `mix` existed stay valid
     prose = CalibrationSpec(num_sequences=40, mix=("prose",))
     assert prose.to_dict() == {"num_sequences": 40, "seq_len": 512, "seed": 0, "batch_size": 1}
-    assert CalibrationSpec().mix == ("prose", "exams") and CalibrationSpec().to_dict()["mix"] == ["prose", "exams"]
+    assert CalibrationSpec().mix == ("prose", "exams", "math") and CalibrationSpec().num_sequences == 120
+    assert CalibrationSpec().to_dict()["mix"] == ["prose", "exams", "math"]
     mixed = CalibrationSpec(num_sequences=81, mix=("prose", "exams"))
     assert mixed.to_dict()["mix"] == ["prose", "exams"]
     assert mixed.windows_per_group() == {"prose": 41, "exams": 40}

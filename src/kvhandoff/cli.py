@@ -97,10 +97,11 @@ def fit(
         raise typer.BadParameter(f"unknown method {method!r}; use 'ridge' or 'mlp'", param_hint="--method")
     if texts is not None and not texts.is_file():
         raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")
-    calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed, mix=_mix(mix))
+    # the built-in corpus's spec (validated before the models load); --texts packs the file's text instead
+    calibration = None if texts else CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed, mix=_mix(mix))
     source_model, tokenizer = load_model(source)
     target_model, target_tokenizer = load_model(target)
-    if texts is None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
+    if calibration is not None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
         from kvhandoff.workflow import obtain_mapper
 
         mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed) if method == "mlp" else None
