@@ -126,6 +126,7 @@ def test_gsm8k_exact_match_normalisation():
     record = {"output": " The answer is 112.<|endoftext|>Human: A man has 1500 dollars", "gold": "112"}
     assert T.gen_item_metrics(record) == {"exact_match": 1.0, "exact_match_strict": 1.0}
     assert T.until_end_of_text(" a<|im_end|> b<|endoftext|>") == " a" and T.until_end_of_text(" a b") == " a b"
+    assert T.cut_at_stop("12. The answer is 3.\n\nQ: next", ("Q:", "\n\n")) == ("12. The answer is 3.", True)
     with pytest.raises(ConfigError):
         T.extract_gsm8k_answer("1", "loose")
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.tasks import END_OF_TEXT_TOKENS, GenItem, MCItem
+from kvhandoff.evaluation.tasks import END_OF_TEXT_TOKENS, GenItem, MCItem, cut_at_stop
 
 #: prefilled few-shot prefixes kept per condition (MMLU has 57 subject prefixes, GSM8K one)
 PREFIX_CACHE_ENTRIES = 4
@@ -329,13 +329,6 @@ def eos_token_ids(tokenizer, model=None) -> set[int]:
     return ids
 
 
-def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    positions = [text.find(s) for s in stop if s and s in text]
-    if not positions:
-        return text, False
-    return text[: min(positions)], True
-
-
 def greedy_from(state: OpenContext, tokenizer, max_new_tokens: int, stop: Sequence[str] = ()) -> tuple[str, list[int]]:
     """Greedy-decode from an open context (the cache grows by the tokens fed). Returns (text cut at the
     first stop string, generated token ids up to and including the one that completed a stop/EOS)."""
@@ -349,7 +342,7 @@ def greedy_from(state: OpenContext, tokenizer, max_new_tokens: int, stop: Sequen
             if token in eos:
                 break
             generated.append(token)
-            text, stopped = _cut_at_stop(tokenizer.decode(generated), stop)
+            text, stopped = cut_at_stop(tokenizer.decode(generated), stop)
             if stopped or step == max_new_tokens - 1:
                 break
             logprobs = feed(state.reader, state.cache, [token])[-1]

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -304,11 +304,18 @@ def mc_item_metrics(record: dict[str, Any]) -> dict[str, float]:
     return {"acc": float(int(np.argmax(lls)) == gold), "acc_norm": float(int(np.argmax(lls / lengths)) == gold)}
 
 
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """(text up to the first of the stop strings, whether one occurred)."""
+    positions = [text.find(s) for s in stop if s and s in text]
+    if not positions:
+        return text, False
+    return text[: min(positions)], True
+
+
 def until_end_of_text(output: str) -> str:
     """The output up to the first end-of-text marker: what generation that stops there returns. Records written
     before generation stopped at every end-of-text token score as if it had (greedy decoding: same prefix)."""
-    cuts = [output.find(marker) for marker in END_OF_TEXT_TOKENS if marker in output]
-    return output[: min(cuts)] if cuts else output
+    return cut_at_stop(output, END_OF_TEXT_TOKENS)[0]
 
 
 def gen_item_metrics(record: dict[str, Any]) -> dict[str, float]:
@@ -385,16 +392,24 @@ def _gsm8k_requests_and_prefix() -> tuple[list[dict], str]:
     return requests, gsm8k_prefix(exemplars)
 
 
+def _gsm8k_id(doc: dict[str, Any]) -> str:
+    return f"gsm8k-{doc['id']}"
+
+
+def _gsm8k_context(prefix: str, doc: dict[str, Any]) -> str:
+    return prefix + f"Q: {doc['question']}\nA:"
+
+
 def gsm8k_dev_examples(tokenizer, count: int) -> list[tuple[list[int], list[int]]]:
     """A chain-of-thought dev set for choosing fit settings, disjoint from the reported GSM8K items: the first
     `count` test items of the *dev pool* (:func:`pool_of`), as (8-shot prompt token ids up to "A:", the token ids
     of the reference solution in the exemplars' layout, :func:`gsm8k_worked_answer`)."""
     requests, prefix = _gsm8k_requests_and_prefix()
-    dev = [r["doc"] for r in requests if pool_of("gsm8k", f"gsm8k-{r['doc']['id']}") == "dev"]
+    dev = [r["doc"] for r in requests if pool_of("gsm8k", _gsm8k_id(r["doc"])) == "dev"]
     if not 1 <= count <= len(dev):
         raise ConfigError(f"the GSM8K dev pool holds {len(dev)} items: count must be in 1..{len(dev)}, got {count}")
     return [
-        (tokenizer.encode(prefix + f"Q: {doc['question']}\nA:", add_special_tokens=False),
+        (tokenizer.encode(_gsm8k_context(prefix, doc), add_special_tokens=False),
          tokenizer.encode(" " + gsm8k_worked_answer(doc["answer"]), add_special_tokens=False))
         for doc in dev[:count]
     ]
@@ -404,8 +419,8 @@ def _load_gsm8k() -> list[Item]:
     requests, prefix = _gsm8k_requests_and_prefix()
     return [
         GenItem(
-            id=f"gsm8k-{r['doc']['id']}",
-            context=prefix + f"Q: {r['doc']['question']}\nA:",
+            id=_gsm8k_id(r["doc"]),
+            context=_gsm8k_context(prefix, r["doc"]),
             answer=gsm8k_gold(r["doc"]["answer"]),
             stop=GSM8K_STOP,
             shared_prefix=prefix,
