@@ -48,9 +48,7 @@ src_layout, tgt_layout = default.source, default.target
 v_in = stats.source.layer_indices(1, range(src_layout.num_layers))  # source V columns of the statistics
 mean_x = stats.mean_x(v_in).float()
 Lt, Ht, Dt = tgt_layout.num_layers, tgt_layout.num_kv_heads, tgt_layout.head_dim
-mean_y = torch.stack([stats.mean_y(torch.arange(stats.target.layer_slice(1, layer).start,
-                                                stats.target.layer_slice(1, layer).stop)).float()
-                      for layer in range(Lt)]).view(Lt, Ht, Dt)
+mean_y = stats.mean_y(stats.target.layer_indices(1, range(Lt))).float().view(Lt, Ht, Dt)
 features = v_in.numel()
 del stats  # 2.65 GB; only the means are needed from here
 
