@@ -153,6 +153,18 @@ def tiny_tokenizer():
     )
 
 
+def chat_tokenizer():
+    """`tiny_tokenizer` as a chat model's GGUF conversion has it: EOS is the turn end <|im_end|>, and the document
+    end <|endoftext|> is another special token."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    chat = Qwen2Tokenizer(vocab=dict(tiny_tokenizer().get_vocab()), merges=[("h", "e")], eos_token="<|im_end|>",
+                          unk_token=None, pad_token="<|endoftext|>")
+    chat.add_special_tokens({"additional_special_tokens": [AddedToken("<|endoftext|>", special=True)]})
+    return chat
+
+
 def save_tiny_pair(folder, source_layers: int = 2, target_layers: int = 3):
     """Two tiny Qwen2 models with one shared tokenizer saved as local model folders; returns their paths."""
     paths = []

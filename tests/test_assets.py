@@ -26,7 +26,7 @@ from kvhandoff.assets import (
 )
 from kvhandoff.errors import AssetError
 
-from conftest import tiny_tokenizer
+from conftest import chat_tokenizer, tiny_tokenizer
 
 
 @pytest.fixture
@@ -244,6 +244,23 @@ def test_load_model_dtype(tmp_path):
     tiny_tokenizer().save_pretrained(tmp_path / "tiny")
     loaded, _ = load_model(tmp_path / "tiny", dtype=torch.bfloat16, progress=False)
     assert next(loaded.parameters()).dtype == torch.bfloat16
+
+
+def test_loaded_chat_model_stops_at_the_document_end_too(tmp_path):
+    model, tokenizer = _tiny_qwen2(tie=False), chat_tokenizer()
+    im_end, end_of_text = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    model.generation_config.eos_token_id = im_end  # what a GGUF conversion of a Qwen chat model writes
+    model.save_pretrained(tmp_path / "chat")
+    tokenizer.save_pretrained(tmp_path / "chat")
+    loaded, _ = load_model(str(tmp_path / "chat"), progress=False)
+    assert loaded.generation_config.eos_token_id == [im_end, end_of_text]
+    # greedy generation that would go on past the document end stops there
+    with torch.no_grad():
+        loaded.lm_head.weight.zero_()
+        loaded.lm_head.weight[end_of_text] = 1.0
+        ids = torch.tensor([[5, 6, 7]])
+        out = loaded.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    assert out[0, 3:].tolist() == [end_of_text]
 
 
 @pytest.mark.parametrize("tie", [True, False])

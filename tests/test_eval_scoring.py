@@ -363,16 +363,11 @@ def test_real_fewshot_prefixes_are_reused_token_prefixes(task):
 
 
 def test_generation_stops_at_every_end_of_text_token():
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-
-    from conftest import tiny_tokenizer
+    from conftest import chat_tokenizer, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     assert S.eos_token_ids(tokenizer) == {tokenizer.eos_token_id}
     # a chat model's GGUF config names only the turn end; the document end stops generation too
-    chat = Qwen2Tokenizer(vocab=dict(tokenizer.get_vocab()), merges=[("h", "e")], eos_token="<|im_end|>",
-                          unk_token=None, pad_token="<|endoftext|>")
-    chat.add_special_tokens({"additional_special_tokens": [AddedToken("<|endoftext|>", special=True)]})
+    chat = chat_tokenizer()
     ids = S.eos_token_ids(chat)
     assert ids == {chat.convert_tokens_to_ids("<|im_end|>"), chat.convert_tokens_to_ids("<|endoftext|>")}

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.config import kvhandoff_home
+from kvhandoff.config import END_OF_TEXT_TOKENS, kvhandoff_home
 from kvhandoff.errors import AssetError
 
 #: File written last into a converted model folder; its presence means the folder is complete.
@@ -513,4 +513,25 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, progress: bool = T
             f"a local model folder, or a hub id that is reachable (this machine may be offline)."
         ) from exc
     model.eval()
+    stop_at_end_of_text(model, tokenizer)
     return model, tokenizer
+
+
+def end_of_text_ids(tokenizer) -> list[int]:
+    """Ids of the special tokens of `END_OF_TEXT_TOKENS` that ``tokenizer`` has, in that order."""
+    special = set(getattr(tokenizer, "all_special_tokens", ()))
+    special.update(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)
+    return [tokenizer.convert_tokens_to_ids(token) for token in END_OF_TEXT_TOKENS if token in special]
+
+
+def stop_at_end_of_text(model, tokenizer) -> None:
+    """Make ``model.generate`` stop at every end-of-text special token, not only the one its generation config
+    names (GGUF conversions of Qwen chat models name only <|im_end|>; the hub config lists <|endoftext|> too)."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    current = config.eos_token_id
+    ids = [] if current is None else [current] if isinstance(current, int) else [int(i) for i in current]
+    ids += [i for i in end_of_text_ids(tokenizer) if i not in ids]
+    if ids:
+        config.eos_token_id = ids[0] if len(ids) == 1 else ids

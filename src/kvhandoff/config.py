@@ -38,6 +38,13 @@ PROSE_ONLY_MIX: tuple[str, ...] = ("prose",)
 #: k values the layer-selection sweep considers ("all" = every source layer).
 TOP_K_CHOICES: tuple[int | str, ...] = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, "all")
 
+#: special tokens that end a document or a turn. Generation stops at every one the tokenizer has as a special
+#: token: GGUF conversions of chat models list only the turn end in their generation config (Qwen:
+#: <|im_end|>), and in a few-shot completion the model ends the document with <|endoftext|> instead.
+END_OF_TEXT_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>", "<|im_end|>", "<|end_of_text|>", "<|eot_id|>", "<|end|>", "</s>",
+)
+
 #: newest mapper format this kvhandoff reads. Ridge mappers are written as version 1 (unchanged since the
 #: first release), MLP mappers as version 2, so an older kvhandoff refuses them instead of applying the
 #: linear part alone; ridge mappers whose maps read source K and V together (source_inputs="kv") as version 3.

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.tasks import END_OF_TEXT_TOKENS, GenItem, MCItem, cut_at_stop
+from kvhandoff.evaluation.tasks import GenItem, MCItem, cut_at_stop
 
 #: prefilled few-shot prefixes kept per condition (MMLU has 57 subject prefixes, GSM8K one)
 PREFIX_CACHE_ENTRIES = 4
@@ -312,16 +312,13 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 
 
 def eos_token_ids(tokenizer, model=None) -> set[int]:
-    """Token ids that end generation: the tokenizer's and the model's EOS, and every special token of
-    `END_OF_TEXT_TOKENS` the tokenizer has."""
-    ids: set[int] = set()
-    special = set(getattr(tokenizer, "all_special_tokens", ()))
-    special.update(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)
-    candidates: list = [tokenizer.convert_tokens_to_ids(m) for m in END_OF_TEXT_TOKENS if m in special]
-    candidates.append(getattr(tokenizer, "eos_token_id", None))
+    """Token ids that end generation: the tokenizer's and the model's EOS, and every end-of-text special token
+    the tokenizer has (`kvhandoff.assets.end_of_text_ids`; models loaded by `load_model` already list them)."""
+    from kvhandoff.assets import end_of_text_ids
+
+    ids = set(end_of_text_ids(tokenizer))
     generation_config = getattr(model, "generation_config", None)
-    candidates.append(getattr(generation_config, "eos_token_id", None))
-    for c in candidates:
+    for c in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
         if isinstance(c, int):
             ids.add(c)
         elif isinstance(c, list | tuple):

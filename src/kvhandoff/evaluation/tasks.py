@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from kvhandoff.config import END_OF_TEXT_TOKENS
 from kvhandoff.errors import AssetError, ConfigError
 from kvhandoff.evaluation.data import hf_rows, mmlu_subjects, oe_requests
 
@@ -227,10 +228,6 @@ def pool_of(task: str, item_id: str) -> str:
 
 
 GSM8K_STOP = ("Q:", "</s>", "<|im_end|>", "\n\n")
-#: special tokens that end a document or a turn. Generation stops at every one the tokenizer has as a special
-#: token, whatever the model's generation config lists: GGUF conversions of chat models list only the turn end
-#: (Qwen: <|im_end|>), and in a few-shot completion the model ends the document with <|endoftext|> instead.
-END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|end_of_text|>", "<|eot_id|>", "<|end|>", "</s>")
 GSM8K_SHOTS = 8
 
 
