@@ -105,6 +105,8 @@ def test_argument_errors(app, tmp_path):
     assert isinstance(result.exception, ConfigError)
     result = runner.invoke(app, [*base, "--mapper", "m", "--sweep-ks", "1,zero"])
     assert isinstance(result.exception, ConfigError) and "zero" in str(result.exception)
+    result = runner.invoke(app, [*base, "--mapper", "m", "--mapped", "question"])
+    assert isinstance(result.exception, ConfigError) and "history" in str(result.exception)
 
 
 def test_tokenizers_must_agree():

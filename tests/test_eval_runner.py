@@ -78,6 +78,22 @@ def test_identity_transfer_has_retention_exactly_one(models, tmp_path):
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_history_mapping_in_the_runner(models, tmp_path):
+    target, source = models
+    result = R.run_eval(source, target, NoisyMapper(scale=0.3), "arc_challenge,mmlu", limit=2, seed=0,
+                        out_dir=tmp_path, mapped="history", **FAST)
+    assert result["mapped"] == "history" and set(result["tasks"]) == {"mmlu"}
+    assert "few-shot history" in result["skipped"]["arc_challenge"]
+    assert "new turn" in (tmp_path / "results.md").read_text()
+    # its transfer records are kept apart from the whole-context transfer's; the standalone ones are shared
+    whole = R.run_eval(source, target, NoisyMapper(scale=0.3), "mmlu", limit=2, seed=0, out_dir=tmp_path, **FAST)
+    files = sorted(p.name for p in (tmp_path / "items" / "mmlu").glob("*.jsonl"))
+    assert len(files) == 4 and sum(name.startswith("transfer-") for name in files) == 2
+    assert whole["mapped"] == "all" and "skipped" not in whole
+    with pytest.raises(ConfigError, match="mapped"):
+        R.run_eval(source, target, NoisyMapper(), "mmlu", limit=1, mapped="turn", **FAST)
+
+
 def test_generation_task_in_the_runner(models, tmp_path):
     target, _ = models
     result = R.run_eval(target, target, IdentityMapper(), "gsm8k", limit=1, seed=0, out_dir=tmp_path, **FAST)

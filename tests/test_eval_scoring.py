@@ -285,6 +285,67 @@ def test_prefix_prefilled_once_for_several_items(models, kind):
     assert totals[4].count(prefix_len) == 1 and totals[0].count(prefix_len) == 0
 
 
+def test_history_transfer_maps_the_history_and_the_target_reads_the_question(models):
+    from kvhandoff.handoff import handoff_cache
+
+    target, source = models
+    items = fewshot_items()
+    # identity mapping of the target's own cache: exactly the target's scores
+    identity = S.standard_conditions(target, target, IdentityMapper(), mapped="history")["transfer"]
+    own = S.Standalone("target", target, prefix_entries=0)
+    for item in items:
+        assert S.evaluate_mc_item(identity, TOK, item)["loglikelihoods"] == pytest.approx(
+            S.evaluate_mc_item(own, TOK, item)["loglikelihoods"], abs=1e-4)
+    # a noisy mapper: the same as handoff_cache with the question as the target's tail, unlike mapping it all
+    history = S.TransferHistory("transfer", source, target, NoisyMapper(scale=0.3), exact_prefix=0)
+    whole = S.Transfer("transfer", source, target, NoisyMapper(scale=0.3), exact_prefix=0)
+    prefix_len = len(TOK.encode(FEWSHOT))
+    context_ids = S.encode(TOK, items[0].choices[0].context)
+    ids = torch.tensor([context_ids[:-1]])
+    expected = handoff_cache(source, target, NoisyMapper(scale=0.3), ids, 0, target_tail=ids.shape[1] - prefix_len)
+    got = history.prefill(ids, prefix_len)
+    for a, b in zip(got.layers, expected.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+    assert S.evaluate_mc_item(history, TOK, items[0]) != S.evaluate_mc_item(whole, TOK, items[0])
+
+
+def test_history_transfer_runs_the_source_once_per_history(models):
+    target, source = models
+    items = fewshot_items()
+    prefix_len = len(TOK.encode(FEWSHOT))
+    cond = S.TransferHistory("transfer", source, target, IdentityMapper(), exact_prefix=0, prefix_entries=0)
+    counters = ForwardTokens(source), ForwardTokens(target)
+    try:
+        for item in items:
+            S.evaluate_mc_item(cond, TOK, item)
+    finally:
+        for counter in counters:
+            counter.close()
+    # no reuse (prefix_entries 0): each item maps its history anew; the target prefills only the question
+    item_lens = [len(TOK.encode(it.choices[0].context)) - 1 for it in items]
+    assert counters[0].lengths == [prefix_len] * len(items)
+    assert [n for n in counters[1].lengths if n > 2] == [n - prefix_len for n in item_lens]
+    cond = S.TransferHistory("transfer", source, target, IdentityMapper(), exact_prefix=0)
+    counter = ForwardTokens(source)
+    try:
+        for item in items:
+            S.evaluate_mc_item(cond, TOK, item)
+    finally:
+        counter.close()
+    assert counter.lengths == [prefix_len]  # with reuse: one source prefill of the shared history
+
+
+def test_history_transfer_refuses_items_without_a_history(models):
+    target, source = models
+    (item,) = short_items("arc_challenge")
+    cond = S.standard_conditions(source, target, IdentityMapper(), mapped="history")["transfer"]
+    with pytest.raises(ConfigError, match="few-shot history"):
+        S.evaluate_mc_item(cond, TOK, item)
+    with pytest.raises(ConfigError, match="mapped"):
+        S.standard_conditions(source, target, IdentityMapper(), mapped="question")
+
+
 def test_prefix_boundary_mismatch_falls_back(models):
     """A BPE merge across the prefix boundary ("h" + "e" → "he") makes the prefix's tokens no prefix of the
     context's: the context is prefilled in full; a boundary that tokenizes alike is reused."""

@@ -95,6 +95,12 @@ def eval_command(
         typer.Option(help="Leading positions the target recomputes itself after each handoff (0 = none; "
                           "default: the mapper's own setting)."),
     ] = None,
+    mapped: Annotated[
+        str,
+        typer.Option(help="What the transfer maps on benchmark tasks: 'all' (the whole context) or 'history' (the "
+                          "few-shot history; the target prefills the question, the new turn, itself; tasks "
+                          "without a few-shot history are skipped)."),
+    ] = "all",
     max_new_tokens: Annotated[int, typer.Option(help="GSM8K generation budget.")] = 256,
     n_resamples: Annotated[int, typer.Option(help="Bootstrap resamples.")] = 1000,
     perplexity_docs: Annotated[int, typer.Option(help="Held-out documents for 'perplexity'.")] = 16,
@@ -111,7 +117,10 @@ def eval_command(
     """
     from kvhandoff.evaluation.report import render_results
     from kvhandoff.evaluation.runner import run_eval
+    from kvhandoff.evaluation.scoring import MAPPED_PARTS
 
+    if mapped not in MAPPED_PARTS:
+        raise ConfigError(f"--mapped must be one of {', '.join(MAPPED_PARTS)}, got {mapped!r}")
     if mapper is not None and (statistics is not None or sweep_k):
         raise ConfigError("give either --mapper or --statistics (with or without --sweep-k), not both")
     if sweep_k and statistics is None:
@@ -131,7 +140,8 @@ def eval_command(
 
         backward = obtain_mapper(target, source, target_model, source_model, tokenizer, progress=progress)[0]
     common = dict(
-        tokenizer=tokenizer, exact_prefix=exact_prefix, max_new_tokens=max_new_tokens, n_resamples=n_resamples,
+        tokenizer=tokenizer, exact_prefix=exact_prefix, mapped=mapped, max_new_tokens=max_new_tokens,
+        n_resamples=n_resamples,
         perplexity_docs=perplexity_docs, prefix_len=prefix_len, continuation_len=continuation_len,
         coqa_conversations=coqa_conversations, progress=progress,
     )

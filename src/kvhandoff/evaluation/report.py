@@ -57,6 +57,11 @@ def markdown_table(result: dict) -> str:
         f"(target − chance); [{level}% paired bootstrap, {boot.get('n_resamples', '?')} resamples, "
         f"seed {result.get('seed')}].",
     ]
+    if result.get("mapped") == "history":
+        lines += ["", "Transfer maps the few-shot history only; the target prefills the new turn (the question) "
+                      "itself on top of the mapped cache."]
+    for task, reason in result.get("skipped", {}).items():
+        lines += ["", f"Skipped {task}: {reason}."]
     if result["tasks"]:  # perplexity- or CoQA-only runs have no benchmark table
         lines += [
             "",

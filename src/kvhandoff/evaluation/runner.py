@@ -341,13 +341,15 @@ def _transfer_run(name: str, source, target, mapper, tok_id: str, settings: dict
 def benchmark_runs(
     source_model, target_model, mapper, tokenizer, spec: TaskSpec, max_new_tokens: int = 256,
     conditions: Sequence[str] = ("target", "source", "transfer"), tok_id: str | None = None,
-    exact_prefix: int = 0,
+    exact_prefix: int = 0, mapped: str = "all",
 ) -> list[RecordRun]:
-    """The record runs (target, source, transfer) of one benchmark task."""
+    """The record runs (target, source, transfer) of one benchmark task (mapped: see `standard_conditions`)."""
     from kvhandoff.evaluation.scoring import evaluate_item, standard_conditions
 
     tok_id = tok_id or tokenizer_identity(tokenizer)
-    conds = standard_conditions(source_model, target_model, mapper, exact_prefix)
+    conds = standard_conditions(source_model, target_model, mapper, exact_prefix, mapped)
+    # "all" stays out of the record header, so records made before `mapped` existed stay valid
+    transfer_settings = {"exact_prefix": exact_prefix, **({} if mapped == "all" else {"mapped": mapped})}
     settings: dict[str, Any] = {"record_version": RECORD_VERSION, "task": spec.name}
     if spec.kind == GENERATE:
         settings["max_new_tokens"] = max_new_tokens
@@ -360,7 +362,7 @@ def benchmark_runs(
         cond = conds[name]
         if name == "transfer":
             runs.append(_transfer_run(name, source_model, target_model, mapper, tok_id,
-                                      {**settings, "exact_prefix": exact_prefix}, compute_for(cond)))
+                                      {**settings, **transfer_settings}, compute_for(cond)))
         else:
             model = target_model if name == "target" else source_model
             runs.append(_standalone_run(name, model, tok_id, settings, compute_for(cond)))
@@ -379,6 +381,7 @@ def run_eval(
     tokenizer,
     reverse_mapper=None,
     exact_prefix: int | None = None,
+    mapped: str = "all",
     max_new_tokens: int = 256,
     n_resamples: int = 1000,
     confidence: float = 0.95,
@@ -403,10 +406,18 @@ def run_eval(
     needs ``reverse_mapper``, target → source). limit: items per task from the report pool (None = all).
     exact_prefix: leading positions the target recomputes after every handoff (0 = purely mapped cache;
     None = the mapper's own setting).
+    mapped: what the transfer condition maps on benchmark tasks: "all" (the whole context) or "history" (the
+    few-shot history; the target prefills the question itself). Tasks without a few-shot history are skipped
+    under "history" and listed in the result's "skipped". Perplexity and CoQA are unaffected: they already map
+    what came before and let the target read the new tokens.
     on_item(task, condition, record) runs after each newly computed record is stored (progress hooks, tests).
     Returns the result dictionary (also written as JSON when ``out_dir`` is given).
     """
+    from kvhandoff.evaluation.scoring import MAPPED_PARTS
+
     names = parse_tasks(tasks, extra=EXTRA_TASKS)
+    if mapped not in MAPPED_PARTS:
+        raise ConfigError(f"mapped must be one of {', '.join(MAPPED_PARTS)}, got {mapped!r}")
     if exact_prefix is None:  # the mapper's own setting, recorded explicitly in the results
         exact_prefix = getattr(mapper, "exact_prefix", 0)
     if "coqa" in names and reverse_mapper is None:
@@ -424,6 +435,7 @@ def run_eval(
         "mapper": mapper_identity(mapper),
         "tokenizer": tok_id,
         "exact_prefix": exact_prefix,
+        "mapped": mapped,
         "seed": seed,
         "limit": limit,
         "bootstrap": {"n_resamples": n_resamples, "confidence": confidence, "paired": True},
@@ -434,8 +446,11 @@ def run_eval(
             continue
         spec = get_task(name)
         items = select_items(name, limit, seed, "report")
+        if mapped == "history" and not all(getattr(item, "shared_prefix", None) for item in items):
+            result.setdefault("skipped", {})[name] = "no few-shot history: the whole context is the new turn"
+            continue
         runs = benchmark_runs(source_model, target_model, mapper, tokenizer, spec, max_new_tokens, tok_id=tok_id,
-                              exact_prefix=exact_prefix)
+                              exact_prefix=exact_prefix, mapped=mapped)
         records = run_records(name, items, runs, store_dir, progress, on_item)
         result["tasks"][name] = {**task_summary(spec, items, records, n_resamples, seed, confidence),
                                  "item_ids": [item.id for item in items]}

@@ -4,7 +4,9 @@ A :class:`Condition` turns ``context_ids[:-1]`` into a KV cache and names the mo
 
 - ``target``:   the target prefills; the target reads on.
 - ``source``:   the source prefills; the source reads on (the source model standalone).
-- ``transfer``: the source prefills, ``mapper.transfer`` maps the cache; the target reads on.
+- ``transfer``: the source prefills, ``mapper.transfer`` maps the cache; the target reads on. With
+  ``mapped="history"`` (:class:`TransferHistory`) only the item's few-shot history (its shared prefix) is
+  mapped and the target prefills the new turn (the question) itself: a switch at a turn boundary.
 
 The reading model then consumes the last context token (whose logits predict the first continuation token)
 and the continuation. Multiple-choice items prefill each distinct context once per condition and score every
@@ -159,14 +161,55 @@ class Transfer(Condition):
         return handoff_cache(self.source, self.reader, self.mapper, input_ids, self.exact_prefix, source_cache)
 
 
+class TransferHistory(Transfer):
+    """The mapped cache holds the item's few-shot history (its shared prefix) only; the target prefills the rest
+    of the context, the new turn, on top of it.
+
+    This is a model switch at a turn boundary: the new turn has not been read by any model yet, so the target
+    reads it itself at the cost of a prefill of the turn alone. Each history is prefilled by the source, mapped
+    and patched once and kept in the prefix cache, so every item sharing it starts from a copy of the same
+    mapped cache. Items without a history (``prefix_len`` 0) are refused.
+    """
+
+    def __init__(self, name: str, source_model, target_model, mapper, exact_prefix: int | None = None,
+                 prefix_entries: int = PREFIX_CACHE_ENTRIES) -> None:
+        super().__init__(name, source_model, target_model, mapper, exact_prefix, prefix_entries)
+        self.prefixes = PrefixCache(prefix_entries)  # the history boundary is needed even without reuse
+
+    def prefill(self, input_ids: torch.Tensor, prefix_len: int = 0):
+        from kvhandoff.handoff import handoff_cache, prefill
+
+        if not prefix_len:
+            raise ConfigError(
+                "mapped='history' needs items with a few-shot history whose tokens begin the context (MMLU, "
+                "GSM8K); use mapped='all' for zero-shot tasks"
+            )
+        history = input_ids[:, :prefix_len]
+        cache = self.prefixes.copy_of(
+            history[0].tolist(),
+            lambda: handoff_cache(self.source, self.reader, self.mapper, history, self.exact_prefix),
+        )
+        if input_ids.shape[1] > prefix_len:
+            prefill(self.reader, input_ids[:, prefix_len:].to(model_device(self.reader)), cache)
+        return cache
+
+
+#: what the transfer condition maps: "all" — the whole context; "history" — the few-shot history only, the
+#: target prefills the new turn (:class:`TransferHistory`)
+MAPPED_PARTS = ("all", "history")
+
+
 def standard_conditions(
-    source_model, target_model, mapper, exact_prefix: int | None = None
+    source_model, target_model, mapper, exact_prefix: int | None = None, mapped: str = "all"
 ) -> dict[str, Condition]:
     """The three conditions of one direction, in the order they are evaluated: target, source, transfer."""
+    if mapped not in MAPPED_PARTS:
+        raise ConfigError(f"mapped must be one of {', '.join(MAPPED_PARTS)}, got {mapped!r}")
+    transfer = Transfer if mapped == "all" else TransferHistory
     return {
         "target": Standalone("target", target_model),
         "source": Standalone("source", source_model),
-        "transfer": Transfer("transfer", source_model, target_model, mapper, exact_prefix),
+        "transfer": transfer("transfer", source_model, target_model, mapper, exact_prefix),
     }
 
 
