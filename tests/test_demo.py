@@ -2,11 +2,13 @@ import pytest
 import torch
 
 from kvhandoff import FitConfig, fit_mapper
-from kvhandoff.demo import agreement, demo_context
+from kvhandoff.config import CalibrationSpec
+from kvhandoff.demo import agreement, demo_context, mapped_length, run_demo
+from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.scoring import feed
 from kvhandoff.handoff import prefill
 
-from conftest import exactly_related, random_batches, tiny_model
+from conftest import exactly_related, random_batches, save_tiny_pair, tiny_model
 
 
 class CharTokenizer:
@@ -18,6 +20,26 @@ def test_demo_context_is_long_real_coqa_with_an_open_question():
     context = demo_context(CharTokenizer(), min_tokens=1000)
     assert len(context.text) >= 1000 and context.text.endswith("A:")
     assert context.gold_answers
+    assert context.text == context.history + context.new_turn and context.history.endswith("\n\n")
+    assert context.new_turn.startswith("Q: ") and "\n\nQ: " not in context.new_turn
+    ids = CharTokenizer()(context.text)["input_ids"]
+    assert mapped_length(CharTokenizer(), context, ids, "all") == len(ids) - 1
+    assert mapped_length(CharTokenizer(), context, ids, "history") == len(context.history)
+    with pytest.raises(ConfigError, match="history"):
+        mapped_length(CharTokenizer(), context, ids, "question")
+
+
+@pytest.mark.parametrize("mapped", ["all", "history"])
+def test_demo_runs_on_a_tiny_pair(tmp_path, monkeypatch, mapped):
+    monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
+    small, large = save_tiny_pair(tmp_path)
+    result = run_demo(small, large, FitConfig(), CalibrationSpec(num_sequences=2, seq_len=64, mix=("prose",)),
+                      max_new_tokens=3, min_context_tokens=300, progress=False, mapped=mapped)
+    assert result["mapped"] == mapped and result["context_tokens"] >= 300
+    assert result["mapped_tokens"] + result["target_prefilled_tokens"] == result["context_tokens"]
+    new_turn = result["target_prefilled_tokens"]
+    assert new_turn == 1 if mapped == "all" else 10 < new_turn < 300
+    assert result["handoff_ttft_seconds"] > 0 and 0 <= result["agreement_top1_agreement"] <= 1
 
 
 def test_agreement_is_perfect_for_an_exact_mapper_and_lower_for_noise():

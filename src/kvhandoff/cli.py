@@ -147,16 +147,22 @@ def demo(
     repeats: Annotated[int, typer.Option(help="timed repeats of each path (median reported)")] = 1,
     refit: Annotated[bool, typer.Option(help="fit again even if a cached mapper matches")] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
+    mapped: Annotated[str, typer.Option(help="'all': the source prefilled the whole context, new question "
+                                             "included; 'history': the switch comes with the new question, "
+                                             "which the target prefills itself on top of the mapped "
+                                             "conversation")] = "all",
 ) -> None:
     """Fit (or reuse) the default pair's mapper, hand a long CoQA context over, compare with re-prefill."""
-    from kvhandoff.demo import render_demo, run_demo
+    from kvhandoff.demo import DEMO_MAPPED, render_demo, run_demo
 
+    if mapped not in DEMO_MAPPED:
+        raise typer.BadParameter(f"use one of {', '.join(DEMO_MAPPED)}", param_hint="--mapped")
     if reverse:
         source, target = target, source
     result = run_demo(
         source, target, FitConfig(top_k=_top_k(top_k)),
         CalibrationSpec(num_sequences=sequences, seq_len=seq_len, mix=_mix(mix)),
-        max_new_tokens=max_new_tokens, repeats=repeats, refit=refit,
+        max_new_tokens=max_new_tokens, repeats=repeats, refit=refit, mapped=mapped,
     )
     render_demo(result)
     if json_out:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvhandoff.config import CalibrationSpec, FitConfig
-from kvhandoff.errors import AssetError
+from kvhandoff.errors import AssetError, ConfigError
 from kvhandoff.evaluation.multiturn import Conversation, load_coqa_conversations
 from kvhandoff.evaluation.scoring import OpenContext, feed, greedy_from, rollback
 from kvhandoff.handoff import patch_exact_prefix, prefill
@@ -21,30 +21,57 @@ MIN_CONTEXT_TOKENS = 1000
 @dataclass(frozen=True)
 class DemoContext:
     conversation_id: str
-    text: str
+    history: str  # the story and the earlier questions with their answers
+    new_turn: str  # the open question, "Q: …\n\nA:"
     gold_answers: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        return self.history + self.new_turn
+
+
+#: what the demo hands over: "all" — the whole context, question included, was prefilled by the source;
+#: "history" — the source read the conversation so far, the target prefills the new question itself
+DEMO_MAPPED = ("all", "history")
 
 
 def demo_context(tokenizer, min_tokens: int = MIN_CONTEXT_TOKENS) -> DemoContext:
     """A CoQA story with its earlier questions and gold answers, ending in an open question (≥ min_tokens).
 
-    CoQA is held out from calibration (the calibration corpus is LAMBADA/BoolQ-train prose).
+    CoQA is held out from calibration (no calibration group draws on it).
     """
     conversations: list[Conversation] = load_coqa_conversations(min_turns=10, num_turns=None)
 
-    def render(conv: Conversation, upto: int) -> str:
+    def render(conv: Conversation, upto: int) -> DemoContext:
         turns = "".join(f"Q: {t.question}\n\nA: {t.answers[0]}\n\n" for t in conv.turns[:upto])
-        return f"{conv.story}\n\n{turns}Q: {conv.turns[upto].question}\n\nA:"
+        return DemoContext(conv.id, f"{conv.story}\n\n{turns}", f"Q: {conv.turns[upto].question}\n\nA:",
+                           conv.turns[upto].answers)
 
     best = None
     for conv in sorted(conversations, key=lambda c: c.id):
-        text = render(conv, len(conv.turns) - 1)
-        length = len(tokenizer(text)["input_ids"])
+        context = render(conv, len(conv.turns) - 1)
+        length = len(tokenizer(context.text)["input_ids"])
         if length >= min_tokens:
-            return DemoContext(conv.id, text, conv.turns[-1].answers)
+            return context
         if best is None or length > best[0]:
             best = (length, conv)
     raise AssetError(f"no CoQA conversation reaches {min_tokens} tokens (longest: {best and best[0]})")
+
+
+def mapped_length(tokenizer, context: DemoContext, ids: list[int], mapped: str) -> int:
+    """Leading tokens of ``ids`` (the whole context) whose cache is mapped: all but the last for "all"; for
+    "history", the tokens the history shares with the whole context (the new turn's tokens are the target's)."""
+    if mapped not in DEMO_MAPPED:
+        raise ConfigError(f"mapped must be one of {', '.join(DEMO_MAPPED)}, got {mapped!r}")
+    if mapped == "all":
+        return len(ids) - 1
+    history = tokenizer(context.history)["input_ids"]
+    shared = 0
+    for a, b in zip(history, ids, strict=False):
+        if a != b:
+            break
+        shared += 1
+    return min(shared, len(ids) - 1)
 
 
 def _timed(fn, repeats: int):
@@ -91,8 +118,16 @@ def run_demo(
     min_context_tokens: int = MIN_CONTEXT_TOKENS,
     progress: bool = True,
     refit: bool = False,
+    mapped: str = "all",
 ) -> dict:
-    """Everything the demo prints, measured in this call."""
+    """Everything the demo prints, measured in this call.
+
+    mapped: "all" — the source prefilled the whole context, question included, and the target reads on from
+    the mapped cache; "history" — the switch happens at the new question: the source's cache of the conversation
+    so far is mapped and the target prefills the question itself (its time counts in the handoff's).
+    """
+    if mapped not in DEMO_MAPPED:
+        raise ConfigError(f"mapped must be one of {', '.join(DEMO_MAPPED)}, got {mapped!r}")
     from kvhandoff.assets import load_model
     from kvhandoff.workflow import obtain_mapper
 
@@ -107,15 +142,16 @@ def run_demo(
     context = demo_context(tokenizer, min_context_tokens)
     ids = tokenizer(context.text, return_tensors="pt")["input_ids"]
     length = ids.shape[1]
+    n_mapped = mapped_length(tokenizer, context, ids[0].tolist(), mapped)
     with torch.inference_mode():
         prefill(source, ids[:, :8])  # warm up both models' kernels before anything is timed
         prefill(target, ids[:, :8])
-        (source_cache, _), source_seconds, _ = _timed(lambda: prefill(source, ids[:, :-1]), 1)
+        (source_cache, _), source_seconds, _ = _timed(lambda: prefill(source, ids[:, :n_mapped]), 1)
 
         def handoff():
             cache = mapper.transfer(source_cache, dtype=target.dtype)
-            patch_exact_prefix(cache, target, ids[:, :-1], mapper.exact_prefix)
-            return cache, feed(target, cache, ids[0, -1:].tolist())[-1]
+            patch_exact_prefix(cache, target, ids[:, :n_mapped], mapper.exact_prefix)
+            return cache, feed(target, cache, ids[0, n_mapped:].tolist())[-1]
 
         def reprefill():
             cache, logits = prefill(target, ids)
@@ -146,6 +182,9 @@ def run_demo(
         "calibration_tokens": mapper.manifest["calibration"].get("num_tokens"),
         "context_id": context.conversation_id,
         "context_tokens": length,
+        "mapped": mapped,
+        "mapped_tokens": n_mapped,
+        "target_prefilled_tokens": length - n_mapped,
         "source_prefill_seconds": source_seconds,
         "handoff_ttft_seconds": handoff_s,
         "reprefill_ttft_seconds": reprefill_s,
@@ -173,6 +212,9 @@ def render_demo(result: dict, console=None) -> None:
         ("mapper settings", result["mapper_settings"]),
         ("calibration tokens", str(result["calibration_tokens"])),
         ("context", f"CoQA {result['context_id']}, {result['context_tokens']} tokens"),
+        ("handed over", f"{result['mapped_tokens']} tokens mapped, {result['target_prefilled_tokens']} "
+                        f"prefilled by the target"
+                        + (" (the new question)" if result.get("mapped") == "history" else "")),
         ("source prefill (done before the switch)", f"{result['source_prefill_seconds']:.3f} s"),
         ("time to first token: handoff", f"{result['handoff_ttft_seconds']:.3f} s"),
         ("time to first token: re-prefill", f"{result['reprefill_ttft_seconds']:.3f} s"),
