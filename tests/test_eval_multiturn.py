@@ -53,7 +53,9 @@ def test_identity_handoffs_do_not_drift(conversations):
     out = MT.multiturn_switching(model, model, IdentityMapper(), IdentityMapper(), TOK, conversations,
                                  max_new_tokens=3)
     assert out["conversations"] == 1 and out["turns"] == 10
-    for run in ("switch_small_first", "switch_large_first"):
+    assert set(out["runs"]) == {"standalone_small", "standalone_large", "switch_small_first", "switch_large_first",
+                                "switch_small_first_incremental", "switch_large_first_incremental"}
+    for run in ("switch_small_first", "switch_large_first", "switch_small_first_incremental"):
         assert out["runs"][run]["f1_vs_standalone_per_turn"] == [1.0] * 10
         assert out["runs"][run]["drift_per_turn"] == [0.0] * 10
     records = out["records"]
@@ -80,6 +82,16 @@ def test_switches_hand_over_the_whole_cache(conversations):
     assert record["servers"] == ["small", "large", "small", "large"]
     standalone = MT.run_conversation(conv, ["small"] * 4, models, mappers, TOK, 3)
     assert record["answers"][0] == standalone["answers"][0]  # no handoff before the first answer
+    # incremental: after the first switch, only the turns the returning model missed are mapped
+    handed.clear()
+    incremental = MT.run_conversation(conv, ["small", "large", "small", "large"], models, mappers, TOK, 3,
+                                      handover="incremental")
+    turn_lengths = [len(TOK.encode(MT.next_segment(answer, turn.question), add_special_tokens=False))
+                    for answer, turn in zip(incremental["answers"], conv.turns[1:], strict=False)]
+    assert handed == [handed[0], turn_lengths[0], turn_lengths[1]]
+    assert handed[0] == len(TOK.encode(MT.first_segment(conv)))
+    with pytest.raises(ConfigError, match="handover"):
+        MT.run_conversation(conv, ["small"] * 4, models, mappers, TOK, 3, handover="some")
 
 
 def test_summary_against_standalone_and_gold():

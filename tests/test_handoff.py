@@ -124,3 +124,27 @@ def test_target_tail_is_prefilled_by_the_target_itself():
     assert not torch.allclose(tail.layers[1].values[:, :, 15:], plain.layers[1].values[:, :, 15:], atol=1e-3)
     with pytest.raises(ConfigError, match="target_tail"):
         handoff_cache(source, target, mapper, ids, target_tail=20)
+
+
+def test_catch_up_maps_only_the_missing_positions_at_their_own_positions():
+    from kvhandoff.handoff import catch_up
+
+    source = tiny_model("qwen2", layers=2)
+    target = tiny_model("qwen2", layers=3, head_dim=32, seed=4)
+    mapper = fit_mapper(source, target, random_batches(2), FitConfig(), progress=False)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(6))
+    source_cache, _ = prefill(source, ids)
+    whole = mapper.transfer(source_cache)
+    # the target's cache of the first 25 positions (its own), brought up to 40 by mapping positions 25..39
+    own, _ = prefill(target, ids[:, :25])
+    kept = [layer.keys.clone() for layer in own.layers]
+    assert catch_up(own, source_cache, mapper) is own and own.get_seq_length() == 40
+    for layer, before, mapped in zip(own.layers, kept, whole.layers, strict=True):
+        assert torch.equal(layer.keys[:, :, :25], before)  # the target's own positions are untouched
+        torch.testing.assert_close(layer.keys[:, :, 25:], mapped.keys[:, :, 25:])  # RoPE at positions 25..39
+        torch.testing.assert_close(layer.values[:, :, 25:], mapped.values[:, :, 25:])
+    assert catch_up(own, source_cache, mapper).get_seq_length() == 40  # nothing missing: nothing mapped
+    longer, _ = prefill(target, ids)
+    prefill(target, ids[:, :3], cache=longer)
+    with pytest.raises(ConfigError, match="more than the source"):
+        catch_up(longer, source_cache, mapper)

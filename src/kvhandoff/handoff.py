@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper import Mapper
@@ -79,6 +80,40 @@ def handoff_cache(
     if target_tail:
         prefill(target_model, input_ids[:, mapped_ids.shape[1] :].to(target_model.device), cache)
     return cache
+
+
+def cache_from(cache, start: int) -> DynamicCache:
+    """A `DynamicCache` of the positions ``start``.. of ``cache`` (views, no copy)."""
+    view = DynamicCache()
+    for layer in cache.layers:
+        part = DynamicLayer()
+        part.device, part.is_initialized = layer.keys.device, True
+        part.keys, part.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+        view.layers.append(part)
+    return view
+
+
+@torch.inference_mode()
+def catch_up(target_cache, source_cache, mapper: Mapper):
+    """Bring ``target_cache`` (positions 0..m−1: the target's own, or mapped at an earlier switch) up to
+    ``source_cache``'s length by mapping only the source's positions m..T−1 and appending them.
+
+    What a model returning to a conversation needs: it keeps its own cache of the turns it served, so only the
+    turns another model served since are mapped, once. Nothing is mapped twice, so no position makes a round
+    trip through two mappers. Returns ``target_cache``, extended in place.
+    """
+    have, total = target_cache.get_seq_length(), source_cache.get_seq_length()
+    if have > total:
+        raise ConfigError(f"the target's cache holds {have} tokens, more than the source's {total}")
+    if have == total:
+        return target_cache
+    dtype = target_cache.layers[0].keys.dtype
+    positions = torch.arange(have, total, device=source_cache.layers[0].keys.device)
+    mapped = mapper.transfer(cache_from(source_cache, have), position_ids=positions, dtype=dtype)
+    for own, new in zip(target_cache.layers, mapped.layers, strict=True):
+        own.keys = torch.cat([own.keys, new.keys.to(own.keys.device)], dim=-2)
+        own.values = torch.cat([own.values, new.values.to(own.values.device)], dim=-2)
+    return target_cache
 
 
 @torch.inference_mode()

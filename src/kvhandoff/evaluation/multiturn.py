@@ -12,7 +12,10 @@ Runs per conversation (``a`` and ``b`` are the two models, e.g. small and large)
 - ``standalone_a`` / ``standalone_b``: one model serves every turn with its own cache.
 - ``switch_a_first``: a, b, a, b, …; ``switch_b_first``: b, a, b, …. At each switch the whole accumulated
   cache (everything before the new question) goes through the mapper in that direction; the new server then
-  reads the new tokens itself and answers.
+  reads the new tokens itself and answers. Positions make round trips: a's turns go to b and back to a.
+- ``switch_a_first_incremental`` / ``switch_b_first_incremental``: the same schedules, but each model keeps its
+  own cache and a switch maps only the turns the new server has not cached (``kvhandoff.handoff.catch_up``), so
+  every position is mapped at most once per model.
 
 Drift per turn: SQuAD token F1 between the switched run's answer and the answer of the serving model's
 standalone run of the same conversation (1.0 = no drift), and F1 against the gold answers (max over the
@@ -103,8 +106,14 @@ def next_segment(answer: str, question: str) -> str:
     return (f" {answer}" if answer else "") + f"\n\nQ: {question}\n\nA:"
 
 
+#: how a switch hands the conversation over: "all" — the whole cache is mapped at every switch; "incremental" —
+#: each model keeps its cache and only the turns it missed are mapped
+HANDOVERS = ("all", "incremental")
+INCREMENTAL_SUFFIX = "_incremental"
+
+
 def schedules(num_turns: int, names: tuple[str, str] = ("a", "b")) -> dict[str, list[str]]:
-    """Serving model per turn for the four runs."""
+    """Serving model per turn for the four runs (each switching schedule runs with both `HANDOVERS`)."""
     a, b = names
     alternate = [a if t % 2 == 0 else b for t in range(num_turns)]
     return {
@@ -123,36 +132,46 @@ def run_conversation(
     tokenizer,
     max_new_tokens: int = 50,
     exact_prefix: int = 0,
+    handover: str = "all",
 ) -> dict:
-    """Answer every turn with the scheduled model, handing the cache over at each switch (the new server
-    recomputes the first ``exact_prefix`` positions itself when > 0)."""
-    from kvhandoff.handoff import handoff_cache, prefill
+    """Answer every turn with the scheduled model, handing the conversation over at each switch (see
+    `HANDOVERS`; a first handoff to a model lets it recompute the first ``exact_prefix`` positions itself)."""
+    from kvhandoff.handoff import catch_up, handoff_cache, prefill
 
     if len(schedule) != len(conversation.turns):
         raise ConfigError(f"schedule has {len(schedule)} turns, conversation {len(conversation.turns)}")
+    if handover not in HANDOVERS:
+        raise ConfigError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
     answers: list[str] = []
-    cache, owner, history = None, None, []
+    caches: dict[str, Any] = {}  # server → its cache of the conversation (one shared entry for "all")
+    owner, history = None, []
     with torch.inference_mode():
         for server, turn in zip(schedule, conversation.turns, strict=True):
             model = models[server]
-            if cache is None:
+            if owner is None:
                 ids = encode(tokenizer, first_segment(conversation))
                 if len(ids) < 2:
                     raise ConfigError("conversation prompt encodes to fewer than 2 tokens")
-                cache = prefill(model, torch.tensor([ids[:-1]], device=model_device(model)))[0]
-                logprobs = feed(model, cache, ids[-1:])[-1]
+                caches[server] = prefill(model, torch.tensor([ids[:-1]], device=model_device(model)))[0]
+                logprobs = feed(model, caches[server], ids[-1:])[-1]
             else:
                 if server != owner:
                     if (owner, server) not in mappers:
                         raise ConfigError(f"no mapper for the handoff {owner} → {server}")
-                    cache = handoff_cache(models[owner], model, mappers[(owner, server)], torch.tensor([history]),
-                                          exact_prefix, source_cache=cache)
+                    mapper, current = mappers[(owner, server)], caches.pop(owner)
+                    if handover == "incremental":
+                        caches[owner] = current
+                    if server in caches:
+                        catch_up(caches[server], current, mapper)
+                    else:
+                        caches[server] = handoff_cache(models[owner], model, mapper, torch.tensor([history]),
+                                                       exact_prefix, source_cache=current)
                 ids = encode(tokenizer, next_segment(answers[-1], turn.question), add_special_tokens=False)
-                logprobs = feed(model, cache, ids)[-1]
+                logprobs = feed(model, caches[server], ids)[-1]
             history += ids
-            state = OpenContext(model, cache, len(history), logprobs)
+            state = OpenContext(model, caches[server], len(history), logprobs)
             text, _ = greedy_from(state, tokenizer, max_new_tokens, STOP)
-            rollback(cache, len(history))
+            rollback(caches[server], len(history))
             answers.append(text.strip())
             owner = server
     return {"id": conversation.id, "answers": answers, "servers": list(schedule)}
@@ -182,7 +201,7 @@ def summarise_multiturn(
             "f1_vs_gold": mean(per_turn_gold) if per_turn_gold.size else float("nan"),
         }
         if run.startswith("switch_"):
-            entry["servers"] = schedules(num_turns, (a, b))[run]
+            entry["servers"] = schedules(num_turns, (a, b))[run.removesuffix(INCREMENTAL_SUFFIX)]
             entry["f1_vs_standalone_per_turn"] = [mean(col) for col in per_turn_ref.T]
             entry["drift_per_turn"] = [1.0 - v for v in entry["f1_vs_standalone_per_turn"]]
             entry["f1_vs_standalone"] = mean(per_turn_ref) if per_turn_ref.size else float("nan")
@@ -201,7 +220,8 @@ def multiturn_switching(
     names: tuple[str, str] = ("small", "large"),
     exact_prefix: int | None = None,
 ) -> dict:
-    """Run the four schedules on every conversation and summarise drift per turn for both directions.
+    """Run the four schedules (the switching ones with both `HANDOVERS`) on every conversation and summarise
+    drift per turn for both directions.
 
     Returns ``summarise_multiturn(...)`` plus ``"records"`` (run → conversation id → answers).
     """
@@ -215,6 +235,9 @@ def multiturn_switching(
     runs: dict[str, dict[str, dict]] = {}
     for conv in conversations:
         for run, schedule in schedules(len(conv.turns), names).items():
-            record = run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens, exact_prefix)
-            runs.setdefault(run, {})[conv.id] = record
+            for handover in HANDOVERS if run.startswith("switch_") else ("all",):
+                name = run + (INCREMENTAL_SUFFIX if handover == "incremental" else "")
+                record = run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens, exact_prefix,
+                                          handover)
+                runs.setdefault(name, {})[conv.id] = record
     return {**summarise_multiturn(conversations, runs, names), "records": runs}

@@ -524,11 +524,19 @@ def _run_perplexity(source_model, target_model, mapper, tokenizer, documents, nu
     return {**summary, "prefix_len": prefix_len, "continuation_len": continuation_len, "document_ids": ids}
 
 
+def _coqa_compute(schedule, handover, models, mappers, tokenizer, max_new_tokens, exact_prefix):
+    from kvhandoff.evaluation.multiturn import run_conversation
+
+    return lambda conv: run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens, exact_prefix,
+                                         handover)
+
+
 def _run_coqa(source_model, target_model, mapper, reverse_mapper, tokenizer, num_conversations, num_turns,
               max_new_tokens, seed, store_dir, progress, on_item, tok_id, exact_prefix) -> dict:
     from kvhandoff.evaluation.multiturn import (
+        HANDOVERS,
+        INCREMENTAL_SUFFIX,
         load_coqa_conversations,
-        run_conversation,
         schedules,
         summarise_multiturn,
     )
@@ -542,22 +550,25 @@ def _run_coqa(source_model, target_model, mapper, reverse_mapper, tokenizer, num
     mappers = {("source", "target"): mapper, ("target", "source"): reverse_mapper}
     settings = {"record_version": RECORD_VERSION, "task": "coqa", "max_new_tokens": max_new_tokens,
                 "num_turns": num_turns}
+    common = (models, mappers, tokenizer, max_new_tokens, exact_prefix)
     runs = []
     for run, schedule in schedules(num_turns, names).items():
-        def compute(conv, schedule=schedule):
-            return run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens, exact_prefix)
-
         if run.startswith("standalone_"):
             model = models[run.removeprefix("standalone_")]
-            runs.append(_standalone_run(run, model, tok_id, settings, compute))
-        else:
+            runs.append(_standalone_run(run, model, tok_id, settings, _coqa_compute(schedule, "all", *common)))
+            continue
+        for handover in HANDOVERS:
             header = {
                 "condition": "switch", "schedule": schedule, "source": model_identity(source_model),
                 "target": model_identity(target_model), "mapper": mapper_identity(mapper),
                 "reverse_mapper": mapper_identity(reverse_mapper), "tokenizer": tok_id,
                 "exact_prefix": exact_prefix, **settings,
+                # "all" stays out of the header, so records made before handovers existed stay valid
+                **({} if handover == "all" else {"handover": handover}),
             }
-            runs.append(RecordRun(run, f"{run}-{_hash(header)}", header, compute))
+            name = run + (INCREMENTAL_SUFFIX if handover == "incremental" else "")
+            runs.append(RecordRun(name, f"{name}-{_hash(header)}", header,
+                                  _coqa_compute(schedule, handover, *common)))
     records = run_records("coqa", conversations, runs, store_dir, progress, on_item)
     return {**summarise_multiturn(conversations, records, names),
             "conversation_ids": [c.id for c in conversations]}
