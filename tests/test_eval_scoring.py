@@ -203,6 +203,18 @@ class ForwardTokens:
         self.handle.remove()
 
 
+def forward_lengths(cond: S.Condition, items, *models) -> list[list[int]]:
+    """Score ``items`` under ``cond``; the token counts each of ``models`` ran forward, per call."""
+    counters = [ForwardTokens(model) for model in models]
+    try:
+        for item in items:
+            S.evaluate_mc_item(cond, TOK, item)
+    finally:
+        for counter in counters:
+            counter.close()
+    return [counter.lengths for counter in counters]
+
+
 @pytest.fixture(scope="module")
 def fitted_mapper(models):
     from kvhandoff import FitConfig, fit_mapper
@@ -271,13 +283,7 @@ def test_prefix_prefilled_once_for_several_items(models, kind):
         else:  # the source prefills; the target only reads on (exact_prefix 0)
             cond = S.Transfer("transfer", source, target, IdentityMapper(), exact_prefix=0, prefix_entries=entries)
             prefiller = source
-        counter = ForwardTokens(prefiller)
-        try:
-            for item in items:
-                S.evaluate_mc_item(cond, TOK, item)
-        finally:
-            counter.close()
-        totals[entries] = counter.lengths
+        (totals[entries],) = forward_lengths(cond, items, prefiller)
     if kind == "transfer":
         assert sorted(totals[0]) == sorted(item_lens)  # the source runs only the prefills
         assert totals[4] == [prefix_len] + [n - prefix_len for n in item_lens]
@@ -315,25 +321,14 @@ def test_history_transfer_runs_the_source_once_per_history(models):
     items = fewshot_items()
     prefix_len = len(TOK.encode(FEWSHOT))
     cond = S.TransferHistory("transfer", source, target, IdentityMapper(), exact_prefix=0, prefix_entries=0)
-    counters = ForwardTokens(source), ForwardTokens(target)
-    try:
-        for item in items:
-            S.evaluate_mc_item(cond, TOK, item)
-    finally:
-        for counter in counters:
-            counter.close()
+    source_lengths, target_lengths = forward_lengths(cond, items, source, target)
     # no reuse (prefix_entries 0): each item maps its history anew; the target prefills only the question
     item_lens = [len(TOK.encode(it.choices[0].context)) - 1 for it in items]
-    assert counters[0].lengths == [prefix_len] * len(items)
-    assert [n for n in counters[1].lengths if n > 2] == [n - prefix_len for n in item_lens]
+    assert source_lengths == [prefix_len] * len(items)
+    assert [n for n in target_lengths if n > 2] == [n - prefix_len for n in item_lens]
     cond = S.TransferHistory("transfer", source, target, IdentityMapper(), exact_prefix=0)
-    counter = ForwardTokens(source)
-    try:
-        for item in items:
-            S.evaluate_mc_item(cond, TOK, item)
-    finally:
-        counter.close()
-    assert counter.lengths == [prefix_len]  # with reuse: one source prefill of the shared history
+    (source_lengths,) = forward_lengths(cond, items, source)
+    assert source_lengths == [prefix_len]  # with reuse: one source prefill of the shared history
 
 
 def test_history_transfer_refuses_items_without_a_history(models):
