@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvhandoff import FitConfig, fit_mapper, handoff_cache, handoff_generate, prefill
+from kvhandoff import FitConfig, catch_up, fit_mapper, handoff_cache, handoff_generate, prefill
 from kvhandoff.errors import ConfigError
 
 from conftest import exactly_related, random_batches, tiny_model
@@ -127,8 +127,6 @@ def test_target_tail_is_prefilled_by_the_target_itself():
 
 
 def test_catch_up_maps_only_the_missing_positions_at_their_own_positions():
-    from kvhandoff.handoff import catch_up
-
     source = tiny_model("qwen2", layers=2)
     target = tiny_model("qwen2", layers=3, head_dim=32, seed=4)
     mapper = fit_mapper(source, target, random_batches(2), FitConfig(), progress=False)
