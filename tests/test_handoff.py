@@ -146,3 +146,57 @@ def test_catch_up_maps_only_the_missing_positions_at_their_own_positions():
     prefill(target, ids[:, :3], cache=longer)
     with pytest.raises(ConfigError, match="more than the source"):
         catch_up(longer, source_cache, mapper)
+
+
+@pytest.fixture(scope="module")
+def two_way_pair(related_pairs):
+    """An exactly related qwen2 pair with mappers both ways (the relation is invertible)."""
+    source, target, forward = related_pairs["qwen2"]
+    backward = fit_mapper(target, source, random_batches(), FitConfig(top_k="all", ridge_lambda=1e-6), progress=False)
+    return {"a": source, "b": target}, {("a", "b"): forward, ("b", "a"): backward}
+
+
+@pytest.mark.parametrize("handover", ["incremental", "all"])
+def test_switching_session_serves_one_conversation_with_two_models(two_way_pair, handover):
+    from kvhandoff.handoff import SwitchingSession
+
+    models, mappers = two_way_pair
+    ids = torch.randint(0, 128, (1, 45), generator=torch.Generator().manual_seed(8))[0].tolist()
+    session = SwitchingSession(models, mappers, handover, exact_prefix=0)
+    session.read("a", ids[:20])
+    own_a = [layer.keys[:, :, :20].clone() for layer in session.cache("a").layers]
+    session.read("b", ids[20:30])
+    assert (session.cache("a") is None) == (handover == "all")  # "all" hands the one cache over
+    got = session.read("a", ids[30:])
+    assert session.owner == "a" and session.tokens == ids and session.cache("a").get_seq_length() == 45
+    # the mappers are exact, so the conversation reads as if model a had served it alone
+    _, alone = prefill(models["a"], torch.tensor([ids]))
+    torch.testing.assert_close(got, alone[0].float().log_softmax(-1), atol=1e-2, rtol=0)
+    own_cache, _ = prefill(models["a"], torch.tensor([ids]))
+    for mine, own in zip(session.cache("a").layers, own_cache.layers, strict=True):  # b's turn mapped back too
+        torch.testing.assert_close(mine.keys, own.keys, atol=5e-2, rtol=0)
+        torch.testing.assert_close(mine.values, own.values, atol=5e-2, rtol=0)
+    kept = all(torch.equal(layer.keys[:, :, :20], before)
+               for layer, before in zip(session.cache("a").layers, own_a, strict=True))
+    assert kept == (handover == "incremental")  # incremental: a's own positions never made a round trip
+    # decoding past the conversation is rolled back to what every cache agrees on
+    prefill(models["a"], torch.tensor([[1, 2, 3]]), session.cache("a"))
+    session.rollback("a")
+    assert session.cache("a").get_seq_length() == 45
+
+
+def test_switching_session_refuses_bad_requests(two_way_pair):
+    from kvhandoff.handoff import SwitchingSession
+
+    models, mappers = two_way_pair
+    with pytest.raises(ConfigError, match="handover"):
+        SwitchingSession(models, mappers, handover="lazy")
+    session = SwitchingSession(models, {("a", "b"): mappers[("a", "b")]})
+    with pytest.raises(ConfigError, match="unknown model"):
+        session.read("c", [1, 2])
+    with pytest.raises(ConfigError, match="at least one token"):
+        session.read("a", [])
+    session.read("a", [1, 2, 3])
+    session.read("b", [4])
+    with pytest.raises(ConfigError, match="b → a"):
+        session.read("a", [5])

@@ -139,3 +139,75 @@ def handoff_generate(
     return target_model.generate(
         input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs
     )
+
+
+#: how a conversation is handed over at a switch: "all" — the current server's whole cache is mapped for the new
+#: server; "incremental" — every model keeps its own cache and only the positions it has not cached are mapped
+HANDOVERS = ("all", "incremental")
+
+
+class SwitchingSession:
+    """One conversation served by several models in turn (a router switching between them at turn boundaries).
+
+    models: name → model (one family, one tokenizer); mappers: (from name, to name) → `Mapper`.
+    handover: see `HANDOVERS` ("incremental": a model returning to the conversation keeps its cache and catches
+    up on the turns it missed, so no position is mapped twice). exact_prefix: leading positions a model
+    recomputes itself the first time it is handed the conversation (None = the mapper's own setting).
+
+    `read(server, ids)` lets ``server`` read the next tokens of the conversation, switching to it first when
+    another model served last. The caller may decode from `cache(server)` and must `rollback` what it does not
+    keep (the session's `tokens` are what every cache agrees on).
+    """
+
+    def __init__(self, models, mappers, handover: str = "incremental", exact_prefix: int | None = None) -> None:
+        if handover not in HANDOVERS:
+            raise ConfigError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
+        self.models, self.mappers = dict(models), dict(mappers)
+        self.handover, self.exact_prefix = handover, exact_prefix
+        self.tokens: list[int] = []
+        self.owner: str | None = None  # the model that read the conversation last
+        self._caches: dict[str, object] = {}
+
+    def cache(self, server: str):
+        """``server``'s cache of the conversation (None before it has one)."""
+        return self._caches.get(server)
+
+    def switch_to(self, server: str):
+        """Make ``server`` the owner; returns its cache of `tokens` (mapped as `handover` says)."""
+        if server not in self.models:
+            raise ConfigError(f"unknown model {server!r}; this session serves {', '.join(self.models)}")
+        owner = self.owner
+        if owner is not None and server != owner:
+            mapper = self.mappers.get((owner, server))
+            if mapper is None:
+                raise ConfigError(f"no mapper for the handoff {owner} → {server}")
+            current = self._caches[owner] if self.handover == "incremental" else self._caches.pop(owner)
+            if server in self._caches:
+                catch_up(self._caches[server], current, mapper)
+            else:
+                ids = torch.tensor([self.tokens], device=current.layers[0].keys.device)
+                self._caches[server] = handoff_cache(self.models[owner], self.models[server], mapper, ids,
+                                                     self.exact_prefix, source_cache=current)
+        self.owner = server
+        return self._caches.get(server)
+
+    @torch.inference_mode()
+    def read(self, server: str, ids) -> torch.Tensor:
+        """``server`` reads ``ids`` (the conversation's next tokens); float32 log-probs of the token after them."""
+        ids = list(ids)
+        if not ids:
+            raise ConfigError("read needs at least one token")
+        cache = self.switch_to(server)
+        model = self.models[server]
+        input_ids = torch.tensor([ids], device=model.device)
+        cache, logits = prefill(model, input_ids, cache)
+        self._caches[server] = cache
+        self.tokens += ids
+        return logits[0].float().log_softmax(-1)
+
+    def rollback(self, server: str) -> None:
+        """Drop what ``server`` decoded past `tokens` (e.g. a generated answer the caller feeds back later)."""
+        cache = self._caches[server]
+        extra = cache.get_seq_length() - len(self.tokens)
+        if extra > 0:
+            cache.crop(-extra)  # transformers 5: a negative count of tokens to remove

@@ -39,11 +39,9 @@ from kvhandoff.evaluation.metrics import max_f1, mean, token_f1
 from kvhandoff.evaluation.scoring import (
     OpenContext,
     encode,
-    feed,
     greedy_from,
-    model_device,
-    rollback,
 )
+from kvhandoff.handoff import HANDOVERS, SwitchingSession
 
 STOP = ("\n",)
 
@@ -106,9 +104,6 @@ def next_segment(answer: str, question: str) -> str:
     return (f" {answer}" if answer else "") + f"\n\nQ: {question}\n\nA:"
 
 
-#: how a switch hands the conversation over: "all" — the whole cache is mapped at every switch; "incremental" —
-#: each model keeps its cache and only the turns it missed are mapped
-HANDOVERS = ("all", "incremental")
 INCREMENTAL_SUFFIX = "_incremental"
 
 
@@ -134,46 +129,28 @@ def run_conversation(
     exact_prefix: int = 0,
     handover: str = "all",
 ) -> dict:
-    """Answer every turn with the scheduled model, handing the conversation over at each switch (see
-    `HANDOVERS`; a first handoff to a model lets it recompute the first ``exact_prefix`` positions itself)."""
-    from kvhandoff.handoff import catch_up, handoff_cache, prefill
-
+    """Answer every turn with the scheduled model, handing the conversation over at each switch
+    (`kvhandoff.handoff.SwitchingSession` with ``handover``; a first handoff to a model lets it recompute the
+    first ``exact_prefix`` positions itself)."""
     if len(schedule) != len(conversation.turns):
         raise ConfigError(f"schedule has {len(schedule)} turns, conversation {len(conversation.turns)}")
-    if handover not in HANDOVERS:
-        raise ConfigError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
+    session = SwitchingSession(models, mappers, handover, exact_prefix)
     answers: list[str] = []
-    caches: dict[str, Any] = {}  # server → its cache of the conversation (one shared entry for "all")
-    owner, history = None, []
     with torch.inference_mode():
         for server, turn in zip(schedule, conversation.turns, strict=True):
-            model = models[server]
-            if owner is None:
+            if not session.tokens:
                 ids = encode(tokenizer, first_segment(conversation))
                 if len(ids) < 2:
                     raise ConfigError("conversation prompt encodes to fewer than 2 tokens")
-                caches[server] = prefill(model, torch.tensor([ids[:-1]], device=model_device(model)))[0]
-                logprobs = feed(model, caches[server], ids[-1:])[-1]
+                session.read(server, ids[:-1])
+                logprobs = session.read(server, ids[-1:])
             else:
-                if server != owner:
-                    if (owner, server) not in mappers:
-                        raise ConfigError(f"no mapper for the handoff {owner} → {server}")
-                    mapper, current = mappers[(owner, server)], caches.pop(owner)
-                    if handover == "incremental":
-                        caches[owner] = current
-                    if server in caches:
-                        catch_up(caches[server], current, mapper)
-                    else:
-                        caches[server] = handoff_cache(models[owner], model, mapper, torch.tensor([history]),
-                                                       exact_prefix, source_cache=current)
                 ids = encode(tokenizer, next_segment(answers[-1], turn.question), add_special_tokens=False)
-                logprobs = feed(model, caches[server], ids)[-1]
-            history += ids
-            state = OpenContext(model, caches[server], len(history), logprobs)
+                logprobs = session.read(server, ids)
+            state = OpenContext(models[server], session.cache(server), len(session.tokens), logprobs)
             text, _ = greedy_from(state, tokenizer, max_new_tokens, STOP)
-            rollback(caches[server], len(history))
+            session.rollback(server)  # the answer's text is fed back with the next question, as in every run
             answers.append(text.strip())
-            owner = server
     return {"id": conversation.id, "answers": answers, "servers": list(schedule)}
 
 
