@@ -3,13 +3,14 @@
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import KVHandoffError
 from kvhandoff.fit import fit_mapper
-from kvhandoff.handoff import catch_up, handoff_cache, handoff_generate, prefill
+from kvhandoff.handoff import SwitchingSession, catch_up, handoff_cache, handoff_generate, prefill
 from kvhandoff.mapper import Mapper
 
 __all__ = [
     "FitConfig",
     "KVHandoffError",
     "Mapper",
+    "SwitchingSession",
     "catch_up",
     "fit_mapper",
     "handoff_cache",
