@@ -200,3 +200,22 @@ def test_switching_session_refuses_bad_requests(two_way_pair):
     session.read("b", [4])
     with pytest.raises(ConfigError, match="b → a"):
         session.read("a", [5])
+
+
+def test_switching_session_generates_answers_that_join_the_conversation(two_way_pair):
+    from kvhandoff.handoff import SwitchingSession
+
+    models, mappers = two_way_pair
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(9))[0].tolist()
+    session = SwitchingSession(models, mappers, exact_prefix=0)
+    first = session.generate("a", ids[:20], max_new_tokens=4, do_sample=False)
+    assert len(first) == 4 and session.tokens == ids[:20] + first
+    assert session.cache("a").get_seq_length() == 24  # the answer is cached, its last token included
+    second = session.generate("b", ids[20:], max_new_tokens=4, do_sample=False)  # a switch
+    assert session.tokens == ids[:20] + first + ids[20:] + second and session.cache("b").get_seq_length() == 38
+    # exact mappers and a pair with equal outputs: model a alone answers the same
+    alone = models["a"].generate(input_ids=torch.tensor([ids[:20] + first + ids[20:]]), max_new_tokens=4,
+                                 do_sample=False, attention_mask=torch.ones(1, 34, dtype=torch.long))
+    assert alone[0, 34:].tolist() == second
+    with pytest.raises(ConfigError, match="at least one token"):
+        session.generate("a", [])

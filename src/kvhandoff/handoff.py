@@ -205,6 +205,29 @@ class SwitchingSession:
         self.tokens += ids
         return logits[0].float().log_softmax(-1)
 
+    @torch.inference_mode()
+    def generate(self, server: str, ids, **generate_kwargs) -> list[int]:
+        """``server`` reads ``ids`` (the new turn) and generates its answer with ``model.generate``
+        (generate_kwargs: max_new_tokens, do_sample, ...). The answer joins the conversation: every generated
+        token is cached and appended to `tokens`. Returns the generated token ids."""
+        ids = list(ids)
+        if not ids:
+            raise ConfigError("generate needs at least one token of the new turn")
+        cache = self.switch_to(server)
+        model = self.models[server]
+        if cache is None:  # the conversation's first turn: generate prefills it
+            cache = self._caches[server] = DynamicCache()
+        input_ids = torch.tensor([self.tokens + ids], device=model.device)
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
+                             **generate_kwargs)
+        answer = out[0, input_ids.shape[1]:].tolist()
+        everything = out[0].tolist()
+        missing = everything[cache.get_seq_length():]  # generate does not feed its last token back
+        if missing:
+            prefill(model, torch.tensor([missing], device=model.device), cache)
+        self.tokens = everything
+        return answer
+
     def rollback(self, server: str) -> None:
         """Drop what ``server`` decoded past `tokens` (e.g. a generated answer the caller feeds back later)."""
         cache = self._caches[server]
