@@ -219,3 +219,26 @@ def test_switching_session_generates_answers_that_join_the_conversation(two_way_
     assert alone[0, 34:].tolist() == second
     with pytest.raises(ConfigError, match="at least one token"):
         session.generate("a", [])
+
+
+@pytest.mark.real_models
+def test_real_pair_switching_session():
+    """The default pair's cached default mappers (fitted on first use: slow) serve one CoQA conversation."""
+    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
+    from kvhandoff.demo import demo_context
+    from kvhandoff.handoff import SwitchingSession
+    from kvhandoff.workflow import obtain_mapper
+
+    small, tokenizer = load_model(DEFAULT_SOURCE, progress=False)
+    large, _ = load_model(DEFAULT_TARGET, progress=False)
+    up = obtain_mapper(DEFAULT_SOURCE, DEFAULT_TARGET, small, large, tokenizer, progress=False)[0]
+    down = obtain_mapper(DEFAULT_TARGET, DEFAULT_SOURCE, large, small, tokenizer, progress=False)[0]
+    context = demo_context(tokenizer, min_tokens=600)
+    session = SwitchingSession({"small": small, "large": large}, {("small", "large"): up, ("large", "small"): down})
+    first = session.generate("small", tokenizer(context.history)["input_ids"][:-2] + tokenizer("\n\nQ: What is "
+                             "this story about?\n\nA:")["input_ids"], max_new_tokens=20, do_sample=False)
+    second = session.generate("large", tokenizer("\n\n" + context.new_turn)["input_ids"], max_new_tokens=20,
+                              do_sample=False)
+    texts = [tokenizer.decode(answer, skip_special_tokens=True).strip() for answer in (first, second)]
+    assert all(texts), texts
+    assert session.cache("large").get_seq_length() == len(session.tokens)
