@@ -235,8 +235,8 @@ def test_real_pair_switching_session():
     down = obtain_mapper(DEFAULT_TARGET, DEFAULT_SOURCE, large, small, tokenizer, progress=False)[0]
     context = demo_context(tokenizer, min_tokens=600)
     session = SwitchingSession({"small": small, "large": large}, {("small", "large"): up, ("large", "small"): down})
-    first = session.generate("small", tokenizer(context.history)["input_ids"][:-2] + tokenizer("\n\nQ: What is "
-                             "this story about?\n\nA:")["input_ids"], max_new_tokens=20, do_sample=False)
+    opening = tokenizer(context.history + "Q: What is this story about?\n\nA:")["input_ids"]
+    first = session.generate("small", opening, max_new_tokens=20, do_sample=False)
     second = session.generate("large", tokenizer("\n\n" + context.new_turn)["input_ids"], max_new_tokens=20,
                               do_sample=False)
     texts = [tokenizer.decode(answer, skip_special_tokens=True).strip() for answer in (first, second)]
