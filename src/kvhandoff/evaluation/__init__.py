@@ -1,4 +1,5 @@
-"""Evaluation of KV-cache transfer: benchmark accuracy under three conditions (target / source / transfer),
+"""Evaluation of KV-cache transfer: benchmark accuracy under three conditions (target / source / transfer, the
+transfer mapping the whole context or, ``mapped="history"``, only the few-shot history),
 retention with paired bootstrap intervals, conditional perplexity, multi-turn model switching, the k sweep.
 
 Entry points: :func:`run_eval` (resumable runner), :func:`choose_k`, :func:`conditional_perplexity`,
@@ -16,7 +17,14 @@ from kvhandoff.evaluation.multiturn import load_coqa_conversations, multiturn_sw
 from kvhandoff.evaluation.perplexity import conditional_perplexity
 from kvhandoff.evaluation.report import render_results
 from kvhandoff.evaluation.runner import run_eval, select_items
-from kvhandoff.evaluation.scoring import Condition, Standalone, Transfer, score_continuations, standard_conditions
+from kvhandoff.evaluation.scoring import (
+    Condition,
+    Standalone,
+    Transfer,
+    TransferHistory,
+    score_continuations,
+    standard_conditions,
+)
 from kvhandoff.evaluation.sweep import choose_k
 from kvhandoff.evaluation.tasks import CORE_TASKS, HELDOUT_TASKS, SWEEP_TASKS, TASKS, load_items
 
@@ -28,6 +36,7 @@ __all__ = [
     "Condition",
     "Standalone",
     "Transfer",
+    "TransferHistory",
     "choose_k",
     "conditional_perplexity",
     "floor_normalised_retention",
