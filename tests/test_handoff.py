@@ -183,6 +183,10 @@ def test_switching_session_serves_one_conversation_with_two_models(two_way_pair,
     prefill(models["a"], torch.tensor([[1, 2, 3]]), session.cache("a"))
     session.rollback("a")
     assert session.cache("a").get_seq_length() == 45
+    # also when the caller does not: the next switch maps only the conversation, not what a decoded
+    prefill(models["a"], torch.tensor([[1, 2, 3]]), session.cache("a"))
+    session.read("b", ids[:2])
+    assert session.cache("b").get_seq_length() == len(session.tokens) == 47
 
 
 def test_switching_session_refuses_bad_requests(two_way_pair):

@@ -155,8 +155,9 @@ class SwitchingSession:
     recomputes itself the first time it is handed the conversation (None = the mapper's own setting).
 
     `read(server, ids)` lets ``server`` read the next tokens of the conversation, switching to it first when
-    another model served last. The caller may decode from `cache(server)` and must `rollback` what it does not
-    keep (the session's `tokens` are what every cache agrees on).
+    another model served last; `generate(server, ids, ...)` also answers, and the answer joins the conversation.
+    A caller may decode from `cache(server)` itself: what it decodes past `tokens` (what every cache agrees on)
+    is dropped before the conversation goes on (`rollback`).
     """
 
     def __init__(self, models, mappers, handover: str = "incremental", exact_prefix: int | None = None) -> None:
@@ -177,6 +178,9 @@ class SwitchingSession:
         if server not in self.models:
             raise ConfigError(f"unknown model {server!r}; this session serves {', '.join(self.models)}")
         owner = self.owner
+        for name in (owner, server):
+            if name in self._caches:
+                self.rollback(name)
         if owner is not None and server != owner:
             mapper = self.mappers.get((owner, server))
             if mapper is None:
@@ -229,7 +233,8 @@ class SwitchingSession:
         return answer
 
     def rollback(self, server: str) -> None:
-        """Drop what ``server`` decoded past `tokens` (e.g. a generated answer the caller feeds back later)."""
+        """Drop what ``server``'s cache holds past `tokens` (e.g. an answer the caller decoded and will feed back
+        later as part of the next turn)."""
         cache = self._caches[server]
         extra = cache.get_seq_length() - len(self.tokens)
         if extra > 0:
