@@ -119,6 +119,16 @@ def schedules(num_turns: int, names: tuple[str, str] = ("a", "b")) -> dict[str, 
     }
 
 
+def run_variants(num_turns: int, names: tuple[str, str] = ("a", "b")) -> dict[str, tuple[list[str], str]]:
+    """Every run of a conversation: name → (serving model per turn, handover). The standalone schedules run
+    once; the switching ones with each of `HANDOVERS`, the incremental run named with `INCREMENTAL_SUFFIX`."""
+    variants = {}
+    for run, schedule in schedules(num_turns, names).items():
+        for handover in HANDOVERS if run.startswith("switch_") else ("all",):
+            variants[run + (INCREMENTAL_SUFFIX if handover == "incremental" else "")] = (schedule, handover)
+    return variants
+
+
 def run_conversation(
     conversation: Conversation,
     schedule: Sequence[str],
@@ -178,7 +188,7 @@ def summarise_multiturn(
             "f1_vs_gold": mean(per_turn_gold) if per_turn_gold.size else float("nan"),
         }
         if run.startswith("switch_"):
-            entry["servers"] = schedules(num_turns, (a, b))[run.removesuffix(INCREMENTAL_SUFFIX)]
+            entry["servers"] = run_variants(num_turns, (a, b))[run][0]
             entry["f1_vs_standalone_per_turn"] = [mean(col) for col in per_turn_ref.T]
             entry["drift_per_turn"] = [1.0 - v for v in entry["f1_vs_standalone_per_turn"]]
             entry["f1_vs_standalone"] = mean(per_turn_ref) if per_turn_ref.size else float("nan")
@@ -211,10 +221,8 @@ def multiturn_switching(
     mappers = {(a, b): small_to_large, (b, a): large_to_small}
     runs: dict[str, dict[str, dict]] = {}
     for conv in conversations:
-        for run, schedule in schedules(len(conv.turns), names).items():
-            for handover in HANDOVERS if run.startswith("switch_") else ("all",):
-                name = run + (INCREMENTAL_SUFFIX if handover == "incremental" else "")
-                record = run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens, exact_prefix,
-                                          handover)
-                runs.setdefault(name, {})[conv.id] = record
+        for name, (schedule, handover) in run_variants(len(conv.turns), names).items():
+            record = run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens, exact_prefix,
+                                      handover)
+            runs.setdefault(name, {})[conv.id] = record
     return {**summarise_multiturn(conversations, runs, names), "records": runs}

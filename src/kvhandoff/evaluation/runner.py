@@ -533,13 +533,7 @@ def _coqa_compute(schedule, handover, models, mappers, tokenizer, max_new_tokens
 
 def _run_coqa(source_model, target_model, mapper, reverse_mapper, tokenizer, num_conversations, num_turns,
               max_new_tokens, seed, store_dir, progress, on_item, tok_id, exact_prefix) -> dict:
-    from kvhandoff.evaluation.multiturn import (
-        HANDOVERS,
-        INCREMENTAL_SUFFIX,
-        load_coqa_conversations,
-        schedules,
-        summarise_multiturn,
-    )
+    from kvhandoff.evaluation.multiturn import load_coqa_conversations, run_variants, summarise_multiturn
 
     conversations = load_coqa_conversations(min_turns=num_turns, num_turns=num_turns)
     conversations = [c for c in conversations if pool_of("coqa", c.id) == "report"]
@@ -552,23 +546,20 @@ def _run_coqa(source_model, target_model, mapper, reverse_mapper, tokenizer, num
                 "num_turns": num_turns}
     common = (models, mappers, tokenizer, max_new_tokens, exact_prefix)
     runs = []
-    for run, schedule in schedules(num_turns, names).items():
-        if run.startswith("standalone_"):
-            model = models[run.removeprefix("standalone_")]
-            runs.append(_standalone_run(run, model, tok_id, settings, _coqa_compute(schedule, "all", *common)))
+    for name, (schedule, handover) in run_variants(num_turns, names).items():
+        compute = _coqa_compute(schedule, handover, *common)
+        if name.startswith("standalone_"):
+            runs.append(_standalone_run(name, models[name.removeprefix("standalone_")], tok_id, settings, compute))
             continue
-        for handover in HANDOVERS:
-            header = {
-                "condition": "switch", "schedule": schedule, "source": model_identity(source_model),
-                "target": model_identity(target_model), "mapper": mapper_identity(mapper),
-                "reverse_mapper": mapper_identity(reverse_mapper), "tokenizer": tok_id,
-                "exact_prefix": exact_prefix, **settings,
-                # "all" stays out of the header, so records made before handovers existed stay valid
-                **({} if handover == "all" else {"handover": handover}),
-            }
-            name = run + (INCREMENTAL_SUFFIX if handover == "incremental" else "")
-            runs.append(RecordRun(name, f"{name}-{_hash(header)}", header,
-                                  _coqa_compute(schedule, handover, *common)))
+        header = {
+            "condition": "switch", "schedule": schedule, "source": model_identity(source_model),
+            "target": model_identity(target_model), "mapper": mapper_identity(mapper),
+            "reverse_mapper": mapper_identity(reverse_mapper), "tokenizer": tok_id,
+            "exact_prefix": exact_prefix, **settings,
+            # "all" stays out of the header, so records made before handovers existed stay valid
+            **({} if handover == "all" else {"handover": handover}),
+        }
+        runs.append(RecordRun(name, f"{name}-{_hash(header)}", header, compute))
     records = run_records("coqa", conversations, runs, store_dir, progress, on_item)
     return {**summarise_multiturn(conversations, records, names),
             "conversation_ids": [c.id for c in conversations]}
