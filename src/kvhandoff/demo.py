@@ -12,8 +12,8 @@ import torch
 from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.errors import AssetError, ConfigError
 from kvhandoff.evaluation.multiturn import Conversation, load_coqa_conversations
-from kvhandoff.evaluation.scoring import OpenContext, feed, greedy_from, rollback
-from kvhandoff.handoff import patch_exact_prefix, prefill
+from kvhandoff.evaluation.scoring import OpenContext, feed, greedy_from
+from kvhandoff.handoff import patch_exact_prefix, prefill, rollback
 
 MIN_CONTEXT_TOKENS = 1000
 

@@ -16,6 +16,15 @@ def prefill(model, input_ids: torch.Tensor, cache=None):
     return out.cache, out.logits[:, -1]
 
 
+def rollback(cache, length: int) -> None:
+    """Drop cached positions beyond ``length``."""
+    extra = cache.get_seq_length() - length
+    if extra < 0:
+        raise ValueError(f"cannot roll a cache of {cache.get_seq_length()} tokens back to {length}")
+    if extra:
+        cache.crop(-extra)  # transformers 5: a negative count of tokens to remove
+
+
 def _check_ids(input_ids: torch.Tensor, minimum: int) -> None:
     if input_ids.dim() != 2 or input_ids.shape[1] < minimum:
         raise ConfigError(
@@ -236,6 +245,5 @@ class SwitchingSession:
         """Drop what ``server``'s cache holds past `tokens` (e.g. an answer the caller decoded and will feed back
         later as part of the next turn)."""
         cache = self._caches[server]
-        extra = cache.get_seq_length() - len(self.tokens)
-        if extra > 0:
-            cache.crop(-extra)  # transformers 5: a negative count of tokens to remove
+        if cache.get_seq_length() > len(self.tokens):
+            rollback(cache, len(self.tokens))

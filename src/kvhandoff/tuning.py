@@ -20,9 +20,9 @@ from tqdm.auto import tqdm
 
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.scoring import feed, rollback
+from kvhandoff.evaluation.scoring import feed
 from kvhandoff.fit import mapper_from_statistics
-from kvhandoff.handoff import handoff_cache, prefill
+from kvhandoff.handoff import handoff_cache, prefill, rollback
 from kvhandoff.selection import layer_r2_matrix
 
 

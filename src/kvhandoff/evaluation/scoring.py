@@ -31,6 +31,7 @@ import torch
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.tasks import GenItem, MCItem, cut_at_stop
+from kvhandoff.handoff import rollback
 
 #: prefilled few-shot prefixes kept per condition (MMLU has 57 subject prefixes, GSM8K one)
 PREFIX_CACHE_ENTRIES = 4
@@ -236,15 +237,6 @@ def _crop_is_exact(cache) -> bool:
     from transformers.cache_utils import DynamicLayer
 
     return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None]))
-
-
-def rollback(cache, length: int) -> None:
-    """Drop cached positions beyond ``length``."""
-    extra = cache.get_seq_length() - length
-    if extra < 0:
-        raise ValueError(f"cannot roll a cache of {cache.get_seq_length()} tokens back to {length}")
-    if extra:
-        cache.crop(-extra)  # transformers 5: a negative count of tokens to remove
 
 
 @dataclass
