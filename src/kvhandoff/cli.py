@@ -153,10 +153,11 @@ def demo(
                                              "conversation")] = "all",
 ) -> None:
     """Fit (or reuse) the default pair's mapper, hand a long CoQA context over, compare with re-prefill."""
-    from kvhandoff.demo import DEMO_MAPPED, render_demo, run_demo
+    from kvhandoff.demo import render_demo, run_demo
+    from kvhandoff.evaluation.scoring import MAPPED_PARTS
 
-    if mapped not in DEMO_MAPPED:
-        raise typer.BadParameter(f"use one of {', '.join(DEMO_MAPPED)}", param_hint="--mapped")
+    if mapped not in MAPPED_PARTS:
+        raise typer.BadParameter(f"use one of {', '.join(MAPPED_PARTS)}", param_hint="--mapped")
     if reverse:
         source, target = target, source
     result = run_demo(

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from kvhandoff.config import CalibrationSpec, FitConfig
-from kvhandoff.errors import AssetError, ConfigError
+from kvhandoff.errors import AssetError
 from kvhandoff.evaluation.multiturn import Conversation, load_coqa_conversations
-from kvhandoff.evaluation.scoring import OpenContext, feed, greedy_from
+from kvhandoff.evaluation.scoring import OpenContext, check_mapped, feed, greedy_from
 from kvhandoff.handoff import patch_exact_prefix, prefill, rollback
 
 MIN_CONTEXT_TOKENS = 1000
@@ -28,11 +28,6 @@ class DemoContext:
     @property
     def text(self) -> str:
         return self.history + self.new_turn
-
-
-#: what the demo hands over: "all" — the whole context, question included, was prefilled by the source;
-#: "history" — the source read the conversation so far, the target prefills the new question itself
-DEMO_MAPPED = ("all", "history")
 
 
 def demo_context(tokenizer, min_tokens: int = MIN_CONTEXT_TOKENS) -> DemoContext:
@@ -59,11 +54,11 @@ def demo_context(tokenizer, min_tokens: int = MIN_CONTEXT_TOKENS) -> DemoContext
 
 
 def mapped_length(tokenizer, context: DemoContext, ids: list[int], mapped: str) -> int:
-    """Leading tokens of ``ids`` (the whole context) whose cache is mapped: all but the last for "all"; for
-    "history", the tokens the history shares with the whole context (the new turn's tokens are the target's)."""
-    if mapped not in DEMO_MAPPED:
-        raise ConfigError(f"mapped must be one of {', '.join(DEMO_MAPPED)}, got {mapped!r}")
-    if mapped == "all":
+    """Leading tokens of ``ids`` (the whole context) whose cache is mapped (``mapped``: one of
+    `evaluation.scoring.MAPPED_PARTS`): all but the last for "all" — the source prefilled the whole context,
+    question included; for "history", the tokens the history shares with the whole context — the source read
+    the conversation so far, the target prefills the new question itself."""
+    if check_mapped(mapped) == "all":
         return len(ids) - 1
     history = tokenizer(context.history)["input_ids"]
     shared = 0
@@ -126,8 +121,7 @@ def run_demo(
     the mapped cache; "history" — the switch happens at the new question: the source's cache of the conversation
     so far is mapped and the target prefills the question itself (its time counts in the handoff's).
     """
-    if mapped not in DEMO_MAPPED:
-        raise ConfigError(f"mapped must be one of {', '.join(DEMO_MAPPED)}, got {mapped!r}")
+    check_mapped(mapped)  # before the models load
     from kvhandoff.assets import load_model
     from kvhandoff.workflow import obtain_mapper
 

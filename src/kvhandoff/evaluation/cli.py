@@ -117,10 +117,9 @@ def eval_command(
     """
     from kvhandoff.evaluation.report import render_results
     from kvhandoff.evaluation.runner import run_eval
-    from kvhandoff.evaluation.scoring import MAPPED_PARTS
+    from kvhandoff.evaluation.scoring import check_mapped
 
-    if mapped not in MAPPED_PARTS:
-        raise ConfigError(f"--mapped must be one of {', '.join(MAPPED_PARTS)}, got {mapped!r}")
+    check_mapped(mapped)  # before the models load
     if mapper is not None and (statistics is not None or sweep_k):
         raise ConfigError("give either --mapper or --statistics (with or without --sweep-k), not both")
     if sweep_k and statistics is None:

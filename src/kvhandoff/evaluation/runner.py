@@ -413,11 +413,10 @@ def run_eval(
     on_item(task, condition, record) runs after each newly computed record is stored (progress hooks, tests).
     Returns the result dictionary (also written as JSON when ``out_dir`` is given).
     """
-    from kvhandoff.evaluation.scoring import MAPPED_PARTS
+    from kvhandoff.evaluation.scoring import check_mapped
 
     names = parse_tasks(tasks, extra=EXTRA_TASKS)
-    if mapped not in MAPPED_PARTS:
-        raise ConfigError(f"mapped must be one of {', '.join(MAPPED_PARTS)}, got {mapped!r}")
+    check_mapped(mapped)
     if exact_prefix is None:  # the mapper's own setting, recorded explicitly in the results
         exact_prefix = getattr(mapper, "exact_prefix", 0)
     if "coqa" in names and reverse_mapper is None:

@@ -200,13 +200,18 @@ class TransferHistory(Transfer):
 MAPPED_PARTS = ("all", "history")
 
 
+def check_mapped(mapped: str) -> str:
+    """``mapped`` if it is one of `MAPPED_PARTS`; else a ConfigError that names them."""
+    if mapped not in MAPPED_PARTS:
+        raise ConfigError(f"mapped must be one of {', '.join(MAPPED_PARTS)}, got {mapped!r}")
+    return mapped
+
+
 def standard_conditions(
     source_model, target_model, mapper, exact_prefix: int | None = None, mapped: str = "all"
 ) -> dict[str, Condition]:
     """The three conditions of one direction, in the order they are evaluated: target, source, transfer."""
-    if mapped not in MAPPED_PARTS:
-        raise ConfigError(f"mapped must be one of {', '.join(MAPPED_PARTS)}, got {mapped!r}")
-    transfer = Transfer if mapped == "all" else TransferHistory
+    transfer = Transfer if check_mapped(mapped) == "all" else TransferHistory
     return {
         "target": Standalone("target", target_model),
         "source": Standalone("source", source_model),
