@@ -1,4 +1,4 @@
-"""`kvhandoff` command line: prepare, fit, demo, eval, bench, analyze."""
+"""`kvhandoff` command line: prepare, fit, refine, demo, eval, bench, analyze."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import typer
 from kvhandoff.analyze import analyze_command
 from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.bench import bench_command
-from kvhandoff.config import DEFAULT_CALIBRATION_MIX, CalibrationSpec, FitConfig, MLPConfig
+from kvhandoff.config import DEFAULT_CALIBRATION_MIX, CalibrationSpec, FitConfig, MLPConfig, RefineConfig
 from kvhandoff.errors import KVHandoffError
 from kvhandoff.evaluation.cli import eval_command, render_command
 
@@ -132,6 +132,55 @@ def fit(
         f"saved {out} ({mapper.num_parameters():,} parameters); R² K {metrics['r2_k_mean']:.3f}, "
         f"V {metrics['r2_v_mean']:.3f}"
     )
+
+
+@app.command()
+def refine(
+    mapper: Annotated[Path, typer.Option(help="saved linear mapper to start from")],
+    out: Annotated[Path, typer.Option(help="folder to write the refined mapper into")],
+    source: SourceOption = DEFAULT_SOURCE,
+    target: TargetOption = DEFAULT_TARGET,
+    windows: Annotated[int, typer.Option(help="corpus windows: the last --validation-windows are held out")] = 48,
+    seq_len: Annotated[int, typer.Option(help="tokens per window (at least max context + continuation)")] = 512,
+    mix: MixOption = DEFAULT_MIX,
+    seed: Annotated[int, typer.Option(help="corpus shuffle and sampling seed (the fit's corpus uses 0)")] = 1,
+    steps: int = RefineConfig().steps,
+    batch_size: Annotated[int, typer.Option(help="(window, context) samples per step")] = RefineConfig().batch_size,
+    lr: Annotated[float, typer.Option("--lr", help="Adam learning rate")] = RefineConfig().learning_rate,
+    min_context: int = RefineConfig().min_context,
+    max_context: int = RefineConfig().max_context,
+    continuation: Annotated[int, typer.Option(help="tokens scored after each mapped context")] = (
+        RefineConfig().continuation
+    ),
+    validation_windows: int = RefineConfig().validation_windows,
+    validate_every: int = RefineConfig().validate_every,
+) -> None:
+    """Refine a fitted linear mapper end to end: Adam steps on the target's next-token KL after a mapped context."""
+    from kvhandoff.assets import load_model
+    from kvhandoff.corpus import calibration_batches
+    from kvhandoff.mapper import Mapper
+    from kvhandoff.refine import check_refinable, refine_mapper
+
+    config = RefineConfig(steps=steps, batch_size=batch_size, learning_rate=lr, min_context=min_context,
+                          max_context=max_context, continuation=continuation,
+                          validation_windows=validation_windows, validate_every=validate_every, seed=seed)
+    if out.resolve() == mapper.resolve():
+        raise typer.BadParameter("--out is the input mapper: write the refined mapper to another folder",
+                                 param_hint="--out")
+    if seq_len < config.window_length():
+        raise typer.BadParameter(f"windows of {seq_len} tokens are shorter than max context + continuation "
+                                 f"({config.window_length()})", param_hint="--seq-len")
+    source_model, tokenizer = load_model(source)
+    target_model, target_tokenizer = load_model(target)
+    base = Mapper.load(mapper, source_model, target_model, tokenizer, target_tokenizer)
+    check_refinable(base)
+    corpus = calibration_batches(tokenizer, windows, seq_len, seed=seed, mix=_mix(mix))
+    refined = refine_mapper(base, source_model, target_model, corpus.input_ids, config,
+                            description={**corpus.describe(), "base_mapper": str(mapper)})
+    refined.save(out)
+    record = refined.manifest["refinement"]
+    typer.echo(f"saved {out}; held-out KL {record['validation_kl_before']:.4f} → {record['validation_kl_after']:.4f} "
+               f"(step {record['kept_step']} of {steps}, {record['seconds']:.0f} s)")
 
 
 @app.command()

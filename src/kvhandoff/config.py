@@ -224,3 +224,48 @@ class MLPConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class RefineConfig:
+    """End-to-end refinement of a fitted linear mapper (`kvhandoff refine`): the target's own next-token
+    distribution is the objective, not the K/V error.
+
+    Each step takes `batch_size` calibration windows, maps the first m tokens (m log-uniform in
+    [min_context, max_context], the benchmarks' contexts are short, conversations long) with the first
+    `exact_prefix` positions the target's own, lets the target read the next `continuation` tokens on that cache
+    and minimises KL(target on its own cache ‖ target on the mapped cache) over them, by Adam on the map's weight
+    and bias (the target's weights stay fixed). `validation_windows` windows are held out of the steps; every
+    `validate_every` steps their KL is measured and the best step's map is kept, the unrefined map included.
+    """
+
+    steps: int = 150
+    batch_size: int = 4
+    learning_rate: float = 5e-6
+    min_context: int = 8
+    max_context: int = 448
+    continuation: int = 16
+    validation_windows: int = 8
+    validate_every: int = 15
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "min_context", "max_context", "continuation", "validation_windows",
+                     "validate_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"refine {name} must be a positive integer, got {value!r}")
+        if self.min_context < 2 or self.min_context > self.max_context:
+            raise ConfigError(
+                f"refine contexts must satisfy 2 <= min_context <= max_context, got {self.min_context}.."
+                f"{self.max_context}"
+            )
+        if not self.learning_rate > 0:
+            raise ConfigError(f"refine learning_rate must be > 0, got {self.learning_rate!r}")
+
+    def window_length(self) -> int:
+        """Tokens a training window needs: the longest mapped context plus the scored continuation."""
+        return self.max_context + self.continuation
+
+    def to_dict(self) -> dict:
+        return asdict(self)

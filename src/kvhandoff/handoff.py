@@ -91,13 +91,14 @@ def handoff_cache(
     return cache
 
 
-def cache_from(cache, start: int) -> DynamicCache:
-    """A `DynamicCache` of the positions ``start``.. of ``cache`` (views, no copy)."""
+def cache_from(cache, start: int, end: int | None = None) -> DynamicCache:
+    """A `DynamicCache` of the positions ``start``..``end`` (exclusive; None: to the end) of ``cache`` (views,
+    no copy)."""
     view = DynamicCache()
     for layer in cache.layers:
         part = DynamicLayer()
         part.device, part.is_initialized = layer.keys.device, True
-        part.keys, part.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+        part.keys, part.values = layer.keys[:, :, start:end], layer.values[:, :, start:end]
         view.layers.append(part)
     return view
 

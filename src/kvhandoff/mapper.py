@@ -102,6 +102,13 @@ class Mapper:
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + self.bias.numel() * self.bias.element_size()
 
+    def map_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (weight, bias) tensors the map reads, in their applied layout. `weight` and `bias` share their
+        storage, so training these in place (`refine.refine_mapper`) changes the mapper."""
+        if self._dense:
+            return self._dense_weight, self._dense_bias
+        return self._flat_weight, self.bias
+
     # -- application ------------------------------------------------------------------------------
     def _check_source(self, layers: int, heads: int, head_dim: int) -> None:
         src = self.source
