@@ -125,3 +125,25 @@ def test_tune_on_the_gsm8k_dev_set(pair, tmp_path):
     assert saved["rows"][0]["mean_kl"] >= 0
     bad = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--dev", "poems"])
     assert bad.exit_code != 0 and "gsm8k" in bad.output
+
+
+def test_refine_writes_a_refined_mapper_and_never_overwrites_its_input(pair, tmp_path):
+    small, large = pair
+    assert CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+                                    "--sequences", "3", "--seq-len", "48"]).exit_code == 0
+    common = ["refine", "--source", small, "--target", large, "--mapper", str(tmp_path / "m"), "--windows", "4",
+              "--seq-len", "40", "--steps", "2", "--batch-size", "1", "--min-context", "4", "--max-context", "24",
+              "--continuation", "8", "--validation-windows", "2", "--validate-every", "1"]
+    result = CliRunner().invoke(app, [*common, "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert "held-out KL" in result.output
+    refined = Mapper.load(tmp_path / "r")
+    record = refined.manifest["refinement"]
+    assert record["config"]["steps"] == 2 and record["corpus"]["base_mapper"] == str(tmp_path / "m")
+    assert [h["step"] for h in record["history"]] == [0, 1, 2]
+    before = (tmp_path / "m" / "mapper.safetensors").read_bytes()
+    same = CliRunner().invoke(app, [*common, "--out", str(tmp_path / "m")])
+    assert same.exit_code != 0 and "another folder" in same.output
+    short = CliRunner().invoke(app, [*common, "--seq-len", "16", "--out", str(tmp_path / "s")])
+    assert short.exit_code != 0 and "shorter than" in short.output
+    assert (tmp_path / "m" / "mapper.safetensors").read_bytes() == before

@@ -56,3 +56,21 @@ def test_calibration_mix_is_validated_and_keeps_default_cache_keys():
             CalibrationSpec(mix=bad)
     with pytest.raises(ConfigError, match="window"):
         CalibrationSpec(num_sequences=1, mix=("prose", "exams"))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"steps": 0}, "steps"),
+        ({"batch_size": True}, "batch_size"),
+        ({"continuation": -1}, "continuation"),
+        ({"min_context": 1}, "min_context"),
+        ({"min_context": 64, "max_context": 32}, "min_context"),
+        ({"learning_rate": 0.0}, "learning_rate"),
+    ],
+)
+def test_invalid_refine_settings_are_refused(settings, message):
+    from kvhandoff.config import RefineConfig
+
+    with pytest.raises(ConfigError, match=message):
+        RefineConfig(**settings)
