@@ -185,6 +185,13 @@ class CalibrationSpec:
         return data
 
 
+def _require_positive_ints(config, kind: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{kind} {name} must be a positive integer, got {value!r}")
+
+
 @dataclass(frozen=True)
 class MLPConfig:
     """The MLP mapper (`--method mlp`): a residual MLP per target layer on top of a ridge mapper.
@@ -208,10 +215,7 @@ class MLPConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "input_layers", "epochs", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"mlp {name} must be a positive integer, got {value!r}")
+        _require_positive_ints(self, "mlp", ("hidden", "input_layers", "epochs", "batch_size"))
         if not self.learning_rate > 0:
             raise ConfigError(f"mlp learning_rate must be > 0, got {self.learning_rate!r}")
         if not self.weight_decay >= 0:
@@ -231,8 +235,9 @@ class RefineConfig:
     """End-to-end refinement of a fitted linear mapper (`kvhandoff refine`): the target's own next-token
     distribution is the objective, not the K/V error.
 
-    Each step takes `batch_size` calibration windows, maps the first m tokens (m log-uniform in
-    [min_context, max_context], the benchmarks' contexts are short, conversations long) with the first
+    Each step averages `batch_size` samples: a training window and a context length m, log-uniform in
+    [min_context, max_context] (the benchmarks' contexts are short, conversations long). It maps the window's
+    first m tokens, with the first
     `exact_prefix` positions the target's own, lets the target read the next `continuation` tokens on that cache
     and minimises KL(target on its own cache ‖ target on the mapped cache) over them, by Adam on the map's weight
     and bias (the target's weights stay fixed). `validation_windows` windows are held out of the steps; every
@@ -250,11 +255,8 @@ class RefineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "min_context", "max_context", "continuation", "validation_windows",
-                     "validate_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"refine {name} must be a positive integer, got {value!r}")
+        _require_positive_ints(self, "refine", ("steps", "batch_size", "min_context", "max_context", "continuation",
+                                                "validation_windows", "validate_every"))
         if self.min_context < 2 or self.min_context > self.max_context:
             raise ConfigError(
                 f"refine contexts must satisfy 2 <= min_context <= max_context, got {self.min_context}.."
