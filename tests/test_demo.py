@@ -4,7 +4,7 @@ import torch
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.config import CalibrationSpec
 from kvhandoff.demo import agreement, demo_context, mapped_length, run_demo
-from kvhandoff.errors import ConfigError
+from kvhandoff.errors import ConfigError, MapperMismatchError
 from kvhandoff.evaluation.scoring import feed
 from kvhandoff.handoff import prefill
 
@@ -40,6 +40,19 @@ def test_demo_runs_on_a_tiny_pair(tmp_path, monkeypatch, mapped):
     new_turn = result["target_prefilled_tokens"]
     assert new_turn == 1 if mapped == "all" else 10 < new_turn < 300
     assert result["handoff_ttft_seconds"] > 0 and 0 <= result["agreement_top1_agreement"] <= 1
+
+
+def test_demo_shows_a_saved_mapper_and_refuses_one_of_another_pair(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
+    small, large = save_tiny_pair(tmp_path)
+    calibration = CalibrationSpec(num_sequences=2, seq_len=64, mix=("prose",))
+    first = run_demo(small, large, FitConfig(), calibration, max_new_tokens=2, min_context_tokens=300, progress=False)
+    result = run_demo(small, large, FitConfig(), calibration, max_new_tokens=2, min_context_tokens=300,
+                      progress=False, mapper_path=first["mapper_dir"])
+    assert result["mapper_dir"] == first["mapper_dir"] and result["mapper_reused"]
+    with pytest.raises(MapperMismatchError):
+        run_demo(large, small, FitConfig(), calibration, max_new_tokens=2, min_context_tokens=300, progress=False,
+                 mapper_path=first["mapper_dir"])
 
 
 def test_agreement_is_perfect_for_an_exact_mapper_and_lower_for_noise():

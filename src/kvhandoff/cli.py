@@ -200,6 +200,8 @@ def demo(
                                              "included; 'history': the switch comes with the new question, "
                                              "which the target prefills itself on top of the mapped "
                                              "conversation")] = "all",
+    mapper: Annotated[Path | None, typer.Option(help="show this saved mapper (fitted for SOURCE → TARGET, e.g. "
+                                                     "from `kvhandoff refine`) instead of the pair's default")] = None,
 ) -> None:
     """Fit (or reuse) the default pair's mapper, hand a long CoQA context over, compare with re-prefill."""
     from kvhandoff.demo import render_demo, run_demo
@@ -212,7 +214,7 @@ def demo(
     result = run_demo(
         source, target, FitConfig(top_k=_top_k(top_k)),
         CalibrationSpec(num_sequences=sequences, seq_len=seq_len, mix=_mix(mix)),
-        max_new_tokens=max_new_tokens, repeats=repeats, refit=refit, mapped=mapped,
+        max_new_tokens=max_new_tokens, repeats=repeats, refit=refit, mapped=mapped, mapper_path=mapper,
     )
     render_demo(result)
     if json_out:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -14,6 +15,7 @@ from kvhandoff.errors import AssetError
 from kvhandoff.evaluation.multiturn import Conversation, load_coqa_conversations
 from kvhandoff.evaluation.scoring import OpenContext, check_mapped, feed, greedy_from
 from kvhandoff.handoff import patch_exact_prefix, prefill, rollback
+from kvhandoff.mapper import Mapper
 
 MIN_CONTEXT_TOKENS = 1000
 
@@ -114,8 +116,12 @@ def run_demo(
     progress: bool = True,
     refit: bool = False,
     mapped: str = "all",
+    mapper_path: str | Path | None = None,
 ) -> dict:
     """Everything the demo prints, measured in this call.
+
+    mapper_path: a saved mapper to show (e.g. a refined one, `kvhandoff refine`) instead of fitting or reusing the
+    pair's cached mapper of `config` and `calibration`; it must have been fitted for exactly this pair.
 
     mapped: "all" — the source prefilled the whole context, question included, and the target reads on from
     the mapped cache; "history" — the switch happens at the new question: the source's cache of the conversation
@@ -128,9 +134,13 @@ def run_demo(
     source, tokenizer = load_model(source_spec, progress=progress)
     target, _ = load_model(target_spec, progress=progress)
     fit_started = time.perf_counter()
-    mapper, mapper_dir, reused = obtain_mapper(
-        source_spec, target_spec, source, target, tokenizer, config, calibration, progress, refit
-    )
+    if mapper_path is not None:
+        mapper_dir, reused = Path(mapper_path), True
+        mapper = Mapper.load(mapper_dir, source, target, tokenizer, tokenizer)
+    else:
+        mapper, mapper_dir, reused = obtain_mapper(
+            source_spec, target_spec, source, target, tokenizer, config, calibration, progress, refit
+        )
     fit_seconds = time.perf_counter() - fit_started
 
     context = demo_context(tokenizer, min_context_tokens)
