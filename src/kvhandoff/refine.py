@@ -3,10 +3,11 @@
 The ridge solve minimises the K/V error of each map on its own; what a handoff needs is that the target, reading
 the mapped cache, predicts what it would have predicted from its own (the paper: attention-output agreement
 predicts retention, K/V R² does not). Refinement starts from the ridge solution and takes Adam steps on
-KL(target on its own cache ‖ target on the mapped cache) over a few tokens read after the mapped context. Only
-those tokens run through the target with gradients, so a step costs about a forward and backward pass of the
-target over `continuation` tokens plus the teacher's forward; the mapper keeps its form (one linear map per
-target layer and K|V), size and speed. Settings: `config.RefineConfig`.
+KL(target on its own cache ‖ target on the mapped cache) over a few tokens read after the mapped context. Each
+window runs once through both models (`teacher_window`), and every prefix of it is a sample; only the read tokens
+run through the target with gradients, so a step costs the map and a forward and backward pass of the target over
+`continuation` tokens. The mapper keeps its form (one linear map per target layer and K|V), size and speed.
+Settings: `config.RefineConfig`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def teacher_window(source, target, input_ids: torch.Tensor, exact_prefix: int) -
         prefix = cache_from(own.cache, 0, exact_prefix)
         for layer in prefix.layers:
             layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
-    return TeacherWindow(input_ids, rows.clone(), own.last_hidden_state[0].clone(), prefix)
+    return TeacherWindow(input_ids, rows, own.last_hidden_state[0].clone(), prefix)
 
 
 def mapped_cache(mapper: Mapper, target_config, source_rows: torch.Tensor, own_prefix=None) -> DynamicCache:
