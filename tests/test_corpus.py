@@ -125,6 +125,27 @@ def test_math_texts_are_worked_solutions_in_the_gsm8k_layout():
     assert "minerva_math" not in TASKS and "math" not in TASKS
 
 
+def test_task_texts_are_answered_train_items_of_the_zero_shot_core_tasks():
+    texts = calibration_texts(("task-train",))
+    items = [i for t in texts for i in t.split("\n\n")]
+    assert max(len(t.split("\n\n")) for t in texts) == corpus.TASK_ITEMS_PER_TEXT
+    assert len(items) == len(set(items)) > 3000
+    arc = [i for i in items if i.startswith("Question: ")]
+    assert all("\nAnswer: " in i for i in arc)
+    assert len(arc) == len(items) // 3  # equal shares of the three tasks
+    # WinoGrande's blank is filled by the right option; ARC and HellaSwag read their gold choice
+    assert corpus._answered_task_item({"sentence": "Ian ate it because _ was hungry.", "option1": "Ian",
+                                       "option2": "Bo", "answer": "2"}) == "Ian ate it because Bo was hungry."
+    assert corpus._answered_task_item({"query": "Question: Q?\nAnswer:", "choices": ["a", "b"], "gold": 1}) == \
+        "Question: Q?\nAnswer: b"
+    # no calibration item is an item the evaluation scores (its validation prompts with any choice)
+    from kvhandoff.evaluation.tasks import load_items
+
+    scored = {(c.context + c.continuation).strip() for task in ("arc_challenge", "hellaswag", "winogrande")
+              for item in load_items(task) for c in item.choices}
+    assert not scored & set(items)
+
+
 def test_a_mix_shares_the_windows_between_groups(tok):
     prose = calibration_batches(tok, 3, 128, seed=2, sources=CALIBRATION_GROUPS["prose"])
     exams = calibration_batches(tok, 2, 128, seed=2, sources=CALIBRATION_GROUPS["exams"])

@@ -71,3 +71,41 @@ def test_a_calibration_mix_is_its_own_cache_entry(pair):
     assert not reused and folder == mapper_dir(small, large, FitConfig(), mixed)
     assert mapper.manifest["calibration"]["mix"] == {"prose": 2, "exams": 2}
     assert mapper.manifest["calibration"]["num_tokens"] == 4 * 64
+
+
+def test_a_mix_extends_a_cached_pass_of_its_leading_groups(pair, monkeypatch):
+    import torch
+
+    from kvhandoff import workflow
+    from kvhandoff.statistics import CalibrationStats
+
+    small, large, source, target, tokenizer = pair
+    lead = CalibrationSpec(num_sequences=2, seq_len=64, mix=("prose", "exams"))
+    extended = CalibrationSpec(num_sequences=3, seq_len=64, mix=("prose", "exams", "tasks"))
+    workflow.obtain_statistics(small, large, source, target, tokenizer, FitConfig(), lead, progress=False)
+    collected = []
+    real_collect = workflow._collect
+    monkeypatch.setattr(workflow, "_collect", lambda *a, **k: collected.append(a[6]) or real_collect(*a, **k))
+    stats, info = workflow.obtain_statistics(small, large, source, target, tokenizer, FitConfig(), extended,
+                                             progress=False)
+    # only the new group was run through the models
+    assert collected == [CalibrationSpec(num_sequences=1, seq_len=64, mix=("tasks",))]
+    assert info["mix"] == {"prose": 1, "exams": 1, "tasks": 1} and info["num_tokens"] == 3 * 64
+    assert info["assembled_from"]["new_pass"]["mix"] == ["tasks"]
+    assert statistics_path(small, large, FitConfig(), extended).is_file()
+    # the same statistics as one pass over the whole mix (sums over disjoint windows add)
+    saved = CalibrationStats.load(statistics_path(small, large, FitConfig(), extended))
+    whole, whole_info = real_collect(small, large, source, target, tokenizer, FitConfig(), extended, False)
+    assert stats.count == saved.count == whole.count and info["token_ids_sha256"] == whole_info["token_ids_sha256"]
+    for name in ("sum_x", "sum_xy", "sum_yy"):
+        assert torch.allclose(getattr(saved, name), getattr(whole, name), rtol=1e-9, atol=1e-6)
+
+
+def test_a_pass_with_feature_rows_is_never_assembled(pair):
+    small, large, source, target, tokenizer = pair
+    config = FitConfig(top_k="heldout", ridge_lambda="heldout")
+    lead = CalibrationSpec(num_sequences=2, seq_len=64, mix=("prose", "exams"))
+    extended = CalibrationSpec(num_sequences=3, seq_len=64, mix=("prose", "exams", "tasks"))
+    obtain_mapper(small, large, source, target, tokenizer, config, lead, progress=False)
+    mapper, _, _ = obtain_mapper(small, large, source, target, tokenizer, config, extended, progress=False)
+    assert "assembled_from" not in mapper.manifest["calibration"]

@@ -23,7 +23,9 @@ TargetOption = Annotated[str, typer.Option("--target", help="registry name, loca
 
 MixOption = Annotated[str, typer.Option(
     "--mix", help="calibration text groups sharing the windows equally, comma-separated: 'prose' (BoolQ train "
-                  "passages, LAMBADA), 'exams' (multiple-choice questions with answers, few-shot layout)")]
+                  "passages, LAMBADA), 'exams' (multiple-choice questions with answers, few-shot layout), 'math' "
+                  "(worked solutions, GSM8K layout), 'tasks' (answered train items of ARC-Challenge, HellaSwag, "
+                  "WinoGrande)")]
 
 
 DEFAULT_MIX = ",".join(DEFAULT_CALIBRATION_MIX)

@@ -23,11 +23,14 @@ HELDOUT_FRACTION = 0.1
 #: calibration text groups (`CalibrationSpec.mix`) and the corpus sources each packs (see `corpus.py`):
 #: "prose" — BoolQ train passages and LAMBADA novels; "exams" — multiple-choice questions with their answers
 #: in the few-shot exam layout (CommonsenseQA, SciQ, MedMCQA; none of them an evaluation task); "math" — worked
-#: MATH solutions in the chain-of-thought layout of few-shot GSM8K prompts (MATH is not an evaluation task).
+#: MATH solutions in the chain-of-thought layout of few-shot GSM8K prompts (MATH is not an evaluation task);
+#: "tasks" — *train-split* items of the zero-shot core tasks (ARC-Challenge, HellaSwag, WinoGrande) in the
+#: evaluation's prompt layout with their gold answers (validation items, the reported ones, are excluded).
 CALIBRATION_GROUPS: dict[str, tuple[str, ...]] = {
     "prose": ("boolq-train", "lambada"),
     "exams": ("mc-exams",),
     "math": ("math-solutions",),
+    "tasks": ("task-train",),
 }
 #: the default mix: prose alone left few-shot prompts unreadable after a handoff (MMLU); worked solutions cut the
 #: chain-of-thought dev KL by about a third in both directions (docs/RESULTS.md)

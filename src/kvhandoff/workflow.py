@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, kvhandoff_home
@@ -57,19 +58,10 @@ def mlp_mapper_dir(source_spec: str, target_spec: str, config: FitConfig, calibr
     return pair_dir(source_spec, target_spec) / f"mlp-{_key(config.to_dict(), calibration.to_dict(), mlp.to_dict())}"
 
 
-def obtain_statistics(
-    source_spec: str, target_spec: str, source, target, tokenizer, config: FitConfig,
-    calibration: CalibrationSpec, progress: bool = True, features: bool = False,
-) -> tuple[CalibrationStats, dict]:
-    """Load the pair's calibration statistics, or collect and save them. Returns (stats, calibration info).
-
-    Statistics collected for the opposite direction serve too: they hold both models' full Grams.
-    features: also make sure the pass's feature rows are on disk; info["features"] then says where
-    ({"folder", "reverse"}). When they are missing the pass is run again (statistics and rows must come
-    from the same tokens).
-    """
-    candidates = ((source_spec, target_spec, False), (target_spec, source_spec, True))
-    for first, second, flip in candidates:
+def _cached_statistics(source_spec, target_spec, config, calibration, features: bool, progress: bool):
+    """(stats, info) of a cached pass over `calibration`'s windows in either direction, or None. Statistics
+    collected for the opposite direction serve too: they hold both models' full Grams."""
+    for first, second, flip in ((source_spec, target_spec, False), (target_spec, source_spec, True)):
         candidate = statistics_path(first, second, config, calibration)
         candidate_info = candidate.with_suffix(".json")
         feature_folder = features_dir(first, second, config, calibration)
@@ -89,14 +81,71 @@ def obtain_statistics(
             stats = stats.reversed()
             info = {**info, "source_model": source_spec, "target_model": target_spec, "reused_reverse_pass": True}
         return stats, info
+    return None
+
+
+def _split_mix(calibration: CalibrationSpec, leading: int) -> tuple[CalibrationSpec, CalibrationSpec] | None:
+    """The mix's first `leading` groups and the rest as specs of their own, when each reads exactly the windows
+    it reads inside the mix (each group is packed on its own, so only the windows per group must agree)."""
+    shares = calibration.windows_per_group()
+    parts = []
+    for groups in (calibration.mix[:leading], calibration.mix[leading:]):
+        part = replace(calibration, mix=groups, num_sequences=sum(shares[g] for g in groups))
+        if part.windows_per_group() != {g: shares[g] for g in groups}:
+            return None
+        parts.append(part)
+    return parts[0], parts[1]
+
+
+def obtain_statistics(
+    source_spec: str, target_spec: str, source, target, tokenizer, config: FitConfig,
+    calibration: CalibrationSpec, progress: bool = True, features: bool = False,
+) -> tuple[CalibrationStats, dict]:
+    """Load the pair's calibration statistics, or collect and save them. Returns (stats, calibration info).
+
+    Statistics collected for the opposite direction serve too. A mix whose leading groups were collected
+    before (e.g. the default mix, extended by one more group at the same windows per group) collects only the
+    remaining groups and adds the two passes' statistics, which is exact: sums over disjoint windows add.
+    features: also make sure the pass's feature rows are on disk; info["features"] then says where
+    ({"folder", "reverse"}). When they are missing the pass is run again (statistics and rows must come
+    from the same tokens), and a mix is never assembled from parts.
+    """
+    cached = _cached_statistics(source_spec, target_spec, config, calibration, features, progress)
+    if cached is not None:
+        return cached
+    if not features:
+        for leading in range(len(calibration.mix) - 1, 0, -1):
+            parts = _split_mix(calibration, leading)
+            lead = parts and _cached_statistics(source_spec, target_spec, config, parts[0], False, progress)
+            if lead:
+                return _extend(source_spec, target_spec, source, target, tokenizer, config, calibration, parts,
+                               lead, progress)
     feature_folder = features_dir(source_spec, target_spec, config, calibration) if features else None
     return _collect(source_spec, target_spec, source, target, tokenizer, config, calibration, progress,
                     feature_folder)
 
 
+def _extend(source_spec, target_spec, source, target, tokenizer, config, calibration, parts, lead, progress):
+    """Statistics of `calibration` = the cached pass `lead` over its leading groups + a pass over the rest
+    (`parts`: the two specs)."""
+    (lead_spec, rest_spec), (lead_stats, lead_info) = parts, lead
+    if progress:
+        print(f"extending the cached pass over {list(lead_spec.mix)} with {rest_spec.num_sequences} windows of "
+              f"{list(rest_spec.mix)}")
+    rest_stats, rest_info = obtain_statistics(source_spec, target_spec, source, target, tokenizer, config,
+                                              rest_spec, progress)
+    corpus = calibration_batches(tokenizer, calibration.num_sequences, calibration.seq_len, seed=calibration.seed,
+                                 batch_size=calibration.batch_size, mix=calibration.mix)
+    info = {**corpus.describe(), "source_model": source_spec, "target_model": target_spec,
+            "collect_seconds": round(lead_info["collect_seconds"] + rest_info["collect_seconds"], 1),
+            "assembled_from": {"cached_pass": lead_spec.to_dict(), "new_pass": rest_spec.to_dict()}}
+    stats = lead_stats.merge(rest_stats)
+    _save_statistics(statistics_path(source_spec, target_spec, config, calibration), stats, info)
+    return stats, info
+
+
 def _collect(source_spec, target_spec, source, target, tokenizer, config, calibration, progress, feature_folder=None):
     path = statistics_path(source_spec, target_spec, config, calibration)
-    info_path = path.with_suffix(".json")
     corpus = calibration_batches(
         tokenizer, calibration.num_sequences, calibration.seq_len, seed=calibration.seed,
         batch_size=calibration.batch_size, mix=calibration.mix,
@@ -110,14 +159,19 @@ def _collect(source_spec, target_spec, source, target, tokenizer, config, calibr
             "collect_seconds": round(time.perf_counter() - started, 1)}
     if writer is not None:
         writer.close({"calibration": info, "token_stride": config.token_stride})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    stats.save(path)
-    tmp = info_path.with_name(info_path.name + ".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    tmp.replace(info_path)
+    _save_statistics(path, stats, info)
     if writer is not None:
         info = {**info, "features": {"folder": str(feature_folder), "reverse": False}}
     return stats, info
+
+
+def _save_statistics(path: Path, stats: CalibrationStats, info: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stats.save(path)
+    info_path = path.with_suffix(".json")
+    tmp = info_path.with_name(info_path.name + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    tmp.replace(info_path)
 
 
 def _cached(folder: Path, source, target, tokenizer, expected: dict, progress: bool) -> Mapper | None:
