@@ -6,6 +6,7 @@ import torch
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.bench import (
     bench_table,
+    continuation_flops,
     mapper_flops_per_token,
     mapper_footprint,
     parse_lengths,
@@ -34,7 +35,7 @@ def test_bench_writes_documented_fields_json_and_png(pair, tmp_path):
                        progress=False)
     assert [r["tokens"] for r in result["results"]] == [12, 24]
     for row in result["results"]:
-        for path in ("handoff", "transfer", "last_token", "reprefill"):
+        for path in ("handoff", "transfer", "new_turn", "reprefill"):
             stats = row[path]
             assert len(stats["samples"]) == 2 and stats["min"] <= stats["median"] <= stats["max"]
             assert stats["min"] <= stats["q1"] <= stats["q3"] <= stats["max"]
@@ -45,7 +46,7 @@ def test_bench_writes_documented_fields_json_and_png(pair, tmp_path):
     assert result["mapper"]["parameters"] == mapper.num_parameters()
     assert result["mapper"]["disk_bytes"] > mapper.nbytes() and result["mapper"]["memory_bytes"] >= mapper.nbytes()
     saved = json.loads((tmp_path / "bench.json").read_text())
-    assert saved["format"] == "kvhandoff-bench/1" and len(saved["results"]) == 2
+    assert saved["format"] == "kvhandoff-bench/2" and len(saved["results"]) == 2
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert bench_table(result).row_count == 2
 
@@ -58,6 +59,9 @@ def test_flop_model_counts_k_and_attention(pair):
     constants = {"body_parameters": 100, "layers": 2, "q_width": 8, "lm_head": 50}
     assert prefill_flops(constants, 1) == 2 * 100 + 2 * 2 * 2 * 8 + 2 * 50
     assert prefill_flops(constants, 4) == 2 * 100 * 4 + 2 * 2 * 2 * 8 * 10 + 2 * 50
+    # reading 3 tokens after 4 cached positions attends 5 + 6 + 7 keys; after none, it is a prefill
+    assert continuation_flops(constants, 4, 3) == 2 * 100 * 3 + 2 * 2 * 2 * 8 * 18 + 2 * 50
+    assert continuation_flops(constants, 0, 4) == prefill_flops(constants, 4)
 
 
 def test_synthetic_mapper_transfers_and_footprint(pair):
@@ -90,5 +94,23 @@ def test_summaries_and_argument_checks(pair):
     source, target, mapper = pair
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         run_bench(source, target, mapper, lengths=(8, 100_000), progress=False)
-    with pytest.raises(ConfigError, match=">= 2"):
+    with pytest.raises(ConfigError, match="> new_turn"):
         run_bench(source, target, mapper, lengths=(1,), progress=False)
+    with pytest.raises(ConfigError, match="> new_turn"):
+        run_bench(source, target, mapper, lengths=(8, 16), new_turn=8, progress=False)
+    with pytest.raises(ConfigError, match="new_turn must be a positive integer"):
+        run_bench(source, target, mapper, lengths=(8,), new_turn=0, progress=False)
+
+
+def test_a_new_turn_read_by_the_target(pair):
+    source, target, mapper = pair
+    result = run_bench(source, target, mapper, lengths=(24,), repeats=1, warmup=0, new_turn=8, progress=False,
+                       measure_memory=False)
+    row = result["results"][0]
+    assert result["settings"]["new_turn"] == 8 and row["new_turn_tokens"] == 8
+    assert row["top1_agree"]  # the history mapped exactly, the turn read by the target: its own next token
+    # 16 positions mapped; the target reads 8 tokens on top of them
+    assert row["flops"]["transfer"] == mapper_flops_per_token(mapper) * 16
+    one = run_bench(source, target, mapper, lengths=(24,), repeats=1, warmup=0, progress=False,
+                    measure_memory=False)["results"][0]
+    assert row["flops"]["handoff"] > one["flops"]["handoff"] and row["flop_bound"] < one["flop_bound"]

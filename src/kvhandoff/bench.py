@@ -1,19 +1,23 @@
 """Handoff vs re-prefill: latency, memory and FLOPs of getting the target to its first logits after a context.
 
-For each context length T a random-but-fixed token context `ids` [1, T] is drawn (seeded). The source
-prefills `ids[:, :-1]` once, untimed: a handoff starts from a cache the source already has. Then, in one
-process and interleaved (handoff, re-prefill, handoff, re-prefill, ...) so that both paths share the
-machine's noise, each path is run `warmup` times untimed and `repeats` times timed:
+For each context length T a random-but-fixed token context `ids` [1, T] is drawn (seeded). Its last N tokens
+(`new_turn`, default 1) are the new turn that no model has read yet; the source prefills the other T − N
+(the history) once, untimed: a handoff starts from a cache the source already has. Then, in one process and
+interleaved (handoff, re-prefill, handoff, re-prefill, ...) so that both paths share the machine's noise, each
+path is run `warmup` times untimed and `repeats` times timed:
 
 - handoff   = `mapper.transfer(source_cache)` (strip source RoPE, map, apply target RoPE, build the target's
   DynamicCache) + the target recomputing the mapper's `exact_prefix` leading tokens (counted in the
-  transfer time) + the target consuming the last context token up to its logits;
+  transfer time) + the target reading the N new tokens on top of the mapped cache up to the logits of the
+  last (`new_turn` = 1: the issue's all-mapped handoff; N > 1: a switch at a turn boundary, as
+  `kvhandoff eval --mapped history` and `SwitchingSession` do);
 - re-prefill = the target's own prefill of all T tokens up to the logits of the last position
   (`kvhandoff.handoff.prefill`, logits_to_keep=1).
 
 Both end in the same thing: the target's next-token logits after the T-token context. Timings are wall clock
 (`time.perf_counter`) under `torch.inference_mode`; reported as median, min/max and quartiles, and the
-speed-up = median re-prefill ÷ median handoff. The transfer and the last-token step are also timed apart.
+speed-up = median re-prefill ÷ median handoff. The transfer and the target's reading of the new turn are also
+timed apart.
 
 Memory (`peak_memory_bytes`): the peak of live bytes allocated through torch's CPU allocator during one
 untimed run of each path, above what was allocated when it started (model weights, the source cache and
@@ -26,8 +30,8 @@ FLOPs (multiply-add = 2 FLOPs; norms, activations and softmax ignored):
 - mapper per token = 2 · weight params (+ bias adds); the weight is [2, Lt, k·Fs, Ft], so k is accounted for;
 - target prefill of T tokens = 2 · body params · T + attention 2·2·layers·q_width·T(T+1)/2
   (QKᵀ and AV over the causal prefix; q_width = heads · head_dim) + 2 · vocab · hidden once (logits_to_keep=1);
-- handoff = mapper · (T−1) + the target's prefill of the mapper's exact_prefix tokens + the target's one-token
-  step (2 · body params + 2·2·layers·q_width·T + LM head).
+- handoff = mapper · (T−N) + the target's prefill of the mapper's exact_prefix tokens + the target reading the
+  N new tokens at positions T−N … T−1 (2 · body params · N + attention over the keys before each + LM head).
 `flop_bound` = prefill FLOPs ÷ handoff FLOPs is the speed-up the arithmetic alone would allow, printed next to
 the measured one; `flop_ratio_per_token` = target prefill FLOPs per token ÷ mapper FLOPs per token.
 """
@@ -55,7 +59,7 @@ from kvhandoff.mapper import Mapper
 from kvhandoff.selection import resolve_k
 from kvhandoff.statistics import FeatureLayout
 
-BENCH_FORMAT = "kvhandoff-bench/1"
+BENCH_FORMAT = "kvhandoff-bench/2"  # /2: "last_token" became "new_turn"
 DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
 MEMORY_NOTE = (
     "peak live bytes allocated through torch's CPU allocator during one untimed run of the path, above the "
@@ -64,7 +68,8 @@ MEMORY_NOTE = (
 )
 FLOPS_NOTE = (
     "2 FLOPs per multiply-add; mapper/token = 2·weight params + bias; prefill = 2·body params·T + "
-    "2·2·layers·q_width·T(T+1)/2 + 2·vocab·hidden; handoff = mapper·(T−1) + one target step at position T−1"
+    "2·2·layers·q_width·T(T+1)/2 + 2·vocab·hidden; handoff = mapper·(T−N) + exact prefix + the target reading "
+    "the N new-turn tokens at positions T−N…T−1"
 )
 
 
@@ -149,10 +154,12 @@ def prefill_flops(constants: dict, tokens: int) -> float:
     return 2 * constants["body_parameters"] * tokens + attention + 2 * constants["lm_head"]
 
 
-def step_flops(constants: dict, position: int) -> float:
-    """FLOPs of one decode step at `position` (attending position + 1 keys) up to its logits."""
-    attention = 2 * 2 * constants["layers"] * constants["q_width"] * (position + 1)
-    return 2 * constants["body_parameters"] + attention + 2 * constants["lm_head"]
+def continuation_flops(constants: dict, start: int, tokens: int) -> float:
+    """FLOPs of reading `tokens` tokens at positions start … start + tokens − 1 on top of a cache of `start`
+    positions (each attends every key up to its own) up to the last one's logits."""
+    keys = tokens * start + tokens * (tokens + 1) / 2
+    return 2 * constants["body_parameters"] * tokens + 2 * 2 * constants["layers"] * constants["q_width"] * keys + \
+        2 * constants["lm_head"]
 
 
 def mapper_flops_per_token(mapper: Mapper) -> int:
@@ -208,22 +215,25 @@ def _vocab_size(source_model, target_model) -> int:
 
 # -- the benchmark ------------------------------------------------------------------------------------------
 def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, repeats: int, warmup: int,
-                 measure_memory: bool = True) -> dict:
-    """Time handoff and re-prefill for one context `ids` [1, T] (see the module docstring)."""
+                 measure_memory: bool = True, new_turn: int = 1) -> dict:
+    """Time handoff and re-prefill for one context `ids` [1, T] whose last `new_turn` tokens are the new turn
+    (see the module docstring)."""
     tokens = ids.shape[1]
+    if not 1 <= new_turn < tokens:
+        raise ConfigError(f"new_turn must be at least 1 and shorter than the context ({tokens}), got {new_turn}")
     target_dtype = next(target_model.parameters()).dtype
+    history, turn = ids[:, :-new_turn], ids[:, -new_turn:]
     with torch.inference_mode():
         started = time.perf_counter()
-        source_cache, _ = prefill(source_model, ids[:, :-1])
+        source_cache, _ = prefill(source_model, history)
         source_seconds = time.perf_counter() - started
-        last = ids[:, -1:]
 
         def handoff():
             t0 = time.perf_counter()
             cache = mapper.transfer(source_cache, dtype=target_dtype)
-            patch_exact_prefix(cache, target_model, ids[:, :-1], mapper.exact_prefix)
+            patch_exact_prefix(cache, target_model, history, mapper.exact_prefix)
             t1 = time.perf_counter()
-            out = target_model(input_ids=last, cache=cache, use_cache=True, logits_to_keep=1)
+            out = target_model(input_ids=turn, cache=cache, use_cache=True, logits_to_keep=1)
             t2 = time.perf_counter()
             return out.logits[:, -1], t1 - t0, t2 - t1
 
@@ -253,10 +263,11 @@ def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, 
     transfer_stats = summarize(transfer_s)
     return {
         "tokens": tokens,
+        "new_turn_tokens": new_turn,
         "source_prefill_seconds": source_seconds,
         "handoff": handoff_stats,
         "transfer": transfer_stats,
-        "last_token": summarize(step_s),
+        "new_turn": summarize(step_s),
         "reprefill": reprefill_stats,
         "speedup": reprefill_stats["median"] / handoff_stats["median"],
         "speedup_transfer_only": reprefill_stats["median"] / transfer_stats["median"],
@@ -281,21 +292,26 @@ def run_bench(
     time_budget_s: float | None = None,
     source_name: str | None = None,
     target_name: str | None = None,
+    new_turn: int = 1,
 ) -> dict:
     """Handoff vs re-prefill latency for each context length; returns the result dict (and writes
     bench.json + bench.png into `out_dir` when given).
 
-    lengths: context lengths T ≥ 2 (the caller picks how far memory and time allow);
+    lengths: context lengths T > new_turn (the caller picks how far memory and time allow);
+    new_turn: tokens at the end of each context that the target reads itself (1: the all-mapped handoff);
     time_budget_s: stop before a new length once this much wall time has passed (remaining lengths are
     listed under "skipped"); a length that runs out of memory is recorded under "failed" and ends the run.
     Result fields: format, source, target, mapper (parameters, parameter_bytes, memory_bytes, disk_bytes,
-    top_k, method, flops_per_token), settings, notes, and per length (`results`): tokens, handoff / transfer /
-    last_token / reprefill timing summaries (median, min, max, q1, q3, mean, samples; seconds), speedup,
-    speedup_transfer_only, peak_memory_bytes {handoff, reprefill}, flops {...}, flop_bound, top1_agree.
+    top_k, method, flops_per_token), settings, notes, and per length (`results`): tokens, new_turn_tokens,
+    handoff / transfer / new_turn / reprefill timing summaries (median, min, max, q1, q3, mean, samples;
+    seconds), speedup, speedup_transfer_only, peak_memory_bytes {handoff, reprefill}, flops {...}, flop_bound,
+    top1_agree.
     """
     lengths = sorted({int(t) for t in lengths})
-    if not lengths or lengths[0] < 2:
-        raise ConfigError(f"context lengths must be integers >= 2, got {lengths}")
+    if isinstance(new_turn, bool) or not isinstance(new_turn, int) or new_turn < 1:
+        raise ConfigError(f"new_turn must be a positive integer, got {new_turn!r}")
+    if not lengths or lengths[0] <= new_turn:
+        raise ConfigError(f"context lengths must be integers > new_turn ({new_turn}), got {lengths}")
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
     limit = min(source_model.config.max_position_embeddings, target_model.config.max_position_embeddings)
@@ -316,6 +332,7 @@ def run_bench(
         "settings": {
             "repeats": repeats,
             "warmup": warmup,
+            "new_turn": new_turn,
             "seed": seed,
             "interleaved": True,
             "torch_threads": torch.get_num_threads(),
@@ -340,7 +357,7 @@ def run_bench(
             break
         try:
             row = bench_length(source_model, target_model, mapper, context[:, :tokens], repeats, warmup,
-                               measure_memory)
+                               measure_memory, new_turn)
         except (MemoryError, RuntimeError) as exc:  # allocator failures surface as RuntimeError in torch
             if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower():
                 raise
@@ -348,15 +365,17 @@ def run_bench(
             result["skipped"] = lengths[index + 1:]
             break
         prefill_total = prefill_flops(target_constants, tokens)
-        exact_prefix = min(mapper.exact_prefix, tokens - 1)
+        mapped = tokens - new_turn
+        exact_prefix = min(mapper.exact_prefix, mapped)
         prefix_total = prefill_flops(target_constants, exact_prefix) if exact_prefix else 0.0
-        handoff_total = mapper_per_token * (tokens - 1) + prefix_total + step_flops(target_constants, tokens - 1)
+        handoff_total = (mapper_per_token * mapped + prefix_total
+                         + continuation_flops(target_constants, mapped, new_turn))
         row["flops"] = {
             "mapper_per_token": mapper_per_token,
             "prefill_per_token": prefill_total / tokens,
             "prefill": prefill_total,
             "handoff": handoff_total,
-            "transfer": mapper_per_token * (tokens - 1),
+            "transfer": mapper_per_token * mapped,
             "exact_prefix": prefix_total,
         }
         row["flop_ratio_per_token"] = prefill_total / tokens / mapper_per_token
@@ -404,11 +423,12 @@ def bench_table(result: dict):
             f"mapper k={mapper['top_k']} ({mapper.get('method', 'ridge')}): {mapper['parameters']:,} params, "
             f"{_mib(mapper['disk_bytes'])} MiB on disk, {_mib(mapper['memory_bytes'])} MiB in memory, "
             f"{mapper['flops_per_token'] / 1e6:.0f} MFLOP/token; {result['settings']['repeats']} repeats, "
-            f"{result['settings']['torch_threads']} threads"
+            f"{result['settings']['torch_threads']} threads; the target reads the last "
+            f"{result['settings']['new_turn']} token(s) itself"
         ),
         caption="latency: median (min–max); peak MiB: torch tensor allocations of each path",
     )
-    for column in ("tokens", "handoff", "transfer", "last tok", "re-prefill", "speed-up", "FLOP bound",
+    for column in ("tokens", "handoff", "transfer", "new turn", "re-prefill", "speed-up", "FLOP bound",
                    "peak MiB h / r", "top-1"):
         table.add_column(column, justify="right")
     for row in result["results"]:
@@ -419,7 +439,7 @@ def bench_table(result: dict):
         agree = row.get("top1_agree")
         table.add_row(
             str(row["tokens"]), cell(row["handoff"]), _ms(row["transfer"]["median"]),
-            _ms(row["last_token"]["median"]), cell(row["reprefill"]), f"×{row['speedup']:.2f}",
+            _ms(row["new_turn"]["median"]), cell(row["reprefill"]), f"×{row['speedup']:.2f}",
             f"×{row['flop_bound']:.1f}", f"{_mib(memory['handoff'])} / {_mib(memory['reprefill'])}",
             "-" if agree is None else ("same" if agree else "differs"),
         )
@@ -451,7 +471,7 @@ def _plot(result: dict, path: Path) -> None:
         tokens = [r["tokens"] for r in rows]
         for key, label, style in (
             ("reprefill", "target re-prefill", "o-"),
-            ("handoff", "handoff (transfer + last token)", "s-"),
+            ("handoff", "handoff (transfer + new turn)", "s-"),
             ("transfer", "mapper transfer alone", "^--"),
         ):
             median = [r[key]["median"] for r in rows]
@@ -511,8 +531,11 @@ def bench_command(
     threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice)")] = None,
     budget: Annotated[float | None, typer.Option(help="stop starting new lengths after this many seconds")] = None,
     memory: Annotated[bool, typer.Option(help="measure peak tensor memory of each path")] = True,
+    new_turn: Annotated[int, typer.Option(help="tokens at the end of each context the target reads itself "
+                                               "(1: all mapped; more: a switch at a turn boundary)")] = 1,
 ) -> None:
-    """Latency of handoff (transfer + last token) vs the target's re-prefill, per context length."""
+    """Latency of handoff (transfer + the target reading the new turn) vs the target's re-prefill, per context
+    length."""
     from kvhandoff.assets import load_model
 
     if threads is not None:
@@ -533,7 +556,7 @@ def bench_command(
         typer.echo(f"mapper: {folder} ({'reused' if reused else 'fitted'})")
     result = run_bench(source_model, target_model, the_mapper, parsed, repeats=repeats, warmup=warmup,
                        out_dir=out, time_budget_s=budget, measure_memory=memory, source_name=source,
-                       target_name=target)
+                       target_name=target, new_turn=new_turn)
     typer.echo(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     if result["failed"] or result["skipped"]:
         typer.echo(f"not measured: skipped {result['skipped']}, failed {[f['tokens'] for f in result['failed']]}")
