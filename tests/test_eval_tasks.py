@@ -212,3 +212,19 @@ def test_gsm8k_dev_examples_come_from_the_dev_pool_only():
         assert worked.startswith(" ") and worked.endswith(f" The answer is {item.answer}.")
     with pytest.raises(ConfigError, match="count"):
         T.gsm8k_dev_examples(tokenizer, len(dev) + 1)
+
+
+def test_zeroshot_dev_examples_are_gold_choices_of_dev_pool_items():
+    from conftest import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    examples = T.zeroshot_dev_examples(tokenizer, 2)
+    assert len(examples) == 3 * 2
+    for task, (context, continuation) in zip(("arc_challenge",) * 2 + ("hellaswag",) * 2 + ("winogrande",) * 2,
+                                             examples, strict=True):
+        dev = [i for i in T.load_items(task) if T.pool_of(task, i.id) == "dev"]
+        text = tokenizer.decode(context) + tokenizer.decode(continuation)
+        gold = [item.choices[item.gold] for item in dev[:2]]
+        assert text in {g.context + g.continuation for g in gold}  # the gold choice of a dev-pool item
+    with pytest.raises(ConfigError, match="count"):
+        T.zeroshot_dev_examples(tokenizer, 0)

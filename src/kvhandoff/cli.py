@@ -237,9 +237,11 @@ def tune(
                                           "--continuation-len tokens each), 'mmlu' (5-shot prompts of MMLU "
                                           "validation items, one per subject; the answer letter is scored) or "
                                           "'gsm8k' (8-shot prompts of GSM8K dev-pool items; the reference "
-                                          "solution is scored)")]
+                                          "solution is scored) or 'zeroshot' (dev-pool items of ARC-Challenge, "
+                                          "HellaSwag, WinoGrande; the gold choice is scored)")]
     = "prose",
-    docs: Annotated[int, typer.Option(help="dev documents (prose), MMLU subjects (mmlu) or GSM8K items (gsm8k)")]
+    docs: Annotated[int, typer.Option(help="dev documents (prose), MMLU subjects (mmlu), GSM8K items (gsm8k) or "
+                                           "items per task (zeroshot)")]
     = 4,
     prefix_len: int = 512,
     continuation_len: int = 128,
@@ -263,8 +265,9 @@ def tune(
     from kvhandoff.tuning import HandoffDivergence, score_saved_mapper, sweep
     from kvhandoff.workflow import obtain_statistics
 
-    if dev not in ("prose", "mmlu", "gsm8k"):  # before minutes of model loading and calibration
-        raise typer.BadParameter(f"unknown dev set {dev!r}; use 'prose', 'mmlu' or 'gsm8k'", param_hint="--dev")
+    if dev not in ("prose", "mmlu", "gsm8k", "zeroshot"):  # before minutes of model loading and calibration
+        raise typer.BadParameter(f"unknown dev set {dev!r}; use 'prose', 'mmlu', 'gsm8k' or 'zeroshot'",
+                                 param_hint="--dev")
     source_model, tokenizer = load_model(source)
     target_model, _ = load_model(target)
     calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, mix=_mix(mix))
@@ -281,6 +284,14 @@ def tune(
         divergence = HandoffDivergence.from_examples(source_model, target_model, mmlu_dev_examples(tokenizer, docs))
         dev_info = {"kind": "mmlu-validation", "subjects": docs,
                     "description": "first validation item of each of the first subjects, 5-shot, answer letter"}
+    elif dev == "zeroshot":
+        from kvhandoff.evaluation.tasks import zeroshot_dev_examples
+
+        divergence = HandoffDivergence.from_examples(source_model, target_model,
+                                                     zeroshot_dev_examples(tokenizer, docs))
+        dev_info = {"kind": "zeroshot-dev-pool", "items_per_task": docs,
+                    "description": "first dev-pool validation items of ARC-Challenge, HellaSwag, WinoGrande "
+                                   "(0-shot); the gold choice's continuation"}
     else:
         from kvhandoff.evaluation.tasks import gsm8k_dev_examples
 

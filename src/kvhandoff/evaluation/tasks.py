@@ -380,6 +380,27 @@ def mmlu_dev_examples(tokenizer, count: int) -> list[tuple[list[int], list[int]]
     return examples
 
 
+ZERO_SHOT_CORE_TASKS = ("arc_challenge", "hellaswag", "winogrande")
+
+
+def zeroshot_dev_examples(tokenizer, count: int) -> list[tuple[list[int], list[int]]]:
+    """A zero-shot dev set for choosing fit settings, disjoint from the reported items: the first `count`
+    *dev-pool* items (:func:`pool_of`) of each of ARC-Challenge, HellaSwag and WinoGrande, as (context token ids,
+    the gold choice's continuation ids), encoded as the evaluation encodes them (3 × count examples)."""
+    from kvhandoff.evaluation.scoring import encode_pair
+
+    examples = []
+    for task in ZERO_SHOT_CORE_TASKS:
+        dev = [item for item in load_items(task) if pool_of(task, item.id) == "dev"]
+        if not 1 <= count <= len(dev):
+            raise ConfigError(f"the {task} dev pool holds {len(dev)} items: count must be in 1..{len(dev)}, "
+                              f"got {count}")
+        for item in dev[:count]:
+            gold = item.choices[item.gold]
+            examples.append(encode_pair(tokenizer, gold.context, gold.continuation))
+    return examples
+
+
 def _gsm8k_requests_and_prefix() -> tuple[list[dict], str]:
     requests = oe_requests("gsm8k/gold_bpb_5shot")
     first = requests[0]["request"]["context"]
