@@ -67,30 +67,3 @@ def test_gcv_config_fits_and_records_chosen_lambdas():
                         FitConfig(ridge_lambda="gcv"), progress=False)
     chosen = mapper.manifest["fit_metrics"]["ridge_lambda_per_target_layer"]
     assert len(chosen["K"]) == 2 and all(lam > 0 for lam in chosen["K"] + chosen["V"])
-
-
-def test_k_and_v_maps_reading_the_same_inputs_share_one_factorisation(monkeypatch):
-    from kvhandoff import solve
-    from kvhandoff.statistics import CalibrationStats, FeatureLayout
-
-    gen = torch.Generator().manual_seed(0)
-    source, target = FeatureLayout(2, 1, 4), FeatureLayout(2, 1, 4)
-    x = torch.randn(200, source.width, generator=gen, dtype=torch.float64)
-    y = x @ torch.randn(source.width, target.width, generator=gen, dtype=torch.float64)
-    stats = CalibrationStats.from_rows(source, target, x, y)
-    factorisations = []
-    real = torch.linalg.cholesky_ex
-    monkeypatch.setattr(torch.linalg, "cholesky_ex", lambda a: factorisations.append(a.shape) or real(a))
-    systems: dict = {}
-    shared = [solve.solve_layers(stats, m, [0, 1], [0, 1], 0.01, (0, 1), systems) for m in (0, 1)]
-    assert len(factorisations) == 1 and len(systems) == 1  # joint K+V inputs: one factorisation for both
-    alone = [solve.solve_layers(stats, m, [0, 1], [0, 1], 0.01, (0, 1)) for m in (0, 1)]
-    assert len(factorisations) == 3
-    for with_shared, without in zip(shared, alone, strict=True):
-        for a, b in zip(with_shared, without, strict=True):
-            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    # own inputs (K reads K, V reads V) are different systems
-    own = {}
-    for m in (0, 1):
-        solve.solve_layers(stats, m, [0, 1], [0, 1], 0.01, None, own)
-    assert len(own) == 2

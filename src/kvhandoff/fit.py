@@ -135,7 +135,6 @@ def mapper_from_statistics(
     bias = torch.empty(2, tgt.num_layers, tgt.layer_width)
     r2 = torch.empty(2, tgt.num_layers, tgt.num_kv_heads)
     chosen_lambda = [[0.0] * tgt.num_layers for _ in MODALITIES]
-    systems: dict = {}  # factorised input covariances, shared by K and V maps that read the same inputs
     for modality in range(len(MODALITIES)):
         # target layers reading the same source layers with the same λ share one factorisation
         readers: dict[tuple, list[int]] = {}
@@ -144,7 +143,7 @@ def mapper_from_statistics(
             readers.setdefault(key, []).append(layer)
         for (source_layers, ridge_lambda), target_layers in readers.items():
             solved = solve_layers(stats, modality, target_layers, list(source_layers), ridge_lambda,
-                                  config.input_modalities(modality), systems)
+                                  config.input_modalities(modality))
             for layer, (w, b, layer_r2, lam) in zip(target_layers, solved, strict=True):
                 rows = selected[layer].tolist()
                 for block in range(blocks):

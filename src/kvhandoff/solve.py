@@ -13,25 +13,14 @@ from kvhandoff.config import GCV_LAMBDAS
 from kvhandoff.statistics import CalibrationStats
 
 
-class RidgeSystem:
-    """The regularised input covariance C_xx + λ·mean(diag)·I, factorised once, solvable for any C_xy."""
-
-    def __init__(self, cov_xx: torch.Tensor, ridge_lambda: float):
-        shift = ridge_lambda * cov_xx.diagonal().mean().clamp_min(1e-12)
-        self.system = cov_xx + shift * torch.eye(cov_xx.shape[0], dtype=cov_xx.dtype)
-        factor, info = torch.linalg.cholesky_ex(self.system)
-        # numerically indefinite (tiny λ on rank-deficient data): solve by lstsq instead
-        self.factor = factor if int(info) == 0 else None
-
-    def solve(self, cov_xy: torch.Tensor) -> torch.Tensor:
-        if self.factor is None:
-            return torch.linalg.lstsq(self.system, cov_xy).solution
-        return torch.cholesky_solve(cov_xy, self.factor)
-
-
 def ridge_from_covariance(cov_xx: torch.Tensor, cov_xy: torch.Tensor, ridge_lambda: float) -> torch.Tensor:
     """W = (C_xx + λ·mean(diag)·I)⁻¹ C_xy via Cholesky (the regularised matrix is positive definite)."""
-    return RidgeSystem(cov_xx, ridge_lambda).solve(cov_xy)
+    shift = ridge_lambda * cov_xx.diagonal().mean().clamp_min(1e-12)
+    system = cov_xx + shift * torch.eye(cov_xx.shape[0], dtype=cov_xx.dtype)
+    factor, info = torch.linalg.cholesky_ex(system)
+    if int(info) != 0:  # numerically indefinite (tiny λ on rank-deficient data): fall back to lstsq
+        return torch.linalg.lstsq(system, cov_xy).solution
+    return torch.cholesky_solve(cov_xy, factor)
 
 
 def residual_variance(
@@ -43,7 +32,7 @@ def residual_variance(
 
 def solve_layers(
     stats: CalibrationStats, modality: int, target_layers, source_layers, ridge_lambda: float | str,
-    input_modalities: tuple[int, ...] | None = None, systems: dict | None = None,
+    input_modalities: tuple[int, ...] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]:
     """Ridge maps for target layers that read the same source layers, all their KV heads at once.
 
@@ -51,12 +40,9 @@ def solve_layers(
     solving all their columns against one factorisation is identical to one ridge per (layer, head), at a
     fraction of the cost. ridge_lambda "gcv" picks λ per target layer (see `ridge_by_gcv`).
     input_modalities: the source modalities read, in input-column order (default: the map's own, `modality`).
-    systems: a dict shared by the calls of one fit; a factorised input covariance is kept there and reused by
-    the other modality's maps when both read the same inputs (joint K+V inputs), instead of factorising it again.
     Returns per target layer (weight [in, out], bias [out], R² per KV head, λ used), float64.
     """
-    inputs = tuple(input_modalities or (modality,))
-    idx_x = torch.cat([stats.source.layer_indices(m, source_layers) for m in inputs])
+    idx_x = torch.cat([stats.source.layer_indices(m, source_layers) for m in input_modalities or (modality,)])
     slices = [stats.target.layer_slice(modality, layer) for layer in target_layers]
     idx_y = torch.cat([torch.arange(s.start, s.stop) for s in slices])
     cov_xx, cov_xy = stats.cov_xx(idx_x), stats.cov_xy(idx_x, idx_y)
@@ -65,11 +51,7 @@ def solve_layers(
     if ridge_lambda == "gcv":
         weight, chosen = ridge_by_gcv(cov_xx, cov_xy, var_y, stats.count, GCV_LAMBDAS, width)
     else:
-        systems = {} if systems is None else systems
-        key = (inputs, tuple(source_layers), float(ridge_lambda))
-        if key not in systems:
-            systems[key] = RidgeSystem(cov_xx, ridge_lambda)
-        weight = systems[key].solve(cov_xy)
+        weight = ridge_from_covariance(cov_xx, cov_xy, ridge_lambda)
         chosen = [float(ridge_lambda)] * len(target_layers)
     bias = stats.mean_y(idx_y) - weight.T @ stats.mean_x(idx_x)
     resid = residual_variance(weight, cov_xx, cov_xy, var_y)
