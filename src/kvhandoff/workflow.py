@@ -125,6 +125,12 @@ def obtain_statistics(
                     feature_folder)
 
 
+def _corpus(tokenizer, calibration: CalibrationSpec):
+    """The built-in corpus windows of `calibration` (the tokens a pass over it reads)."""
+    return calibration_batches(tokenizer, calibration.num_sequences, calibration.seq_len, seed=calibration.seed,
+                               batch_size=calibration.batch_size, mix=calibration.mix)
+
+
 def _extend(source_spec, target_spec, source, target, tokenizer, config, calibration, parts, lead, progress):
     """Statistics of `calibration` = the cached pass `lead` over its leading groups + a pass over the rest
     (`parts`: the two specs)."""
@@ -134,9 +140,7 @@ def _extend(source_spec, target_spec, source, target, tokenizer, config, calibra
               f"{list(rest_spec.mix)}")
     rest_stats, rest_info = obtain_statistics(source_spec, target_spec, source, target, tokenizer, config,
                                               rest_spec, progress)
-    corpus = calibration_batches(tokenizer, calibration.num_sequences, calibration.seq_len, seed=calibration.seed,
-                                 batch_size=calibration.batch_size, mix=calibration.mix)
-    info = {**corpus.describe(), "source_model": source_spec, "target_model": target_spec,
+    info = {**_corpus(tokenizer, calibration).describe(), "source_model": source_spec, "target_model": target_spec,
             "collect_seconds": round(lead_info["collect_seconds"] + rest_info["collect_seconds"], 1),
             "assembled_from": {"cached_pass": lead_spec.to_dict(), "new_pass": rest_spec.to_dict()}}
     stats = lead_stats.merge(rest_stats)
@@ -146,10 +150,7 @@ def _extend(source_spec, target_spec, source, target, tokenizer, config, calibra
 
 def _collect(source_spec, target_spec, source, target, tokenizer, config, calibration, progress, feature_folder=None):
     path = statistics_path(source_spec, target_spec, config, calibration)
-    corpus = calibration_batches(
-        tokenizer, calibration.num_sequences, calibration.seq_len, seed=calibration.seed,
-        batch_size=calibration.batch_size, mix=calibration.mix,
-    )
+    corpus = _corpus(tokenizer, calibration)
     started = time.perf_counter()
     writer = None
     if feature_folder is not None:
