@@ -113,8 +113,8 @@ def test_missing_part_of_the_real_target(tmp_path, monkeypatch):
             part = tmp_path / asset.part_module(i) / asset.part_relpath(i)
             part.parent.mkdir(parents=True)
             part.write_bytes(b"x")
-    monkeypatch.setattr(assets, "_package_folder", lambda module: tmp_path / module)
-    monkeypatch.setattr(assets, "_installed_version", lambda package: asset.version)
+    monkeypatch.setattr(assets, "package_folder", lambda module: tmp_path / module)
+    monkeypatch.setattr(assets, "installed_version", lambda package: asset.version)
     with pytest.raises(AssetError) as err:
         find_parts(asset)
     message = str(err.value)

@@ -1,7 +1,7 @@
 import torch
 
+from kvhandoff.cache import prefill
 from kvhandoff.capture import cache_to_content, capture_content_kv
-from kvhandoff.handoff import prefill
 
 from conftest import tiny_model
 

@@ -2,11 +2,10 @@ import pytest
 import torch
 
 from kvhandoff import FitConfig, fit_mapper
+from kvhandoff.cache import feed, prefill
 from kvhandoff.config import CalibrationSpec
 from kvhandoff.demo import agreement, demo_context, mapped_length, run_demo
 from kvhandoff.errors import ConfigError, MapperMismatchError
-from kvhandoff.evaluation.scoring import feed
-from kvhandoff.handoff import prefill
 
 from conftest import exactly_related, random_batches, save_tiny_pair, tiny_model
 

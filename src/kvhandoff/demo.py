@@ -10,11 +10,12 @@ from pathlib import Path
 
 import torch
 
+from kvhandoff.cache import feed, kl_divergence, prefill, rollback
 from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.errors import AssetError
 from kvhandoff.evaluation.multiturn import Conversation, load_coqa_conversations
-from kvhandoff.evaluation.scoring import OpenContext, check_mapped, feed, greedy_from
-from kvhandoff.handoff import patch_exact_prefix, prefill, rollback
+from kvhandoff.evaluation.scoring import OpenContext, check_mapped, greedy_from
+from kvhandoff.handoff import patch_exact_prefix
 from kvhandoff.mapper import Mapper
 
 MIN_CONTEXT_TOKENS = 1000
@@ -100,7 +101,7 @@ def agreement(target, own_cache, mapped_cache, length: int, own_first, mapped_fi
         rollback(own_cache, length)
         rollback(mapped_cache, length)
     p_log, q_log = torch.cat(own), torch.cat(mapped)
-    kl = (p_log.exp() * (p_log - q_log)).sum(-1)
+    kl = kl_divergence(p_log, q_log)
     top1 = (p_log.argmax(-1) == q_log.argmax(-1)).float()
     return {"positions": int(p_log.shape[0]), "top1_agreement": float(top1.mean()), "mean_kl": float(kl.mean())}
 

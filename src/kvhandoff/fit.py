@@ -11,8 +11,8 @@ from tqdm.auto import tqdm
 
 from kvhandoff.capture import capture_content_kv
 from kvhandoff.config import JOINT_INPUTS_FORMAT_VERSION, RIDGE_FORMAT_VERSION, FitConfig
-from kvhandoff.errors import ConfigError, IncompatiblePairError, StatisticsError
-from kvhandoff.geometry import model_fingerprint, read_geometry
+from kvhandoff.errors import ConfigError, StatisticsError
+from kvhandoff.geometry import check_pair, model_fingerprint, read_geometry
 from kvhandoff.mapper import Mapper
 from kvhandoff.selection import layer_r2_matrix, select_layers
 from kvhandoff.solve import solve_layers
@@ -45,27 +45,6 @@ class LayerPlan:
 def feature_layout(model) -> FeatureLayout:
     geometry = read_geometry(model)
     return FeatureLayout(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim)
-
-
-def check_pair(source_model, target_model, source_tokenizer=None, target_tokenizer=None) -> None:
-    """Refuse pairs that cannot share token ids (and unsupported models, via read_geometry)."""
-    source_fp = model_fingerprint(source_model, source_tokenizer)
-    target_fp = model_fingerprint(target_model, target_tokenizer)
-    s_vocab, t_vocab = source_fp["geometry"]["vocab_size"], target_fp["geometry"]["vocab_size"]
-    if s_vocab != t_vocab:
-        raise IncompatiblePairError(
-            f"source and target have different vocabulary sizes ({s_vocab} vs {t_vocab}): a KV handoff "
-            "needs both models to read the same token ids; pick two models of one family with one tokenizer"
-        )
-    if (
-        source_fp["tokenizer_hash"]
-        and target_fp["tokenizer_hash"]
-        and (source_fp["tokenizer_hash"] != target_fp["tokenizer_hash"])
-    ):
-        raise IncompatiblePairError(
-            "source and target tokenizers differ (different vocabularies): a KV handoff needs both models to "
-            "read the same token ids; pick two models of one family with one tokenizer"
-        )
 
 
 def collect_statistics(

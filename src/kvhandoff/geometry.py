@@ -5,13 +5,13 @@ Unsupported layouts are refused here, up front, with the reason named.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 
 import torch
 
-from kvhandoff.errors import UnsupportedModelError
+from kvhandoff.errors import IncompatiblePairError, UnsupportedModelError
+from kvhandoff.files import sha256_json
 from kvhandoff.rope import rope_frequencies, rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "ministral")
@@ -128,13 +128,15 @@ def read_geometry(model) -> ModelGeometry:
     )
 
 
-def _sha256(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+#: a text whose encoding tells apart tokenizers of one vocabulary that normalise or add special tokens differently
+TOKENIZER_PROBE = "The quick brown fox, 12,345 times: \"naïve\" café!\n\nQ: why?\nA: because"
 
 
 def tokenizer_hash(tokenizer) -> str:
-    """Hash of the tokenizer's vocabulary (token → id), the thing two paired models must share."""
-    return _sha256(sorted(tokenizer.get_vocab().items()))
+    """Hash of the tokenizer's vocabulary (token → id) and of how it encodes a probe text (special tokens
+    included): what two paired models must share."""
+    probe = list(tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=True))
+    return sha256_json({"vocab": sorted(tokenizer.get_vocab().items()), "probe": probe})
 
 
 @torch.no_grad()
@@ -152,14 +154,58 @@ def signatures_match(a, b, rel_tol: float = 1e-2) -> bool:
     return all(abs(x - y) <= rel_tol * max(abs(x), abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
+@torch.no_grad()
+def weights_checksum(model) -> str:
+    """Sum of a strided sample of every weight's values: tells apart checkpoints (and dtypes) exactly enough to
+    key cached results, cheaply."""
+    total = 0.0
+    for p in model.parameters():
+        flat = p.detach().reshape(-1)
+        total += float(flat[:: max(1, flat.numel() // 997)].double().sum())
+    return f"{total:.9e}"
+
+
+#: the fingerprint entries that say which model a mapper was fitted for (the rest also tell apart dtypes and
+#: local copies, which a mapper tolerates)
+PAIRING_KEYS = ("architecture", "geometry", "weights_hash", "weight_signature", "tokenizer_hash")
+
+
 def model_fingerprint(model, tokenizer=None) -> dict:
-    """Identity of a model for mapper manifests: architecture, geometry, RoPE, weight names/shapes, vocab."""
+    """The one identity of a model: architecture, geometry with RoPE, a hash of weight names/shapes, a weight
+    signature (`PAIRING_KEYS`: what mapper manifests check), plus name, dtype, parameter count and a weight
+    checksum (what keys cached statistics and results), and the tokenizer's hash when one is given."""
     geometry = read_geometry(model)
     weights = sorted((name, list(p.shape)) for name, p in model.state_dict().items())
+    name = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", ""))
     return {
         "architecture": type(model).__name__,
         "geometry": geometry.to_dict(),
-        "weights_hash": _sha256(weights),
+        "weights_hash": sha256_json(weights),
         "weight_signature": weight_signature(model),
         "tokenizer_hash": tokenizer_hash(tokenizer) if tokenizer is not None else None,
+        "name": name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "weights_checksum": weights_checksum(model),
     }
+
+
+def check_pair(source_model, target_model, source_tokenizer=None, target_tokenizer=None) -> None:
+    """Refuse pairs that cannot share token ids (and unsupported models, via read_geometry)."""
+    source_fp = model_fingerprint(source_model, source_tokenizer)
+    target_fp = model_fingerprint(target_model, target_tokenizer)
+    s_vocab, t_vocab = source_fp["geometry"]["vocab_size"], target_fp["geometry"]["vocab_size"]
+    if s_vocab != t_vocab:
+        raise IncompatiblePairError(
+            f"source and target have different vocabulary sizes ({s_vocab} vs {t_vocab}): a KV handoff "
+            "needs both models to read the same token ids; pick two models of one family with one tokenizer"
+        )
+    if (
+        source_fp["tokenizer_hash"]
+        and target_fp["tokenizer_hash"]
+        and (source_fp["tokenizer_hash"] != target_fp["tokenizer_hash"])
+    ):
+        raise IncompatiblePairError(
+            "source and target tokenizers differ (different vocabularies): a KV handoff needs both models to "
+            "read the same token ids; pick two models of one family with one tokenizer"
+        )

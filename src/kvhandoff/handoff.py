@@ -3,26 +3,10 @@
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from kvhandoff.cache import cache_view, prefill
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper import Mapper
-
-
-@torch.inference_mode()
-def prefill(model, input_ids: torch.Tensor, cache=None):
-    """Run `model` over `input_ids` [batch, tokens]; return (cache, logits of the last position [batch, vocab])."""
-    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-    return out.cache, out.logits[:, -1]
-
-
-def rollback(cache, length: int) -> None:
-    """Drop cached positions beyond ``length``."""
-    extra = cache.get_seq_length() - length
-    if extra < 0:
-        raise ValueError(f"cannot roll a cache of {cache.get_seq_length()} tokens back to {length}")
-    if extra:
-        cache.crop(-extra)  # transformers 5: a negative count of tokens to remove
 
 
 def _check_ids(input_ids: torch.Tensor, minimum: int) -> None:
@@ -91,18 +75,6 @@ def handoff_cache(
     return cache
 
 
-def cache_from(cache, start: int, end: int | None = None) -> DynamicCache:
-    """A `DynamicCache` of the positions ``start``..``end`` (exclusive; None: to the end) of ``cache`` (views,
-    no copy)."""
-    view = DynamicCache()
-    for layer in cache.layers:
-        part = DynamicLayer()
-        part.device, part.is_initialized = layer.keys.device, True
-        part.keys, part.values = layer.keys[:, :, start:end], layer.values[:, :, start:end]
-        view.layers.append(part)
-    return view
-
-
 @torch.inference_mode()
 def catch_up(target_cache, source_cache, mapper: Mapper):
     """Bring ``target_cache`` (positions 0..m−1: the target's own, or mapped at an earlier switch) up to
@@ -119,7 +91,7 @@ def catch_up(target_cache, source_cache, mapper: Mapper):
         return target_cache
     dtype = target_cache.layers[0].keys.dtype
     positions = torch.arange(have, total, device=source_cache.layers[0].keys.device)
-    mapped = mapper.transfer(cache_from(source_cache, have), position_ids=positions, dtype=dtype)
+    mapped = mapper.transfer(cache_view(source_cache, have), position_ids=positions, dtype=dtype)
     for own, new in zip(target_cache.layers, mapped.layers, strict=True):
         own.keys = torch.cat([own.keys, new.keys.to(own.keys.device)], dim=-2)
         own.values = torch.cat([own.values, new.values.to(own.values.device)], dim=-2)
@@ -149,102 +121,3 @@ def handoff_generate(
     return target_model.generate(
         input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs
     )
-
-
-#: how a conversation is handed over at a switch: "all" — the current server's whole cache is mapped for the new
-#: server; "incremental" — every model keeps its own cache and only the positions it has not cached are mapped
-HANDOVERS = ("all", "incremental")
-
-
-class SwitchingSession:
-    """One conversation served by several models in turn (a router switching between them at turn boundaries).
-
-    models: name → model (one family, one tokenizer); mappers: (from name, to name) → `Mapper`.
-    handover: see `HANDOVERS` ("incremental": a model returning to the conversation keeps its cache and catches
-    up on the turns it missed, so no position is mapped twice). exact_prefix: leading positions a model
-    recomputes itself the first time it is handed the conversation (None = the mapper's own setting).
-
-    `read(server, ids)` lets ``server`` read the next tokens of the conversation, switching to it first when
-    another model served last; `generate(server, ids, ...)` also answers, and the answer joins the conversation.
-    A caller may decode from `cache(server)` itself: what it decodes past `tokens` (what every cache agrees on)
-    is dropped before the conversation goes on (`rollback`).
-    """
-
-    def __init__(self, models, mappers, handover: str = "incremental", exact_prefix: int | None = None) -> None:
-        if handover not in HANDOVERS:
-            raise ConfigError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
-        self.models, self.mappers = dict(models), dict(mappers)
-        self.handover, self.exact_prefix = handover, exact_prefix
-        self.tokens: list[int] = []
-        self.owner: str | None = None  # the model that read the conversation last
-        self._caches: dict[str, object] = {}
-
-    def cache(self, server: str):
-        """``server``'s cache of the conversation (None before it has one)."""
-        return self._caches.get(server)
-
-    def switch_to(self, server: str):
-        """Make ``server`` the owner; returns its cache of `tokens` (mapped as `handover` says)."""
-        if server not in self.models:
-            raise ConfigError(f"unknown model {server!r}; this session serves {', '.join(self.models)}")
-        owner = self.owner
-        for name in (owner, server):
-            if name in self._caches:
-                self.rollback(name)
-        if owner is not None and server != owner:
-            mapper = self.mappers.get((owner, server))
-            if mapper is None:
-                raise ConfigError(f"no mapper for the handoff {owner} → {server}")
-            current = self._caches[owner] if self.handover == "incremental" else self._caches.pop(owner)
-            if server in self._caches:
-                catch_up(self._caches[server], current, mapper)
-            else:
-                ids = torch.tensor([self.tokens], device=current.layers[0].keys.device)
-                self._caches[server] = handoff_cache(self.models[owner], self.models[server], mapper, ids,
-                                                     self.exact_prefix, source_cache=current)
-        self.owner = server
-        return self._caches.get(server)
-
-    @torch.inference_mode()
-    def read(self, server: str, ids) -> torch.Tensor:
-        """``server`` reads ``ids`` (the conversation's next tokens); float32 log-probs of the token after them."""
-        ids = list(ids)
-        if not ids:
-            raise ConfigError("read needs at least one token")
-        cache = self.switch_to(server)
-        model = self.models[server]
-        input_ids = torch.tensor([ids], device=model.device)
-        cache, logits = prefill(model, input_ids, cache)
-        self._caches[server] = cache
-        self.tokens += ids
-        return logits[0].float().log_softmax(-1)
-
-    @torch.inference_mode()
-    def generate(self, server: str, ids, **generate_kwargs) -> list[int]:
-        """``server`` reads ``ids`` (the new turn) and generates its answer with ``model.generate``
-        (generate_kwargs: max_new_tokens, do_sample, ...). The answer joins the conversation: every generated
-        token is cached and appended to `tokens`. Returns the generated token ids."""
-        ids = list(ids)
-        if not ids:
-            raise ConfigError("generate needs at least one token of the new turn")
-        cache = self.switch_to(server)
-        model = self.models[server]
-        if cache is None:  # the conversation's first turn: generate prefills it
-            cache = self._caches[server] = DynamicCache()
-        input_ids = torch.tensor([self.tokens + ids], device=model.device)
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
-                             **generate_kwargs)
-        answer = out[0, input_ids.shape[1]:].tolist()
-        everything = out[0].tolist()
-        missing = everything[cache.get_seq_length():]  # generate does not feed its last token back
-        if missing:
-            prefill(model, torch.tensor([missing], device=model.device), cache)
-        self.tokens = everything
-        return answer
-
-    def rollback(self, server: str) -> None:
-        """Drop what ``server``'s cache holds past `tokens` (e.g. an answer the caller decoded and will feed back
-        later as part of the next turn)."""
-        cache = self._caches[server]
-        if cache.get_seq_length() > len(self.tokens):
-            rollback(cache, len(self.tokens))

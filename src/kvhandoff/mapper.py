@@ -7,34 +7,25 @@ when every target layer reads every source layer (k = all) the whole map is one 
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from kvhandoff.cache import cache_of
 from kvhandoff.capture import ContentKV
 from kvhandoff.config import MAPPER_FORMAT_VERSION
 from kvhandoff.errors import MapperFormatError, MapperMismatchError
-from kvhandoff.geometry import model_fingerprint, signatures_match
+from kvhandoff.files import atomic_folder, recover_folder, sha256_file
+from kvhandoff.geometry import PAIRING_KEYS, model_fingerprint, signatures_match
 from kvhandoff.rope import rope_frequencies
 from kvhandoff.statistics import FeatureLayout
 
 TENSOR_FILE = "mapper.safetensors"
 MANIFEST_FILE = "manifest.json"
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class Mapper:
@@ -119,7 +110,7 @@ class Mapper:
                 "load the mapper fitted for this source model"
             )
 
-    def _map_rows(self, x: torch.Tensor) -> torch.Tensor:
+    def map_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Content-space source K/V as token rows x [2, B, T, Ls, Hs, Ds] (float32, contiguous) → target
         K/V as a float32 view [2, B, T, Lt, Ht, Dt] of one batched GEMM's output."""
         src, tgt = self.source, self.target
@@ -148,7 +139,7 @@ class Mapper:
         rows [n, target width], content space."""
         src = self.source
         grid = x.float().view(-1, 2, src.num_layers, src.num_kv_heads, src.head_dim).transpose(0, 1)
-        y = self._map_rows(grid.unsqueeze(1).contiguous())  # [2, 1, n, Lt, Ht, Dt]
+        y = self.map_rows(grid.unsqueeze(1).contiguous())  # [2, 1, n, Lt, Ht, Dt]
         return y.permute(1, 2, 0, 3, 4, 5).reshape(x.shape[0], -1)
 
     @torch.inference_mode()
@@ -160,7 +151,7 @@ class Mapper:
         batch, tokens = content.keys.shape[1], content.keys.shape[3]
         rows = torch.empty(2, batch, tokens, layers, heads, head_dim)
         rows.copy_(torch.stack([content.keys, content.values]).permute(0, 2, 4, 1, 3, 5))
-        y = self._map_rows(rows).permute(0, 3, 1, 4, 2, 5)  # [2, Lt, B, Ht, T, Dt]
+        y = self.map_rows(rows).permute(0, 3, 1, 4, 2, 5)  # [2, Lt, B, Ht, T, Dt]
         return ContentKV(keys=y[0], values=y[1])
 
     @torch.no_grad()  # not inference_mode: the cache's tensors must stay usable (in place) outside it
@@ -200,7 +191,7 @@ class Mapper:
         if scaling != 1.0:  # x / 1 is exact: skipping it changes nothing
             content = content / (scaling * scaling)
         keys.copy_(content)  # rounds to the cache dtype, as strip_rope does
-        y = self._map_rows(x.float())  # [2, B, T, Lt, Ht, Dt] float32
+        y = self.map_rows(x.float())  # [2, B, T, Lt, Ht, Dt] float32
 
         # target: rotate the mapped keys into the cache buffers [Lt, B, Ht, T, Dt]
         shape = (tgt.num_layers, batch, tgt.num_kv_heads, tokens, tgt.head_dim)
@@ -215,12 +206,7 @@ class Mapper:
         if rotary < tgt.head_dim:
             keys_view[..., rotary:].copy_(y[0][..., rotary:])
 
-        cache = DynamicCache()
-        for layer_keys, layer_values in zip(out_keys.unbind(0), out_values.unbind(0), strict=True):
-            layer = DynamicLayer()  # filled as DynamicLayer.update would, without its concatenation copy
-            layer.device, layer.keys, layer.values, layer.is_initialized = x.device, layer_keys, layer_values, True
-            cache.layers.append(layer)
-        return cache
+        return cache_of(zip(out_keys.unbind(0), out_values.unbind(0), strict=True))
 
     def _cos_sin(
         self, side: str, positions: torch.Tensor | None, tokens: int
@@ -272,25 +258,16 @@ class Mapper:
     def save(self, path: str | Path) -> Path:
         """Write `mapper.safetensors` + `manifest.json` into directory `path`, atomically.
 
-        The new mapper is written beside the old one and swapped in by rename, so an interrupted save
-        never leaves a half-written mapper where a good one was.
+        The new mapper is written beside the old one and swapped in by rename (`files.atomic_folder`), so an
+        interrupted save never leaves a half-written mapper where a good one was, nor loses the old one.
         """
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_name(f".{path.name}.saving")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
         tensors = {"weight": self.weight.contiguous(), "bias": self.bias, "selected": self.selected,
                    **self._extra_tensors()}
-        save_file(tensors, str(staging / TENSOR_FILE))
-        manifest = {**self.manifest, "tensor_sha256": _sha256_file(staging / TENSOR_FILE)}
-        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            path.rename(old)
-        staging.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
+        with atomic_folder(path) as staging:
+            save_file(tensors, str(staging / TENSOR_FILE))
+            manifest = {**self.manifest, "tensor_sha256": sha256_file(staging / TENSOR_FILE)}
+            (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         self.manifest = manifest
         return path
 
@@ -305,6 +282,7 @@ class Mapper:
     ) -> Mapper:
         """Load a saved mapper; with models given, verify it was fitted for exactly this pair. Never runs code."""
         path = Path(path)
+        recover_folder(path)
         manifest_path, tensor_path = path / MANIFEST_FILE, path / TENSOR_FILE
         if not manifest_path.is_file() or not tensor_path.is_file():
             raise MapperFormatError(
@@ -323,7 +301,7 @@ class Mapper:
                 f"{path} has mapper format version {version!r}; this kvhandoff reads versions up to "
                 f"{MAPPER_FORMAT_VERSION}: upgrade kvhandoff (`pip install -U kvhandoff`)"
             )
-        if _sha256_file(tensor_path) != manifest.get("tensor_sha256"):
+        if sha256_file(tensor_path) != manifest.get("tensor_sha256"):
             raise MapperFormatError(
                 f"{tensor_path} does not match the checksum in its manifest: the file is truncated or was "
                 "edited; re-fit the mapper or restore it from a backup"
@@ -352,7 +330,7 @@ class Mapper:
                 continue
             expected = self.manifest[f"{side}_fingerprint"]
             actual = model_fingerprint(model, tokenizer)
-            for key in ("architecture", "geometry", "weights_hash", "weight_signature", "tokenizer_hash"):
+            for key in PAIRING_KEYS:
                 if key == "tokenizer_hash" and (actual[key] is None or expected.get(key) is None):
                     continue
                 same = (
@@ -368,15 +346,23 @@ class Mapper:
                     )
 
 
+#: mapper classes by the manifest's ``method``; a method defined in another module registers itself there
+MAPPER_METHODS: dict[str, type[Mapper]] = {"ridge": Mapper, "synthetic": Mapper}
+
+
+def register_method(name: str, mapper_class: type[Mapper]) -> None:
+    """Make `Mapper.load` build ``mapper_class`` for manifests whose ``method`` is ``name``."""
+    MAPPER_METHODS[name] = mapper_class
+
+
 def _class_for(manifest: dict, path: Path) -> type[Mapper]:
     method = manifest.get("method", "ridge")
-    if method in ("ridge", "synthetic"):
-        return Mapper
-    if method == "mlp":
-        from kvhandoff.mlp import MLPMapper  # the MLP builds on Mapper: imported here, not at module level
-
-        return MLPMapper
-    raise MapperFormatError(f"{path} holds a mapper of unknown method {method!r}; upgrade kvhandoff or re-fit it")
+    if method not in MAPPER_METHODS:
+        raise MapperFormatError(
+            f"{path} holds a mapper of unknown method {method!r} (known: {', '.join(sorted(MAPPER_METHODS))}); "
+            "upgrade kvhandoff or re-fit it"
+        )
+    return MAPPER_METHODS[method]
 
 
 _SEQ_LEN_FREE_ROPE = frozenset({"default", "linear", "llama3", "yarn"})

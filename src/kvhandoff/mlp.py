@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from kvhandoff.config import MLP_FORMAT_VERSION, MLPConfig
 from kvhandoff.errors import MapperFormatError
 from kvhandoff.features import check_layouts, load_features, read_manifest, validation_shards
-from kvhandoff.mapper import Mapper
+from kvhandoff.mapper import Mapper, register_method
 from kvhandoff.selection import select_layers
 from kvhandoff.statistics import FeatureLayout
 
@@ -74,7 +74,7 @@ class ResidualMLP(torch.nn.Module):
 
 def input_columns(layout: FeatureLayout, input_layers: torch.Tensor) -> torch.Tensor:
     """[target layers, 2·m·Fs] columns of a source feature row read by each target layer's MLP: K of its m
-    source layers, then their V (the order `MLPMapper._map_rows` gathers in)."""
+    source layers, then their V (the order `MLPMapper.map_rows` gathers in)."""
     return torch.stack([torch.cat([layout.layer_indices(0, layers), layout.layer_indices(1, layers)])
                         for layers in input_layers])
 
@@ -101,8 +101,8 @@ class MLPMapper(Mapper):
             )
         self.mlp = mlp.eval().requires_grad_(False)
 
-    def _map_rows(self, x: torch.Tensor) -> torch.Tensor:
-        y = super()._map_rows(x)  # [2, B, T, Lt, Ht, Dt]
+    def map_rows(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().map_rows(x)  # [2, B, T, Lt, Ht, Dt]
         src, tgt = self.source, self.target
         _, batch, tokens = x.shape[:3]
         rows = x.reshape(2, batch * tokens, src.num_layers, src.layer_width)[:, :, self.input_layers]
@@ -130,6 +130,9 @@ class MLPMapper(Mapper):
             raise MapperFormatError(f"MLP mapper file lacks tensors {missing}; re-fit the mapper")
         mlp = ResidualMLP.from_tensors({k: tensors[f"mlp.{k}"] for k in _MLP_TENSORS})
         return cls(tensors["weight"], tensors["bias"], tensors["selected"], manifest, tensors["mlp_input_layers"], mlp)
+
+
+register_method("mlp", MLPMapper)
 
 
 def fit_mlp_mapper(

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
+from kvhandoff.cache import cache_of, cache_view, kl_divergence
 from kvhandoff.capture import cache_positions, capture_content_kv
 from kvhandoff.config import RefineConfig
 from kvhandoff.errors import ConfigError
-from kvhandoff.handoff import cache_from
 from kvhandoff.mapper import Mapper
 from kvhandoff.rope import apply_rope, rope_frequencies
 
@@ -58,7 +58,7 @@ def teacher_window(source, target, input_ids: torch.Tensor, exact_prefix: int) -
     own = getattr(target, "model", target)(input_ids=input_ids, use_cache=True)
     prefix = None
     if exact_prefix:  # copies, so the window does not keep the whole own cache alive
-        prefix = cache_from(own.cache, 0, exact_prefix)
+        prefix = cache_view(own.cache, 0, exact_prefix)
         for layer in prefix.layers:
             layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
     return TeacherWindow(input_ids, rows, own.last_hidden_state[0].clone(), prefix)
@@ -72,23 +72,19 @@ def mapped_cache(mapper: Mapper, target_config, source_rows: torch.Tensor, own_p
     The same arithmetic as `Mapper.transfer` + `handoff.patch_exact_prefix` (tested to agree), written with
     out-of-place ops so gradients flow.
     """
-    y = mapper._map_rows(source_rows)  # [2, B, T, Lt, Ht, Dt]
+    y = mapper.map_rows(source_rows)  # [2, B, T, Lt, Ht, Dt]
     keys, values = y[0].permute(2, 0, 3, 1, 4), y[1].permute(2, 0, 3, 1, 4)  # [Lt, B, Ht, T, Dt]
     batch, tokens = source_rows.shape[1:3]
     inv_freq, scaling = rope_frequencies(target_config, seq_len=tokens)
     keys = apply_rope(keys, cache_positions(tokens, batch), inv_freq, scaling)
-    cache = DynamicCache()
-    for layer in range(keys.shape[0]):
-        layer_keys, layer_values = keys[layer], values[layer]
-        if own_prefix is not None:
-            own = own_prefix.layers[layer]
-            n = min(own.keys.shape[2], tokens)
-            layer_keys = torch.cat([own.keys[:, :, :n], layer_keys[:, :, n:]], dim=2)
-            layer_values = torch.cat([own.values[:, :, :n], layer_values[:, :, n:]], dim=2)
-        part = DynamicLayer()
-        part.device, part.keys, part.values, part.is_initialized = layer_keys.device, layer_keys, layer_values, True
-        cache.layers.append(part)
-    return cache
+    layers = list(zip(keys.unbind(0), values.unbind(0), strict=True))
+    if own_prefix is not None:
+        n = min(own_prefix.get_seq_length(), tokens)
+        layers = [
+            (torch.cat([own.keys[:, :, :n], k[:, :, n:]], dim=2), torch.cat([own.values[:, :, :n], v[:, :, n:]], dim=2))
+            for own, (k, v) in zip(own_prefix.layers, layers, strict=True)
+        ]
+    return cache_of(layers)
 
 
 def handoff_kl(mapper: Mapper, target, window: TeacherWindow, context: int, continuation: int) -> torch.Tensor:
@@ -107,7 +103,7 @@ def handoff_kl(mapper: Mapper, target, window: TeacherWindow, context: int, cont
     cache = mapped_cache(mapper, target.config, window.source_rows[:, :, :context], window.own_prefix)
     out = target(input_ids=window.input_ids[:, context:end], cache=cache, use_cache=True)
     student = torch.log_softmax(out.logits[0].float(), dim=-1)
-    return (teacher.exp() * (teacher - student)).sum(-1).mean()
+    return kl_divergence(teacher, student).mean()
 
 
 def _context_lengths(config: RefineConfig, count: int, generator: torch.Generator) -> list[int]:

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from kvhandoff.capture import ContentKV
 from kvhandoff.errors import StatisticsError
+from kvhandoff.files import atomic_path
 
 MODALITIES = ("K", "V")
 _TENSORS = ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy")
@@ -168,10 +169,8 @@ class CalibrationStats:
     def save(self, path: str | Path) -> None:
         layouts = {"source": self.source.__dict__, "target": self.target.__dict__, "count": self.count}
         tensors = {n: getattr(self, n).contiguous() for n in _TENSORS}
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={"kvhandoff_stats": json.dumps(layouts)})
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"kvhandoff_stats": json.dumps(layouts)})
 
     @classmethod
     def load(cls, path: str | Path) -> CalibrationStats:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from kvhandoff.cache import feed, kl_divergence, prefill, rollback
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.scoring import feed
 from kvhandoff.fit import mapper_from_statistics
-from kvhandoff.handoff import handoff_cache, prefill, rollback
+from kvhandoff.handoff import handoff_cache
 from kvhandoff.selection import layer_r2_matrix
 
 
@@ -100,7 +100,7 @@ class HandoffDivergence:
         for doc in self.documents:
             mapped = predictions(doc)
             own = doc.own_logprobs
-            kls.append((own.exp() * (own - mapped)).sum(-1))
+            kls.append(kl_divergence(own, mapped))
             agree.append((own.argmax(-1) == mapped.argmax(-1)).float())
             index = torch.tensor(doc.continuation)[:, None]
             own_nll += float(-own.gather(1, index).double().sum())

@@ -7,7 +7,6 @@ the pair's fingerprints and the fit config; otherwise it is refitted and saved (
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import replace
@@ -17,8 +16,9 @@ from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, kvhandoff_ho
 from kvhandoff.corpus import calibration_batches
 from kvhandoff.errors import KVHandoffError
 from kvhandoff.features import FeatureShardWriter, features_complete
-from kvhandoff.fit import check_pair, collect_statistics, feature_layout, mapper_from_statistics
-from kvhandoff.geometry import model_fingerprint
+from kvhandoff.files import atomic_write_json, sha256_json
+from kvhandoff.fit import collect_statistics, feature_layout, mapper_from_statistics
+from kvhandoff.geometry import check_pair, model_fingerprint
 from kvhandoff.heldout import fit_heldout_mapper
 from kvhandoff.mapper import Mapper
 from kvhandoff.mlp import fit_mlp_mapper
@@ -31,7 +31,7 @@ def _slug(spec: str) -> str:
 
 
 def _key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return sha256_json(parts, 12)
 
 
 def pair_dir(source_spec: str, target_spec: str) -> Path:
@@ -167,12 +167,8 @@ def _collect(source_spec, target_spec, source, target, tokenizer, config, calibr
 
 
 def _save_statistics(path: Path, stats: CalibrationStats, info: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     stats.save(path)
-    info_path = path.with_suffix(".json")
-    tmp = info_path.with_name(info_path.name + ".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    tmp.replace(info_path)
+    atomic_write_json(path.with_suffix(".json"), info)
 
 
 def _cached(folder: Path, source, target, tokenizer, expected: dict, progress: bool) -> Mapper | None:

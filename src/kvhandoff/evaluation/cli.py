@@ -172,8 +172,8 @@ def _forward_mapper(source_model, target_model, tokenizer, mapper_path, statisti
         from kvhandoff.workflow import obtain_mapper
 
         return obtain_mapper(source_name, target_name, source_model, target_model, tokenizer, progress=progress)[0]
-    from kvhandoff.evaluation.runner import atomic_write_json
     from kvhandoff.evaluation.sweep import choose_k, default_mapper_factory
+    from kvhandoff.files import atomic_write_json
     from kvhandoff.statistics import CalibrationStats
 
     stats = CalibrationStats.load(statistics)

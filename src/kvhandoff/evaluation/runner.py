@@ -43,6 +43,7 @@ from kvhandoff.evaluation.tasks import (
     parse_tasks,
     pool_of,
 )
+from kvhandoff.files import atomic_write_json
 
 RECORD_VERSION = 1
 RESULT_FORMAT = "kvhandoff-eval/1"
@@ -295,25 +296,6 @@ def task_summary(
         **{k: primary[k] for k in ("retention", "floor_normalised_retention") if k in primary},
         "metrics": by_metric,
     }
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file next to ``path``, then rename it over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with tmp.open("w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=True) + "\n")
 
 
 # -- the runner -----------------------------------------------------------------------------------------------

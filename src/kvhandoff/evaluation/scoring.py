@@ -29,9 +29,11 @@ from typing import Any
 
 import torch
 
+from kvhandoff.assets import end_of_text_ids
+from kvhandoff.cache import feed, model_device, prefill, rollback
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.tasks import GenItem, MCItem, cut_at_stop
-from kvhandoff.handoff import rollback
+from kvhandoff.evaluation.tasks import GenItem, MCItem, cut_at_stop, encode, encode_pair
+from kvhandoff.handoff import handoff_cache
 
 #: prefilled few-shot prefixes kept per condition (MMLU has 57 subject prefixes, GSM8K one)
 PREFIX_CACHE_ENTRIES = 4
@@ -80,8 +82,6 @@ class PrefixCache:
     def prefill(self, model, input_ids: torch.Tensor, prefix_len: int):
         """``model``'s cache of ``input_ids`` [1, T]: a copy of the cached first ``prefix_len`` tokens, extended
         by the rest (a plain prefill when ``prefix_len`` is 0)."""
-        from kvhandoff.handoff import prefill
-
         input_ids = input_ids.to(model_device(model))
         if not 0 <= prefix_len <= input_ids.shape[1]:
             raise ConfigError(f"prefix_len {prefix_len} outside 0..{input_ids.shape[1]}")
@@ -120,8 +120,6 @@ class Standalone(Condition):
         self.prefixes = PrefixCache(prefix_entries) if prefix_entries else None
 
     def prefill(self, input_ids: torch.Tensor, prefix_len: int = 0):
-        from kvhandoff.handoff import prefill
-
         if prefix_len and self.prefixes is not None:
             return self.prefixes.prefill(self.model, input_ids, prefix_len)
         return prefill(self.model, input_ids.to(model_device(self.model)))[0]
@@ -154,7 +152,6 @@ class Transfer(Condition):
         self.prefixes = PrefixCache(prefix_entries) if prefix_entries else None
 
     def prefill(self, input_ids: torch.Tensor, prefix_len: int = 0):
-        from kvhandoff.handoff import handoff_cache
 
         source_cache = None
         if prefix_len and self.prefixes is not None:
@@ -178,7 +175,6 @@ class TransferHistory(Transfer):
         self.prefixes = PrefixCache(prefix_entries)  # the history boundary is needed even without reuse
 
     def prefill(self, input_ids: torch.Tensor, prefix_len: int = 0):
-        from kvhandoff.handoff import handoff_cache, prefill
 
         if not prefix_len:
             raise ConfigError(
@@ -220,22 +216,6 @@ def standard_conditions(
 
 
 # -- low-level cache helpers ----------------------------------------------------------------------------------
-
-
-def model_device(model) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (StopIteration, AttributeError):
-        return torch.device("cpu")
-
-
-def feed(model, cache, ids: Sequence[int]) -> torch.Tensor:
-    """Run ``ids`` through ``model`` on top of ``cache`` (extended in place); float32 log-probs [len(ids), V]."""
-    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=model_device(model))
-    out = model(input_ids=input_ids, cache=cache, use_cache=True)
-    if out.cache is not cache:  # transformers extends the cache in place; be strict about it
-        raise RuntimeError("the model returned a new cache object instead of extending the given one")
-    return out.logits[0].float().log_softmax(-1)
 
 
 def _crop_is_exact(cache) -> bool:
@@ -332,30 +312,12 @@ def score_continuations(
 # -- tokenisation ---------------------------------------------------------------------------------------------
 
 
-def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-
-def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """lm-eval's split: trailing context spaces move to the continuation; the continuation's tokens are
-    ``encode(context + continuation)`` minus the context's token count."""
-    n_spaces = len(context) - len(context.rstrip(" "))
-    if n_spaces:
-        continuation = context[-n_spaces:] + continuation
-        context = context[:-n_spaces]
-    context_ids = encode(tokenizer, context)
-    whole = encode(tokenizer, context + continuation)
-    return context_ids, whole[len(context_ids) :]
-
-
 # -- generation -----------------------------------------------------------------------------------------------
 
 
 def eos_token_ids(tokenizer, model=None) -> set[int]:
     """Token ids that end generation: the tokenizer's and the model's EOS, and every end-of-text special token
     the tokenizer has (`kvhandoff.assets.end_of_text_ids`; models loaded by `load_model` already list them)."""
-    from kvhandoff.assets import end_of_text_ids
-
     ids = set(end_of_text_ids(tokenizer))
     generation_config = getattr(model, "generation_config", None)
     for c in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):

@@ -380,6 +380,22 @@ def mmlu_dev_examples(tokenizer, count: int) -> list[tuple[list[int], list[int]]
     return examples
 
 
+def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's split: trailing context spaces move to the continuation; the continuation's tokens are
+    ``encode(context + continuation)`` minus the context's token count."""
+    n_spaces = len(context) - len(context.rstrip(" "))
+    if n_spaces:
+        continuation = context[-n_spaces:] + continuation
+        context = context[:-n_spaces]
+    context_ids = encode(tokenizer, context)
+    whole = encode(tokenizer, context + continuation)
+    return context_ids, whole[len(context_ids) :]
+
+
 ZERO_SHOT_CORE_TASKS = ("arc_challenge", "hellaswag", "winogrande")
 
 
@@ -387,8 +403,6 @@ def zeroshot_dev_examples(tokenizer, count: int) -> list[tuple[list[int], list[i
     """A zero-shot dev set for choosing fit settings, disjoint from the reported items: the first `count`
     *dev-pool* items (:func:`pool_of`) of each of ARC-Challenge, HellaSwag and WinoGrande, as (context token ids,
     the gold choice's continuation ids), encoded as the evaluation encodes them (3 × count examples)."""
-    from kvhandoff.evaluation.scoring import encode_pair
-
     examples = []
     for task in ZERO_SHOT_CORE_TASKS:
         dev = [item for item in load_items(task) if pool_of(task, item.id) == "dev"]
