@@ -15,4 +15,5 @@ demo: setup
 
 test: setup-tests
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
