@@ -8,13 +8,18 @@ form, one Gram per (target layer, KV head). The keys keep the default ridge maps
 only to itself) gives back the plain ridge objective. Features are centred by the calibration means first, so
 the penalty shrinks towards the mean map as the default's does.
 
-Usage: .venv/bin/python scripts/attention_value_fit.py OUT_DIR [WINDOWS]  (windows of the default mix, half
-prose and half exams; 0.5B → 1.5B only: the reverse direction's 7,168-wide Grams do not fit in memory per head).
+The start is the ridge mapper calibrated on 80 windows of prose + exams (`--mix prose,exams --sequences 80`), and
+the pooled rows come from its windows, half prose and half exams. 0.5B → 1.5B only: the reverse direction's
+7,168-wide Grams do not fit in 24 GiB per head.
+
+Usage: .venv/bin/python experiments/attention_value_fit.py OUT_DIR [WINDOWS] [THREADS]
+Writes OUT_DIR/attention_value_fit.json (reported in docs/results/attention_value_fit_forward.json) and caches the
+pooled Grams in OUT_DIR/pooled_WINDOWS.pt.
 """
 
+import argparse
 import copy
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -32,16 +37,22 @@ from kvhandoff.rope import apply_rope, rope_frequencies
 from kvhandoff.tuning import HandoffDivergence
 from kvhandoff.workflow import obtain_mapper, obtain_statistics
 
-torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("out_dir", type=Path, help="folder for the JSON result and the pooled Grams")
+parser.add_argument("windows", type=int, nargs="?", default=24, help="windows pooled (half prose, half exams)")
+parser.add_argument("threads", type=int, nargs="?", default=1, help="torch threads")
+args = parser.parse_args()
+
+torch.set_num_threads(args.threads)
 SRC, TGT = "qwen2.5-coder:0.5b", "qwen2.5-coder:1.5b"
-outdir = Path(sys.argv[1])
+outdir = args.out_dir
 outdir.mkdir(parents=True, exist_ok=True)
-windows = int(sys.argv[2]) if len(sys.argv) > 2 else 24
+windows = args.windows
 PREFIX, STRIDE = 4, 4  # the default exact prefix; query rows kept (as the default's token stride)
 
 s, tok = load_model(SRC)
 t, _ = load_model(TGT)
-spec = CalibrationSpec(num_sequences=80, mix=("prose", "exams"))  # the third session's default
+spec = CalibrationSpec(num_sequences=80, mix=("prose", "exams"))  # prose + exams, 80 windows
 stats, _ = obtain_statistics(SRC, TGT, s, t, tok, FitConfig(), spec)
 default, _, _ = obtain_mapper(SRC, TGT, s, t, tok, calibration=spec)
 src_layout, tgt_layout = default.source, default.target

@@ -1,12 +1,13 @@
 """Where does the handoff loss come from? Dev KL (512-token LAMBADA held-out prefixes, 4 documents, exact prefix 4)
-with parts of the default mapper's cache replaced by the target's own K/V (all K, all V, first/last/middle layers).
+with parts of the mapped cache replaced by the target's own K/V (all K, all V, first/last/middle layers). The
+mapper is the 40-window prose-only one (`--mix prose --sequences 40`), on which the documented numbers were measured.
 
-Usage: .venv/bin/python scripts/oracle_attribution.py qwen2.5-coder:0.5b qwen2.5-coder:1.5b runs/oracle_fwd.json
+Usage: .venv/bin/python experiments/oracle_attribution.py qwen2.5-coder:0.5b qwen2.5-coder:1.5b runs/oracle_fwd.json
 """
 
+import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -19,11 +20,16 @@ from kvhandoff.handoff import handoff_cache, prefill
 from kvhandoff.tuning import HandoffDivergence
 from kvhandoff.workflow import obtain_mapper
 
-src, tgt, out = sys.argv[1], sys.argv[2], sys.argv[3]
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("source", help="source model, e.g. qwen2.5-coder:0.5b")
+parser.add_argument("target", help="target model, e.g. qwen2.5-coder:1.5b")
+parser.add_argument("out", help="JSON file written after every variant")
+args = parser.parse_args()
+src, tgt, out = args.source, args.target, args.out
 torch.set_num_threads(2)
 s, tok = load_model(src)
 t, _ = load_model(tgt)
-# the previous default (40 prose windows), on which the documented numbers were measured
+# the 40-window prose-only mapper, on which the documented numbers were measured
 mapper, _, _ = obtain_mapper(src, tgt, s, t, tok, calibration=CalibrationSpec(num_sequences=40, mix=("prose",)))
 docs = heldout_documents(tok, 4, min_tokens=640, source="lambada-heldout")
 div = HandoffDivergence(s, t, docs, 512, 128)
