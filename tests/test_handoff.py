@@ -89,6 +89,8 @@ def test_exact_pair_of_different_geometry_hands_off_exactly(change, family):
         ("qwen2", "linear", "default"),
         ("qwen2", "default", "linear"),
         ("qwen3", "yarn", "llama3"),
+        ("qwen2", "partial", "default"),
+        ("qwen2", "default", "partial"),
     ],
 )
 def test_exact_pair_of_different_rope_hands_off_exactly(family, source_rope, target_rope):
