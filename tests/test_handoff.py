@@ -6,6 +6,9 @@ from kvhandoff.errors import ConfigError
 
 from conftest import GEOMETRY_CHANGES, exact_pair, exactly_related, random_batches, tiny_model
 
+#: an exact relation, fitted as exactly as float32 captures allow: every map, every calibration token, tiny λ
+EXACT_FIT = FitConfig(top_k="all", ridge_lambda=1e-10, token_stride=1)
+
 
 @pytest.fixture(scope="module")
 def related_pairs():
@@ -13,9 +16,7 @@ def related_pairs():
     for family in ("llama", "qwen2", "qwen3", "mistral"):
         source = tiny_model(family, layers=3)
         target = exactly_related(source)
-        mapper = fit_mapper(
-            source, target, random_batches(), FitConfig(top_k="all", ridge_lambda=1e-6), progress=False
-        )
+        mapper = fit_mapper(source, target, random_batches(), EXACT_FIT, progress=False)
         pairs[family] = (source, target, mapper)
     return pairs
 
@@ -24,24 +25,21 @@ def related_pairs():
 def test_exactly_related_pair_fits_and_hands_off_exactly(related_pairs, family):
     source, target, mapper = related_pairs[family]
     metrics = mapper.manifest["fit_metrics"]
-    assert min(metrics["r2_k_per_target_layer"]) >= 0.999
-    assert min(metrics["r2_v_per_target_layer"]) >= 0.999
+    assert min(metrics["r2_k_per_target_layer"]) >= 0.9999
+    assert min(metrics["r2_v_per_target_layer"]) >= 0.9999
 
     ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(5))
     own_cache, _ = prefill(target, ids[:, :-1])
     mapped = handoff_cache(source, target, mapper, ids[:, :-1])
     _, own_logits = prefill(target, ids[:, -1:], cache=own_cache)
     _, handoff_logits = prefill(target, ids[:, -1:], cache=mapped)
-    assert (own_logits - handoff_logits).abs().max() < 1e-3
+    assert (own_logits - handoff_logits).abs().max() <= 1e-4
 
     own = target.generate(
         input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False
     )
     handed = handoff_generate(source, target, mapper, ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(own, handed)
-
-
-EXACT_FIT = FitConfig(top_k="all", ridge_lambda=1e-6, token_stride=1)
 
 
 def assert_hands_off_exactly(source, target, mapper, seed: int = 5):
@@ -212,7 +210,7 @@ def test_catch_up_maps_only_the_missing_positions_at_their_own_positions():
 def two_way_pair(related_pairs):
     """An exactly related qwen2 pair with mappers both ways (the relation is invertible)."""
     source, target, forward = related_pairs["qwen2"]
-    backward = fit_mapper(target, source, random_batches(), FitConfig(top_k="all", ridge_lambda=1e-6), progress=False)
+    backward = fit_mapper(target, source, random_batches(), EXACT_FIT, progress=False)
     return {"a": source, "b": target}, {("a", "b"): forward, ("b", "a"): backward}
 
 
@@ -231,11 +229,11 @@ def test_switching_session_serves_one_conversation_with_two_models(two_way_pair,
     assert session.owner == "a" and session.tokens == ids and session.cache("a").get_seq_length() == 45
     # the mappers are exact, so the conversation reads as if model a had served it alone
     _, alone = prefill(models["a"], torch.tensor([ids]))
-    torch.testing.assert_close(got, alone[0].float().log_softmax(-1), atol=1e-2, rtol=0)
+    torch.testing.assert_close(got, alone[0].float().log_softmax(-1), atol=1e-4, rtol=0)
     own_cache, _ = prefill(models["a"], torch.tensor([ids]))
     for mine, own in zip(session.cache("a").layers, own_cache.layers, strict=True):  # b's turn mapped back too
-        torch.testing.assert_close(mine.keys, own.keys, atol=5e-2, rtol=0)
-        torch.testing.assert_close(mine.values, own.values, atol=5e-2, rtol=0)
+        torch.testing.assert_close(mine.keys, own.keys, atol=1e-4, rtol=0)
+        torch.testing.assert_close(mine.values, own.values, atol=1e-4, rtol=0)
     kept = all(torch.equal(layer.keys[:, :, :20], before)
                for layer, before in zip(session.cache("a").layers, own_a, strict=True))
     assert kept == (handover == "incremental")  # incremental: a's own positions never made a round trip
