@@ -48,8 +48,14 @@ def tiny_model(
     kv_heads: int = 2,
     heads: int = 4,
     seed: int = 0,
+    qk_scale: float = 4.0,
+    attn_implementation: str | None = "eager",
     **overrides,
 ):
+    """A tiny random model of `family` (hidden 64). overrides go to the config (vocab_size, max_position_embeddings,
+    tie_word_embeddings, rope_parameters, ...); qk_scale multiplies the q/k weights (random init gives near-uniform
+    attention; larger q/k weights make attention, and RoPE, matter); attn_implementation None: transformers' default.
+    """
     config_cls, model_cls, extra = FAMILIES[family]
     settings = dict(
         vocab_size=VOCAB,
@@ -63,15 +69,51 @@ def tiny_model(
         tie_word_embeddings=False,
     )
     config = config_cls(**{**settings, **extra, **overrides})
-    config._attn_implementation = "eager"
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    # random init gives near-uniform attention; larger q/k weights make attention (and RoPE) matter
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4.0)
-            layer.self_attn.k_proj.weight.mul_(4.0)
+    if qk_scale != 1.0:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(qk_scale)
+                layer.self_attn.k_proj.weight.mul_(qk_scale)
     return model
+
+
+#: tiny_model settings of the byte-level evaluation tests: ByteTokenizer's vocabulary, long contexts, plain init
+BYTE_MODEL = {"vocab_size": 260, "max_position_embeddings": 8192, "qk_scale": 1.0, "attn_implementation": None}
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (byte + offset), no download, exactly invertible; called like a Hugging Face
+    tokenizer (one text or a list of texts) or through `encode`. bos (if any) is prepended when special tokens
+    are asked for. Default: ids 0–255, EOS 256, no BOS (models of vocab ≥ 260, see BYTE_MODEL)."""
+
+    name_or_path = "byte-tokenizer"
+
+    def __init__(self, offset: int = 0, eos: int | None = 256, bos: int | None = None) -> None:
+        self.offset, self.eos_token_id, self.bos_token_id = offset, eos, bos
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        special = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
+        return special + [b + self.offset for b in text.encode("utf-8")]
+
+    def __call__(self, text, add_special_tokens: bool = True) -> dict:
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        data = bytes(int(i) - self.offset for i in ids if 0 <= int(i) - self.offset < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def get_vocab(self) -> dict[str, int]:
+        vocab = {f"<0x{i:02X}>": i + self.offset for i in range(256)}
+        for name, token in (("<eos>", self.eos_token_id), ("<bos>", self.bos_token_id)):
+            if token is not None:
+                vocab[name] = token
+        return vocab
 
 
 @torch.no_grad()
