@@ -95,6 +95,7 @@ def test_exact_pair_of_different_rope_hands_off_exactly(family, source_rope, tar
     """Both models attend only in their last layer, so content K/V are exactly linear in each other whatever the
     RoPE; the logits then depend on the source RoPE being stripped and the target's applied exactly."""
     source, target = exact_pair("rope", family, source_rope, target_rope)
+    assert source.config.rope_parameters != target.config.rope_parameters
     mapper = fit_mapper(source, target, random_batches(), EXACT_FIT, progress=False)
     assert_hands_off_exactly(source, target, mapper)
 
