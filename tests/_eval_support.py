@@ -1,55 +1,9 @@
-"""Shared helpers of the evaluation tests: a byte-level tokenizer and tiny random Qwen2 models."""
+"""Shared helpers of the evaluation tests: stand-in mappers, short items, a reference log-prob. (The byte-level
+tokenizer and the tiny models are conftest's `ByteTokenizer` and `tiny_model(..., **BYTE_MODEL)`.)"""
 
 from __future__ import annotations
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
-
-EOS = 256
-VOCAB = 260
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (0–255), EOS = 256; no download, exactly invertible."""
-
-    eos_token_id = EOS
-    bos_token_id = None
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
-        return {"input_ids": self.encode(text, add_special_tokens)}
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
-
-    def get_vocab(self) -> dict[str, int]:
-        return {**{f"<0x{i:02X}>": i for i in range(256)}, "<eos>": EOS}
-
-
-class BosByteTokenizer(ByteTokenizer):
-    """Like ByteTokenizer, but prepends a BOS (id 257) when asked for special tokens."""
-
-    bos_token_id = 257
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return ([self.bos_token_id] if add_special_tokens else []) + super().encode(text)
-
-
-def tiny_qwen2(seed: int = 0, layers: int = 2) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config).eval()
 
 
 class IdentityMapper:

@@ -48,8 +48,14 @@ def tiny_model(
     kv_heads: int = 2,
     heads: int = 4,
     seed: int = 0,
+    qk_scale: float = 4.0,
+    attn_implementation: str | None = "eager",
     **overrides,
 ):
+    """A tiny random model of `family` (hidden 64). overrides go to the config (vocab_size, max_position_embeddings,
+    tie_word_embeddings, rope_parameters, ...); qk_scale multiplies the q/k weights (random init gives near-uniform
+    attention; larger q/k weights make attention, and RoPE, matter); attn_implementation None: transformers' default.
+    """
     config_cls, model_cls, extra = FAMILIES[family]
     settings = dict(
         vocab_size=VOCAB,
@@ -63,15 +69,51 @@ def tiny_model(
         tie_word_embeddings=False,
     )
     config = config_cls(**{**settings, **extra, **overrides})
-    config._attn_implementation = "eager"
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = model_cls(config).eval()
-    # random init gives near-uniform attention; larger q/k weights make attention (and RoPE) matter
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4.0)
-            layer.self_attn.k_proj.weight.mul_(4.0)
+    if qk_scale != 1.0:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(qk_scale)
+                layer.self_attn.k_proj.weight.mul_(qk_scale)
     return model
+
+
+#: tiny_model settings of the byte-level evaluation tests: ByteTokenizer's vocabulary, long contexts, plain init
+BYTE_MODEL = {"vocab_size": 260, "max_position_embeddings": 8192, "qk_scale": 1.0, "attn_implementation": None}
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (byte + offset), no download, exactly invertible; called like a Hugging Face
+    tokenizer (one text or a list of texts) or through `encode`. bos (if any) is prepended when special tokens
+    are asked for. Default: ids 0–255, EOS 256, no BOS (models of vocab ≥ 260, see BYTE_MODEL)."""
+
+    name_or_path = "byte-tokenizer"
+
+    def __init__(self, offset: int = 0, eos: int | None = 256, bos: int | None = None) -> None:
+        self.offset, self.eos_token_id, self.bos_token_id = offset, eos, bos
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        special = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
+        return special + [b + self.offset for b in text.encode("utf-8")]
+
+    def __call__(self, text, add_special_tokens: bool = True) -> dict:
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        data = bytes(int(i) - self.offset for i in ids if 0 <= int(i) - self.offset < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def get_vocab(self) -> dict[str, int]:
+        vocab = {f"<0x{i:02X}>": i + self.offset for i in range(256)}
+        for name, token in (("<eos>", self.eos_token_id), ("<bos>", self.bos_token_id)):
+            if token is not None:
+                vocab[name] = token
+        return vocab
 
 
 @torch.no_grad()
@@ -184,3 +226,154 @@ def random_batches(count: int = 6, batch: int = 2, tokens: int = 48, seed: int =
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request):
     return request.param
+
+
+# -- exactly related pairs of different geometry and RoPE ---------------------------------------------------------
+#
+# Each builder returns a model whose outputs equal its input's and whose content-space K/V (keys before RoPE, after
+# k_norm; values) are an exact linear function of its input's, layer by layer; `exact_pair` combines one with
+# `exactly_related`, so the map between the pair is exact but not the identity.
+
+
+def _blank_like(model, **changes):
+    """A freshly initialised model of `model`'s class and config, with `changes` to the config."""
+    data = model.config.to_dict()
+    data.pop("layer_types", None)  # derived from num_hidden_layers
+    config = type(model.config).from_dict({**data, **changes})
+    config._attn_implementation = "eager"
+    return type(model)(config).eval()
+
+
+def _copy_outer(dst, src):
+    """Embeddings, final norm and LM head."""
+    for name in ("embed_tokens", "norm"):
+        getattr(dst.model, name).load_state_dict(getattr(src.model, name).state_dict())
+    dst.lm_head.load_state_dict(src.lm_head.state_dict())
+
+
+@torch.no_grad()
+def with_identity_layers(model, before=(1,)):
+    """`model` with an extra identity layer inserted before each layer in `before`: its o_proj and MLP down_proj are
+    zero (the residual stream passes unchanged), and its norm/q/k/v weights copy the layer whose input it sees, so its
+    K/V equal that layer's exactly."""
+    layers = model.model.layers
+    plan = [(i, identity) for i in range(len(layers)) for identity in ((True, False) if i in before else (False,))]
+    grown = _blank_like(model, num_hidden_layers=len(plan))
+    _copy_outer(grown, model)
+    for dst, (i, identity) in zip(grown.model.layers, plan, strict=True):
+        dst.load_state_dict(layers[i].state_dict())
+        if identity:
+            for linear in (dst.self_attn.o_proj, dst.mlp.down_proj):
+                linear.weight.zero_()
+                if linear.bias is not None:
+                    linear.bias.zero_()
+    return grown
+
+
+@torch.no_grad()
+def with_duplicated_kv_heads(model):
+    """`model` with twice the KV heads: KV head g becomes heads 2g and 2g+1 (copies), so query head h, in group
+    h // (group/2), still reads a copy of its KV head h // group; q and o_proj are unchanged. Needs group ≥ 2."""
+    cfg = model.config
+    assert cfg.num_attention_heads // cfg.num_key_value_heads >= 2
+    state = model.state_dict()
+    for name, tensor in list(state.items()):
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            state[name] = tensor.unflatten(0, (cfg.num_key_value_heads, -1)).repeat_interleave(2, 0).flatten(0, 1)
+    doubled = _blank_like(model, num_key_value_heads=2 * cfg.num_key_value_heads)
+    doubled.load_state_dict(state)
+    return doubled
+
+
+@torch.no_grad()
+def with_doubled_head_dim(model):
+    """`model` with head_dim D = 2d: key/query pair i (dims i, i + d/2) moves to pair 2i (dims 2i, 2i + d), whose
+    frequency θ^(-4i/2d) equals θ^(-2i/d); the other q/k dims are zero. Values fill dims 0..d−1 (the rest zero) and
+    o_proj gains zero columns. q is scaled by √2 against the softmax scale 1/√D (Qwen3: q_norm weight ÷ √2 and both
+    norms' ε halved, so the RMS over D dims with zeros is exactly the RMS over d ÷ √2)."""
+    cfg = model.config
+    d, heads, kv_heads = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    place = torch.cat([2 * torch.arange(d // 2), 2 * torch.arange(d // 2) + d])
+    has_norm = hasattr(model.model.layers[0].self_attn, "k_norm")
+    q_factor = 1.0 if has_norm else 2**0.5
+
+    def spread(tensor, count, index, factor=1.0):  # [count·d, ...] → [count·2d, ...], source dim j → index[j]
+        out = tensor.new_zeros(count, 2 * d, *tensor.shape[1:])
+        out[:, index] = factor * tensor.unflatten(0, (count, d))
+        return out.flatten(0, 1)
+
+    state = model.state_dict()
+    for name, tensor in list(state.items()):
+        if ".self_attn.q_proj." in name:
+            state[name] = spread(tensor, heads, place, q_factor)
+        elif ".self_attn.k_proj." in name:
+            state[name] = spread(tensor, kv_heads, place)
+        elif ".self_attn.v_proj." in name:
+            state[name] = spread(tensor, kv_heads, torch.arange(d))
+        elif ".self_attn.o_proj.weight" in name:
+            state[name] = spread(tensor.T, heads, torch.arange(d)).T
+        elif ".self_attn.q_norm." in name:
+            state[name] = spread(tensor, 1, place, 2**-0.5)
+        elif ".self_attn.k_norm." in name:
+            state[name] = spread(tensor, 1, place)
+    wide = _blank_like(model, head_dim=2 * d)
+    wide.load_state_dict(state)
+    if has_norm:
+        for layer in wide.model.layers:
+            layer.self_attn.q_norm.variance_epsilon /= 2
+            layer.self_attn.k_norm.variance_epsilon /= 2
+    return wide
+
+
+@torch.no_grad()
+def attention_only_in_last_layer(model):
+    """A copy of `model` whose o_proj is zero in every layer but the last: every layer's input (so its content K/V)
+    then does not depend on attention, hence not on RoPE; only the last layer's attention reaches the logits."""
+    quiet = copy.deepcopy(model)
+    for layer in quiet.model.layers[:-1]:
+        layer.self_attn.o_proj.weight.zero_()
+    return quiet
+
+
+@torch.no_grad()
+def with_rope(model, rope_parameters: dict):
+    """`model`'s weights under other RoPE parameters."""
+    other = _blank_like(model, rope_parameters=dict(rope_parameters))
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+#: RoPE parameters of the exact RoPE pairs (the tiny models' context is 512, "original" 128)
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "llama3": LLAMA31_ROPE,
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    # no supported family applies partial rotary: with the default type Llama/Qwen2/Qwen3/Mistral ignore the factor
+    # and rotate every dim (other types would fail in their apply_rotary_pos_emb), so kvhandoff must ignore it too
+    "partial": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+}
+
+GEOMETRY_CHANGES = ("more_layers", "fewer_layers", "more_kv_heads", "fewer_kv_heads", "wider_heads", "narrower_heads")
+
+
+def exact_pair(change: str, family: str = "qwen2", source_rope: str = "default", target_rope: str = "default"):
+    """(source, target) whose content K/V are exactly linear in each other while their geometry or RoPE differ.
+
+    change: one of GEOMETRY_CHANGES (the target has more/fewer layers, KV heads, a wider/narrower head dim: the
+    builder above applied to the target, or to the source for "fewer"/"narrower"), or "rope": both models attend
+    only in their last layer (`attention_only_in_last_layer`), under `source_rope` / `target_rope` (ROPES names).
+    The target is then passed through `exactly_related`, so its cache is not the source's.
+    """
+    base = tiny_model(family, layers=3)
+    grow = {"layers": with_identity_layers, "kv_heads": with_duplicated_kv_heads, "heads": with_doubled_head_dim}
+    if change == "rope":
+        base = attention_only_in_last_layer(base)
+        source, target = with_rope(base, ROPES[source_rope]), with_rope(base, ROPES[target_rope])
+    elif change.startswith(("more_", "wider_")):
+        source, target = base, grow[change.split("_", 1)[1]](base)
+    elif change.startswith(("fewer_", "narrower_")):
+        source, target = grow[change.split("_", 1)[1]](base), base
+    else:
+        raise ValueError(change)
+    return source, exactly_related(target)

@@ -99,8 +99,8 @@ def test_run_analysis_writes_figures_json_and_correlations(pair, tmp_path):
     retention = [("k=1", 0.5), ("k=2", 0.8), ("k=all", 0.97), ("exact", 1.0)]
     run_analysis(source, target, random_batches(2, tokens=24, seed=5), mappers={"exact": exact},
                  stats=stats, ks=(1, 2, "all"), out_dir=tmp_path, retention=retention, progress=False)
-    for name in ("analysis.json", "heatmaps.png", "r2_vs_k.png", "selection.png", "attention.png"):
-        assert (tmp_path / name).read_bytes()[:4] in (b"\x89PNG", b'{\n  ')
+    for name in ("heatmaps.png", "r2_vs_k.png", "selection.png", "attention.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads((tmp_path / "analysis.json").read_text())
     assert set(saved["mappers"]) == {"exact", "k=1", "k=2", "k=all"}
     assert torch.tensor(saved["calibration_r2"]).shape == (2, 3, 3)
@@ -109,8 +109,11 @@ def test_run_analysis_writes_figures_json_and_correlations(pair, tmp_path):
     assert post_rope.shape == content.shape == (3, 3)
     assert content.diagonal().min() > 0.999  # the exactly related target's keys are a linear map of the source's
     assert saved["mappers"]["k=1"]["selected_layers"] == [[0], [1], [2]]  # the diagonal structure
-    assert all(row["retention"] is not None for row in saved["summary"])
-    assert saved["correlations"]["rows"] == 4 and -1 <= saved["correlations"]["r2_k"] <= 1
+    assert {row["mapper"]: row["retention"] for row in saved["summary"]} == dict(retention)
+    assert saved["correlations"]["rows"] == 4
+    r2_k, kept = ([row[m] for row in saved["summary"]] for m in ("r2_k", "retention"))
+    expected = torch.corrcoef(torch.tensor([r2_k, kept], dtype=torch.float64))[0, 1]
+    assert saved["correlations"]["r2_k"] == pytest.approx(float(expected))
 
 
 def test_retention_sources(tmp_path):

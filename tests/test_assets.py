@@ -26,7 +26,7 @@ from kvhandoff.assets import (
 )
 from kvhandoff.errors import AssetError
 
-from conftest import chat_tokenizer, tiny_tokenizer
+from conftest import chat_tokenizer, tiny_model, tiny_tokenizer
 
 
 @pytest.fixture
@@ -210,20 +210,9 @@ def test_prepare_is_a_noop_when_complete(tmp_path, monkeypatch, home):
 
 
 def _tiny_qwen2(tie: bool):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    """A plain tiny Qwen2 for tiny_tokenizer (vocab 300), saved and loaded as a local model."""
+    return tiny_model("qwen2", vocab_size=300, max_position_embeddings=128, tie_word_embeddings=tie, qk_scale=1.0,
+                      attn_implementation=None)
 
 
 def test_load_model_from_local_directory(tmp_path):

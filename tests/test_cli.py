@@ -122,7 +122,7 @@ def test_tune_on_the_gsm8k_dev_set(pair, tmp_path):
     saved = json.loads(out.read_text())
     assert saved["dev"]["kind"] == "gsm8k-dev-pool" and saved["rows"][0]["documents"] == 1
     assert "prefix_len" not in saved and saved["calibration_windows"] == 3  # prose-only settings left out
-    assert saved["rows"][0]["mean_kl"] >= 0
+    assert 0 < saved["rows"][0]["mean_kl"] < float("inf")  # an unrelated pair: the handoff changes the target
     bad = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--dev", "poems"])
     assert bad.exit_code != 0 and "gsm8k" in bad.output
 

@@ -23,28 +23,26 @@ from kvhandoff.corpus import (
 )
 from kvhandoff.errors import AssetError, ConfigError
 
-
-class ByteTokenizer:
-    """Token = UTF-8 byte + 1; id 0 is EOS. Called like a Hugging Face tokenizer."""
-
-    eos_token_id = 0
-    name_or_path = "byte-tokenizer"
-
-    def __call__(self, texts, add_special_tokens=False):
-        assert add_special_tokens is False
-        return {"input_ids": [[b + 1 for b in t.encode("utf-8")] for t in texts]}
+from conftest import ByteTokenizer
 
 
 class EncodeOnlyTokenizer:
+    """The same byte tokenizer without `__call__`: corpus then encodes text by text."""
+
     eos_token_id = 0
 
     def encode(self, text, add_special_tokens=False):
-        return [b + 1 for b in text.encode("utf-8")]
+        return CORPUS_TOKENIZER.encode(text, add_special_tokens)
+
+
+#: token = UTF-8 byte + 1, id 0 is EOS; its BOS would show (and break the windows' equality with
+#: EncodeOnlyTokenizer's) if calibration text were encoded with special tokens
+CORPUS_TOKENIZER = ByteTokenizer(offset=1, eos=0, bos=257)
 
 
 @pytest.fixture(scope="module")
 def tok() -> ByteTokenizer:
-    return ByteTokenizer()
+    return CORPUS_TOKENIZER
 
 
 def test_batches_have_the_requested_shape(tok):
@@ -172,11 +170,8 @@ def test_single_source_and_errors(tok):
     with pytest.raises(ConfigError, match="hold only"):
         calibration_batches(tok, 100_000, 1024, sources=("lambada",))
 
-    class NoEos(ByteTokenizer):
-        eos_token_id = None
-
     with pytest.raises(ConfigError, match="eos"):
-        calibration_batches(NoEos(), 3, 64)
+        calibration_batches(ByteTokenizer(offset=1, eos=None), 3, 64)
 
 
 def test_pack_texts_for_user_text(tok):

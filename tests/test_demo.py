@@ -7,25 +7,21 @@ from kvhandoff.config import CalibrationSpec
 from kvhandoff.demo import agreement, demo_context, mapped_length, run_demo
 from kvhandoff.errors import ConfigError, MapperMismatchError
 
-from conftest import exactly_related, random_batches, save_tiny_pair, tiny_model
-
-
-class CharTokenizer:
-    def __call__(self, text, return_tensors=None):
-        return {"input_ids": [ord(c) % 128 for c in text]}
+from conftest import ByteTokenizer, exactly_related, random_batches, save_tiny_pair, tiny_model
 
 
 def test_demo_context_is_long_real_coqa_with_an_open_question():
-    context = demo_context(CharTokenizer(), min_tokens=1000)
-    assert len(context.text) >= 1000 and context.text.endswith("A:")
+    tok = ByteTokenizer()
+    context = demo_context(tok, min_tokens=1000)
+    assert len(tok.encode(context.text)) >= 1000 and context.text.endswith("A:")
     assert context.gold_answers
     assert context.text == context.history + context.new_turn and context.history.endswith("\n\n")
     assert context.new_turn.startswith("Q: ") and "\n\nQ: " not in context.new_turn
-    ids = CharTokenizer()(context.text)["input_ids"]
-    assert mapped_length(CharTokenizer(), context, ids, "all") == len(ids) - 1
-    assert mapped_length(CharTokenizer(), context, ids, "history") == len(context.history)
+    ids = tok(context.text)["input_ids"]
+    assert mapped_length(tok, context, ids, "all") == len(ids) - 1
+    assert mapped_length(tok, context, ids, "history") == len(tok.encode(context.history))
     with pytest.raises(ConfigError, match="history"):
-        mapped_length(CharTokenizer(), context, ids, "question")
+        mapped_length(tok, context, ids, "question")
 
 
 @pytest.mark.parametrize("mapped", ["all", "history"])
@@ -38,7 +34,9 @@ def test_demo_runs_on_a_tiny_pair(tmp_path, monkeypatch, mapped):
     assert result["mapped_tokens"] + result["target_prefilled_tokens"] == result["context_tokens"]
     new_turn = result["target_prefilled_tokens"]
     assert new_turn == 1 if mapped == "all" else 10 < new_turn < 300
-    assert result["handoff_ttft_seconds"] > 0 and 0 <= result["agreement_top1_agreement"] <= 1
+    assert result["handoff_ttft_seconds"] > 0
+    positions, top1 = result["agreement_positions"], result["agreement_top1_agreement"]
+    assert 1 <= positions <= 3 and top1 * positions == pytest.approx(round(top1 * positions))  # agreeing positions
 
 
 def test_demo_shows_a_saved_mapper_and_refuses_one_of_another_pair(tmp_path, monkeypatch):

@@ -9,9 +9,11 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from _eval_support import ByteTokenizer, NoisyMapper, tiny_qwen2
+from _eval_support import NoisyMapper
 from kvhandoff.errors import ConfigError, IncompatiblePairError
 from kvhandoff.evaluation import cli as C
+
+from conftest import BYTE_MODEL, ByteTokenizer, tiny_model
 
 MODELS = {}
 
@@ -21,8 +23,8 @@ def app(monkeypatch):
     import kvhandoff.assets
     import kvhandoff.mapper
 
-    MODELS.setdefault("small", tiny_qwen2(seed=0))
-    MODELS.setdefault("large", tiny_qwen2(seed=1))
+    MODELS.setdefault("small", tiny_model("qwen2", seed=0, **BYTE_MODEL))
+    MODELS.setdefault("large", tiny_model("qwen2", seed=1, **BYTE_MODEL))
     loaded = []
 
     def fake_load_model(spec, dtype=torch.float32, progress=True):

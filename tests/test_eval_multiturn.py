@@ -6,9 +6,11 @@ import dataclasses
 
 import pytest
 
-from _eval_support import ByteTokenizer, IdentityMapper, NoisyMapper, tiny_qwen2
+from _eval_support import IdentityMapper, NoisyMapper
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation import multiturn as MT
+
+from conftest import BYTE_MODEL, ByteTokenizer, tiny_model
 
 TOK = ByteTokenizer()
 
@@ -49,7 +51,7 @@ def test_schedules():
 
 
 def test_identity_handoffs_do_not_drift(conversations):
-    model = tiny_qwen2(seed=0)
+    model = tiny_model("qwen2", seed=0, **BYTE_MODEL)
     out = MT.multiturn_switching(model, model, IdentityMapper(), IdentityMapper(), TOK, conversations,
                                  max_new_tokens=3)
     assert out["conversations"] == 1 and out["turns"] == 10
@@ -65,7 +67,7 @@ def test_identity_handoffs_do_not_drift(conversations):
 
 
 def test_switches_hand_over_the_whole_cache(conversations):
-    small, large = tiny_qwen2(seed=0), tiny_qwen2(seed=1)
+    small, large = tiny_model("qwen2", seed=0, **BYTE_MODEL), tiny_model("qwen2", seed=1, **BYTE_MODEL)
     handed: list[int] = []
 
     class Recording(NoisyMapper):
@@ -109,14 +111,14 @@ def test_summary_against_standalone_and_gold():
 
 
 def test_missing_mapper_is_a_config_error(conversations):
-    model = tiny_qwen2(seed=0)
+    model = tiny_model("qwen2", seed=0, **BYTE_MODEL)
     conv = dataclasses.replace(conversations[0], turns=conversations[0].turns[:2])
     with pytest.raises(ConfigError, match="no mapper"):
         MT.run_conversation(conv, ["a", "b"], {"a": model, "b": model}, {}, TOK, 2)
 
 
 def test_exact_prefix_patches_every_handoff(conversations):
-    model = tiny_qwen2(seed=0)
+    model = tiny_model("qwen2", seed=0, **BYTE_MODEL)
     conv = dataclasses.replace(conversations[0], turns=conversations[0].turns[:3])
     models = {"a": model, "b": model}
     mappers = {("a", "b"): NoisyMapper(scale=3.0), ("b", "a"): NoisyMapper(scale=3.0)}

@@ -7,17 +7,19 @@ import math
 import pytest
 import torch
 
-from _eval_support import IdentityMapper, NoisyMapper, full_sequence_logprob, tiny_qwen2
+from _eval_support import IdentityMapper, NoisyMapper, full_sequence_logprob
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation import perplexity as P
 from kvhandoff.evaluation.scoring import Standalone
+
+from conftest import BYTE_MODEL, tiny_model
 
 
 @pytest.fixture(scope="module")
 def setup():
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 256, (n,), generator=gen) for n in (40, 20, 64)]  # the 20-token one is too short
-    return tiny_qwen2(seed=0), tiny_qwen2(seed=1), docs
+    return tiny_model("qwen2", seed=0, **BYTE_MODEL), tiny_model("qwen2", seed=1, **BYTE_MODEL), docs
 
 
 def test_identity_transfer_gives_ratio_one(setup):

@@ -5,26 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _eval_support import (
-    EOS,
-    BosByteTokenizer,
-    ByteTokenizer,
-    IdentityMapper,
-    NoisyMapper,
-    full_sequence_logprob,
-    short_items,
-    tiny_qwen2,
-)
+from _eval_support import IdentityMapper, NoisyMapper, full_sequence_logprob, short_items
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation import scoring as S
 from kvhandoff.evaluation.tasks import Choice, GenItem, MCItem, load_items
 
+from conftest import BYTE_MODEL, ByteTokenizer, tiny_model
+
 TOK = ByteTokenizer()
+EOS = TOK.eos_token_id
 
 
 @pytest.fixture(scope="module")
 def models():
-    return tiny_qwen2(seed=0), tiny_qwen2(seed=1)
+    return tiny_model("qwen2", seed=0, **BYTE_MODEL), tiny_model("qwen2", seed=1, **BYTE_MODEL)
 
 
 class Counting(S.Condition):
@@ -107,7 +101,7 @@ def test_continuation_logprobs_rolls_back_between_choices(models):
 def test_encode_pair_follows_lm_eval():
     ctx, cont = S.encode_pair(TOK, "Answer: ", "yes")  # trailing space moves to the continuation
     assert TOK.decode(ctx) == "Answer:" and TOK.decode(cont) == " yes"
-    bos = BosByteTokenizer()
+    bos = ByteTokenizer(bos=257)
     ctx, cont = S.encode_pair(bos, "Q:", " a")
     assert ctx == [257, *b"Q:"] and cont == list(b" a")
 
@@ -138,16 +132,13 @@ def test_greedy_generation_matches_hf_generate(models):
 def test_generation_stops_at_stop_strings(models):
     target, _ = models
 
-    class Scripted(ByteTokenizer):
-        pass
-
     ids = TOK.encode("Some context for a generation test")
     full = S.generate_greedy(S.Standalone("target", target), TOK, ids, 10)
     assert len(full.encode("utf-8", errors="ignore")) <= 10 * 4
-    stop = full[2:4] if len(full) >= 4 else None
-    if stop:
-        cut = S.generate_greedy(S.Standalone("target", target), TOK, ids, 10, stop=(stop,))
-        assert cut == full[: full.find(stop)]
+    assert len(full) >= 4  # so that a stop string inside the continuation exists
+    stop = full[2:4]
+    cut = S.generate_greedy(S.Standalone("target", target), TOK, ids, 10, stop=(stop,))
+    assert cut == full[: full.find(stop)] and len(cut) < len(full)
 
 
 def test_generation_item_record(models):
@@ -413,7 +404,7 @@ def test_real_fewshot_prefixes_are_reused_token_prefixes(task):
 
     item = load_items(task)[0]
     context = item.choices[0].context if isinstance(item, MCItem) else item.context
-    for tok in (TOK, BosByteTokenizer(), tiny_tokenizer()):
+    for tok in (TOK, ByteTokenizer(bos=257), tiny_tokenizer()):
         prefix_ids = S.prefix_ids_of(tok, item)
         assert prefix_ids and S.reusable_prefix_len(S.encode(tok, context), prefix_ids) == len(prefix_ids)
 

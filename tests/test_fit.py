@@ -17,7 +17,7 @@ def test_any_k_from_the_same_statistics():
     for k in (1, 2, 4, "all"):
         mapper = mapper_from_statistics(stats, FitConfig(top_k=k, ridge_lambda=1e-6), *fps)
         assert mapper.top_k == (4 if k == "all" else k)
-        assert mapper.manifest["fit_metrics"]["r2_k_mean"] > 0.999
+        assert mapper.manifest["fit_metrics"]["r2_k_mean"] > 0.9999
 
 
 def test_calibration_description_and_token_count_recorded():
@@ -80,7 +80,7 @@ def test_joint_inputs_recover_maps_that_read_source_k_and_v(top_k):
     assert own_r2 + 0.1 < joint_r2 <= 1.0 + 1e-9
     if top_k == "all":  # every source layer is an input: the map is exact
         assert own_r2 < 0.9 and joint_r2 > 1 - 1e-6
-        assert torch.allclose(joint.map_feature_rows(x.float()), y.float(), atol=1e-3)
+        assert torch.allclose(joint.map_feature_rows(x.float()), y.float(), atol=1e-4, rtol=0)
 
 
 def test_joint_inputs_are_refused_with_the_heldout_choice():

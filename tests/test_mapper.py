@@ -53,7 +53,7 @@ def test_transfer_with_position_ids_offsets_rope():
     out = source(input_ids=ids, position_ids=positions, use_cache=True)
     own = target(input_ids=ids, position_ids=positions, use_cache=True).cache
     mapped = mapper.transfer(out.cache, position_ids=positions)
-    assert torch.allclose(mapped.layers[0].keys, own.layers[0].keys, atol=1e-3)
+    assert torch.allclose(mapped.layers[0].keys, own.layers[0].keys, atol=1e-4, rtol=0)
 
 
 def test_wrong_pair_is_refused(fitted, tmp_path):

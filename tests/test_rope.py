@@ -5,7 +5,7 @@ from transformers import LlamaConfig
 from kvhandoff.errors import UnsupportedModelError
 from kvhandoff.rope import apply_rope, rope_frequencies, strip_rope
 
-from conftest import LLAMA31_ROPE
+from conftest import LLAMA31_ROPE, tiny_model
 
 ROPE_CASES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -45,12 +45,23 @@ def test_strip_inverts_apply(case):
 def test_yarn_has_attention_scaling_and_partial_rotary_passes_rest_through():
     _, scaling = rope_frequencies(config_for(ROPE_CASES["yarn"]))
     assert scaling != 1.0
-    inv_freq, _ = rope_frequencies(config_for(ROPE_CASES["partial_rotary"]))
-    assert inv_freq.numel() == 8  # half of 16 rotary dims out of 32
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 16, 2) / 16)  # 16 rotary dims out of 32
     keys = torch.randn(1, 1, 5, 32)
     rotated = apply_rope(keys, torch.arange(5), inv_freq)
     assert torch.equal(rotated[..., 16:], keys[..., 16:])
     assert not torch.allclose(rotated[..., 1:, :16], keys[..., 1:, :16])
+    assert torch.equal(strip_rope(rotated, torch.arange(5), inv_freq)[..., 16:], keys[..., 16:])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("case", ["default", "linear", "llama3", "yarn", "partial_rotary"])
+def test_frequencies_are_the_models_own(family, case):
+    """Bit for bit the model's rotary embedding: a default-type config's partial_rotary_factor is ignored by every
+    supported family (all dims rotate), so kvhandoff ignores it too."""
+    model = tiny_model(family, head_dim=32, rope_parameters=dict(ROPE_CASES[case]))
+    inv_freq, scaling = rope_frequencies(model.config)
+    assert torch.equal(inv_freq, model.model.rotary_emb.inv_freq)
+    assert scaling == model.model.rotary_emb.attention_scaling
 
 
 def test_apply_matches_transformers_rotary_embedding():

@@ -25,7 +25,7 @@ def test_sweep_ranks_exact_fit_first_with_zero_divergence(setup):
                  model_fingerprint(source), model_fingerprint(target), (512, 512), progress=False)
     assert [row["ridge_lambda"] for row in rows] == [1e-6, 10.0]
     best, worst = rows
-    assert best["mean_kl"] < 1e-4 and best["top1_agreement"] == 1.0 and abs(best["ppl_ratio"] - 1) < 1e-3
+    assert best["mean_kl"] < 1e-7 and best["top1_agreement"] == 1.0 and abs(best["ppl_ratio"] - 1) < 1e-5
     assert worst["mean_kl"] > best["mean_kl"] and worst["ppl_ratio"] > 1
     assert best["tokens"] == 32 and best["documents"] == 2
 
@@ -35,7 +35,7 @@ def test_sweep_scores_each_exact_prefix(setup):
     rows = sweep(stats, [FitConfig(ridge_lambda=10.0)], divergence, model_fingerprint(source),
                  model_fingerprint(target), (512, 512), exact_prefixes=(0, 40), progress=False)
     by_prefix = {row["exact_prefix"]: row for row in rows}
-    assert by_prefix[40]["mean_kl"] < 1e-4 < by_prefix[0]["mean_kl"]  # whole cached prefix recomputed = own cache
+    assert by_prefix[40]["mean_kl"] < 1e-7 and by_prefix[0]["mean_kl"] > 1e-4  # whole prefix recomputed: own cache
 
 
 def test_short_documents_are_refused(setup):

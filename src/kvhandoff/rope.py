@@ -33,12 +33,14 @@ def rope_frequencies(config, seq_len: int | None = None) -> tuple[torch.Tensor, 
     """Inverse frequencies [rotary_dim // 2] (float32) and the attention scaling applied to cos/sin.
 
     `seq_len` matters only for types whose frequencies depend on the sequence length (dynamic, longrope).
-    The default rope type is computed as linear scaling with factor 1, which is the same formula.
+    The default rope type is computed as linear scaling with factor 1, which is the same formula, over the whole
+    head: the supported families' default RoPE rotates every dim whatever `partial_rotary_factor` says.
     """
     params = rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type == "default":
         config = copy.copy(config)
+        params.pop("partial_rotary_factor", None)  # the linear initialiser would honour it, the models do not
         config.rope_parameters = {**params, "rope_type": "linear", "factor": 1.0}
         rope_type = "linear"
     if rope_type not in ROPE_INIT_FUNCTIONS:
