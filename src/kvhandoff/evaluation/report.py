@@ -117,7 +117,7 @@ def markdown_report(results: Sequence[dict]) -> str:
 
 def plot_retention(results: Sequence[dict], path: str | Path) -> Path:
     """Bar chart of retention per task (bars per direction, bootstrap interval as error bars)."""
-    import matplotlib
+    import matplotlib  # heavy, and only needed for the chart
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
