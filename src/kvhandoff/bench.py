@@ -327,10 +327,26 @@ def run_bench(
     context = torch.randint(0, vocab, (1, lengths[-1]), generator=gen)  # every length is a prefix of it
     console = _console() if progress else None
     started = time.perf_counter()
+    _measure_lengths(result, source_model, target_model, mapper, context, lengths, repeats, warmup, measure_memory,
+                     new_turn, time_budget_s, console)
+    result["wall_seconds"] = time.perf_counter() - started
+    if out_dir is not None:
+        render_bench(result, out_dir)
+    if console is not None:
+        console.print(bench_table(result))
+    return result
+
+
+def _measure_lengths(result: dict, source_model, target_model, mapper: Mapper, context: torch.Tensor,
+                     lengths: list[int], repeats: int, warmup: int, measure_memory: bool, new_turn: int,
+                     time_budget_s: float | None, console) -> None:
+    """Append a row per length to result["results"] (a prefix of `context` each), until the time budget is
+    spent (the rest under "skipped") or a length runs out of memory ("failed")."""
+    started = time.perf_counter()
     for index, tokens in enumerate(lengths):
         if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
             result["skipped"] = lengths[index:]
-            break
+            return
         try:
             row = bench_length(source_model, target_model, mapper, context[:, :tokens], repeats, warmup,
                                measure_memory, new_turn)
@@ -339,7 +355,7 @@ def run_bench(
                 raise
             result["failed"].append({"tokens": tokens, "error": str(exc)[:300]})
             result["skipped"] = lengths[index + 1:]
-            break
+            return
         row.update(row_flops(result["target_flop_constants"], result["mapper"]["flops_per_token"], tokens,
                              new_turn, mapper.exact_prefix))
         result["results"].append(row)
@@ -349,12 +365,6 @@ def run_bench(
                 f"{_ms(row['transfer']['median'])}), re-prefill {_ms(row['reprefill']['median'])}: "
                 f"×{row['speedup']:.1f} (FLOP bound ×{row['flop_bound']:.1f})"
             )
-    result["wall_seconds"] = time.perf_counter() - started
-    if out_dir is not None:
-        render_bench(result, out_dir)
-    if console is not None:
-        console.print(bench_table(result))
-    return result
 
 
 def _checked_lengths(source_model, target_model, lengths, new_turn: int, repeats: int, warmup: int) -> list[int]:
