@@ -1,12 +1,14 @@
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
+from _eval_support import NoisyMapper
 from kvhandoff.cli import app
 from kvhandoff.mapper import Mapper
 
-from conftest import save_tiny_pair
+from conftest import BYTE_MODEL, ByteTokenizer, chat_tokenizer, save_tiny_pair, tiny_model
 
 
 @pytest.fixture
@@ -97,7 +99,7 @@ def test_fit_with_an_exam_mix_and_joint_inputs(pair, tmp_path):
     mapper = Mapper.load(tmp_path / "m")
     assert mapper.joint_inputs and mapper.manifest["calibration"]["mix"] == {"prose": 1, "exams": 1}
     bad = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--mix", "poetry"])
-    assert bad.exit_code != 0 and "mix" in str(bad.exception)
+    assert bad.exit_code == 2 and "--mix" in bad.output and "prose" in bad.output
 
 
 def test_tune_on_the_mmlu_dev_set_sweeps_inputs(pair, tmp_path):
@@ -147,3 +149,188 @@ def test_refine_writes_a_refined_mapper_and_never_overwrites_its_input(pair, tmp
     short = CliRunner().invoke(app, [*common, "--seq-len", "16", "--out", str(tmp_path / "s")])
     assert short.exit_code != 0 and "shorter than" in short.output
     assert (tmp_path / "m" / "mapper.safetensors").read_bytes() == before
+
+
+# -- eval and eval-render, with model loading faked by tiny models ------------------------------------------------
+MODELS = {}
+
+
+@pytest.fixture
+def fake_models(monkeypatch):
+    """`load_model` of "small" / "large" gives tiny random models with a byte tokenizer (`tokenizers` maps a name
+    to another tokenizer); `Mapper.load` gives a noisy stand-in mapper. Returns the names loaded, in order."""
+    import kvhandoff.assets
+    import kvhandoff.mapper
+
+    MODELS.setdefault("small", tiny_model("qwen2", seed=0, **BYTE_MODEL))
+    MODELS.setdefault("large", tiny_model("qwen2", seed=1, **BYTE_MODEL))
+    loaded = []
+
+    def fake_load_model(spec, dtype=torch.float32, progress=True):
+        loaded.append(spec)
+        return MODELS[spec], fake_models_tokenizers.get(spec, ByteTokenizer())
+
+    def fake_mapper_load(path, *args, **kwargs):
+        return NoisyMapper(scale=0.2, seed=len(str(path)))
+
+    fake_models_tokenizers.clear()
+    monkeypatch.setattr(kvhandoff.assets, "load_model", fake_load_model)
+    monkeypatch.setattr(kvhandoff.mapper.Mapper, "load", staticmethod(fake_mapper_load))
+    return loaded
+
+
+fake_models_tokenizers: dict = {}
+
+
+def test_eval_both_directions(fake_models, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [
+        "eval", "--source", "small", "--target", "large", "--mapper", str(tmp_path / "m"),
+        "--reverse-mapper", str(tmp_path / "rev"), "--tasks", "winogrande", "--limit", "2",
+        "--n-resamples", "20", "--out", str(out), "--no-progress",
+    ])
+    assert result.exit_code == 0, result.output
+    assert fake_models == ["small", "large"]
+    forward = json.loads((out / "forward.json").read_text())
+    reverse = json.loads((out / "reverse.json").read_text())
+    assert forward["direction"] == {"source": "small", "target": "large"}
+    assert reverse["direction"] == {"source": "large", "target": "small"}
+    assert forward["tasks"]["winogrande"]["n"] == 2
+    for name in ("summary.md", "summary.png", "forward.md", "reverse.png"):
+        assert (out / name).is_file()
+    assert "### small → large" in result.output and "### large → small" in result.output
+    # re-render from the result files alone
+    rendered = CliRunner().invoke(app, ["eval-render", str(out / "forward.json"), "--out", str(tmp_path / "r")])
+    assert rendered.exit_code == 0 and (tmp_path / "r" / "summary.png").is_file()
+
+
+def test_eval_with_statistics_and_k_sweep(fake_models, tmp_path):
+    from kvhandoff.config import FitConfig
+    from kvhandoff.fit import collect_statistics
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (2, 48), generator=gen) for _ in range(3)]
+    stats = collect_statistics(MODELS["small"], MODELS["large"], batches, FitConfig(token_stride=1), False)
+    stats.save(tmp_path / "stats")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [
+        "eval", "--source", "small", "--target", "large", "--statistics", str(tmp_path / "stats"),
+        "--sweep-k", "--sweep-limit", "2", "--tasks", "winogrande", "--limit", "2", "--n-resamples", "10",
+        "--out", str(out), "--no-progress",
+    ])
+    assert result.exit_code == 0, result.output
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert sweep["candidates"] == ["1", "all"] and "best k" in result.output
+    forward = json.loads((out / "forward.json").read_text())
+    assert forward["mapper"]["top_k"] == sweep["best_k"]
+    # --sweep-ks restricts the candidates (the dev records of k = 1 are reused from the first sweep)
+    result = CliRunner().invoke(app, [
+        "eval", "--source", "small", "--target", "large", "--statistics", str(tmp_path / "stats"),
+        "--sweep-k", "--sweep-ks", "1", "--sweep-limit", "2", "--tasks", "winogrande", "--limit", "2",
+        "--n-resamples", "10", "--out", str(out), "--no-progress",
+    ])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "sweep.json").read_text())["candidates"] == ["1"]
+
+
+def test_eval_argument_errors_exit_2_naming_the_option(fake_models, tmp_path):
+    base = ["eval", "--source", "small", "--target", "large", "--out", str(tmp_path), "--no-progress"]
+    for extra, named in ((["--mapper", "m", "--statistics", "s"], "--mapper"),
+                         (["--mapper", "m", "--sweep-k"], "--sweep-k"), (["--sweep-k"], "statistics"),
+                         (["--mapper", "m", "--dtype", "int8"], "--dtype"),
+                         (["--mapper", "m", "--tasks", "nope"], "--tasks"),
+                         (["--mapper", "m", "--sweep-ks", "1,zero"], "zero"),
+                         (["--mapper", "m", "--mapped", "question"], "history"),
+                         (["--mapper", "m", "--limit", "0"], "--limit"),
+                         (["--mapper", "m", "--exact-prefix", "-1"], "--exact-prefix")):
+        result = CliRunner().invoke(app, [*base, *extra])
+        assert result.exit_code == 2 and named in result.output, (extra, result.output)
+        assert result.output.startswith("error: ") and result.output.count("\n") == 1
+    assert fake_models == []  # refused before any model loads
+
+
+def test_tokenizers_must_agree(fake_models, tmp_path):
+    from kvhandoff.assets import load_pair
+
+    class Other(ByteTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            return [b ^ 1 for b in super().encode(text)]
+
+    class Renamed(ByteTokenizer):
+        pass
+
+    class OtherVocab(ByteTokenizer):
+        def get_vocab(self):
+            return {**super().get_vocab(), "<extra>": 258}
+
+    fake_models_tokenizers["large"] = Renamed()
+    assert load_pair("small", "large").target_tokenizer is fake_models_tokenizers["large"]
+    for tokenizer in (Other(), OtherVocab()):
+        fake_models_tokenizers["large"] = tokenizer
+        result = CliRunner().invoke(app, ["eval", "--source", "small", "--target", "large", "--mapper", "m",
+                                          "--tasks", "winogrande", "--out", str(tmp_path), "--no-progress"])
+        assert result.exit_code == 1 and result.output.startswith("error: ") and "tokenizers" in result.output
+
+
+# -- errors ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [
+    ["fit"], ["fit", "--texts", "TEXTS"], ["refine", "--mapper", "M", "--out", "R"], ["demo"], ["tune"],
+    ["eval", "--mapper", "M"], ["bench", "--synthetic"], ["analyze", "--mapper", "M"],
+])
+def test_every_entry_point_refuses_a_pair_whose_tokenizers_differ(command, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
+    small, large = save_tiny_pair(tmp_path)
+    chat_tokenizer().save_pretrained(large)  # same vocabulary, another end-of-sequence token
+    texts = tmp_path / "texts.txt"
+    texts.write_text("some text")
+    paths = {"TEXTS": str(texts), "M": str(tmp_path / "m"), "R": str(tmp_path / "r")}
+    result = CliRunner().invoke(app, [*(paths.get(a, a) for a in command), "--source", small, "--target", large])
+    assert result.exit_code == 1, result.output
+    last = result.output.rstrip("\n").split("\n")[-1]  # after the loading progress bars
+    assert last.startswith("error: ") and "tokenizers differ" in last
+    assert result.output.count("error: ") == 1 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("arguments", "option"), [
+    (["fit", "--top-k", "x"], "--top-k"),
+    (["fit", "--top-k", "0"], "--top-k"),
+    (["fit", "--lambda", "abc"], "--lambda"),
+    (["fit", "--lambda", "-1"], "--lambda"),
+    (["fit", "--sequences", "0"], "--sequences"),
+    (["fit", "--seq-len", "-5"], "--seq-len"),
+    (["fit", "--stride", "x"], "--stride"),
+    (["fit", "--exact-prefix", "-1"], "--exact-prefix"),
+    (["fit", "--inputs", "both"], "--inputs"),
+    (["fit", "--epochs", "0"], "--epochs"),
+    (["fit", "--sequences", "1", "--mix", "prose,exams"], "--sequences"),
+    (["refine", "--mapper", "m", "--out", "r", "--steps", "-2"], "--steps"),
+    (["refine", "--mapper", "m", "--out", "r", "--lr", "0"], "--lr"),
+    (["refine", "--mapper", "m", "--out", "r", "--min-context", "9", "--max-context", "8"], "--min-context"),
+    (["demo", "--top-k", "heldout"], "--top-k"),
+    (["demo", "--repeats", "0"], "--repeats"),
+    (["tune", "--ks", "1,x"], "--ks"),
+    (["tune", "--lambdas", "0.1,abc"], "--lambdas"),
+    (["tune", "--exact-prefixes", "0,-1"], "--exact-prefixes"),
+    (["tune", "--inputs", "own,both"], "--inputs"),
+    (["tune", "--docs", "0"], "--docs"),
+    (["tune", "--dev", "poems"], "--dev"),
+    (["bench", "--lengths", "5,x"], "--lengths"),
+    (["bench", "--lengths", ""], "--lengths"),
+    (["bench", "--warmup", "-1"], "--warmup"),
+    (["bench", "--top-k", "-3"], "--top-k"),
+    (["bench", "--budget", "0"], "--budget"),
+    (["analyze", "--ks", "all,0"], "--ks"),
+    (["analyze", "--windows", "0"], "--windows"),
+    (["eval", "--n-resamples", "x"], "--n-resamples"),
+    (["fit", "--no-such-option"], "--no-such-option"),
+])
+def test_bad_command_line_values_exit_2_with_one_line(arguments, option):
+    result = CliRunner().invoke(app, arguments)
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and option in result.output
+    assert result.output.count("\n") == 1  # one line, no traceback
+
+
+def test_no_arguments_show_the_help():
+    result = CliRunner().invoke(app, [])
+    assert "Commands" in result.output and "eval-render" in result.output

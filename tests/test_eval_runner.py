@@ -10,12 +10,23 @@ import torch
 from _eval_support import IdentityMapper, NoisyMapper
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation import runner as R
+from kvhandoff.evaluation.options import EvalOptions, OutputOptions, ScoringOptions
 from kvhandoff.evaluation.tasks import load_items
+from kvhandoff.files import atomic_write_json
+from kvhandoff.geometry import model_fingerprint, tokenizer_hash
 
 from conftest import BYTE_MODEL, ByteTokenizer, tiny_model
 
 TOK = ByteTokenizer()
-FAST = dict(tokenizer=TOK, n_resamples=50, progress=False, max_new_tokens=4)
+
+
+def evaluate(source, target, mapper, tasks, limit=100, seed=0, out_dir=None, *, mapped="all", exact_prefix=None,
+             result_name="results", reverse_mapper=None, documents=None, on_item=None, **scoring):
+    """`run_eval` with fast scoring settings (few resamples, short generations) and no progress bars."""
+    return R.run_eval(source, target, mapper, TOK, EvalOptions(tasks, limit, seed, mapped, exact_prefix),
+                      ScoringOptions(**{"n_resamples": 50, "max_new_tokens": 4, **scoring}),
+                      OutputOptions(out_dir, result_name, progress=False),
+                      reverse_mapper=reverse_mapper, documents=documents, on_item=on_item)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +78,8 @@ def test_item_store_survives_a_torn_line(tmp_path):
 
 def test_identity_transfer_has_retention_exactly_one(models, tmp_path):
     target, _ = models
-    result = R.run_eval(target, target, IdentityMapper(), "arc_challenge,winogrande", limit=4, seed=0,
-                        out_dir=tmp_path, **FAST)
+    result = evaluate(target, target, IdentityMapper(), "arc_challenge,winogrande", limit=4, seed=0,
+                        out_dir=tmp_path)
     for name in ("arc_challenge", "winogrande"):
         task = result["tasks"][name]
         acc = task["accuracy"]
@@ -82,23 +93,23 @@ def test_identity_transfer_has_retention_exactly_one(models, tmp_path):
 
 def test_history_mapping_in_the_runner(models, tmp_path):
     target, source = models
-    result = R.run_eval(source, target, NoisyMapper(scale=0.3), "arc_challenge,mmlu", limit=2, seed=0,
-                        out_dir=tmp_path, mapped="history", **FAST)
+    result = evaluate(source, target, NoisyMapper(scale=0.3), "arc_challenge,mmlu", limit=2, seed=0,
+                        out_dir=tmp_path, mapped="history")
     assert result["mapped"] == "history" and set(result["tasks"]) == {"mmlu"}
     assert "few-shot history" in result["skipped"]["arc_challenge"]
     assert "new turn" in (tmp_path / "results.md").read_text()
     # its transfer records are kept apart from the whole-context transfer's; the standalone ones are shared
-    whole = R.run_eval(source, target, NoisyMapper(scale=0.3), "mmlu", limit=2, seed=0, out_dir=tmp_path, **FAST)
+    whole = evaluate(source, target, NoisyMapper(scale=0.3), "mmlu", limit=2, seed=0, out_dir=tmp_path)
     files = sorted(p.name for p in (tmp_path / "items" / "mmlu").glob("*.jsonl"))
     assert len(files) == 4 and sum(name.startswith("transfer-") for name in files) == 2
     assert whole["mapped"] == "all" and "skipped" not in whole
     with pytest.raises(ConfigError, match="mapped"):
-        R.run_eval(source, target, NoisyMapper(), "mmlu", limit=1, mapped="turn", **FAST)
+        evaluate(source, target, NoisyMapper(), "mmlu", limit=1, mapped="turn")
 
 
 def test_generation_task_in_the_runner(models, tmp_path):
     target, _ = models
-    result = R.run_eval(target, target, IdentityMapper(), "gsm8k", limit=1, seed=0, out_dir=tmp_path, **FAST)
+    result = evaluate(target, target, IdentityMapper(), "gsm8k", limit=1, seed=0, out_dir=tmp_path)
     task = result["tasks"]["gsm8k"]
     assert task["primary_metric"] == "exact_match" and task["chance"] == 0.0
     files = sorted((tmp_path / "items" / "gsm8k").glob("*.jsonl"))
@@ -109,8 +120,8 @@ def test_generation_task_in_the_runner(models, tmp_path):
 def test_resume_after_a_crash_recomputes_nothing(models, tmp_path):
     target, source = models
     mapper = NoisyMapper(scale=0.3)
-    clean = R.run_eval(source, target, mapper, "arc_challenge,winogrande", limit=3, seed=4,
-                       out_dir=tmp_path / "clean", **FAST)
+    clean = evaluate(source, target, mapper, "arc_challenge,winogrande", limit=3, seed=4,
+                       out_dir=tmp_path / "clean")
     computed: list[tuple[str, str, str]] = []
 
     def crash_after_five(task, condition, record):
@@ -120,20 +131,20 @@ def test_resume_after_a_crash_recomputes_nothing(models, tmp_path):
 
     out = tmp_path / "resumed"
     with pytest.raises(Crash):
-        R.run_eval(source, target, mapper, "arc_challenge,winogrande", limit=3, seed=4, out_dir=out,
-                   on_item=crash_after_five, **FAST)
+        evaluate(source, target, mapper, "arc_challenge,winogrande", limit=3, seed=4, out_dir=out,
+                   on_item=crash_after_five)
     assert not (out / "results.json").exists()
     first = list(computed)
     computed.clear()
-    resumed = R.run_eval(source, target, mapper, "arc_challenge,winogrande", limit=3, seed=4, out_dir=out,
-                         on_item=lambda *a: computed.append((a[0], a[1], a[2]["id"])), **FAST)
+    resumed = evaluate(source, target, mapper, "arc_challenge,winogrande", limit=3, seed=4, out_dir=out,
+                         on_item=lambda *a: computed.append((a[0], a[1], a[2]["id"])))
     assert len(first) == 5 and len(computed) == 2 * 3 * 3 - 5
     assert not set(first) & set(computed)  # nothing computed twice
     assert same(resumed, clean)
     # a finished run re-renders without computing anything
     computed.clear()
-    again = R.run_eval(source, target, mapper, "arc_challenge,winogrande", limit=3, seed=4, out_dir=out,
-                       on_item=lambda *a: computed.append(a), **FAST)
+    again = evaluate(source, target, mapper, "arc_challenge,winogrande", limit=3, seed=4, out_dir=out,
+                       on_item=lambda *a: computed.append(a))
     assert computed == [] and same(again, clean)
     for f in (out / "items").rglob("*.jsonl"):
         ids = [json.loads(line).get("id") for line in f.read_text().splitlines()[1:]]
@@ -142,14 +153,14 @@ def test_resume_after_a_crash_recomputes_nothing(models, tmp_path):
 
 def test_directions_share_standalone_records_and_mappers_are_keyed(models, tmp_path):
     a, b = models
-    R.run_eval(a, b, NoisyMapper(seed=1), "arc_challenge", limit=2, seed=0, out_dir=tmp_path, **FAST)
+    evaluate(a, b, NoisyMapper(seed=1), "arc_challenge", limit=2, seed=0, out_dir=tmp_path)
     computed: list = []
 
     def hook(task, condition, record):
         computed.append(condition)
 
-    R.run_eval(b, a, NoisyMapper(seed=2), "arc_challenge", limit=2, seed=0, out_dir=tmp_path,
-               result_name="reverse", on_item=hook, **FAST)
+    evaluate(b, a, NoisyMapper(seed=2), "arc_challenge", limit=2, seed=0, out_dir=tmp_path,
+               result_name="reverse", on_item=hook)
     assert computed == ["transfer", "transfer"]  # both standalone runs come from the forward run's files
 
     class OtherMapper(NoisyMapper):
@@ -158,11 +169,11 @@ def test_directions_share_standalone_records_and_mappers_are_keyed(models, tmp_p
             self.manifest = {"config": {"top_k": 1}}
 
     computed.clear()
-    R.run_eval(a, b, OtherMapper(), "arc_challenge", limit=2, seed=0, out_dir=tmp_path, on_item=hook, **FAST)
+    evaluate(a, b, OtherMapper(), "arc_challenge", limit=2, seed=0, out_dir=tmp_path, on_item=hook)
     assert computed == ["transfer", "transfer"]  # a different mapper never reuses stale transfer records
     computed.clear()
-    result = R.run_eval(a, b, NoisyMapper(seed=1), "arc_challenge", limit=2, seed=0, out_dir=tmp_path,
-                        exact_prefix=2, on_item=hook, **FAST)
+    result = evaluate(a, b, NoisyMapper(seed=1), "arc_challenge", limit=2, seed=0, out_dir=tmp_path,
+                        exact_prefix=2, on_item=hook)
     assert computed == ["transfer", "transfer"] and result["exact_prefix"] == 2
 
 
@@ -170,31 +181,31 @@ def test_perplexity_and_coqa_in_the_runner(models, tmp_path):
     target, _ = models
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 256, (40,), generator=gen) for _ in range(2)]
-    result = R.run_eval(target, target, IdentityMapper(), "perplexity,coqa", limit=2, seed=0, out_dir=tmp_path,
+    result = evaluate(target, target, IdentityMapper(), "perplexity,coqa", limit=2, seed=0, out_dir=tmp_path,
                         reverse_mapper=IdentityMapper(), documents=docs, perplexity_docs=2, prefix_len=12,
-                        continuation_len=8, coqa_conversations=1, coqa_turns=2, coqa_max_new_tokens=2, **FAST)
+                        continuation_len=8, coqa_conversations=1, coqa_turns=2, coqa_max_new_tokens=2)
     assert result["perplexity"]["ratio"] == 1.0 and len(result["perplexity"]["document_ids"]) == 2
     coqa = result["coqa"]
     assert coqa["conversations"] == 1 and coqa["turns"] == 2
     assert coqa["runs"]["switch_source_first"]["f1_vs_standalone_per_turn"] == [1.0, 1.0]
     assert "Conditional perplexity" in (tmp_path / "results.md").read_text()
     with pytest.raises(ConfigError, match="reverse mapper"):
-        R.run_eval(target, target, IdentityMapper(), "coqa", limit=1, out_dir=tmp_path, **FAST)
+        evaluate(target, target, IdentityMapper(), "coqa", limit=1, out_dir=tmp_path)
 
 
 def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
     path = tmp_path / "r.json"
-    R.atomic_write_json(path, {"ok": 1})
+    atomic_write_json(path, {"ok": 1})
     with pytest.raises(TypeError):
-        R.atomic_write_json(path, {"bad": object()})
+        atomic_write_json(path, {"bad": object()})
     assert json.loads(path.read_text()) == {"ok": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
 def test_identities():
     m0, m1 = tiny_model("qwen2", seed=0, **BYTE_MODEL), tiny_model("qwen2", seed=1, **BYTE_MODEL)
-    assert R.model_identity(m0) == R.model_identity(tiny_model("qwen2", seed=0, **BYTE_MODEL))
-    assert R.model_identity(m0) != R.model_identity(m1)
+    assert model_fingerprint(m0) == model_fingerprint(tiny_model("qwen2", seed=0, **BYTE_MODEL))
+    assert model_fingerprint(m0) != model_fingerprint(m1)
     assert R.mapper_identity(IdentityMapper())["class"].endswith("IdentityMapper")
 
     class WithManifest:
@@ -213,23 +224,22 @@ def test_identities():
     before = R.mapper_identity(counted)
     counted.transfer(None)
     assert R.mapper_identity(counted) == before
-    assert R.tokenizer_identity(TOK) == R.tokenizer_identity(ByteTokenizer())
+    assert tokenizer_hash(TOK) == tokenizer_hash(ByteTokenizer())
     assert R.slug("Qwen/Qwen2.5 0.5B!") == "qwen-qwen2.5-0.5b"
 
 
 @pytest.mark.real_models
 def test_real_pair_transfer_retains_most_of_the_target(tmp_path):
     """The default pair with a mapper fitted on the built-in calibration corpus (slow: ~25 min on 2 busy CPUs)."""
-    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
+    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, load_pair
     from kvhandoff.corpus import calibration_batches
     from kvhandoff.fit import fit_mapper
 
-    source, tokenizer = load_model(DEFAULT_SOURCE, progress=False)
-    target, _ = load_model(DEFAULT_TARGET, progress=False)
-    mapper = fit_mapper(source, target, calibration_batches(tokenizer, 32, 256), source_tokenizer=tokenizer,
-                        target_tokenizer=tokenizer, progress=False)
-    result = R.run_eval(source, target, mapper, "arc_easy,piqa", limit=40, seed=0, out_dir=tmp_path,
-                        tokenizer=tokenizer, n_resamples=200, progress=False)
+    pair = load_pair(DEFAULT_SOURCE, DEFAULT_TARGET, progress=False)
+    mapper = fit_mapper(pair.source, pair.target, calibration_batches(pair.tokenizer, 32, 256),
+                        source_tokenizer=pair.source_tokenizer, target_tokenizer=pair.target_tokenizer, progress=False)
+    result = R.run_eval(pair.source, pair.target, mapper, pair.tokenizer, EvalOptions("arc_easy,piqa", limit=40),
+                        ScoringOptions(n_resamples=200), OutputOptions(tmp_path, progress=False))
     for task in result["tasks"].values():
         acc = task["accuracy"]
         assert acc["target"]["value"] > task["chance"] + 0.1, task  # the target model itself is competent

@@ -87,3 +87,14 @@ def test_examples_of_any_length_match_the_document_form(setup):
         ragged.score(mapper, target_tail=29)  # the shortest prefix has 30 tokens
     with pytest.raises(ConfigError, match="dev examples"):
         HandoffDivergence.from_examples(source, target, [([1, 2, 3], [])])
+
+
+def test_config_grid_varies_k_fastest():
+    from kvhandoff.tuning import config_grid
+
+    grid = config_grid([1, "all"], [0.01, 0.1], ["own", "kv"], token_stride=2)
+    assert len(grid) == 8 and all(c.token_stride == 2 for c in grid)
+    assert [(c.top_k, c.ridge_lambda, c.source_inputs) for c in grid[:3]] == [(1, 0.01, "own"), ("all", 0.01, "own"),
+                                                                              (1, 0.1, "own")]
+    with pytest.raises(ConfigError):
+        config_grid([0], [0.01])

@@ -49,23 +49,23 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated
 
 import torch
-import typer
 from tqdm.auto import tqdm
 
-from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.capture import ContentKV, capture_content_kv
-from kvhandoff.config import FitConfig
+from kvhandoff.config import CalibrationSpec, FitConfig
+from kvhandoff.corpus import heldout_documents
 from kvhandoff.errors import ConfigError
+from kvhandoff.evaluation.runner import mapper_identity
 from kvhandoff.files import atomic_write_json
 from kvhandoff.fit import feature_layout, mapper_from_statistics
 from kvhandoff.geometry import decoder_layers, model_fingerprint, read_geometry
 from kvhandoff.mapper import Mapper
 from kvhandoff.rope import apply_rope, rope_frequencies
-from kvhandoff.selection import layer_r2_matrix, parse_ks
+from kvhandoff.selection import layer_r2_matrix
 from kvhandoff.statistics import CalibrationStats
+from kvhandoff.workflow import NamedPair, load_pair_mapper, obtain_statistics
 
 ANALYSIS_FORMAT = "kvhandoff-analysis/1"
 METRICS = ("r2_k", "r2_v", "attention_cosine", "concentration_k", "concentration_v")
@@ -245,8 +245,6 @@ def fit_for_ks(stats: CalibrationStats, ks: Sequence[int | str], ridge_lambda: f
 
 def heldout_batches(tokenizer, num_windows: int, seq_len: int) -> list[torch.Tensor]:
     """`num_windows` held-out windows [1, seq_len] (the first seq_len tokens of held-out documents)."""
-    from kvhandoff.corpus import heldout_documents
-
     documents = heldout_documents(tokenizer, num_windows, min_tokens=seq_len)
     return [doc[:seq_len][None] for doc in documents]
 
@@ -290,6 +288,28 @@ def run_analysis(
         raise ConfigError("fitting mappers for a list of k needs calibration statistics (stats=...)")
     if not batches:
         raise ConfigError("the analysis needs at least one held-out batch")
+    key_r2, diagnostics = heldout_pass(source_model, target_model, batches, mappers, ridge_lambda,
+                                       rope_token_stride, progress)
+    result = _analysis_header(source_model, target_model, source_name, target_name, ridge_lambda, batches,
+                              rope_token_stride, calibration_r2, key_r2)
+    for name, mapper in mappers.items():
+        result["mappers"][name] = _mapper_entry(mapper, diagnostics[name])
+    rows = summary_rows([result], retention)
+    result["summary"] = rows
+    result["correlations"] = correlations(rows)
+    if out_dir is not None:
+        render_analysis(result, out_dir)
+    if progress:
+        from rich.console import Console  # rich is only needed to print, not to compute
+
+        Console().print(summary_table(rows, result["correlations"]))
+    return result
+
+
+def heldout_pass(source_model, target_model, batches: Sequence[torch.Tensor], mappers: Mapping[str, Mapper],
+                 ridge_lambda: float, rope_token_stride: int = 2, progress: bool = True):
+    """One pass over the held-out windows: (the held-out key R² maps [post-RoPE / content, target, source],
+    each mapper's accumulated `MapperDiagnostics`)."""
     key_stats = CalibrationStats(feature_layout(source_model), feature_layout(target_model))
     spectrum = query_spectrum(target_model)
     diagnostics: dict[str, MapperDiagnostics] = {}
@@ -299,10 +319,13 @@ def run_analysis(
         add_key_statistics(key_stats, source_model, target_model, source, target, rope_token_stride)
         mapped = {name: mapper.map_content(source) for name, mapper in mappers.items()}
         attention_diagnostics(target_model, target, mapped, diagnostics, spectrum)
-    key_r2 = layer_r2_matrix(key_stats, ridge_lambda)
-    del key_stats
+    return layer_r2_matrix(key_stats, ridge_lambda), diagnostics
+
+
+def _analysis_header(source_model, target_model, source_name, target_name, ridge_lambda, batches,
+                     rope_token_stride, calibration_r2, key_r2) -> dict:
     source_geometry, target_geometry = read_geometry(source_model), read_geometry(target_model)
-    result = {
+    return {
         "format": ANALYSIS_FORMAT,
         "source": {"name": source_name or _model_name(source_model), "layers": source_geometry.num_layers},
         "target": {"name": target_name or _model_name(target_model), "layers": target_geometry.num_layers},
@@ -313,39 +336,52 @@ def run_analysis(
         "heldout_key_r2": {"post_rope": key_r2[0].tolist(), "content": key_r2[1].tolist()},
         "mappers": {},
     }
-    for name, mapper in mappers.items():
-        fit_metrics = mapper.manifest.get("fit_metrics", {})
-        result["mappers"][name] = {
-            "top_k": mapper.top_k,
-            "selected_layers": mapper.selected.tolist(),
-            "fit_r2_k": fit_metrics.get("r2_k_mean"),
-            "fit_r2_v": fit_metrics.get("r2_v_mean"),
-            "manifest_sha": _manifest_sha(mapper),
-            **diagnostics[name].result(),
-        }
-    rows = summary_rows([result], retention)
-    result["summary"] = rows
-    result["correlations"] = correlations(rows)
-    if out_dir is not None:
-        render_analysis(result, out_dir)
-    if progress:
-        from rich.console import Console
 
-        Console().print(summary_table(rows, result["correlations"]))
-    return result
+
+def _mapper_entry(mapper: Mapper, diagnostics: MapperDiagnostics) -> dict:
+    fit_metrics = mapper.manifest.get("fit_metrics", {})
+    return {
+        "top_k": mapper.top_k,
+        "selected_layers": mapper.selected.tolist(),
+        "fit_r2_k": fit_metrics.get("r2_k_mean"),
+        "fit_r2_v": fit_metrics.get("r2_v_mean"),
+        "manifest_sha": mapper_identity(mapper).get("manifest_sha"),  # the evaluation's id, to join its results
+        **diagnostics.result(),
+    }
 
 
 def _model_name(model) -> str:
     return getattr(model.config, "_name_or_path", None) or type(model).__name__
 
 
-def _manifest_sha(mapper: Mapper) -> str | None:
-    """The evaluation suite's id of a mapper, to join with its results (None if that suite is absent)."""
-    try:
-        from kvhandoff.evaluation.runner import mapper_identity
-    except ImportError:
-        return None
-    return mapper_identity(mapper).get("manifest_sha")
+def analyze_pair(
+    pair: NamedPair,
+    out: Path,
+    mapper_path: Path | None = None,
+    ks: Sequence[int | str] = (),
+    stats_path: Path | None = None,
+    ridge_lambda: float = 0.01,
+    windows: int = 4,
+    seq_len: int = 512,
+    retention=None,
+) -> dict:
+    """`run_analysis` of a saved mapper and/or mappers solved for each k in `ks` from the pair's calibration
+    statistics (`stats_path`, or the pair's cached default statistics, collected if absent), on `windows`
+    held-out windows of `seq_len` tokens; writes analysis.json and the figures into `out`."""
+    mappers = {} if mapper_path is None else {mapper_path.name: load_pair_mapper(mapper_path, pair)}
+    if stats_path is not None:
+        calibration = CalibrationStats.load(stats_path)
+    else:
+        calibration, _ = obtain_statistics(pair, FitConfig(ridge_lambda=ridge_lambda), CalibrationSpec())
+    calibration_r2 = layer_r2_matrix(calibration, ridge_lambda)
+    if ks:
+        mappers.update(fit_for_ks(calibration, ks, ridge_lambda, *pair.fingerprints(), pair.max_positions(),
+                                  calibration_r2))
+    del calibration  # GBs of float64 sums: free them before the held-out pass
+    batches = heldout_batches(pair.tokenizer, windows, seq_len)
+    return run_analysis(pair.source, pair.target, batches, mappers=mappers, calibration_r2=calibration_r2,
+                        ridge_lambda=ridge_lambda, out_dir=out, retention=retention, source_name=pair.source_spec,
+                        target_name=pair.target_spec)
 
 
 # -- retention and the summary --------------------------------------------------------------------------------
@@ -424,7 +460,7 @@ def correlations(rows: Sequence[dict]) -> dict:
 
 def summary_table(rows: Sequence[dict], corr: dict | None = None):
     """Rich table of summary rows (the pair goes into the title when there is only one)."""
-    from rich.table import Table
+    from rich.table import Table  # rich is only needed to print, not to compute
 
     pairs = sorted({row["pair"] for row in rows})
     single = len(pairs) == 1
@@ -453,7 +489,7 @@ def summary_table(rows: Sequence[dict], corr: dict | None = None):
 # -- figures --------------------------------------------------------------------------------------------------
 def render_analysis(result: dict, out_dir: str | Path) -> dict[str, Path]:
     """Write analysis.json, heatmaps.png, r2_vs_k.png, selection.png and attention.png into out_dir."""
-    import matplotlib
+    import matplotlib  # heavy, and only needed for the figures
 
     matplotlib.use("Agg")
     out = Path(out_dir)
@@ -587,61 +623,3 @@ def _plot_attention(result: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-# -- command --------------------------------------------------------------------------------------------------
-def analyze_command(
-    source: Annotated[str, typer.Option("--source", help="registry name, local model folder or hub id")] = (
-        DEFAULT_SOURCE
-    ),
-    target: Annotated[str, typer.Option("--target", help="registry name, local model folder or hub id")] = (
-        DEFAULT_TARGET
-    ),
-    mapper: Annotated[Path | None, typer.Option(help="a saved mapper folder to analyse")] = None,
-    ks: Annotated[str | None, typer.Option(help="comma-separated k to fit from the statistics and analyse "
-                                                "(default 1,2,4,8,all when no --mapper is given)")] = None,
-    stats: Annotated[Path | None, typer.Option(help="saved calibration statistics (default: the pair's cached "
-                                                    "statistics, collected if absent)")] = None,
-    ridge_lambda: Annotated[float, typer.Option("--lambda", help="ridge λ for probes and fitted mappers")] = 0.01,
-    windows: Annotated[int, typer.Option(help="held-out windows (documents)")] = 4,
-    seq_len: Annotated[int, typer.Option(help="tokens per held-out window")] = 512,
-    retention: Annotated[Path | None, typer.Option(help="evaluation result JSON(s) (file or folder), or a JSON "
-                                                        "{mapper name: retention}")] = None,
-    out: Annotated[Path, typer.Option(help="folder for analysis.json and the figures")] = Path("runs/analyze"),
-) -> None:
-    """R² heatmaps, R² vs k, layer selection, attention-output cosine and error concentration on held-out text."""
-    from kvhandoff.assets import load_model
-
-    source_model, tokenizer = load_model(source)
-    target_model, _ = load_model(target)
-    k_list = parse_ks(ks) if ks is not None else ([] if mapper is not None else parse_ks("1,2,4,8,all"))
-    mappers = {}
-    if mapper is not None:
-        mappers[mapper.name] = Mapper.load(mapper, source_model=source_model, target_model=target_model)
-    if stats is not None:
-        calibration = CalibrationStats.load(stats)
-    else:
-        from kvhandoff.workflow import obtain_statistics
-
-        calibration, _ = obtain_statistics(source, target, source_model, target_model, tokenizer,
-                                           FitConfig(ridge_lambda=ridge_lambda), _default_calibration())
-    calibration_r2 = layer_r2_matrix(calibration, ridge_lambda)
-    if k_list:
-        mappers.update(fit_for_ks(
-            calibration, k_list, ridge_lambda, model_fingerprint(source_model, tokenizer),
-            model_fingerprint(target_model, tokenizer),
-            (source_model.config.max_position_embeddings, target_model.config.max_position_embeddings),
-            calibration_r2,
-        ))
-    del calibration  # GBs of float64 sums: free them before the held-out pass
-    batches = heldout_batches(tokenizer, windows, seq_len)
-    run_analysis(source_model, target_model, batches, mappers=mappers, calibration_r2=calibration_r2,
-                 ridge_lambda=ridge_lambda, out_dir=out, retention=retention, source_name=source,
-                 target_name=target)
-    typer.echo(f"wrote {out / 'analysis.json'} and figures (heatmaps, r2_vs_k, selection, attention) in {out}")
-
-
-def _default_calibration():
-    from kvhandoff.config import CalibrationSpec
-
-    return CalibrationSpec()

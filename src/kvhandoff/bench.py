@@ -44,12 +44,10 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Annotated
 
 import torch
-import typer
+from torch.profiler import ProfilerActivity, profile
 
-from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.cache import prefill
 from kvhandoff.config import RIDGE_FORMAT_VERSION, FitConfig
 from kvhandoff.errors import ConfigError
@@ -59,6 +57,7 @@ from kvhandoff.handoff import patch_exact_prefix
 from kvhandoff.mapper import Mapper
 from kvhandoff.selection import resolve_k
 from kvhandoff.statistics import FeatureLayout
+from kvhandoff.workflow import NamedPair, load_pair_mapper, obtain_mapper
 
 BENCH_FORMAT = "kvhandoff-bench/2"  # /2: "last_token" became "new_turn"
 DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -96,8 +95,6 @@ def peak_tensor_memory(fn):
     Allocation and free events come from `torch.profiler` with profile_memory=True (see MEMORY_NOTE).
     Returns None for the peak if this torch build does not expose the raw events.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     try:
@@ -222,53 +219,25 @@ def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, 
     tokens = ids.shape[1]
     if not 1 <= new_turn < tokens:
         raise ConfigError(f"new_turn must be at least 1 and shorter than the context ({tokens}), got {new_turn}")
-    target_dtype = next(target_model.parameters()).dtype
-    history, turn = ids[:, :-new_turn], ids[:, -new_turn:]
     with torch.inference_mode():
         started = time.perf_counter()
-        source_cache, _ = prefill(source_model, history)
+        source_cache, _ = prefill(source_model, ids[:, :-new_turn])
         source_seconds = time.perf_counter() - started
-
-        def handoff():
-            t0 = time.perf_counter()
-            cache = mapper.transfer(source_cache, dtype=target_dtype)
-            patch_exact_prefix(cache, target_model, history, mapper.exact_prefix)
-            t1 = time.perf_counter()
-            out = target_model(input_ids=turn, cache=cache, use_cache=True, logits_to_keep=1)
-            t2 = time.perf_counter()
-            return out.logits[:, -1], t1 - t0, t2 - t1
-
-        def reprefill():
-            return prefill(target_model, ids)[1]
-
-        transfer_s, step_s, handoff_s, reprefill_s = [], [], [], []
-        handoff_logits = reprefill_logits = None
-        for run in range(warmup + repeats):
-            started = time.perf_counter()
-            handoff_logits, transfer_t, step_t = handoff()
-            elapsed = time.perf_counter() - started
-            if run >= warmup:
-                transfer_s.append(transfer_t)
-                step_s.append(step_t)
-                handoff_s.append(elapsed)
-            started = time.perf_counter()
-            reprefill_logits = reprefill()
-            elapsed = time.perf_counter() - started
-            if run >= warmup:
-                reprefill_s.append(elapsed)
+        handoff, reprefill = _paths(target_model, mapper, source_cache, ids, new_turn)
+        timings, handoff_logits, reprefill_logits = _time_interleaved(handoff, reprefill, repeats, warmup)
         memory = {"handoff": None, "reprefill": None}
         if measure_memory:
             _, memory["handoff"] = peak_tensor_memory(handoff)
             _, memory["reprefill"] = peak_tensor_memory(reprefill)
-    handoff_stats, reprefill_stats = summarize(handoff_s), summarize(reprefill_s)
-    transfer_stats = summarize(transfer_s)
+    handoff_stats, reprefill_stats = summarize(timings["handoff"]), summarize(timings["reprefill"])
+    transfer_stats = summarize(timings["transfer"])
     return {
         "tokens": tokens,
         "new_turn_tokens": new_turn,
         "source_prefill_seconds": source_seconds,
         "handoff": handoff_stats,
         "transfer": transfer_stats,
-        "new_turn": summarize(step_s),
+        "new_turn": summarize(timings["new_turn"]),
         "reprefill": reprefill_stats,
         "speedup": reprefill_stats["median"] / handoff_stats["median"],
         "speedup_transfer_only": reprefill_stats["median"] / transfer_stats["median"],
@@ -277,6 +246,48 @@ def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, 
         "top1_agree": None if mapper.manifest.get("method") == "synthetic"
         else bool((handoff_logits.argmax(-1) == reprefill_logits.argmax(-1)).all()),
     }
+
+
+def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_turn: int):
+    """The two timed paths to the target's next-token logits: handoff() → (logits, transfer s, new-turn s) and
+    reprefill() → logits."""
+    target_dtype = next(target_model.parameters()).dtype
+    history, turn = ids[:, :-new_turn], ids[:, -new_turn:]
+
+    def handoff():
+        t0 = time.perf_counter()
+        cache = mapper.transfer(source_cache, dtype=target_dtype)
+        patch_exact_prefix(cache, target_model, history, mapper.exact_prefix)
+        t1 = time.perf_counter()
+        out = target_model(input_ids=turn, cache=cache, use_cache=True, logits_to_keep=1)
+        t2 = time.perf_counter()
+        return out.logits[:, -1], t1 - t0, t2 - t1
+
+    def reprefill():
+        return prefill(target_model, ids)[1]
+
+    return handoff, reprefill
+
+
+def _time_interleaved(handoff, reprefill, repeats: int, warmup: int):
+    """Run both paths `warmup` + `repeats` times, alternating; ({path: seconds of the timed runs}, the last
+    handoff logits, the last re-prefill logits)."""
+    timings: dict[str, list[float]] = {"transfer": [], "new_turn": [], "handoff": [], "reprefill": []}
+    handoff_logits = reprefill_logits = None
+    for run in range(warmup + repeats):
+        started = time.perf_counter()
+        handoff_logits, transfer_t, step_t = handoff()
+        elapsed = time.perf_counter() - started
+        if run >= warmup:
+            timings["transfer"].append(transfer_t)
+            timings["new_turn"].append(step_t)
+            timings["handoff"].append(elapsed)
+        started = time.perf_counter()
+        reprefill_logits = reprefill()
+        elapsed = time.perf_counter() - started
+        if run >= warmup:
+            timings["reprefill"].append(elapsed)
+    return timings, handoff_logits, reprefill_logits
 
 
 def run_bench(
@@ -308,6 +319,55 @@ def run_bench(
     seconds), speedup, speedup_transfer_only, peak_memory_bytes {handoff, reprefill}, flops {...}, flop_bound,
     top1_agree.
     """
+    lengths = _checked_lengths(source_model, target_model, lengths, new_turn, repeats, warmup)
+    result = _bench_header(source_model, target_model, mapper, source_name, target_name,
+                           {"repeats": repeats, "warmup": warmup, "new_turn": new_turn, "seed": seed})
+    vocab = _vocab_size(source_model, target_model)
+    gen = torch.Generator().manual_seed(seed)
+    context = torch.randint(0, vocab, (1, lengths[-1]), generator=gen)  # every length is a prefix of it
+    console = _console() if progress else None
+    started = time.perf_counter()
+    _measure_lengths(result, source_model, target_model, mapper, context, lengths, repeats, warmup, measure_memory,
+                     new_turn, time_budget_s, console)
+    result["wall_seconds"] = time.perf_counter() - started
+    if out_dir is not None:
+        render_bench(result, out_dir)
+    if console is not None:
+        console.print(bench_table(result))
+    return result
+
+
+def _measure_lengths(result: dict, source_model, target_model, mapper: Mapper, context: torch.Tensor,
+                     lengths: list[int], repeats: int, warmup: int, measure_memory: bool, new_turn: int,
+                     time_budget_s: float | None, console) -> None:
+    """Append a row per length to result["results"] (a prefix of `context` each), until the time budget is
+    spent (the rest under "skipped") or a length runs out of memory ("failed")."""
+    started = time.perf_counter()
+    for index, tokens in enumerate(lengths):
+        if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
+            result["skipped"] = lengths[index:]
+            return
+        try:
+            row = bench_length(source_model, target_model, mapper, context[:, :tokens], repeats, warmup,
+                               measure_memory, new_turn)
+        except (MemoryError, RuntimeError) as exc:  # allocator failures surface as RuntimeError in torch
+            if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower():
+                raise
+            result["failed"].append({"tokens": tokens, "error": str(exc)[:300]})
+            result["skipped"] = lengths[index + 1:]
+            return
+        row.update(row_flops(result["target_flop_constants"], result["mapper"]["flops_per_token"], tokens,
+                             new_turn, mapper.exact_prefix))
+        result["results"].append(row)
+        if console is not None:
+            console.print(
+                f"T={tokens:>6}: handoff {_ms(row['handoff']['median'])} (transfer "
+                f"{_ms(row['transfer']['median'])}), re-prefill {_ms(row['reprefill']['median'])}: "
+                f"×{row['speedup']:.1f} (FLOP bound ×{row['flop_bound']:.1f})"
+            )
+
+
+def _checked_lengths(source_model, target_model, lengths, new_turn: int, repeats: int, warmup: int) -> list[int]:
     lengths = sorted({int(t) for t in lengths})
     if isinstance(new_turn, bool) or not isinstance(new_turn, int) or new_turn < 1:
         raise ConfigError(f"new_turn must be a positive integer, got {new_turn!r}")
@@ -318,23 +378,23 @@ def run_bench(
     limit = min(source_model.config.max_position_embeddings, target_model.config.max_position_embeddings)
     if lengths[-1] > limit:
         raise ConfigError(f"context length {lengths[-1]} exceeds the models' max_position_embeddings ({limit})")
-    target_constants = model_flops(target_model)
-    mapper_per_token = mapper_flops_per_token(mapper)
-    result = {
+    return lengths
+
+
+def _bench_header(source_model, target_model, mapper: Mapper, source_name, target_name, settings: dict) -> dict:
+    """A bench result before any length is measured: models, mapper, FLOP constants, settings, notes."""
+    return {
         "format": BENCH_FORMAT,
         "source": _model_summary(source_model, source_name),
         "target": _model_summary(target_model, target_name),
         "mapper": {
             **mapper_footprint(mapper),
             "method": mapper.manifest.get("method", "ridge"),
-            "flops_per_token": mapper_per_token,
+            "flops_per_token": mapper_flops_per_token(mapper),
         },
-        "target_flop_constants": target_constants,
+        "target_flop_constants": model_flops(target_model),
         "settings": {
-            "repeats": repeats,
-            "warmup": warmup,
-            "new_turn": new_turn,
-            "seed": seed,
+            **settings,
             "interleaved": True,
             "torch_threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
@@ -347,58 +407,44 @@ def run_bench(
         "skipped": [],
         "failed": [],
     }
-    vocab = _vocab_size(source_model, target_model)
-    gen = torch.Generator().manual_seed(seed)
-    context = torch.randint(0, vocab, (1, lengths[-1]), generator=gen)  # every length is a prefix of it
-    console = _console() if progress else None
-    started = time.perf_counter()
-    for index, tokens in enumerate(lengths):
-        if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
-            result["skipped"] = lengths[index:]
-            break
-        try:
-            row = bench_length(source_model, target_model, mapper, context[:, :tokens], repeats, warmup,
-                               measure_memory, new_turn)
-        except (MemoryError, RuntimeError) as exc:  # allocator failures surface as RuntimeError in torch
-            if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower():
-                raise
-            result["failed"].append({"tokens": tokens, "error": str(exc)[:300]})
-            result["skipped"] = lengths[index + 1:]
-            break
-        prefill_total = prefill_flops(target_constants, tokens)
-        mapped = tokens - new_turn
-        exact_prefix = min(mapper.exact_prefix, mapped)
-        prefix_total = prefill_flops(target_constants, exact_prefix) if exact_prefix else 0.0
-        handoff_total = (mapper_per_token * mapped + prefix_total
-                         + continuation_flops(target_constants, mapped, new_turn))
-        row["flops"] = {
+
+
+def row_flops(target_constants: dict, mapper_per_token: int, tokens: int, new_turn: int, exact_prefix: int) -> dict:
+    """The FLOP entries of one length's row: flops {...}, flop_ratio_per_token, flop_bound."""
+    prefill_total = prefill_flops(target_constants, tokens)
+    mapped = tokens - new_turn
+    exact_prefix = min(exact_prefix, mapped)
+    prefix_total = prefill_flops(target_constants, exact_prefix) if exact_prefix else 0.0
+    handoff_total = mapper_per_token * mapped + prefix_total + continuation_flops(target_constants, mapped, new_turn)
+    return {
+        "flops": {
             "mapper_per_token": mapper_per_token,
             "prefill_per_token": prefill_total / tokens,
             "prefill": prefill_total,
             "handoff": handoff_total,
             "transfer": mapper_per_token * mapped,
             "exact_prefix": prefix_total,
-        }
-        row["flop_ratio_per_token"] = prefill_total / tokens / mapper_per_token
-        row["flop_bound"] = prefill_total / handoff_total
-        result["results"].append(row)
-        if console is not None:
-            console.print(
-                f"T={tokens:>6}: handoff {_ms(row['handoff']['median'])} (transfer "
-                f"{_ms(row['transfer']['median'])}), re-prefill {_ms(row['reprefill']['median'])}: "
-                f"×{row['speedup']:.1f} (FLOP bound ×{row['flop_bound']:.1f})"
-            )
-    result["wall_seconds"] = time.perf_counter() - started
-    if out_dir is not None:
-        render_bench(result, out_dir)
-    if console is not None:
-        console.print(bench_table(result))
-    return result
+        },
+        "flop_ratio_per_token": prefill_total / tokens / mapper_per_token,
+        "flop_bound": prefill_total / handoff_total,
+    }
+
+
+def bench_mapper(pair: NamedPair, mapper_path: Path | None = None, synthetic: bool = False,
+                 top_k: int | str = "all", progress: bool = True) -> tuple[Mapper, str]:
+    """The mapper to time and a line saying which: a saved one, a random one of the pair's shape (`synthetic`),
+    or the pair's default mapper of `top_k` (fitted or reused from the cache)."""
+    if mapper_path is not None:
+        return load_pair_mapper(mapper_path, pair), f"mapper: {mapper_path}"
+    if synthetic:
+        return synthetic_mapper(pair.source, pair.target, top_k=top_k), f"mapper: synthetic (k={top_k})"
+    mapper, folder, reused = obtain_mapper(pair, FitConfig(top_k=top_k), progress=progress)
+    return mapper, f"mapper: {folder} ({'reused' if reused else 'fitted'})"
 
 
 # -- output -------------------------------------------------------------------------------------------------
 def _console():
-    from rich.console import Console
+    from rich.console import Console  # rich is only needed to print, not to measure
 
     return Console()
 
@@ -415,7 +461,7 @@ def _mib(nbytes: int | None) -> str:
 
 def bench_table(result: dict):
     """A rich table of one bench result: latencies (median, min–max), speed-up, FLOP bound, peak memory."""
-    from rich.table import Table
+    from rich.table import Table  # rich is only needed to print, not to measure
 
     mapper = result["mapper"]
     table = Table(
@@ -459,7 +505,7 @@ def render_bench(result: dict, out_dir: str | Path) -> dict[str, Path]:
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # heavy, and only needed for the figure
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -498,7 +544,7 @@ def _plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-# -- command ------------------------------------------------------------------------------------------------
+# -- command-line values ------------------------------------------------------------------------------------
 def parse_lengths(text: str) -> list[int]:
     try:
         lengths = [int(part) for part in text.replace(" ", "").split(",") if part]
@@ -507,55 +553,3 @@ def parse_lengths(text: str) -> list[int]:
     if not lengths:
         raise ConfigError("--lengths is empty")
     return lengths
-
-
-def bench_command(
-    source: Annotated[str, typer.Option("--source", help="registry name, local model folder or hub id")] = (
-        DEFAULT_SOURCE
-    ),
-    target: Annotated[str, typer.Option("--target", help="registry name, local model folder or hub id")] = (
-        DEFAULT_TARGET
-    ),
-    mapper: Annotated[Path | None, typer.Option(help="saved mapper folder (default: fit or reuse the pair's "
-                                                     "cached default mapper)")] = None,
-    lengths: Annotated[str, typer.Option(help="comma-separated context lengths")] = ",".join(
-        map(str, DEFAULT_LENGTHS)
-    ),
-    repeats: Annotated[int, typer.Option(help="timed repeats per path and length")] = 5,
-    warmup: Annotated[int, typer.Option(help="untimed warm-up runs per path and length")] = 1,
-    out: Annotated[Path, typer.Option(help="folder for bench.json and bench.png")] = Path("runs/bench"),
-    synthetic: Annotated[bool, typer.Option(help="time a random mapper of the pair's shape (no fit needed; "
-                                                 "latency does not depend on the weights)")] = False,
-    top_k: Annotated[str, typer.Option("--top-k", help="k of the default / synthetic mapper")] = "all",
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice)")] = None,
-    budget: Annotated[float | None, typer.Option(help="stop starting new lengths after this many seconds")] = None,
-    memory: Annotated[bool, typer.Option(help="measure peak tensor memory of each path")] = True,
-    new_turn: Annotated[int, typer.Option(help="tokens at the end of each context the target reads itself "
-                                               "(1: all mapped; more: a switch at a turn boundary)")] = 1,
-) -> None:
-    """Latency of handoff (transfer + the target reading the new turn) vs the target's re-prefill, per context
-    length."""
-    from kvhandoff.assets import load_model
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    parsed = parse_lengths(lengths)
-    k = "all" if top_k == "all" else int(top_k)
-    source_model, tokenizer = load_model(source)
-    target_model, _ = load_model(target)
-    if mapper is not None:
-        the_mapper = Mapper.load(mapper, source_model=source_model, target_model=target_model)
-    elif synthetic:
-        the_mapper = synthetic_mapper(source_model, target_model, top_k=k)
-    else:
-        from kvhandoff.workflow import obtain_mapper
-
-        the_mapper, folder, reused = obtain_mapper(source, target, source_model, target_model, tokenizer,
-                                                   FitConfig(top_k=k))
-        typer.echo(f"mapper: {folder} ({'reused' if reused else 'fitted'})")
-    result = run_bench(source_model, target_model, the_mapper, parsed, repeats=repeats, warmup=warmup,
-                       out_dir=out, time_budget_s=budget, measure_memory=memory, source_name=source,
-                       target_name=target, new_turn=new_turn)
-    typer.echo(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
-    if result["failed"] or result["skipped"]:
-        typer.echo(f"not measured: skipped {result['skipped']}, failed {[f['tokens'] for f in result['failed']]}")

@@ -188,11 +188,16 @@ class CalibrationSpec:
         return data
 
 
+def require_positive_int(value, name: str) -> int:
+    """``value`` if it is a positive integer (not a bool); else a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 def _require_positive_ints(config, kind: str, names: tuple[str, ...]) -> None:
     for name in names:
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{kind} {name} must be a positive integer, got {value!r}")
+        require_positive_int(getattr(config, name), f"{kind} {name}")
 
 
 @dataclass(frozen=True)

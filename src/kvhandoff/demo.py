@@ -16,7 +16,7 @@ from kvhandoff.errors import AssetError
 from kvhandoff.evaluation.multiturn import Conversation, load_coqa_conversations
 from kvhandoff.evaluation.scoring import OpenContext, check_mapped, greedy_from
 from kvhandoff.handoff import patch_exact_prefix
-from kvhandoff.mapper import Mapper
+from kvhandoff.workflow import NamedPair, load_named_pair, load_pair_mapper, obtain_mapper
 
 MIN_CONTEXT_TOKENS = 1000
 
@@ -129,52 +129,18 @@ def run_demo(
     so far is mapped and the target prefills the question itself (its time counts in the handoff's).
     """
     check_mapped(mapped)  # before the models load
-    from kvhandoff.assets import load_model
-    from kvhandoff.workflow import obtain_mapper
-
-    source, tokenizer = load_model(source_spec, progress=progress)
-    target, _ = load_model(target_spec, progress=progress)
+    pair = load_named_pair(source_spec, target_spec, progress=progress)
     fit_started = time.perf_counter()
     if mapper_path is not None:
         mapper_dir, reused = Path(mapper_path), True
-        mapper = Mapper.load(mapper_dir, source, target, tokenizer, tokenizer)
+        mapper = load_pair_mapper(mapper_dir, pair)
     else:
-        mapper, mapper_dir, reused = obtain_mapper(
-            source_spec, target_spec, source, target, tokenizer, config, calibration, progress, refit
-        )
+        mapper, mapper_dir, reused = obtain_mapper(pair, config, calibration, progress, refit)
     fit_seconds = time.perf_counter() - fit_started
-
-    context = demo_context(tokenizer, min_context_tokens)
-    ids = tokenizer(context.text, return_tensors="pt")["input_ids"]
-    length = ids.shape[1]
-    n_mapped = mapped_length(tokenizer, context, ids[0].tolist(), mapped)
-    with torch.inference_mode():
-        prefill(source, ids[:, :8])  # warm up both models' kernels before anything is timed
-        prefill(target, ids[:, :8])
-        (source_cache, _), source_seconds, _ = _timed(lambda: prefill(source, ids[:, :n_mapped]), 1)
-
-        def handoff():
-            cache = mapper.transfer(source_cache, dtype=target.dtype)
-            patch_exact_prefix(cache, target, ids[:, :n_mapped], mapper.exact_prefix)
-            return cache, feed(target, cache, ids[0, n_mapped:].tolist())[-1]
-
-        def reprefill():
-            cache, logits = prefill(target, ids)
-            return cache, logits[0].float().log_softmax(-1)
-
-        handoff_times, reprefill_times = [], []
-        for _ in range(repeats):  # interleaved, so both paths see the same machine load
-            (mapped_cache, mapped_first), seconds, _ = _timed(handoff, 1)
-            handoff_times.append(seconds)
-            (own_cache, own_first), seconds, _ = _timed(reprefill, 1)
-            reprefill_times.append(seconds)
-
-        own_text, own_ids = _answer(target, own_cache, length, own_first, tokenizer, max_new_tokens)
-        handoff_text, _ = _answer(target, mapped_cache, length, mapped_first, tokenizer, max_new_tokens)
-        continuation = own_ids or [int(own_first.argmax())]
-        agree = agreement(target, own_cache, mapped_cache, length, own_first, mapped_first, continuation)
-
-    handoff_s, reprefill_s = statistics.median(handoff_times), statistics.median(reprefill_times)
+    context = demo_context(pair.tokenizer, min_context_tokens)
+    ids = pair.tokenizer(context.text, return_tensors="pt")["input_ids"]
+    n_mapped = mapped_length(pair.tokenizer, context, ids[0].tolist(), mapped)
+    measured = compare_paths(pair, mapper, ids, n_mapped, repeats, max_new_tokens)
     return {
         "source": source_spec,
         "target": target_spec,
@@ -186,10 +152,47 @@ def run_demo(
         "mapper_settings": ", ".join(f"{k}={v}" for k, v in mapper.manifest["config"].items()),
         "calibration_tokens": mapper.manifest["calibration"].get("num_tokens"),
         "context_id": context.conversation_id,
-        "context_tokens": length,
+        "context_tokens": ids.shape[1],
         "mapped": mapped,
         "mapped_tokens": n_mapped,
-        "target_prefilled_tokens": length - n_mapped,
+        "target_prefilled_tokens": ids.shape[1] - n_mapped,
+        **measured,
+        "gold_answers": list(context.gold_answers),
+    }
+
+
+@torch.inference_mode()
+def compare_paths(pair: NamedPair, mapper, ids: torch.Tensor, n_mapped: int, repeats: int,
+                  max_new_tokens: int) -> dict:
+    """Time the handoff of the source's cache of ``ids[:, :n_mapped]`` (the target reads the rest) against the
+    target's re-prefill of all of ``ids``, interleaved `repeats` times; then both answers and their agreement."""
+    source, target, tokenizer = pair.source, pair.target, pair.tokenizer
+    length = ids.shape[1]
+    prefill(source, ids[:, :8])  # warm up both models' kernels before anything is timed
+    prefill(target, ids[:, :8])
+    (source_cache, _), source_seconds, _ = _timed(lambda: prefill(source, ids[:, :n_mapped]), 1)
+
+    def handoff():
+        cache = mapper.transfer(source_cache, dtype=target.dtype)
+        patch_exact_prefix(cache, target, ids[:, :n_mapped], mapper.exact_prefix)
+        return cache, feed(target, cache, ids[0, n_mapped:].tolist())[-1]
+
+    def reprefill():
+        cache, logits = prefill(target, ids)
+        return cache, logits[0].float().log_softmax(-1)
+
+    handoff_times, reprefill_times = [], []
+    for _ in range(repeats):  # interleaved, so both paths see the same machine load
+        (mapped_cache, mapped_first), seconds, _ = _timed(handoff, 1)
+        handoff_times.append(seconds)
+        (own_cache, own_first), seconds, _ = _timed(reprefill, 1)
+        reprefill_times.append(seconds)
+    own_text, own_ids = _answer(target, own_cache, length, own_first, tokenizer, max_new_tokens)
+    handoff_text, _ = _answer(target, mapped_cache, length, mapped_first, tokenizer, max_new_tokens)
+    continuation = own_ids or [int(own_first.argmax())]
+    agree = agreement(target, own_cache, mapped_cache, length, own_first, mapped_first, continuation)
+    handoff_s, reprefill_s = statistics.median(handoff_times), statistics.median(reprefill_times)
+    return {
         "source_prefill_seconds": source_seconds,
         "handoff_ttft_seconds": handoff_s,
         "reprefill_ttft_seconds": reprefill_s,
@@ -197,13 +200,12 @@ def run_demo(
         "repeats": repeats,
         "answer_reprefill": own_text,
         "answer_handoff": handoff_text,
-        "gold_answers": list(context.gold_answers),
         **{f"agreement_{k}": v for k, v in agree.items()},
     }
 
 
 def render_demo(result: dict, console=None) -> None:
-    from rich.console import Console
+    from rich.console import Console  # rich is only needed to print, not to compute
     from rich.table import Table
 
     console = console or Console()

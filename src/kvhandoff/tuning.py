@@ -165,3 +165,11 @@ def score_saved_mapper(mapper, divergence: HandoffDivergence, exact_prefixes: Se
              "r2_k": metrics.get("r2_k_mean", float("nan")), "r2_v": metrics.get("r2_v_mean", float("nan")),
              "parameters": mapper.num_parameters(), **divergence.score(mapper, exact_prefix, tail)}
             for exact_prefix in exact_prefixes for tail in target_tails]
+
+
+def config_grid(ks: Sequence[int | str], lambdas: Sequence[float | str], inputs: Sequence[str] = ("own",),
+                token_stride: int = FitConfig().token_stride) -> list[FitConfig]:
+    """The candidate configs of a sweep: every (inputs, λ, k), k varying fastest."""
+    return [FitConfig(top_k=k, ridge_lambda=lam, token_stride=token_stride, source_inputs=inp)
+            for inp in inputs for lam in lambdas for k in ks]
+

@@ -1,85 +1,165 @@
 """The fit-or-reuse steps shared by the CLI commands: statistics and mappers for a named pair, cached on disk.
 
 Calibration statistics are the expensive part (a forward pass of both models over the corpus); they are
-kept, so a mapper for any k or λ is a solve away. A cached mapper is reused only when its manifest matches
-the pair's fingerprints and the fit config; otherwise it is refitted and saved (atomically).
+kept, so a mapper for any k or λ is a solve away. Cache entries are keyed by both models' identities
+(`geometry.model_fingerprint`: the pairing keys, tokenizer hash included, and the weights checksum) and the
+settings, so a changed model under the same folder name never reuses old statistics. A cached mapper is
+reused only when its manifest matches the fit config; otherwise it is refitted and saved (atomically).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, kvhandoff_home
-from kvhandoff.corpus import calibration_batches
-from kvhandoff.errors import KVHandoffError
+import torch
+
+from kvhandoff.assets import ModelPair, load_pair
+from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig, kvhandoff_home
+from kvhandoff.corpus import calibration_batches, pack_texts
+from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.features import FeatureShardWriter, features_complete
 from kvhandoff.files import atomic_write_json, sha256_json
-from kvhandoff.fit import collect_statistics, feature_layout, mapper_from_statistics
-from kvhandoff.geometry import check_pair, model_fingerprint
+from kvhandoff.fit import collect_statistics, feature_layout, fit_mapper, mapper_from_statistics
+from kvhandoff.geometry import PAIRING_KEYS, check_pair, model_fingerprint
 from kvhandoff.heldout import fit_heldout_mapper
 from kvhandoff.mapper import Mapper
 from kvhandoff.mlp import fit_mlp_mapper
+from kvhandoff.refine import check_refinable, refine_mapper
 from kvhandoff.selection import layer_r2_matrix
 from kvhandoff.statistics import CalibrationStats
+
+#: version of the cache keys: 2 keys entries by both models' fingerprints (1 keyed them by folder names)
+CACHE_SCHEMA = 2
+#: the fingerprint entries a cache entry depends on: what pairs a mapper, plus the weights themselves
+IDENTITY_KEYS = (*PAIRING_KEYS, "weights_checksum")
+
+
+def model_identity(model, tokenizer) -> str:
+    """Hash of what a model's cached statistics depend on (`IDENTITY_KEYS` of its fingerprint)."""
+    fingerprint = model_fingerprint(model, tokenizer)
+    return sha256_json({key: fingerprint[key] for key in IDENTITY_KEYS}, 16)
+
+
+@dataclass(frozen=True)
+class NamedPair:
+    """A loaded model pair with the names it was asked for and the identities its cache entries are keyed by."""
+
+    source_spec: str
+    target_spec: str
+    models: ModelPair
+    source_identity: str
+    target_identity: str
+
+    @classmethod
+    def of(cls, source_spec: str, target_spec: str, models: ModelPair) -> NamedPair:
+        return cls(source_spec, target_spec, models, model_identity(models.source, models.source_tokenizer),
+                   model_identity(models.target, models.target_tokenizer))
+
+    @property
+    def source(self):
+        return self.models.source
+
+    @property
+    def target(self):
+        return self.models.target
+
+    @property
+    def tokenizer(self):
+        """The tokenizer both models share (the source's)."""
+        return self.models.tokenizer
+
+    def reversed(self) -> NamedPair:
+        models = ModelPair(self.target, self.source, self.models.target_tokenizer, self.models.source_tokenizer)
+        return NamedPair(self.target_spec, self.source_spec, models, self.target_identity, self.source_identity)
+
+    def fingerprints(self) -> tuple[dict, dict]:
+        """Each model's fingerprint with its own tokenizer's hash (what mapper manifests record)."""
+        return (model_fingerprint(self.source, self.models.source_tokenizer),
+                model_fingerprint(self.target, self.models.target_tokenizer))
+
+    def max_positions(self) -> tuple[int, int]:
+        return self.source.config.max_position_embeddings, self.target.config.max_position_embeddings
+
+
+def load_named_pair(source: str, target: str, dtype: torch.dtype = torch.float32, progress: bool = True) -> NamedPair:
+    """`assets.load_pair` (which refuses pairs whose tokenizers differ), with the names and cache identities."""
+    return NamedPair.of(source, target, load_pair(source, target, dtype=dtype, progress=progress))
 
 
 def _slug(spec: str) -> str:
     return "".join(c if c.isalnum() or c in ".-" else "_" for c in spec.strip("/").split("/")[-1])
 
 
-def _key(*parts) -> str:
-    return sha256_json(parts, 12)
+def _key(pair: NamedPair, *parts) -> str:
+    return sha256_json([CACHE_SCHEMA, pair.source_identity, pair.target_identity, *parts], 12)
 
 
-def pair_dir(source_spec: str, target_spec: str) -> Path:
-    return kvhandoff_home() / "pairs" / f"{_slug(source_spec)}__{_slug(target_spec)}"
+def pair_dir(pair: NamedPair) -> Path:
+    """The pair's cache folder (named for reading; what is inside is keyed by the models' identities)."""
+    return kvhandoff_home() / "pairs" / f"{_slug(pair.source_spec)}__{_slug(pair.target_spec)}"
 
 
-def statistics_path(source_spec: str, target_spec: str, config: FitConfig, calibration: CalibrationSpec) -> Path:
-    key = _key(calibration.to_dict(), config.token_stride, config.skip_first_tokens)
-    return pair_dir(source_spec, target_spec) / f"stats-{key}.safetensors"
+def statistics_path(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec) -> Path:
+    key = _key(pair, asdict(calibration), config.token_stride, config.skip_first_tokens)
+    return pair_dir(pair) / f"stats-{key}.safetensors"
 
 
-def features_dir(source_spec: str, target_spec: str, config: FitConfig, calibration: CalibrationSpec) -> Path:
+def features_dir(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec) -> Path:
     """Calibration feature rows of the same pass as `statistics_path` (only written when asked for)."""
-    stats_file = statistics_path(source_spec, target_spec, config, calibration)
+    stats_file = statistics_path(pair, config, calibration)
     return stats_file.with_name(stats_file.stem.replace("stats-", "features-", 1))
 
 
-def mapper_dir(source_spec: str, target_spec: str, config: FitConfig, calibration: CalibrationSpec) -> Path:
-    return pair_dir(source_spec, target_spec) / f"mapper-{_key(config.to_dict(), calibration.to_dict())}"
+def mapper_dir(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec) -> Path:
+    return pair_dir(pair) / f"mapper-{_key(pair, asdict(config), asdict(calibration))}"
 
 
-def mlp_mapper_dir(source_spec: str, target_spec: str, config: FitConfig, calibration: CalibrationSpec,
-                   mlp: MLPConfig) -> Path:
-    return pair_dir(source_spec, target_spec) / f"mlp-{_key(config.to_dict(), calibration.to_dict(), mlp.to_dict())}"
+def mlp_mapper_dir(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec, mlp: MLPConfig) -> Path:
+    return pair_dir(pair) / f"mlp-{_key(pair, asdict(config), asdict(calibration), asdict(mlp))}"
 
 
-def _cached_statistics(source_spec, target_spec, config, calibration, features: bool, progress: bool):
+def _identities(pair: NamedPair) -> dict:
+    return {"source_identity": pair.source_identity, "target_identity": pair.target_identity}
+
+
+def _load_cached_statistics(path: Path, pair: NamedPair, progress: bool) -> tuple[CalibrationStats, dict] | None:
+    """(stats, info) saved at `path` for exactly `pair`, or None (with a one-line note) when stale or unreadable."""
+    try:
+        stats, info = CalibrationStats.load(path), json.loads(path.with_suffix(".json").read_text())
+    except (KVHandoffError, OSError, json.JSONDecodeError) as exc:
+        problem = f"not usable ({exc})"
+    else:
+        if all(info.get(key) == value for key, value in _identities(pair).items()):
+            return stats, info
+        problem = "stale (written for other models)"
+    if progress:
+        print(f"cached statistics {path} {problem}; collecting again")
+    return None
+
+
+def _cached_statistics(pair: NamedPair, config, calibration, features: bool, progress: bool):
     """(stats, info) of a cached pass over `calibration`'s windows in either direction, or None. Statistics
     collected for the opposite direction serve too: they hold both models' full Grams."""
-    for first, second, flip in ((source_spec, target_spec, False), (target_spec, source_spec, True)):
-        candidate = statistics_path(first, second, config, calibration)
-        candidate_info = candidate.with_suffix(".json")
-        feature_folder = features_dir(first, second, config, calibration)
-        if not (candidate.is_file() and candidate_info.is_file()):
+    for candidate_pair, flip in ((pair, False), (pair.reversed(), True)):
+        candidate = statistics_path(candidate_pair, config, calibration)
+        feature_folder = features_dir(candidate_pair, config, calibration)
+        if not (candidate.is_file() and candidate.with_suffix(".json").is_file()):
             continue
         if features and not features_complete(feature_folder):
             continue
-        try:
-            stats, info = CalibrationStats.load(candidate), json.loads(candidate_info.read_text())
-        except (KVHandoffError, json.JSONDecodeError) as exc:
-            if progress:
-                print(f"cached statistics {candidate} not usable ({exc}); collecting again")
+        loaded = _load_cached_statistics(candidate, candidate_pair, progress)
+        if loaded is None:
             continue
+        stats, info = loaded
         if features:
             info = {**info, "features": {"folder": str(feature_folder), "reverse": flip}}
         if flip:
             stats = stats.reversed()
-            info = {**info, "source_model": source_spec, "target_model": target_spec, "reused_reverse_pass": True}
+            info = {**info, "source_model": pair.source_spec, "target_model": pair.target_spec,
+                    **_identities(pair), "reused_reverse_pass": True}
         return stats, info
     return None
 
@@ -98,8 +178,7 @@ def _split_mix(calibration: CalibrationSpec, leading: int) -> tuple[CalibrationS
 
 
 def obtain_statistics(
-    source_spec: str, target_spec: str, source, target, tokenizer, config: FitConfig,
-    calibration: CalibrationSpec, progress: bool = True, features: bool = False,
+    pair: NamedPair, config: FitConfig, calibration: CalibrationSpec, progress: bool = True, features: bool = False,
 ) -> tuple[CalibrationStats, dict]:
     """Load the pair's calibration statistics, or collect and save them. Returns (stats, calibration info).
 
@@ -110,19 +189,17 @@ def obtain_statistics(
     ({"folder", "reverse"}). When they are missing the pass is run again (statistics and rows must come
     from the same tokens), and a mix is never assembled from parts.
     """
-    cached = _cached_statistics(source_spec, target_spec, config, calibration, features, progress)
+    cached = _cached_statistics(pair, config, calibration, features, progress)
     if cached is not None:
         return cached
     if not features:
         for leading in range(len(calibration.mix) - 1, 0, -1):
             parts = _split_mix(calibration, leading)
-            lead = parts and _cached_statistics(source_spec, target_spec, config, parts[0], False, progress)
+            lead = parts and _cached_statistics(pair, config, parts[0], False, progress)
             if lead:
-                return _extend(source_spec, target_spec, source, target, tokenizer, config, calibration, parts,
-                               lead, progress)
-    feature_folder = features_dir(source_spec, target_spec, config, calibration) if features else None
-    return _collect(source_spec, target_spec, source, target, tokenizer, config, calibration, progress,
-                    feature_folder)
+                return _extend(pair, config, calibration, parts, lead, progress)
+    feature_folder = features_dir(pair, config, calibration) if features else None
+    return _collect(pair, config, calibration, progress, feature_folder)
 
 
 def _corpus(tokenizer, calibration: CalibrationSpec):
@@ -131,33 +208,36 @@ def _corpus(tokenizer, calibration: CalibrationSpec):
                                batch_size=calibration.batch_size, mix=calibration.mix)
 
 
-def _extend(source_spec, target_spec, source, target, tokenizer, config, calibration, parts, lead, progress):
+def _pass_info(pair: NamedPair, corpus, seconds: float) -> dict:
+    return {**corpus.describe(), "source_model": pair.source_spec, "target_model": pair.target_spec,
+            **_identities(pair), "collect_seconds": round(seconds, 1)}
+
+
+def _extend(pair: NamedPair, config, calibration, parts, lead, progress):
     """Statistics of `calibration` = the cached pass `lead` over its leading groups + a pass over the rest
     (`parts`: the two specs)."""
     (lead_spec, rest_spec), (lead_stats, lead_info) = parts, lead
     if progress:
         print(f"extending the cached pass over {list(lead_spec.mix)} with {rest_spec.num_sequences} windows of "
               f"{list(rest_spec.mix)}")
-    rest_stats, rest_info = obtain_statistics(source_spec, target_spec, source, target, tokenizer, config,
-                                              rest_spec, progress)
-    info = {**_corpus(tokenizer, calibration).describe(), "source_model": source_spec, "target_model": target_spec,
-            "collect_seconds": round(lead_info["collect_seconds"] + rest_info["collect_seconds"], 1),
+    rest_stats, rest_info = obtain_statistics(pair, config, rest_spec, progress)
+    info = {**_pass_info(pair, _corpus(pair.tokenizer, calibration),
+                         lead_info["collect_seconds"] + rest_info["collect_seconds"]),
             "assembled_from": {"cached_pass": lead_spec.to_dict(), "new_pass": rest_spec.to_dict()}}
     stats = lead_stats.merge(rest_stats)
-    _save_statistics(statistics_path(source_spec, target_spec, config, calibration), stats, info)
+    _save_statistics(statistics_path(pair, config, calibration), stats, info)
     return stats, info
 
 
-def _collect(source_spec, target_spec, source, target, tokenizer, config, calibration, progress, feature_folder=None):
-    path = statistics_path(source_spec, target_spec, config, calibration)
-    corpus = _corpus(tokenizer, calibration)
+def _collect(pair: NamedPair, config, calibration, progress, feature_folder=None):
+    path = statistics_path(pair, config, calibration)
+    corpus = _corpus(pair.tokenizer, calibration)
     started = time.perf_counter()
     writer = None
     if feature_folder is not None:
-        writer = FeatureShardWriter(feature_folder, feature_layout(source), feature_layout(target))
-    stats = collect_statistics(source, target, corpus, config, progress, feature_writer=writer)
-    info = {**corpus.describe(), "source_model": source_spec, "target_model": target_spec,
-            "collect_seconds": round(time.perf_counter() - started, 1)}
+        writer = FeatureShardWriter(feature_folder, feature_layout(pair.source), feature_layout(pair.target))
+    stats = collect_statistics(pair.source, pair.target, corpus, config, progress, feature_writer=writer)
+    info = _pass_info(pair, corpus, time.perf_counter() - started)
     if writer is not None:
         writer.close({"calibration": info, "token_stride": config.token_stride})
     _save_statistics(path, stats, info)
@@ -171,25 +251,30 @@ def _save_statistics(path: Path, stats: CalibrationStats, info: dict) -> None:
     atomic_write_json(path.with_suffix(".json"), info)
 
 
-def _cached(folder: Path, source, target, tokenizer, expected: dict, progress: bool) -> Mapper | None:
+def load_pair_mapper(folder: str | Path, pair: NamedPair) -> Mapper:
+    """A saved mapper, checked against both models and each one's own tokenizer."""
+    return Mapper.load(folder, pair.source, pair.target, pair.models.source_tokenizer, pair.models.target_tokenizer)
+
+
+def _cached(folder: Path, pair: NamedPair, expected: dict, progress: bool) -> Mapper | None:
     """The mapper saved in `folder` if it loads, fits this pair and its manifest matches `expected`."""
     if not folder.exists():
         return None
     try:
-        mapper = Mapper.load(folder, source, target, tokenizer, tokenizer)
+        mapper = load_pair_mapper(folder, pair)
     except KVHandoffError as exc:  # stale or damaged cache entry: refit, never reuse silently
-        if progress:
-            print(f"cached mapper in {folder} not usable ({exc}); refitting")
-        return None
-    return mapper if all(mapper.manifest.get(key) == value for key, value in expected.items()) else None
+        problem = f"not usable ({exc})"
+    else:
+        if all(mapper.manifest.get(key) == value for key, value in expected.items()):
+            return mapper
+        problem = "stale (fitted with other settings)"
+    if progress:
+        print(f"cached mapper in {folder} {problem}; refitting")
+    return None
 
 
 def obtain_mapper(
-    source_spec: str,
-    target_spec: str,
-    source,
-    target,
-    tokenizer,
+    pair: NamedPair,
     config: FitConfig = FitConfig(),  # noqa: B008 - frozen
     calibration: CalibrationSpec = CalibrationSpec(),  # noqa: B008 - frozen
     progress: bool = True,
@@ -199,19 +284,17 @@ def obtain_mapper(
     """Return (mapper, its folder, whether it was reused from the cache): the ridge mapper of `config`, or with
     `mlp` an `MLPMapper` around it. Settings that need the calibration rows (top_k="heldout", the MLP) make the
     pass keep them, running it again when a cached pass kept none (`obtain_statistics`)."""
-    folder = (mapper_dir(source_spec, target_spec, config, calibration) if mlp is None
-              else mlp_mapper_dir(source_spec, target_spec, config, calibration, mlp))
+    folder = (mapper_dir(pair, config, calibration) if mlp is None
+              else mlp_mapper_dir(pair, config, calibration, mlp))
     expected = {"config": config.to_dict(), **({} if mlp is None else {"mlp_config": mlp.to_dict()})}
-    cached = None if refit else _cached(folder, source, target, tokenizer, expected, progress)
+    cached = None if refit else _cached(folder, pair, expected, progress)
     if cached is not None:
         return cached, folder, True
-    check_pair(source, target, tokenizer, tokenizer)
-    stats, info = obtain_statistics(
-        source_spec, target_spec, source, target, tokenizer, config, calibration, progress,
-        features=mlp is not None or config.top_k == "heldout",
-    )
+    check_pair(pair.source, pair.target, pair.models.source_tokenizer, pair.models.target_tokenizer)
+    stats, info = obtain_statistics(pair, config, calibration, progress,
+                                    features=mlp is not None or config.top_k == "heldout")
     r2 = layer_r2_matrix(stats, config.probe_lambda)
-    mapper = _ridge_mapper(stats, info, config, source, target, tokenizer, r2_matrix=r2)
+    mapper = _ridge_mapper(stats, info, config, pair, r2_matrix=r2)
     if mlp is not None:
         features = info["features"]
         mapper = fit_mlp_mapper(mapper, features["folder"], r2, mlp, reverse=features["reverse"], progress=progress)
@@ -219,15 +302,53 @@ def obtain_mapper(
     return mapper, folder, False
 
 
-def _ridge_mapper(stats, info: dict, config: FitConfig, source, target, tokenizer, r2_matrix=None) -> Mapper:
+def _ridge_mapper(stats, info: dict, config: FitConfig, pair: NamedPair, r2_matrix=None) -> Mapper:
     """The ridge mapper of `config` from a pass's statistics (and its rows, in info["features"], when the
     config chooses settings on held-out windows)."""
     info = dict(info)
     features = info.pop("features", None)
-    fingerprints = (model_fingerprint(source, tokenizer), model_fingerprint(target, tokenizer))
-    positions = (source.config.max_position_embeddings, target.config.max_position_embeddings)
+    fingerprints = pair.fingerprints()
     if config.top_k == "heldout":
-        return fit_heldout_mapper(stats, features["folder"], config, *fingerprints, info, positions,
+        return fit_heldout_mapper(stats, features["folder"], config, *fingerprints, info, pair.max_positions(),
                                   reverse=features["reverse"], r2_matrix=r2_matrix)
-    return mapper_from_statistics(stats, config, *fingerprints, info, max_position_embeddings=positions,
+    return mapper_from_statistics(stats, config, *fingerprints, info, max_position_embeddings=pair.max_positions(),
                                   r2_matrix=r2_matrix)
+
+
+def fit_on_texts(pair: NamedPair, texts: Path, config: FitConfig, sequences: int, seq_len: int,
+                 seed: int = 0) -> Mapper:
+    """A ridge mapper calibrated on a UTF-8 text file (paragraphs split on blank lines), not cached."""
+    if config.top_k == "heldout":
+        raise ConfigError("top_k='heldout' calibrates on the built-in corpus (its rows are cached per pair)")
+    paragraphs = [p.strip() for p in texts.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    corpus = pack_texts(pair.tokenizer, paragraphs, sequences, seq_len, seed=seed, name=str(texts))
+    return fit_mapper(pair.source, pair.target, corpus, config, pair.models.source_tokenizer,
+                      pair.models.target_tokenizer,
+                      calibration={**corpus.describe(), "source_model": pair.source_spec,
+                                   "target_model": pair.target_spec})
+
+
+def describe_fit(mapper: Mapper) -> str:
+    """One line on a fitted mapper: R² (ridge), held-out loss (MLP), and k per layer when chosen held-out."""
+    metrics = mapper.manifest["fit_metrics"]
+    if "mlp" in metrics:
+        return (f"held-out loss (1 − R²) ridge {metrics['mlp']['heldout_loss_ridge']:.4f} → mlp "
+                f"{metrics['mlp']['heldout_loss_mlp']:.4f}")
+    note = f"R² K {metrics['r2_k_mean']:.3f}, V {metrics['r2_v_mean']:.3f}"
+    if "heldout_choice" in metrics:
+        note += f"; k per target layer {metrics['heldout_choice']['k_per_target_layer']}"
+    return note
+
+
+def refine_saved_mapper(pair: NamedPair, mapper_path: Path, config: RefineConfig, windows: int, seq_len: int,
+                        mix: tuple[str, ...], progress: bool = True) -> Mapper:
+    """Refine the linear mapper saved at `mapper_path` end to end on `windows` built-in corpus windows of
+    `seq_len` tokens (`refine.refine_mapper`); the corpus is shuffled with `config.seed`."""
+    if seq_len < config.window_length():
+        raise ConfigError(f"windows of {seq_len} tokens are shorter than max context + continuation "
+                          f"({config.window_length()})")
+    base = load_pair_mapper(mapper_path, pair)
+    check_refinable(base)
+    corpus = calibration_batches(pair.tokenizer, windows, seq_len, seed=config.seed, mix=mix)
+    return refine_mapper(base, pair.source, pair.target, corpus.input_ids, config, progress=progress,
+                         description={**corpus.describe(), "base_mapper": str(mapper_path)})

@@ -3,7 +3,7 @@ transfer mapping the whole context or, ``mapped="history"``, only the few-shot h
 retention with paired bootstrap intervals, conditional perplexity, multi-turn model switching, the k sweep.
 
 Entry points: :func:`run_eval` (resumable runner), :func:`choose_k`, :func:`conditional_perplexity`,
-:func:`multiturn_switching`, :func:`render_results`; the CLI functions live in ``kvhandoff.evaluation.cli``.
+:func:`multiturn_switching`, :func:`render_results`; the ``kvhandoff eval`` command lives in ``kvhandoff.cli``.
 """
 
 from kvhandoff.evaluation.metrics import (
@@ -14,6 +14,7 @@ from kvhandoff.evaluation.metrics import (
     token_f1,
 )
 from kvhandoff.evaluation.multiturn import load_coqa_conversations, multiturn_switching
+from kvhandoff.evaluation.options import EvalOptions, OutputOptions, ScoringOptions
 from kvhandoff.evaluation.perplexity import conditional_perplexity
 from kvhandoff.evaluation.report import render_results
 from kvhandoff.evaluation.runner import run_eval, select_items
@@ -34,6 +35,9 @@ __all__ = [
     "SWEEP_TASKS",
     "TASKS",
     "Condition",
+    "EvalOptions",
+    "OutputOptions",
+    "ScoringOptions",
     "Standalone",
     "Transfer",
     "TransferHistory",

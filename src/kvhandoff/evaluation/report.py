@@ -47,6 +47,11 @@ def direction_label(result: dict) -> str:
 
 def markdown_table(result: dict) -> str:
     """Markdown for one direction: a benchmark table, then perplexity and multi-turn sections if present."""
+    lines = _benchmark_lines(result) + _perplexity_lines(result.get("perplexity")) + _coqa_lines(result.get("coqa"))
+    return "\n".join(lines) + "\n"
+
+
+def _benchmark_lines(result: dict) -> list[str]:
     d = result["direction"]
     boot = result.get("bootstrap", {})
     level = round(100 * boot.get("confidence", 0.95))
@@ -83,32 +88,39 @@ def markdown_table(result: dict) -> str:
                 f"| **mean ({group})** | | | | | | | {_fmt(summary['mean_retention'])} "
                 f"| {_fmt(summary['mean_floor_normalised_retention'])} |"
             )
-    ppl = result.get("perplexity")
-    if ppl:
-        conds = ppl["conditions"]
-        lines += [
-            "",
-            f"Conditional perplexity ({ppl['prefix_len']}-token prefix in cache, next "
-            f"{ppl['continuation_len']} tokens scored, {conds.get('target', {}).get('documents', '?')} documents): "
-            + ", ".join(f"{name} {_fmt(c['perplexity'], 2)}" for name, c in conds.items())
-            + (f"; transfer ÷ target = {_fmt(ppl.get('ratio'))}" if "ratio" in ppl else ""),
-        ]
-    coqa = result.get("coqa")
-    if coqa:
-        lines += ["", f"CoQA model switching ({coqa['conversations']} conversations × {coqa['turns']} turns), "
-                      "token F1 per turn against the serving model's standalone run (1 = no drift) and gold:", ""]
-        turns = coqa["turns"]
-        lines.append("| Run | " + " | ".join(f"t{t + 1}" for t in range(turns)) + " | mean |")
-        lines.append("|---|" + "---:|" * (turns + 1))
-        for run, entry in coqa["runs"].items():
-            if "f1_vs_standalone_per_turn" in entry:
-                cells = [_fmt(v, 2) for v in entry["f1_vs_standalone_per_turn"]]
-                cells.append(_fmt(entry["f1_vs_standalone"], 2))
-                lines.append(f"| {run} vs standalone | " + " | ".join(cells) + " |")
-        for run, entry in coqa["runs"].items():
-            cells = [_fmt(v, 2) for v in entry["f1_vs_gold_per_turn"]] + [_fmt(entry["f1_vs_gold"], 2)]
-            lines.append(f"| {run} vs gold | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _perplexity_lines(ppl: dict | None) -> list[str]:
+    if not ppl:
+        return []
+    conds = ppl["conditions"]
+    return [
+        "",
+        f"Conditional perplexity ({ppl['prefix_len']}-token prefix in cache, next "
+        f"{ppl['continuation_len']} tokens scored, {conds.get('target', {}).get('documents', '?')} documents): "
+        + ", ".join(f"{name} {_fmt(c['perplexity'], 2)}" for name, c in conds.items())
+        + (f"; transfer ÷ target = {_fmt(ppl.get('ratio'))}" if "ratio" in ppl else ""),
+    ]
+
+
+def _coqa_lines(coqa: dict | None) -> list[str]:
+    if not coqa:
+        return []
+    lines = ["", f"CoQA model switching ({coqa['conversations']} conversations × {coqa['turns']} turns), "
+                 "token F1 per turn against the serving model's standalone run (1 = no drift) and gold:", ""]
+    turns = coqa["turns"]
+    lines.append("| Run | " + " | ".join(f"t{t + 1}" for t in range(turns)) + " | mean |")
+    lines.append("|---|" + "---:|" * (turns + 1))
+    for run, entry in coqa["runs"].items():
+        if "f1_vs_standalone_per_turn" in entry:
+            cells = [_fmt(v, 2) for v in entry["f1_vs_standalone_per_turn"]]
+            cells.append(_fmt(entry["f1_vs_standalone"], 2))
+            lines.append(f"| {run} vs standalone | " + " | ".join(cells) + " |")
+    for run, entry in coqa["runs"].items():
+        cells = [_fmt(v, 2) for v in entry["f1_vs_gold_per_turn"]] + [_fmt(entry["f1_vs_gold"], 2)]
+        lines.append(f"| {run} vs gold | " + " | ".join(cells) + " |")
+    return lines
 
 
 def markdown_report(results: Sequence[dict]) -> str:
@@ -117,7 +129,7 @@ def markdown_report(results: Sequence[dict]) -> str:
 
 def plot_retention(results: Sequence[dict], path: str | Path) -> Path:
     """Bar chart of retention per task (bars per direction, bootstrap interval as error bars)."""
-    import matplotlib
+    import matplotlib  # heavy, and only needed for the chart
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -5,10 +5,11 @@ On-disk layout under ``out_dir``::
     items/<task>/<key>.jsonl     append-only per-item records of one condition (first line: a header)
     <name>.json / .md / .png     the summary, its Markdown table and the retention chart
 
-``<key>`` hashes everything a record depends on (model identities, the mapper's manifest, the tokenizer,
-the task settings), so the forward and reverse directions share the standalone runs of the same model, a
-changed mapper never reuses stale transfer records, and an interrupted run resumes where it stopped: each
-record is appended and flushed as soon as it is computed, and a torn last line from a crash is skipped.
+``<key>`` hashes everything a record depends on (`geometry.model_fingerprint` of the models, the mapper's
+manifest, the tokenizer's hash, the task settings), so the forward and reverse directions share the
+standalone runs of the same model, a changed mapper never reuses stale transfer records, and an interrupted
+run resumes where it stopped: each record is appended and flushed as soon as it is computed, and a torn last
+line from a crash is skipped.
 Summaries are written to a temporary file and renamed over the old one.
 
 Item selection: each task's items are split once into a *dev* pool (≈1 in 5, by a hash of the item id,
@@ -18,7 +19,6 @@ pool by a seeded shuffle, so the same seed gives the same items and a larger lim
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -28,8 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
+from kvhandoff.corpus import heldout_documents
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.metrics import mean, summarise_conditions
+from kvhandoff.evaluation.multiturn import load_coqa_conversations, run_conversation, run_variants, summarise_multiturn
+from kvhandoff.evaluation.options import EvalOptions, OutputOptions, ScoringOptions
+from kvhandoff.evaluation.perplexity import document_id, perplexity_record, summarise_perplexity, usable_documents
+from kvhandoff.evaluation.report import render_results
+from kvhandoff.evaluation.scoring import evaluate_item, standard_conditions
 from kvhandoff.evaluation.tasks import (
     CORE_TASKS,
     GENERATE,
@@ -40,45 +48,21 @@ from kvhandoff.evaluation.tasks import (
     get_task,
     item_metrics,
     load_items,
-    parse_tasks,
     pool_of,
 )
-from kvhandoff.files import atomic_write_json
+from kvhandoff.files import atomic_write_json, sha256_json
+from kvhandoff.geometry import model_fingerprint, tokenizer_hash
 
-RECORD_VERSION = 1
-RESULT_FORMAT = "kvhandoff-eval/1"
-EXTRA_TASKS = ("perplexity", "coqa")
+#: 2: records keyed by `geometry.model_fingerprint` and `geometry.tokenizer_hash`, every setting in the header
+RECORD_VERSION = 2
+RESULT_FORMAT = "kvhandoff-eval/2"
 
 
 # -- identities and keys --------------------------------------------------------------------------------------
 
 
-def _hash(obj: Any, n: int = 16) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
-
-
 def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-").lower()[:60] or "model"
-
-
-def model_identity(model) -> dict:
-    """What a model's outputs depend on: name, class, dtype, parameter count and a sample of weight values."""
-    import torch
-
-    name = str(getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", ""))
-    total, checksum = 0, 0.0
-    with torch.no_grad():
-        for p in model.parameters():
-            total += p.numel()
-            flat = p.detach().reshape(-1)
-            checksum += float(flat[:: max(1, flat.numel() // 997)].double().sum())
-    return {
-        "name": name,
-        "class": type(model).__name__,
-        "dtype": str(getattr(model, "dtype", "")),
-        "parameters": total,
-        "checksum": f"{checksum:.9e}",
-    }
 
 
 _VOLATILE_KEYS = ("seconds", "created", "timestamp", "time")
@@ -98,23 +82,16 @@ def mapper_identity(mapper) -> dict:
     mappers in tests) its class and public scalar attributes."""
     manifest = getattr(mapper, "manifest", None)
     if isinstance(manifest, Mapping):
-        return {"manifest_sha": _hash(_stable(manifest), 32), "top_k": (manifest.get("config") or {}).get("top_k")}
+        top_k = (manifest.get("config") or {}).get("top_k")
+        return {"manifest_sha": sha256_json(_stable(manifest), 32), "top_k": top_k}
     attributes = {
         k: v for k, v in sorted(vars(mapper).items()) if not k.startswith("_") and isinstance(v, int | float | str)
     } if hasattr(mapper, "__dict__") else {}
     return {"class": f"{type(mapper).__module__}.{type(mapper).__qualname__}", "attributes": attributes}
 
 
-_TOKENIZER_PROBE = "The quick brown fox, 12,345 times: \"naïve\" café!\n\nQ: why?\nA: because"
-
-
-def tokenizer_identity(tokenizer) -> str:
-    """Hash of how the tokenizer encodes a probe text (special tokens included)."""
-    return _hash({"probe": list(tokenizer.encode(_TOKENIZER_PROBE, add_special_tokens=True))})
-
-
 def display_name(model, fallback: str) -> str:
-    name = model_identity(model)["name"]
+    name = model_fingerprint(model)["name"]
     return Path(name).name if name else fallback
 
 
@@ -223,8 +200,6 @@ def run_records(
 
     on_item(task, run name, record) is called after each newly computed record has been stored.
     """
-    from tqdm.auto import tqdm
-
     stores = {
         run.name: ItemStore(None if store_dir is None else store_dir / task / f"{run.key}.jsonl", run.header)
         for run in runs
@@ -302,22 +277,21 @@ def task_summary(
 
 
 def _standalone_run(name: str, model, tok_id: str, settings: dict, compute) -> RecordRun:
-    ident = model_identity(model)
-    header = {"condition": "standalone", "model": ident, "tokenizer": tok_id, **settings}
-    return RecordRun(name, f"model-{slug(display_name(model, 'model'))}-{_hash(header)}", header, compute)
+    header = {"condition": "standalone", "model": model_fingerprint(model), "tokenizer": tok_id, **settings}
+    return RecordRun(name, f"model-{slug(display_name(model, 'model'))}-{sha256_json(header, 16)}", header, compute)
 
 
 def _transfer_run(name: str, source, target, mapper, tok_id: str, settings: dict, compute) -> RecordRun:
     header = {
         "condition": "transfer",
-        "source": model_identity(source),
-        "target": model_identity(target),
+        "source": model_fingerprint(source),
+        "target": model_fingerprint(target),
         "mapper": mapper_identity(mapper),
         "tokenizer": tok_id,
         **settings,
     }
     key = f"transfer-{slug(display_name(source, 'source'))}-to-{slug(display_name(target, 'target'))}"
-    return RecordRun(name, f"{key}-{_hash(header)}", header, compute)
+    return RecordRun(name, f"{key}-{sha256_json(header, 16)}", header, compute)
 
 
 def benchmark_runs(
@@ -326,12 +300,8 @@ def benchmark_runs(
     exact_prefix: int = 0, mapped: str = "all",
 ) -> list[RecordRun]:
     """The record runs (target, source, transfer) of one benchmark task (mapped: see `standard_conditions`)."""
-    from kvhandoff.evaluation.scoring import evaluate_item, standard_conditions
-
-    tok_id = tok_id or tokenizer_identity(tokenizer)
+    tok_id = tok_id or tokenizer_hash(tokenizer)
     conds = standard_conditions(source_model, target_model, mapper, exact_prefix, mapped)
-    # "all" stays out of the record header, so records made before `mapped` existed stay valid
-    transfer_settings = {"exact_prefix": exact_prefix, **({} if mapped == "all" else {"mapped": mapped})}
     settings: dict[str, Any] = {"record_version": RECORD_VERSION, "task": spec.name}
     if spec.kind == GENERATE:
         settings["max_new_tokens"] = max_new_tokens
@@ -344,115 +314,113 @@ def benchmark_runs(
         cond = conds[name]
         if name == "transfer":
             runs.append(_transfer_run(name, source_model, target_model, mapper, tok_id,
-                                      {**settings, **transfer_settings}, compute_for(cond)))
+                                      {**settings, "exact_prefix": exact_prefix, "mapped": mapped},
+                                      compute_for(cond)))
         else:
             model = target_model if name == "target" else source_model
             runs.append(_standalone_run(name, model, tok_id, settings, compute_for(cond)))
     return runs
 
 
+@dataclass
+class _Evaluation:
+    """One `run_eval` call's models, settings and identities, shared by its steps."""
+
+    source_model: Any
+    target_model: Any
+    mapper: Any
+    tokenizer: Any
+    options: EvalOptions
+    scoring: ScoringOptions
+    output: OutputOptions
+    on_item: ItemHook | None
+    exact_prefix: int
+    tok_id: str
+
+
 def run_eval(
     source_model,
     target_model,
     mapper,
-    tasks: str | Sequence[str] = "core",
-    limit: int | None = 100,
-    seed: int = 0,
-    out_dir: str | Path | None = None,
-    *,
     tokenizer,
+    options: EvalOptions = EvalOptions(),  # noqa: B008 - frozen
+    scoring: ScoringOptions = ScoringOptions(),  # noqa: B008 - frozen
+    output: OutputOptions = OutputOptions(),  # noqa: B008 - frozen
+    *,
     reverse_mapper=None,
-    exact_prefix: int | None = None,
-    mapped: str = "all",
-    max_new_tokens: int = 256,
-    n_resamples: int = 1000,
-    confidence: float = 0.95,
     documents: Sequence[Any] | None = None,
-    perplexity_docs: int = 16,
-    prefix_len: int = 1024,
-    continuation_len: int = 1024,
-    coqa_conversations: int = 20,
-    coqa_turns: int = 10,
-    coqa_max_new_tokens: int = 50,
-    source_name: str | None = None,
-    target_name: str | None = None,
-    result_name: str = "results",
-    progress: bool = True,
     on_item: ItemHook | None = None,
-    render: bool = True,
 ) -> dict:
-    """Evaluate target / source / transfer on ``tasks`` and write ``<out_dir>/<result_name>.{json,md,png}``.
+    """Evaluate target / source / transfer on ``options.tasks`` and write
+    ``<output.out_dir>/<output.result_name>.{json,md,png}``.
 
-    tasks: names or groups ("core", "heldout", "all"), plus "perplexity" (conditional perplexity on
-    ``documents`` or, when None, ``kvhandoff.corpus.heldout_documents``) and "coqa" (multi-turn switching;
-    needs ``reverse_mapper``, target → source). limit: items per task from the report pool (None = all).
-    exact_prefix: leading positions the target recomputes after every handoff (0 = purely mapped cache;
-    None = the mapper's own setting).
-    mapped: what the transfer condition maps on benchmark tasks: "all" (the whole context) or "history" (the
-    few-shot history; the target prefills the question itself). Tasks without a few-shot history are skipped
-    under "history" and listed in the result's "skipped". Perplexity and CoQA are unaffected: they already map
-    what came before and let the target read the new tokens.
-    on_item(task, condition, record) runs after each newly computed record is stored (progress hooks, tests).
-    Returns the result dictionary (also written as JSON when ``out_dir`` is given).
+    "perplexity" scores conditional perplexity on ``documents`` (when None, ``corpus.heldout_documents``);
+    "coqa" runs multi-turn switching and needs ``reverse_mapper`` (target → source). Under
+    ``options.mapped == "history"`` tasks without a few-shot history are skipped and listed in the result's
+    "skipped"; perplexity and CoQA are unaffected (they already map what came before and let the target read
+    the new tokens). on_item(task, condition, record) runs after each newly computed record is stored.
+    Returns the result dictionary (also written as JSON when ``output.out_dir`` is given).
     """
-    from kvhandoff.evaluation.scoring import check_mapped
-
-    names = parse_tasks(tasks, extra=EXTRA_TASKS)
-    check_mapped(mapped)
-    if exact_prefix is None:  # the mapper's own setting, recorded explicitly in the results
-        exact_prefix = getattr(mapper, "exact_prefix", 0)
-    if "coqa" in names and reverse_mapper is None:
+    if "coqa" in options.tasks and reverse_mapper is None:
         raise ConfigError("the 'coqa' multi-turn task needs the reverse mapper (target → source) as well")
-    out_path = None if out_dir is None else Path(out_dir)
-    store_dir = None if out_path is None else out_path / "items"
-    tok_id = tokenizer_identity(tokenizer)
-    src_display = source_name or display_name(source_model, "source")
-    tgt_display = target_name or display_name(target_model, "target")
-    result: dict[str, Any] = {
+    # the mapper's own setting when none is given, recorded explicitly in the results
+    exact_prefix = getattr(mapper, "exact_prefix", 0) if options.exact_prefix is None else options.exact_prefix
+    run = _Evaluation(source_model, target_model, mapper, tokenizer, options, scoring, output, on_item,
+                      exact_prefix, tokenizer_hash(tokenizer))
+    result = _result_header(run)
+    _run_benchmarks(run, result)
+    if "perplexity" in options.tasks:
+        result["perplexity"] = _run_perplexity(run, documents)
+    if "coqa" in options.tasks:
+        result["coqa"] = _run_coqa(run, reverse_mapper)
+    _write_result(result, output)
+    return result
+
+
+def _result_header(run: _Evaluation) -> dict:
+    options, scoring, output = run.options, run.scoring, run.output
+    return {
         "format": RESULT_FORMAT,
-        "direction": {"source": src_display, "target": tgt_display},
-        "source": model_identity(source_model),
-        "target": model_identity(target_model),
-        "mapper": mapper_identity(mapper),
-        "tokenizer": tok_id,
-        "exact_prefix": exact_prefix,
-        "mapped": mapped,
-        "seed": seed,
-        "limit": limit,
-        "bootstrap": {"n_resamples": n_resamples, "confidence": confidence, "paired": True},
+        "direction": {"source": output.source_name or display_name(run.source_model, "source"),
+                      "target": output.target_name or display_name(run.target_model, "target")},
+        "source": model_fingerprint(run.source_model),
+        "target": model_fingerprint(run.target_model),
+        "mapper": mapper_identity(run.mapper),
+        "tokenizer": run.tok_id,
+        "exact_prefix": run.exact_prefix,
+        "mapped": options.mapped,
+        "seed": options.seed,
+        "limit": options.limit,
+        "bootstrap": {"n_resamples": scoring.n_resamples, "confidence": scoring.confidence, "paired": True},
         "tasks": {},
     }
-    for name in names:
-        if name in EXTRA_TASKS:
-            continue
+
+
+def _run_benchmarks(run: _Evaluation, result: dict) -> None:
+    """Each benchmark task's records and summary into result["tasks"] (and the group means into "summary")."""
+    options, scoring = run.options, run.scoring
+    for name in options.benchmark_tasks():
         spec = get_task(name)
-        items = select_items(name, limit, seed, "report")
-        if mapped == "history" and not all(getattr(item, "shared_prefix", None) for item in items):
+        items = select_items(name, options.limit, options.seed, "report")
+        if options.mapped == "history" and not all(getattr(item, "shared_prefix", None) for item in items):
             result.setdefault("skipped", {})[name] = "no few-shot history: the whole context is the new turn"
             continue
-        runs = benchmark_runs(source_model, target_model, mapper, tokenizer, spec, max_new_tokens, tok_id=tok_id,
-                              exact_prefix=exact_prefix, mapped=mapped)
-        records = run_records(name, items, runs, store_dir, progress, on_item)
-        result["tasks"][name] = {**task_summary(spec, items, records, n_resamples, seed, confidence),
-                                 "item_ids": [item.id for item in items]}
+        runs = benchmark_runs(run.source_model, run.target_model, run.mapper, run.tokenizer, spec,
+                              scoring.max_new_tokens, tok_id=run.tok_id, exact_prefix=run.exact_prefix,
+                              mapped=options.mapped)
+        records = run_records(name, items, runs, run.output.store_dir, run.output.progress, run.on_item)
+        summary = task_summary(spec, items, records, scoring.n_resamples, options.seed, scoring.confidence)
+        result["tasks"][name] = {**summary, "item_ids": [item.id for item in items]}
     result["summary"] = _group_means(list(result["tasks"].values()))
-    if "perplexity" in names:
-        result["perplexity"] = _run_perplexity(
-            source_model, target_model, mapper, tokenizer, documents, perplexity_docs, prefix_len,
-            continuation_len, store_dir, progress, on_item, tok_id, exact_prefix,
-        )
-    if "coqa" in names:
-        result["coqa"] = _run_coqa(
-            source_model, target_model, mapper, reverse_mapper, tokenizer, coqa_conversations, coqa_turns,
-            coqa_max_new_tokens, seed, store_dir, progress, on_item, tok_id, exact_prefix,
-        )
-    if out_path is not None:
-        atomic_write_json(out_path / f"{result_name}.json", result)
-        if render:
-            from kvhandoff.evaluation.report import render_results
 
-            render_results([out_path / f"{result_name}.json"], out_path, stem=result_name)
-    return result
+
+def _write_result(result: dict, output: OutputOptions) -> None:
+    if output.out_dir is None:
+        return
+    path = output.out_dir / f"{output.result_name}.json"
+    atomic_write_json(path, result)
+    if output.render:
+        render_results([path], output.out_dir, stem=output.result_name)
 
 
 def _group_means(tasks: Sequence[dict]) -> dict:
@@ -469,24 +437,15 @@ def _group_means(tasks: Sequence[dict]) -> dict:
     return out
 
 
-def _run_perplexity(source_model, target_model, mapper, tokenizer, documents, num_docs, prefix_len,
-                    continuation_len, store_dir, progress, on_item, tok_id, exact_prefix) -> dict:
-    from kvhandoff.evaluation.perplexity import (
-        document_id,
-        perplexity_record,
-        summarise_perplexity,
-        usable_documents,
-    )
-    from kvhandoff.evaluation.scoring import standard_conditions
-
+def _run_perplexity(run: _Evaluation, documents) -> dict:
+    scoring = run.scoring
+    prefix_len, continuation_len = scoring.prefix_len, scoring.continuation_len
     if documents is None:
-        from kvhandoff.corpus import heldout_documents
-
-        documents = heldout_documents(tokenizer, num_docs, min_tokens=prefix_len + continuation_len)
-    docs = usable_documents(documents, prefix_len, continuation_len)[:num_docs]
+        documents = heldout_documents(run.tokenizer, scoring.perplexity_docs, min_tokens=prefix_len + continuation_len)
+    docs = usable_documents(documents, prefix_len, continuation_len)[: scoring.perplexity_docs]
     if not docs:
         raise ConfigError(f"no held-out document has the {prefix_len + continuation_len} tokens needed")
-    conds = standard_conditions(source_model, target_model, mapper, exact_prefix)
+    conds = standard_conditions(run.source_model, run.target_model, run.mapper, run.exact_prefix)
     settings = {"record_version": RECORD_VERSION, "task": "perplexity", "prefix_len": prefix_len,
                 "continuation_len": continuation_len}
 
@@ -494,53 +453,49 @@ def _run_perplexity(source_model, target_model, mapper, tokenizer, documents, nu
         return lambda ids: perplexity_record(cond, ids, prefix_len, continuation_len)
 
     runs = [
-        _standalone_run("target", target_model, tok_id, settings, compute_for(conds["target"])),
-        _standalone_run("source", source_model, tok_id, settings, compute_for(conds["source"])),
-        _transfer_run("transfer", source_model, target_model, mapper, tok_id,
-                      {**settings, "exact_prefix": exact_prefix}, compute_for(conds["transfer"])),
+        _standalone_run("target", run.target_model, run.tok_id, settings, compute_for(conds["target"])),
+        _standalone_run("source", run.source_model, run.tok_id, settings, compute_for(conds["source"])),
+        _transfer_run("transfer", run.source_model, run.target_model, run.mapper, run.tok_id,
+                      {**settings, "exact_prefix": run.exact_prefix}, compute_for(conds["transfer"])),
     ]
-    records = run_records("perplexity", docs, runs, store_dir, progress, on_item, item_id=document_id)
+    records = run_records("perplexity", docs, runs, run.output.store_dir, run.output.progress, run.on_item,
+                          item_id=document_id)
     ids = [document_id(d) for d in docs]
     summary = summarise_perplexity({name: [recs[i] for i in ids] for name, recs in records.items()})
     return {**summary, "prefix_len": prefix_len, "continuation_len": continuation_len, "document_ids": ids}
 
 
 def _coqa_compute(schedule, handover, models, mappers, tokenizer, max_new_tokens, exact_prefix):
-    from kvhandoff.evaluation.multiturn import run_conversation
-
     return lambda conv: run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens, exact_prefix,
                                          handover)
 
 
-def _run_coqa(source_model, target_model, mapper, reverse_mapper, tokenizer, num_conversations, num_turns,
-              max_new_tokens, seed, store_dir, progress, on_item, tok_id, exact_prefix) -> dict:
-    from kvhandoff.evaluation.multiturn import load_coqa_conversations, run_variants, summarise_multiturn
-
-    conversations = load_coqa_conversations(min_turns=num_turns, num_turns=num_turns)
+def _run_coqa(run: _Evaluation, reverse_mapper) -> dict:
+    scoring, seed = run.scoring, run.options.seed
+    conversations = load_coqa_conversations(min_turns=scoring.coqa_turns, num_turns=scoring.coqa_turns)
     conversations = [c for c in conversations if pool_of("coqa", c.id) == "report"]
     random.Random(f"{seed}/coqa/report").shuffle(conversations)
-    conversations = conversations[:num_conversations]
+    conversations = conversations[: scoring.coqa_conversations]
     names = ("source", "target")
-    models = {"source": source_model, "target": target_model}
-    mappers = {("source", "target"): mapper, ("target", "source"): reverse_mapper}
-    settings = {"record_version": RECORD_VERSION, "task": "coqa", "max_new_tokens": max_new_tokens,
-                "num_turns": num_turns}
-    common = (models, mappers, tokenizer, max_new_tokens, exact_prefix)
+    models = {"source": run.source_model, "target": run.target_model}
+    mappers = {("source", "target"): run.mapper, ("target", "source"): reverse_mapper}
+    settings = {"record_version": RECORD_VERSION, "task": "coqa", "max_new_tokens": scoring.coqa_max_new_tokens,
+                "num_turns": scoring.coqa_turns}
+    common = (models, mappers, run.tokenizer, scoring.coqa_max_new_tokens, run.exact_prefix)
     runs = []
-    for name, (schedule, handover) in run_variants(num_turns, names).items():
+    for name, (schedule, handover) in run_variants(scoring.coqa_turns, names).items():
         compute = _coqa_compute(schedule, handover, *common)
         if name.startswith("standalone_"):
-            runs.append(_standalone_run(name, models[name.removeprefix("standalone_")], tok_id, settings, compute))
+            model = models[name.removeprefix("standalone_")]
+            runs.append(_standalone_run(name, model, run.tok_id, settings, compute))
             continue
         header = {
-            "condition": "switch", "schedule": schedule, "source": model_identity(source_model),
-            "target": model_identity(target_model), "mapper": mapper_identity(mapper),
-            "reverse_mapper": mapper_identity(reverse_mapper), "tokenizer": tok_id,
-            "exact_prefix": exact_prefix, **settings,
-            # "all" stays out of the header, so records made before handovers existed stay valid
-            **({} if handover == "all" else {"handover": handover}),
+            "condition": "switch", "schedule": schedule, "source": model_fingerprint(run.source_model),
+            "target": model_fingerprint(run.target_model), "mapper": mapper_identity(run.mapper),
+            "reverse_mapper": mapper_identity(reverse_mapper), "tokenizer": run.tok_id,
+            "exact_prefix": run.exact_prefix, "handover": handover, **settings,
         }
-        runs.append(RecordRun(name, f"{name}-{_hash(header)}", header, compute))
-    records = run_records("coqa", conversations, runs, store_dir, progress, on_item)
+        runs.append(RecordRun(name, f"{name}-{sha256_json(header, 16)}", header, compute))
+    records = run_records("coqa", conversations, runs, run.output.store_dir, run.output.progress, run.on_item)
     return {**summarise_multiturn(conversations, records, names),
             "conversation_ids": [c.id for c in conversations]}

