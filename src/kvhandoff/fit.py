@@ -53,7 +53,6 @@ def collect_statistics(
     batches: Iterable[torch.Tensor],
     config: FitConfig = FitConfig(),  # noqa: B008 - frozen, immutable default
     progress: bool = True,
-    total: int | None = None,
     feature_writer=None,
 ) -> CalibrationStats:
     """One pass over calibration batches [batch, tokens]: capture both models, accumulate statistics.
@@ -61,8 +60,7 @@ def collect_statistics(
     feature_writer: a `features.FeatureShardWriter` that also receives every kept row (for the MLP mapper).
     """
     stats = CalibrationStats(feature_layout(source_model), feature_layout(target_model))
-    if total is None and hasattr(batches, "__len__"):
-        total = len(batches)
+    total = len(batches) if hasattr(batches, "__len__") else None
     for input_ids in tqdm(batches, total=total, desc="calibration", unit="batch", disable=not progress):
         if input_ids.dim() != 2:
             raise StatisticsError(

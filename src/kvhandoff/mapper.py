@@ -74,7 +74,6 @@ class Mapper:
             self._dense_bias = self.bias.reshape(2, -1)
         else:
             self._flat_weight = self.weight.reshape(-1, *expected[2:])
-            self._gather = torch.cat([self.selected, self.selected + self.source.num_layers])  # [2Lt, k]
         self._rope_tables: dict = {}  # (side, seq_len or None) → (cos, sin, scaling), see _cos_sin
 
     # -- metadata ---------------------------------------------------------------------------------
