@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from kvhandoff import FitConfig, Mapper, prefill
-from kvhandoff.config import MLPConfig
+from kvhandoff.config import MAPPER_FORMAT_VERSION, MLPConfig
 from kvhandoff.errors import ConfigError, MapperFormatError, StatisticsError
 from kvhandoff.features import FeatureShardWriter
+from kvhandoff.files import sha256_json
 from kvhandoff.fit import collect_statistics, feature_layout, mapper_from_statistics
 from kvhandoff.geometry import model_fingerprint
 from kvhandoff.mlp import MLPMapper, ResidualMLP, fit_mlp_mapper, input_columns, output_columns
@@ -44,7 +45,7 @@ def test_mlp_learns_what_ridge_cannot(nonlinear_pair):
     metrics = mapper.manifest["fit_metrics"]["mlp"]
     assert metrics["heldout_windows"] == 1 and metrics["heldout_rows"] == 500
     assert metrics["heldout_loss_mlp"] < 0.3 * metrics["heldout_loss_ridge"]
-    assert mapper.manifest["method"] == "mlp" and mapper.manifest["format_version"] == 2
+    assert mapper.manifest["method"] == "mlp" and mapper.manifest["format_version"] == MAPPER_FORMAT_VERSION
 
 
 def test_early_stopping_never_ends_worse_than_ridge_on_heldout(nonlinear_pair):
@@ -108,6 +109,10 @@ def test_save_load_round_trip_and_refusals(tmp_path):
     manifest_path = tmp_path / "m" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest_path.write_text(json.dumps({**manifest, "method": "quantum"}))
+    with pytest.raises(MapperFormatError, match="does not match its checksum"):
+        Mapper.load(tmp_path / "m")
+    body = {**{k: v for k, v in manifest.items() if k != "checksum"}, "method": "quantum"}
+    manifest_path.write_text(json.dumps({**body, "checksum": sha256_json(body)}))
     with pytest.raises(MapperFormatError, match="unknown method 'quantum'"):
         Mapper.load(tmp_path / "m")
 

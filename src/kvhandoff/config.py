@@ -49,13 +49,9 @@ END_OF_TEXT_TOKENS: tuple[str, ...] = (
     "<|endoftext|>", "<|im_end|>", "<|end_of_text|>", "<|eot_id|>", "<|end|>", "</s>",
 )
 
-#: newest mapper format this kvhandoff reads. Ridge mappers are written as version 1 (unchanged since the
-#: first release), MLP mappers as version 2, so an older kvhandoff refuses them instead of applying the
-#: linear part alone; ridge mappers whose maps read source K and V together (source_inputs="kv") as version 3.
-MAPPER_FORMAT_VERSION = 3
-RIDGE_FORMAT_VERSION = 1
-MLP_FORMAT_VERSION = 2
-JOINT_INPUTS_FORMAT_VERSION = 3
+#: the one mapper format this kvhandoff reads and writes (every method: the manifest's `method` says which
+#: mapper class reads the tensors; see `manifest.py`). Mappers written in an earlier format are refused: re-fit.
+MAPPER_FORMAT_VERSION = 4
 
 
 def require_positive(name: str, value, kind: type = int, minimum: int | float | None = None) -> None:
