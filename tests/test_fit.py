@@ -91,3 +91,13 @@ def test_joint_inputs_are_refused_with_the_heldout_choice():
         FitConfig(top_k="heldout", ridge_lambda="heldout", source_inputs="kv")
     with pytest.raises(ConfigError, match="source_inputs"):
         FitConfig(source_inputs="k")
+
+
+def test_nan_solved_weights_are_refused_naming_the_map():
+    source, target = tiny_model("qwen2", layers=2), tiny_model("qwen2", layers=3, seed=2)
+    stats = collect_statistics(source, target, random_batches(2), progress=False)
+    mapper_from_statistics(stats, FitConfig(), {}, {})  # the clean statistics solve
+    columns = stats.target.layer_slice(1, 2)  # V of target layer 2
+    stats.sum_xy[:, columns.start] = float("nan")
+    with pytest.raises(StatisticsError, match="NaN/Inf weights for V of target layer 2"):
+        mapper_from_statistics(stats, FitConfig(), {}, {})

@@ -1,6 +1,5 @@
 import dataclasses
 
-
 import pytest
 import torch
 

@@ -133,3 +133,34 @@ def test_mlp_config_is_validated():
         MLPConfig(validation_fraction=1.0)
     with pytest.raises(ConfigError, match="hidden"):
         MLPConfig(hidden=0)
+
+
+def test_mlp_mapper_moves_with_to_and_a_nan_mlp_is_refused(tmp_path):
+    from kvhandoff.errors import NonFiniteError
+    from kvhandoff.mlp import require_finite_mlp
+
+    source, target = tiny_model("qwen2", layers=2), tiny_model("qwen2", layers=3, head_dim=32, seed=5)
+    writer = FeatureShardWriter(tmp_path / "rows", feature_layout(source), feature_layout(target))
+    stats = collect_statistics(source, target, random_batches(3), progress=False, feature_writer=writer)
+    writer.close()
+    base = mapper_from_statistics(stats, FitConfig(top_k=1), model_fingerprint(source), model_fingerprint(target))
+    mapper = fit_mlp_mapper(base, tmp_path / "rows", layer_r2_matrix(stats), MLPConfig(hidden=8, epochs=1),
+                            progress=False)
+    assert isinstance(mapper.manifest.mlp_config, MLPConfig) and mapper.manifest.mlp_config.hidden == 8
+    cache, _ = prefill(source, torch.randint(0, 128, (1, 13)))
+    reference = mapper.transfer(cache)
+    double = MLPMapper(mapper.weight, mapper.bias, mapper.selected, mapper.manifest, mapper.input_layers,
+                       ResidualMLP.from_tensors(mapper.mlp.tensors())).to(dtype=torch.float64)
+    assert double.mlp.w1.dtype == double.weight.dtype == torch.float64
+    for got, want in zip(double.transfer(cache).layers, reference.layers, strict=True):
+        assert torch.allclose(got.keys, want.keys, atol=1e-5) and torch.allclose(got.values, want.values, atol=1e-5)
+    tensors = mapper.mlp.tensors()
+    tensors["w2"] = tensors["w2"].clone()
+    tensors["w2"][1, 0, 0] = float("nan")
+    broken = ResidualMLP.from_tensors(tensors)
+    with pytest.raises(StatisticsError, match=r"target layer\(s\) \[1\]"):
+        require_finite_mlp(broken)
+    nan_mapper = MLPMapper(mapper.weight, mapper.bias, mapper.selected, mapper.manifest, mapper.input_layers, broken)
+    with pytest.raises(NonFiniteError, match=r"mlp\.w2 holds NaN/Inf \(target layer\(s\) \[1\]\)"):
+        nan_mapper.save(tmp_path / "m")
+    assert not (tmp_path / "m").exists()

@@ -330,7 +330,9 @@ class Mapper:
         tensors = {"weight": self.weight, "bias": self.bias, "selected": self.selected, **self.extra_tensors()}
         for name, tensor in tensors.items():
             if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
-                where = f"target layer(s) {nonfinite_layers(tensor, dim=1)}" if tensor.dim() > 2 else name
+                # the linear map is [K|V, target layer, ...]; a subclass's tensors are [target layer, ...]
+                axis = 1 if name in ("weight", "bias") else 0
+                where = f"target layer(s) {nonfinite_layers(tensor, dim=axis)}" if tensor.dim() > 2 else name
                 raise NonFiniteError(
                     f"the mapper's {name} holds NaN/Inf ({where}): it is not saved; re-fit it (check the "
                     "calibration data for NaN/Inf, or raise ridge_lambda)"
