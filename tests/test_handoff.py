@@ -251,10 +251,10 @@ def test_real_pair_switching_session():
 @pytest.fixture(scope="module")
 def unrelated_pair():
     """A mapper fitted for (source, target) and a second target of the same geometry it was not fitted for."""
-    source = tiny_model("qwen2", layers=2)
-    target = tiny_model("qwen2", layers=3, head_dim=32, seed=4)
-    other = tiny_model("qwen2", layers=3, head_dim=32, seed=11)
-    mapper = fit_mapper(source, target, random_batches(2), FitConfig(), progress=False)
+    source = tiny_model("qwen2", layers=2, max_position_embeddings=64)
+    target = tiny_model("qwen2", layers=3, head_dim=32, seed=4, max_position_embeddings=64)
+    other = tiny_model("qwen2", layers=3, head_dim=32, seed=11, max_position_embeddings=64)
+    mapper = fit_mapper(source, target, random_batches(2, tokens=32), FitConfig(), progress=False)
     return source, target, other, mapper
 
 
@@ -278,7 +278,7 @@ def test_handoff_cache_refuses_a_context_past_the_target_window_before_any_work(
     calls = []
     monkeypatch.setattr(handoff_module, "prefill", lambda *args, **kwargs: calls.append(args))
     ids = torch.randint(0, 128, (1, target.config.max_position_embeddings + 1))
-    with pytest.raises(ContextTooLongError, match="513 tokens exceeds the target's max_position_embeddings"):
+    with pytest.raises(ContextTooLongError, match="65 tokens exceeds the target's max_position_embeddings"):
         handoff_cache(source, target, mapper, ids)
     assert calls == []
 
@@ -296,9 +296,9 @@ def test_catch_up_checks_the_pair_the_target_cache_and_the_window(unrelated_pair
     wrong, _ = prefill(source, ids[:, :10])  # a cache of the source's geometry handed in as the target's
     with pytest.raises(MapperMismatchError, match="this mapper maps to 3"):
         catch_up(wrong, source_cache, mapper)
-    long_ids = torch.randint(0, 128, (1, 520))
+    long_ids = torch.randint(0, 128, (1, 70))
     long_source, _ = prefill(source, long_ids)
-    with pytest.raises(ContextTooLongError, match="520 tokens"):
+    with pytest.raises(ContextTooLongError, match="70 tokens"):
         catch_up(own, long_source, mapper, source, target)
     assert own.get_seq_length() == 10
     assert catch_up(own, source_cache, mapper, source, target).get_seq_length() == 30

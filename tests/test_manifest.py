@@ -1,4 +1,5 @@
 import dataclasses
+import json
 
 import pytest
 
@@ -91,4 +92,6 @@ def test_a_manifest_without_fingerprints_has_no_rope(manifest):
     bare = dataclasses.replace(manifest, source_fingerprint={}, target_fingerprint={})
     with pytest.raises(MapperFormatError, match="no source fingerprint"):
         bare.rope_config("source")
-    assert manifest.rope_config("target").max_position_embeddings == 512
+    target_rope = manifest.rope_config("target")
+    assert target_rope.max_position_embeddings == manifest.target_max_position_embeddings
+    assert target_rope.rope_parameters == json.loads(manifest.target_fingerprint["geometry"]["rope"]["parameters"])

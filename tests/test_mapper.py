@@ -201,15 +201,18 @@ def test_a_nan_mapper_is_never_saved(fitted, tmp_path):
     assert not (tmp_path / "m").exists() and list(tmp_path.iterdir()) == []
 
 
-def test_transfer_refuses_positions_past_the_target_window(fitted):
-    source, target, mapper = fitted
-    assert mapper.manifest.target_max_position_embeddings == target.config.max_position_embeddings == 512
+def test_transfer_refuses_positions_past_the_target_window():
+    source = tiny_model("qwen2", layers=2, max_position_embeddings=64)
+    target = tiny_model("qwen2", layers=3, head_dim=32, seed=7, max_position_embeddings=64)
+    mapper = fit_mapper(source, target, random_batches(2, tokens=32), FitConfig(), progress=False)
+    assert mapper.manifest.target_max_position_embeddings == 64
     cache, _ = prefill(source, torch.randint(0, 128, (1, 20)))
-    mapper.transfer(cache, position_ids=torch.arange(492, 512))  # the last positions of the window: fine
-    with pytest.raises(ContextTooLongError, match="513 tokens exceeds the target's max_position_embeddings"):
-        mapper.transfer(cache, position_ids=torch.arange(493, 513))
-    with pytest.raises(ContextTooLongError, match="513"):
-        mapper.check_context(513)
+    mapper.transfer(cache, position_ids=torch.arange(44, 64))  # the last positions of the window: fine
+    with pytest.raises(ContextTooLongError, match="65 tokens exceeds the target's max_position_embeddings"):
+        mapper.transfer(cache, position_ids=torch.arange(45, 65))
+    long_cache, _ = prefill(source, torch.randint(0, 128, (1, 65)))
+    with pytest.raises(ContextTooLongError, match="65 tokens"):
+        mapper.transfer(long_cache)
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
