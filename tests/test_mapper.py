@@ -148,8 +148,8 @@ def _rewrite_manifest(path, edit):
     [
         lambda m: m["config"].update(exact_prefix=m["config"]["exact_prefix"] + 1),
         lambda m: m["config"].update(source_inputs="kv"),
-        lambda m: m.update(source_max_position_embeddings=4096),
-        lambda m: m.update(target_max_position_embeddings=99),
+        lambda m: m.update(source_max_position_embeddings=2 * m["source_max_position_embeddings"]),
+        lambda m: m.update(target_max_position_embeddings=m["target_max_position_embeddings"] - 1),
         lambda m: m["target_fingerprint"]["geometry"]["rope"].update(
             parameters=json.dumps({"rope_type": "default", "rope_theta": 500.0})),
         lambda m: m["source_fingerprint"]["geometry"]["rope"].update(rope_theta=1.0),
