@@ -65,7 +65,7 @@ def tiny_model(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=512,
+        max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
     config = config_cls(**{**settings, **extra, **overrides})

@@ -74,3 +74,28 @@ def test_invalid_refine_settings_are_refused(settings, message):
 
     with pytest.raises(ConfigError, match=message):
         RefineConfig(**settings)
+
+
+def test_one_positive_validator_names_the_setting():
+    from kvhandoff.config import CalibrationSpec, MLPConfig, require_positive
+
+    require_positive("n", 3)
+    require_positive("rate", 0.5, float)
+    require_positive("count", 0, minimum=0)
+    for value, kind in ((0, int), (-2, int), (True, int), (2.0, int), ("3", int), (0.0, float),
+                        (float("nan"), float), (float("inf"), float), (False, float)):
+        with pytest.raises(ConfigError, match="my_setting must be"):
+            require_positive("my_setting", value, kind)
+    with pytest.raises(ConfigError, match="count must be an integer >= 0, got -1"):
+        require_positive("count", -1, minimum=0)
+    # every config dataclass goes through it
+    with pytest.raises(ConfigError, match="seq_len must be a positive integer"):
+        CalibrationSpec(seq_len=0)
+    with pytest.raises(ConfigError, match="mlp learning_rate must be a number > 0"):
+        MLPConfig(learning_rate=float("nan"))
+    with pytest.raises(ConfigError, match="mlp weight_decay must be a number >= 0"):
+        MLPConfig(weight_decay=-1e-3)
+    with pytest.raises(ConfigError, match="ridge_lambda must be a number > 0"):
+        FitConfig(ridge_lambda=float("inf"))
+    with pytest.raises(ConfigError, match="exact_prefix must be an integer >= 0"):
+        FitConfig(exact_prefix=1.5)

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from kvhandoff import FitConfig, fit_mapper
+from kvhandoff.config import MAPPER_FORMAT_VERSION
 from kvhandoff.errors import IncompatiblePairError, StatisticsError
 from kvhandoff.fit import collect_statistics, mapper_from_statistics
 from kvhandoff.geometry import check_pair, model_fingerprint
@@ -74,7 +75,7 @@ def test_joint_inputs_recover_maps_that_read_source_k_and_v(top_k):
     own = mapper_from_statistics(stats, FitConfig(top_k=top_k, ridge_lambda=1e-8), *fps)
     joint = mapper_from_statistics(stats, FitConfig(top_k=top_k, ridge_lambda=1e-8, source_inputs="kv"), *fps)
     assert joint.weight.shape[2] == 2 * own.weight.shape[2]
-    assert joint.manifest["format_version"] == 3 and own.manifest["format_version"] == 1
+    assert joint.manifest["format_version"] == own.manifest["format_version"] == MAPPER_FORMAT_VERSION
     assert "source_inputs" not in own.manifest["config"] and joint.manifest["config"]["source_inputs"] == "kv"
     own_r2, joint_r2 = own.manifest["fit_metrics"]["r2_v_mean"], joint.manifest["fit_metrics"]["r2_v_mean"]
     assert own_r2 + 0.1 < joint_r2 <= 1.0 + 1e-9
@@ -90,3 +91,13 @@ def test_joint_inputs_are_refused_with_the_heldout_choice():
         FitConfig(top_k="heldout", ridge_lambda="heldout", source_inputs="kv")
     with pytest.raises(ConfigError, match="source_inputs"):
         FitConfig(source_inputs="k")
+
+
+def test_nan_solved_weights_are_refused_naming_the_map():
+    source, target = tiny_model("qwen2", layers=2), tiny_model("qwen2", layers=3, seed=2)
+    stats = collect_statistics(source, target, random_batches(2), progress=False)
+    mapper_from_statistics(stats, FitConfig(), {}, {})  # the clean statistics solve
+    columns = stats.target.layer_slice(1, 2)  # V of target layer 2
+    stats.sum_xy[:, columns.start] = float("nan")
+    with pytest.raises(StatisticsError, match="NaN/Inf weights for V of target layer 2"):
+        mapper_from_statistics(stats, FitConfig(), {}, {})

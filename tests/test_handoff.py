@@ -305,3 +305,59 @@ def test_real_pair_switching_session():
     texts = [tokenizer.decode(answer, skip_special_tokens=True).strip() for answer in (first, second)]
     assert all(texts), texts
     assert session.cache("large").get_seq_length() == len(session.tokens)
+
+
+@pytest.fixture(scope="module")
+def unrelated_pair():
+    """A mapper fitted for (source, target) and a second target of the same geometry it was not fitted for."""
+    source = tiny_model("qwen2", layers=2, max_position_embeddings=64)
+    target = tiny_model("qwen2", layers=3, head_dim=32, seed=4, max_position_embeddings=64)
+    other = tiny_model("qwen2", layers=3, head_dim=32, seed=11, max_position_embeddings=64)
+    mapper = fit_mapper(source, target, random_batches(2, tokens=32), FitConfig(), progress=False)
+    return source, target, other, mapper
+
+
+def test_handoff_cache_refuses_a_mapper_fitted_for_another_pair(unrelated_pair):
+    from kvhandoff.errors import MapperMismatchError
+
+    source, target, other, mapper = unrelated_pair
+    ids = torch.randint(0, 128, (1, 12))
+    assert handoff_cache(source, target, mapper, ids).get_seq_length() == 12
+    with pytest.raises(MapperMismatchError, match="different target model"):
+        handoff_cache(source, other, mapper, ids)
+    with pytest.raises(MapperMismatchError, match="different source model"):
+        handoff_cache(other, target, mapper, ids)
+
+
+def test_handoff_cache_refuses_a_context_past_the_target_window_before_any_work(unrelated_pair, monkeypatch):
+    import kvhandoff.handoff as handoff_module
+    from kvhandoff.errors import ContextTooLongError
+
+    source, target, _, mapper = unrelated_pair
+    calls = []
+    monkeypatch.setattr(handoff_module, "prefill", lambda *args, **kwargs: calls.append(args))
+    ids = torch.randint(0, 128, (1, target.config.max_position_embeddings + 1))
+    with pytest.raises(ContextTooLongError, match="65 tokens exceeds the target's max_position_embeddings"):
+        handoff_cache(source, target, mapper, ids)
+    assert calls == []
+
+
+def test_catch_up_checks_the_pair_the_target_cache_and_the_window(unrelated_pair):
+    from kvhandoff.errors import ContextTooLongError, MapperMismatchError
+
+    source, target, other, mapper = unrelated_pair
+    ids = torch.randint(0, 128, (1, 30))
+    source_cache, _ = prefill(source, ids)
+    own, _ = prefill(target, ids[:, :10])
+    with pytest.raises(MapperMismatchError, match="different target model"):
+        catch_up(own, source_cache, mapper, source, other)
+    assert own.get_seq_length() == 10  # refused before anything was appended
+    wrong, _ = prefill(source, ids[:, :10])  # a cache of the source's geometry handed in as the target's
+    with pytest.raises(MapperMismatchError, match="this mapper maps to 3"):
+        catch_up(wrong, source_cache, mapper)
+    long_ids = torch.randint(0, 128, (1, 70))
+    long_source, _ = prefill(source, long_ids)
+    with pytest.raises(ContextTooLongError, match="70 tokens"):
+        catch_up(own, long_source, mapper, source, target)
+    assert own.get_seq_length() == 10
+    assert catch_up(own, source_cache, mapper, source, target).get_seq_length() == 30

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from kvhandoff import FitConfig, Mapper, prefill
-from kvhandoff.config import MLPConfig
+from kvhandoff.config import MAPPER_FORMAT_VERSION, MLPConfig
 from kvhandoff.errors import ConfigError, MapperFormatError, StatisticsError
 from kvhandoff.features import FeatureShardWriter
+from kvhandoff.files import sha256_json
 from kvhandoff.fit import collect_statistics, feature_layout, mapper_from_statistics
 from kvhandoff.geometry import model_fingerprint
 from kvhandoff.mlp import MLPMapper, ResidualMLP, fit_mlp_mapper, input_columns, output_columns
@@ -44,7 +45,7 @@ def test_mlp_learns_what_ridge_cannot(nonlinear_pair):
     metrics = mapper.manifest["fit_metrics"]["mlp"]
     assert metrics["heldout_windows"] == 1 and metrics["heldout_rows"] == 500
     assert metrics["heldout_loss_mlp"] < 0.3 * metrics["heldout_loss_ridge"]
-    assert mapper.manifest["method"] == "mlp" and mapper.manifest["format_version"] == 2
+    assert mapper.manifest["method"] == "mlp" and mapper.manifest["format_version"] == MAPPER_FORMAT_VERSION
 
 
 def test_early_stopping_never_ends_worse_than_ridge_on_heldout(nonlinear_pair):
@@ -108,6 +109,10 @@ def test_save_load_round_trip_and_refusals(tmp_path):
     manifest_path = tmp_path / "m" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest_path.write_text(json.dumps({**manifest, "method": "quantum"}))
+    with pytest.raises(MapperFormatError, match="does not match its checksum"):
+        Mapper.load(tmp_path / "m")
+    body = {**{k: v for k, v in manifest.items() if k != "checksum"}, "method": "quantum"}
+    manifest_path.write_text(json.dumps({**body, "checksum": sha256_json(body)}))
     with pytest.raises(MapperFormatError, match="unknown method 'quantum'"):
         Mapper.load(tmp_path / "m")
 
@@ -128,3 +133,34 @@ def test_mlp_config_is_validated():
         MLPConfig(validation_fraction=1.0)
     with pytest.raises(ConfigError, match="hidden"):
         MLPConfig(hidden=0)
+
+
+def test_mlp_mapper_moves_with_to_and_a_nan_mlp_is_refused(tmp_path):
+    from kvhandoff.errors import NonFiniteError
+    from kvhandoff.mlp import require_finite_mlp
+
+    source, target = tiny_model("qwen2", layers=2), tiny_model("qwen2", layers=3, head_dim=32, seed=5)
+    writer = FeatureShardWriter(tmp_path / "rows", feature_layout(source), feature_layout(target))
+    stats = collect_statistics(source, target, random_batches(3), progress=False, feature_writer=writer)
+    writer.close()
+    base = mapper_from_statistics(stats, FitConfig(top_k=1), model_fingerprint(source), model_fingerprint(target))
+    mapper = fit_mlp_mapper(base, tmp_path / "rows", layer_r2_matrix(stats), MLPConfig(hidden=8, epochs=1),
+                            progress=False)
+    assert isinstance(mapper.manifest.mlp_config, MLPConfig) and mapper.manifest.mlp_config.hidden == 8
+    cache, _ = prefill(source, torch.randint(0, 128, (1, 13)))
+    reference = mapper.transfer(cache)
+    double = MLPMapper(mapper.weight, mapper.bias, mapper.selected, mapper.manifest, mapper.input_layers,
+                       ResidualMLP.from_tensors(mapper.mlp.tensors())).to(dtype=torch.float64)
+    assert double.mlp.w1.dtype == double.weight.dtype == torch.float64
+    for got, want in zip(double.transfer(cache).layers, reference.layers, strict=True):
+        assert torch.allclose(got.keys, want.keys, atol=1e-5) and torch.allclose(got.values, want.values, atol=1e-5)
+    tensors = mapper.mlp.tensors()
+    tensors["w2"] = tensors["w2"].clone()
+    tensors["w2"][1, 0, 0] = float("nan")
+    broken = ResidualMLP.from_tensors(tensors)
+    with pytest.raises(StatisticsError, match=r"target layer\(s\) \[1\]"):
+        require_finite_mlp(broken)
+    nan_mapper = MLPMapper(mapper.weight, mapper.bias, mapper.selected, mapper.manifest, mapper.input_layers, broken)
+    with pytest.raises(NonFiniteError, match=r"mlp\.w2 holds NaN/Inf \(target layer\(s\) \[1\]\)"):
+        nan_mapper.save(tmp_path / "m")
+    assert not (tmp_path / "m").exists()

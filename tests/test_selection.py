@@ -33,3 +33,13 @@ def test_parse_ks_accepts_integers_and_all_and_names_the_option():
     for bad in ("0", "1,x", "-2", ","):
         with pytest.raises(ConfigError, match="--sweep-ks"):
             parse_ks(bad, "--sweep-ks")
+
+
+def test_k_values_go_through_the_one_validator():
+    assert parse_ks("1, 4,all") == [1, 4, "all"] and resolve_k("all", 5) == 5 and resolve_k(9, 5) == 5
+    for bad in ("0", "-1", "two", ""):
+        with pytest.raises(ConfigError, match="--ks"):
+            parse_ks(bad)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ConfigError, match="top_k must be a positive integer"):
+            resolve_k(bad, 5)

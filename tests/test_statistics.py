@@ -83,3 +83,47 @@ def test_errors_for_empty_or_mismatched_statistics(pair):
             capture_content_kv(source, torch.zeros(1, 8, dtype=torch.long)),
             capture_content_kv(target, torch.zeros(1, 9, dtype=torch.long)),
         )
+
+
+def _with_nan_in_layer(model, layer: int):
+    """A copy of ``model`` whose layer ``layer`` v_proj yields NaN (as an overflowed half-precision run would)."""
+    import copy
+
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.model.layers[layer].self_attn.v_proj.weight[0, 0] = float("nan")
+    return broken
+
+
+def test_nan_or_inf_in_calibration_activations_is_refused_naming_the_layer(pair):
+    source, target = pair
+    stats = CalibrationStats(feature_layout(source), feature_layout(target))
+    ids = torch.randint(0, 128, (1, 16))
+    with pytest.raises(StatisticsError, match=r"target model's calibration V activations .*layer\(s\) \[2\]"):
+        stats.update(capture_content_kv(source, ids), capture_content_kv(_with_nan_in_layer(target, 2), ids))
+    with pytest.raises(StatisticsError, match=r"source model's calibration V activations .*layer\(s\) \[1\]"):
+        collect_statistics(_with_nan_in_layer(source, 1), target, [ids], progress=False)
+    assert stats.count == 0 and torch.equal(stats.sum_xx, torch.zeros_like(stats.sum_xx))  # nothing was added
+
+
+def test_loading_checks_every_tensor_against_the_layouts(pair, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    source, target = pair
+    stats = collect_statistics(source, target, random_batches(1), progress=False)
+    path = tmp_path / "s.safetensors"
+    stats.save(path)
+    with safe_open(str(path), framework="pt") as opened:  # the metadata (layouts), written back with edits
+        metadata = opened.metadata()
+    tensors = load_file(str(path))
+    cases = [
+        ({**tensors, "sum_xy": tensors["sum_xy"][:, :-1].contiguous()}, "statistics tensor sum_xy"),
+        ({**tensors, "sum_yy": tensors["sum_yy"].float()}, "statistics tensor sum_yy"),
+        ({k: v for k, v in tensors.items() if k != "sum_x"}, "holds tensors"),
+        ({**tensors, "extra": torch.zeros(1)}, "holds tensors"),
+    ]
+    for edited, message in cases:
+        save_file(edited, str(tmp_path / "edited.safetensors"), metadata=metadata)
+        with pytest.raises(StatisticsError, match=message):
+            CalibrationStats.load(tmp_path / "edited.safetensors")

@@ -135,7 +135,6 @@ MODEL_ASSETS: dict[str, ModelAsset] = {m.name: m for f in FAMILIES for m in f.me
 
 DEFAULT_SOURCE = f"{_QWEN_CODER}:0.5b"
 DEFAULT_TARGET = f"{_QWEN_CODER}:1.5b"
-DEFAULT_PAIR: tuple[str, str] = (DEFAULT_SOURCE, DEFAULT_TARGET)
 
 
 def _say(progress: bool, message: str) -> None:

@@ -49,7 +49,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvhandoff.cache import prefill
-from kvhandoff.config import RIDGE_FORMAT_VERSION, FitConfig
+from kvhandoff.config import MAPPER_FORMAT_VERSION, FitConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
 from kvhandoff.geometry import model_fingerprint, read_geometry
@@ -179,7 +179,7 @@ def synthetic_mapper(source_model, target_model, top_k: int | str = "all", seed:
     # k evenly spread source layers per target layer (k = all: every layer, the dense path)
     selected = torch.linspace(0, src.num_layers - 1, k).round().long().expand(tgt.num_layers, k).clone()
     manifest = {
-        "format_version": RIDGE_FORMAT_VERSION,
+        "format_version": MAPPER_FORMAT_VERSION,
         "method": "synthetic",
         "config": FitConfig(top_k=top_k).to_dict(),
         "source_fingerprint": model_fingerprint(source_model),

@@ -27,6 +27,12 @@ class ContentKV:
         return self.keys.shape[3]
 
 
+def nonfinite_layers(tensor: torch.Tensor, dim: int) -> list[int]:
+    """Indices along ``dim`` (a layer axis) of the slices that hold NaN or ±Inf."""
+    finite = tensor.isfinite().movedim(dim, 0).reshape(tensor.shape[dim], -1).all(dim=1)
+    return (~finite).nonzero().flatten().tolist()
+
+
 def _heads_first(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """[batch, tokens, heads*head_dim] or [batch, tokens, heads, head_dim] → [batch, heads, tokens, head_dim]."""
     if x.dim() == 3:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,13 +49,26 @@ END_OF_TEXT_TOKENS: tuple[str, ...] = (
     "<|endoftext|>", "<|im_end|>", "<|end_of_text|>", "<|eot_id|>", "<|end|>", "</s>",
 )
 
-#: newest mapper format this kvhandoff reads. Ridge mappers are written as version 1 (unchanged since the
-#: first release), MLP mappers as version 2, so an older kvhandoff refuses them instead of applying the
-#: linear part alone; ridge mappers whose maps read source K and V together (source_inputs="kv") as version 3.
-MAPPER_FORMAT_VERSION = 3
-RIDGE_FORMAT_VERSION = 1
-MLP_FORMAT_VERSION = 2
-JOINT_INPUTS_FORMAT_VERSION = 3
+#: the one mapper format this kvhandoff reads and writes (every method: the manifest's `method` says which
+#: mapper class reads the tensors; see `manifest.py`). Mappers written in an earlier format are refused: re-fit.
+MAPPER_FORMAT_VERSION = 4
+
+
+def require_positive(name: str, value, kind: type = int, minimum: int | float | None = None):
+    """The one check of positive settings: ``value`` must be a ``kind`` (int: an integer, bools refused; float:
+    any finite real number) and > 0 — or >= ``minimum`` when given (e.g. 0 for a count that may be zero).
+    Returns ``value``; ConfigError naming ``name`` otherwise."""
+    if kind is int:
+        ok_type = isinstance(value, int) and not isinstance(value, bool)
+        what = "a positive integer" if minimum is None else f"an integer >= {minimum}"
+    elif kind is float:
+        ok_type = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        what = "a number > 0" if minimum is None else f"a number >= {minimum}"
+    else:
+        raise TypeError(f"require_positive checks int or float settings, not {kind!r}")
+    if not ok_type or (value <= 0 if minimum is None else value < minimum):
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+    return value
 
 
 def kvhandoff_home() -> Path:
@@ -95,25 +109,21 @@ class FitConfig:
         if isinstance(self.top_k, str):
             if self.top_k not in ("all", "heldout"):
                 raise ConfigError(f"top_k must be a positive integer, 'all' or 'heldout', got {self.top_k!r}")
-        elif isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ConfigError(f"top_k must be a positive integer or 'all', got {self.top_k!r}")
-        if self.ridge_lambda not in ("gcv", "heldout") and (
-            isinstance(self.ridge_lambda, str | bool) or not self.ridge_lambda > 0
-        ):
-            raise ConfigError(
-                f"ridge_lambda must be > 0 (0.01 is the paper's value), 'gcv' or 'heldout', got {self.ridge_lambda!r}"
-            )
+        else:
+            require_positive("top_k", self.top_k)
+        if self.ridge_lambda not in ("gcv", "heldout"):
+            if isinstance(self.ridge_lambda, str):
+                raise ConfigError(f"ridge_lambda must be a number > 0 (0.01 is the paper's value), 'gcv' or "
+                                  f"'heldout', got {self.ridge_lambda!r}")
+            require_positive("ridge_lambda", self.ridge_lambda, float)
         if (self.top_k == "heldout") != (self.ridge_lambda == "heldout"):
             raise ConfigError(
                 "top_k='heldout' and ridge_lambda='heldout' go together (both are chosen per target layer on "
                 f"held-out calibration windows); got top_k={self.top_k!r}, ridge_lambda={self.ridge_lambda!r}"
             )
-        if not isinstance(self.token_stride, int) or self.token_stride < 1:
-            raise ConfigError(f"token_stride must be an integer >= 1, got {self.token_stride!r}")
-        if not isinstance(self.skip_first_tokens, int) or self.skip_first_tokens < 0:
-            raise ConfigError(f"skip_first_tokens must be an integer >= 0, got {self.skip_first_tokens!r}")
-        if not isinstance(self.exact_prefix, int) or self.exact_prefix < 0:
-            raise ConfigError(f"exact_prefix must be an integer >= 0, got {self.exact_prefix!r}")
+        require_positive("token_stride", self.token_stride)
+        require_positive("skip_first_tokens", self.skip_first_tokens, minimum=0)
+        require_positive("exact_prefix", self.exact_prefix, minimum=0)
         if self.source_inputs not in ("own", "kv"):
             raise ConfigError(f"source_inputs must be 'own' or 'kv', got {self.source_inputs!r}")
         if self.source_inputs == "kv" and self.top_k == "heldout":
@@ -157,9 +167,7 @@ class CalibrationSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_sequences", "seq_len", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            require_positive(name, getattr(self, name))
         if self.seq_len < 8:
             raise ConfigError(f"seq_len must be at least 8 tokens, got {self.seq_len}")
         if isinstance(self.mix, str) or not self.mix or any(group not in CALIBRATION_GROUPS for group in self.mix):
@@ -188,18 +196,6 @@ class CalibrationSpec:
         return data
 
 
-def require_positive_int(value, name: str) -> int:
-    """``value`` if it is a positive integer (not a bool); else a ConfigError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _require_positive_ints(config, kind: str, names: tuple[str, ...]) -> None:
-    for name in names:
-        require_positive_int(getattr(config, name), f"{kind} {name}")
-
-
 @dataclass(frozen=True)
 class MLPConfig:
     """The MLP mapper (`--method mlp`): a residual MLP per target layer on top of a ridge mapper.
@@ -223,11 +219,10 @@ class MLPConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require_positive_ints(self, "mlp", ("hidden", "input_layers", "epochs", "batch_size"))
-        if not self.learning_rate > 0:
-            raise ConfigError(f"mlp learning_rate must be > 0, got {self.learning_rate!r}")
-        if not self.weight_decay >= 0:
-            raise ConfigError(f"mlp weight_decay must be >= 0, got {self.weight_decay!r}")
+        for name in ("hidden", "input_layers", "epochs", "batch_size"):
+            require_positive(f"mlp {name}", getattr(self, name))
+        require_positive("mlp learning_rate", self.learning_rate, float)
+        require_positive("mlp weight_decay", self.weight_decay, float, minimum=0)
         if not 0 < self.validation_fraction < 1:
             raise ConfigError(
                 f"mlp validation_fraction must be in (0, 1) (held-out windows choose each layer's epoch), "
@@ -263,15 +258,15 @@ class RefineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require_positive_ints(self, "refine", ("steps", "batch_size", "min_context", "max_context", "continuation",
-                                                "validation_windows", "validate_every"))
+        for name in ("steps", "batch_size", "min_context", "max_context", "continuation", "validation_windows",
+                     "validate_every"):
+            require_positive(f"refine {name}", getattr(self, name))
         if self.min_context < 2 or self.min_context > self.max_context:
             raise ConfigError(
                 f"refine contexts must satisfy 2 <= min_context <= max_context, got {self.min_context}.."
                 f"{self.max_context}"
             )
-        if not self.learning_rate > 0:
-            raise ConfigError(f"refine learning_rate must be > 0, got {self.learning_rate!r}")
+        require_positive("refine learning_rate", self.learning_rate, float)
 
     def window_length(self) -> int:
         """Tokens a training window needs: the longest mapped context plus the scored continuation."""

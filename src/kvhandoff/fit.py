@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from kvhandoff.capture import capture_content_kv
-from kvhandoff.config import JOINT_INPUTS_FORMAT_VERSION, RIDGE_FORMAT_VERSION, FitConfig
+from kvhandoff.capture import capture_content_kv, nonfinite_layers
+from kvhandoff.config import FitConfig
 from kvhandoff.errors import ConfigError, StatisticsError
 from kvhandoff.geometry import check_pair, model_fingerprint, read_geometry
+from kvhandoff.manifest import MapperManifest
 from kvhandoff.mapper import Mapper
 from kvhandoff.selection import layer_r2_matrix, select_layers
 from kvhandoff.solve import solve_layers
@@ -53,7 +54,6 @@ def collect_statistics(
     batches: Iterable[torch.Tensor],
     config: FitConfig = FitConfig(),  # noqa: B008 - frozen, immutable default
     progress: bool = True,
-    total: int | None = None,
     feature_writer=None,
 ) -> CalibrationStats:
     """One pass over calibration batches [batch, tokens]: capture both models, accumulate statistics.
@@ -61,8 +61,7 @@ def collect_statistics(
     feature_writer: a `features.FeatureShardWriter` that also receives every kept row (for the MLP mapper).
     """
     stats = CalibrationStats(feature_layout(source_model), feature_layout(target_model))
-    if total is None and hasattr(batches, "__len__"):
-        total = len(batches)
+    total = len(batches) if hasattr(batches, "__len__") else None
     for input_ids in tqdm(batches, total=total, desc="calibration", unit="batch", disable=not progress):
         if input_ids.dim() != 2:
             raise StatisticsError(
@@ -98,22 +97,71 @@ def mapper_from_statistics(
     if r2_matrix is None:
         r2_matrix = layer_r2_matrix(stats, config.probe_lambda)
     if plan is None:
-        if config.top_k == "heldout":
-            raise ConfigError(
-                "top_k='heldout' chooses k per target layer on held-out calibration windows: it needs the "
-                "calibration rows, not statistics alone; fit it with kvhandoff.heldout.fit_heldout_mapper "
-                "(or `kvhandoff fit --top-k heldout`)"
-            )
-        selected = select_layers(r2_matrix, config.top_k)
-        plan = LayerPlan([row.tolist() for row in selected], [[config.ridge_lambda] * len(selected)] * 2)
-    tgt, width = stats.target, stats.source.layer_width
+        plan = default_plan(r2_matrix, config)
     selected = plan.padded(r2_matrix)
+    solution = solve_plan(stats, config, plan, selected)
+    require_finite_solution(solution)
+    r2 = solution.r2
+    manifest = MapperManifest(
+        method="ridge",
+        config=config,
+        source_fingerprint=source_fingerprint,
+        target_fingerprint=target_fingerprint,
+        source_max_position_embeddings=max_position_embeddings[0],
+        target_max_position_embeddings=max_position_embeddings[1],
+        source_layout=stats.source,
+        target_layout=stats.target,
+        selected_layers=selected.tolist(),
+        source_layers_per_target_layer=plan.source_layers if plan.is_ragged() else None,
+        calibration={**(calibration or {}), "tokens_in_statistics": stats.count},
+        fit_metrics={
+            "r2_k_per_target_layer": r2[0].mean(-1).tolist(),
+            "r2_v_per_target_layer": r2[1].mean(-1).tolist(),
+            "r2_k_mean": float(r2[0].mean()),
+            "r2_v_mean": float(r2[1].mean()),
+            "r2_per_head": {"K": r2[0].tolist(), "V": r2[1].tolist()},
+            "ridge_lambda_per_target_layer": {"K": solution.lambdas[0], "V": solution.lambdas[1]},
+            "solve_seconds": round(time.perf_counter() - started, 3),
+        },
+    )
+    return Mapper(solution.weight, solution.bias, selected, manifest)
+
+
+def default_plan(r2_matrix: torch.Tensor, config: FitConfig) -> LayerPlan:
+    """The plan statistics alone decide: the config's k best source layers per target layer, its one λ."""
+    if config.top_k == "heldout":
+        raise ConfigError(
+            "top_k='heldout' chooses k per target layer on held-out calibration windows: it needs the "
+            "calibration rows, not statistics alone; fit it with kvhandoff.heldout.fit_heldout_mapper "
+            "(or `kvhandoff fit --top-k heldout`)"
+        )
+    selected = select_layers(r2_matrix, config.top_k)
+    return LayerPlan([row.tolist() for row in selected], [[config.ridge_lambda] * len(selected)] * 2)
+
+
+@dataclass
+class RidgeSolution:
+    """Solved maps in the mapper's layout: weight [2, Lt, blocks·k·Fs, Ft], bias [2, Lt, Ft], R² per
+    (K|V, target layer, KV head) and the λ used per (K|V, target layer)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    r2: torch.Tensor
+    lambdas: list[list[float]]
+
+
+def solve_plan(stats: CalibrationStats, config: FitConfig, plan: LayerPlan, selected: torch.Tensor) -> RidgeSolution:
+    """Solve every (K|V, target layer) map of ``plan``; ``selected`` [Lt, k]: the padded layout (padding source
+    layers keep zero weights)."""
+    tgt, width = stats.target, stats.source.layer_width
     k = selected.shape[1]
     blocks = len(config.input_modalities(0))  # input column blocks (K, or K then V) of k source layers each
-    weight = torch.zeros(2, tgt.num_layers, blocks * k * width, tgt.layer_width)
-    bias = torch.empty(2, tgt.num_layers, tgt.layer_width)
-    r2 = torch.empty(2, tgt.num_layers, tgt.num_kv_heads)
-    chosen_lambda = [[0.0] * tgt.num_layers for _ in MODALITIES]
+    solution = RidgeSolution(
+        weight=torch.zeros(2, tgt.num_layers, blocks * k * width, tgt.layer_width),
+        bias=torch.empty(2, tgt.num_layers, tgt.layer_width),
+        r2=torch.empty(2, tgt.num_layers, tgt.num_kv_heads),
+        lambdas=[[0.0] * tgt.num_layers for _ in MODALITIES],
+    )
     for modality in range(len(MODALITIES)):
         # target layers reading the same source layers with the same λ share one factorisation
         readers: dict[tuple, list[int]] = {}
@@ -126,36 +174,27 @@ def mapper_from_statistics(
             for layer, (w, b, layer_r2, lam) in zip(target_layers, solved, strict=True):
                 rows = selected[layer].tolist()
                 for block in range(blocks):
-                    for i, source_layer in enumerate(source_layers):  # padding layers keep zero weights
+                    for i, source_layer in enumerate(source_layers):
                         p = block * k + rows.index(source_layer)
                         q = block * len(source_layers) + i
-                        weight[modality, layer, p * width : (p + 1) * width] = w[q * width : (q + 1) * width]
-                bias[modality, layer], r2[modality, layer] = b, layer_r2
-                chosen_lambda[modality][layer] = lam
-    manifest = {
-        "format_version": RIDGE_FORMAT_VERSION if blocks == 1 else JOINT_INPUTS_FORMAT_VERSION,
-        "method": "ridge",
-        "config": config.to_dict(),
-        "source_fingerprint": source_fingerprint,
-        "target_fingerprint": target_fingerprint,
-        "source_max_position_embeddings": max_position_embeddings[0],
-        "target_max_position_embeddings": max_position_embeddings[1],
-        "source_layout": stats.source.__dict__,
-        "target_layout": stats.target.__dict__,
-        "selected_layers": selected.tolist(),
-        **({"source_layers_per_target_layer": plan.source_layers} if plan.is_ragged() else {}),
-        "calibration": {**(calibration or {}), "tokens_in_statistics": stats.count},
-        "fit_metrics": {
-            "r2_k_per_target_layer": r2[0].mean(-1).tolist(),
-            "r2_v_per_target_layer": r2[1].mean(-1).tolist(),
-            "r2_k_mean": float(r2[0].mean()),
-            "r2_v_mean": float(r2[1].mean()),
-            "r2_per_head": {"K": r2[0].tolist(), "V": r2[1].tolist()},
-            "ridge_lambda_per_target_layer": {"K": chosen_lambda[0], "V": chosen_lambda[1]},
-            "solve_seconds": round(time.perf_counter() - started, 3),
-        },
-    }
-    return Mapper(weight, bias, selected, manifest)
+                        solution.weight[modality, layer, p * width : (p + 1) * width] = w[q * width : (q + 1) * width]
+                solution.bias[modality, layer], solution.r2[modality, layer] = b, layer_r2
+                solution.lambdas[modality][layer] = lam
+    return solution
+
+
+def require_finite_solution(solution: RidgeSolution) -> None:
+    """StatisticsError naming the (K|V, target layer) maps whose solved weights hold NaN/Inf."""
+    bad = [
+        f"{name} of target layer {layer}"
+        for m, name in enumerate(MODALITIES)
+        for layer in sorted({*nonfinite_layers(solution.weight[m], 0), *nonfinite_layers(solution.bias[m], 0)})
+    ]
+    if bad:
+        raise StatisticsError(
+            f"the ridge solve gave NaN/Inf weights for {', '.join(bad)}: the calibration statistics hold NaN/Inf or "
+            "are degenerate; re-collect them (or raise ridge_lambda)"
+        )
 
 
 def fit_mapper(
@@ -188,5 +227,5 @@ def fit_mapper(
             target_model.config.max_position_embeddings,
         ),
     )
-    mapper.manifest["fit_metrics"]["collect_seconds"] = round(collect_seconds, 3)
+    mapper.manifest = mapper.manifest.with_metrics(collect_seconds=round(collect_seconds, 3))
     return mapper

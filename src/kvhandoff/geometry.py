@@ -52,11 +52,6 @@ class ModelGeometry:
     qkv_bias: bool
     rope: RopeSpec
 
-    @property
-    def kv_features(self) -> int:
-        """Features of one layer's K (or V) per token: all KV heads concatenated."""
-        return self.num_kv_heads * self.head_dim
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvhandoff.cache import cache_view, prefill
-from kvhandoff.errors import ConfigError
+from kvhandoff.errors import ConfigError, ContextTooLongError, MapperMismatchError
 from kvhandoff.mapper import Mapper
 
 
@@ -13,6 +13,27 @@ def _check_ids(input_ids: torch.Tensor, minimum: int) -> None:
     if input_ids.dim() != 2 or input_ids.shape[1] < minimum:
         raise ConfigError(
             f"input_ids must be [batch, tokens] with at least {minimum} token(s), got {tuple(input_ids.shape)}"
+        )
+
+
+def verify_mapper(mapper, source_model=None, target_model=None) -> None:
+    """MapperMismatchError unless ``mapper`` was fitted for these models; fingerprints each (mapper, model) pair
+    once (`Mapper.check_models`). Objects that only offer ``transfer`` (stand-ins without a manifest) have
+    nothing to check against and pass."""
+    if isinstance(mapper, Mapper):
+        mapper.check_models(source_model, target_model)
+
+
+def check_context(length: int, target_model=None, mapper=None) -> None:
+    """ContextTooLongError unless a context of ``length`` tokens fits the target's context window (its config's
+    max_position_embeddings, and the one the mapper was fitted for)."""
+    if isinstance(mapper, Mapper):
+        mapper.check_context(length)
+    limit = getattr(getattr(target_model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and length > limit:
+        raise ContextTooLongError(
+            f"a context of {length} tokens exceeds the target's max_position_embeddings ({limit}): shorten the "
+            "context (drop earlier turns) or hand off to a model with a longer context window"
         )
 
 
@@ -53,8 +74,13 @@ def handoff_cache(
     the mapped cache — what a switch looks like when the new turn has not been read by any model yet. It
     costs a target prefill of that many tokens (independent of the context length) and keeps the positions
     the next token attends to most exact.
+
+    Refused before any work: a mapper fitted for another pair (MapperMismatchError; checked once per mapper and
+    model) and a context longer than the target's window (ContextTooLongError).
     """
     _check_ids(input_ids, 1)
+    verify_mapper(mapper, source_model, target_model)
+    check_context(input_ids.shape[1], target_model, mapper)
     if not 0 <= target_tail < input_ids.shape[1]:
         raise ConfigError(
             f"target_tail must be in 0..{input_ids.shape[1] - 1} (at least one token is mapped), got {target_tail}"
@@ -76,15 +102,21 @@ def handoff_cache(
 
 
 @torch.inference_mode()
-def catch_up(target_cache, source_cache, mapper: Mapper):
+def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, target_model=None):
     """Bring ``target_cache`` (positions 0..m−1: the target's own, or mapped at an earlier switch) up to
     ``source_cache``'s length by mapping only the source's positions m..T−1 and appending them.
 
     What a model returning to a conversation needs: it keeps its own cache of the turns it served, so only the
     turns another model served since are mapped, once. Nothing is mapped twice, so no position makes a round
     trip through two mappers. Returns ``target_cache``, extended in place.
+
+    Refused before any work: a target cache of another geometry than the mapper's target, models (when given)
+    the mapper was not fitted for (checked once per mapper and model), a context past the target's window.
     """
+    verify_mapper(mapper, source_model, target_model)
+    _check_target_cache(target_cache, mapper)
     have, total = target_cache.get_seq_length(), source_cache.get_seq_length()
+    check_context(total, target_model, mapper)
     if have > total:
         raise ConfigError(f"the target's cache holds {have} tokens, more than the source's {total}")
     if have == total:
@@ -96,6 +128,19 @@ def catch_up(target_cache, source_cache, mapper: Mapper):
         own.keys = torch.cat([own.keys, new.keys.to(own.keys.device)], dim=-2)
         own.values = torch.cat([own.values, new.values.to(own.values.device)], dim=-2)
     return target_cache
+
+
+def _check_target_cache(cache, mapper) -> None:
+    if not isinstance(mapper, Mapper) or not cache.layers:
+        return
+    tgt = mapper.target
+    _, heads, _, head_dim = cache.layers[0].keys.shape
+    if (len(cache.layers), heads, head_dim) != (tgt.num_layers, tgt.num_kv_heads, tgt.head_dim):
+        raise MapperMismatchError(
+            f"the target cache has {len(cache.layers)} layers × {heads} KV heads × head dim {head_dim}, but this "
+            f"mapper maps to {tgt.num_layers} × {tgt.num_kv_heads} × {tgt.head_dim}: use the mapper fitted for "
+            "this target model"
+        )
 
 
 @torch.inference_mode()

@@ -99,12 +99,12 @@ def fit_heldout_mapper(
     plan, chosen_k, chosen_loss = choose_plan(losses, full_r2)
     mapper = mapper_from_statistics(stats, config, source_fingerprint, target_fingerprint, calibration,
                                     max_position_embeddings, r2_matrix=full_r2, plan=plan)
-    mapper.manifest["fit_metrics"]["heldout_choice"] = {
+    mapper.manifest = mapper.manifest.with_metrics(heldout_choice={
         "candidates": {"k": [str(k) for k in HELDOUT_KS], "lambda": list(HELDOUT_LAMBDAS)},
         "heldout_windows": windows, "heldout_rows": int(x.shape[0]),
         "k_per_target_layer": chosen_k,
         "heldout_loss_chosen": {"K": chosen_loss[0].tolist(), "V": chosen_loss[1].tolist()},
         "heldout_loss_table": losses.tolist(),
         "choose_seconds": round(time.perf_counter() - started, 1),
-    }
+    })
     return mapper

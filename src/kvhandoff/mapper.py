@@ -7,7 +7,10 @@ when every target layer reads every source layer (k = all) the whole map is one 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -16,13 +19,18 @@ from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from kvhandoff.cache import cache_of
-from kvhandoff.capture import ContentKV
-from kvhandoff.config import MAPPER_FORMAT_VERSION
-from kvhandoff.errors import MapperFormatError, MapperMismatchError
+from kvhandoff.capture import ContentKV, nonfinite_layers
+from kvhandoff.errors import (
+    ConfigError,
+    ContextTooLongError,
+    MapperFormatError,
+    MapperMismatchError,
+    NonFiniteError,
+)
 from kvhandoff.files import atomic_folder, recover_folder, sha256_file
 from kvhandoff.geometry import PAIRING_KEYS, model_fingerprint, signatures_match
+from kvhandoff.manifest import MapperManifest, dumps, loads
 from kvhandoff.rope import rope_frequencies
-from kvhandoff.statistics import FeatureLayout
 
 TENSOR_FILE = "mapper.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -34,32 +42,49 @@ class Mapper:
     weight: [2, target_layers, k · source_kv_features, target_kv_features] (modality K=0, V=1)
     bias:   [2, target_layers, target_kv_features]
     selected: [target_layers, k] source layers feeding each target layer
-    manifest: geometry, fingerprints, config, calibration description and fit metrics.
+    manifest: a `MapperManifest` (a mapping of its JSON form is accepted and validated): geometry,
+        fingerprints, config, calibration description and fit metrics.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, selected: torch.Tensor, manifest: dict):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, selected: torch.Tensor,
+                 manifest: MapperManifest | Mapping):
+        if not isinstance(manifest, MapperManifest):
+            manifest = MapperManifest.from_dict(manifest)
         self.manifest = manifest
-        self.source = FeatureLayout(**manifest["source_layout"])
-        self.target = FeatureLayout(**manifest["target_layout"])
+        self.source, self.target = manifest.source_layout, manifest.target_layout
         self.selected = selected.long()
+        if self.selected.tolist() != [list(row) for row in manifest.selected_layers]:
+            raise MapperFormatError(
+                "the mapper's selected source layers differ from its manifest's selected_layers; re-fit the mapper"
+            )
         # "kv": each map reads the selected source layers' K and V (input columns: K block, then V block)
-        self.joint_inputs = manifest.get("config", {}).get("source_inputs", "own") == "kv"
-        expected = (
-            2,
-            self.target.num_layers,
-            (2 if self.joint_inputs else 1) * self.selected.shape[1] * self.source.layer_width,
-            self.target.layer_width,
-        )
+        self.joint_inputs = manifest.joint_inputs
+        expected = self._weight_shape()
         if tuple(weight.shape) != expected or tuple(bias.shape) != (2, *expected[1:2], expected[3]):
             raise MapperFormatError(
                 f"mapper tensors have shapes {tuple(weight.shape)}/{tuple(bias.shape)}, expected {expected}: "
                 "the file does not match its manifest; re-fit the mapper"
             )
-        self.weight = weight.float().contiguous()
-        self.bias = bias.float().contiguous()
+        self._lay_out(weight.float(), bias.float())
+        self._verified: dict[str, weakref.WeakSet] = {"source": weakref.WeakSet(), "target": weakref.WeakSet()}
+
+    def _weight_shape(self) -> tuple[int, int, int, int]:
+        return (
+            2,
+            self.target.num_layers,
+            (2 if self.joint_inputs else 1) * self.selected.shape[1] * self.source.layer_width,
+            self.target.layer_width,
+        )
+
+    def _lay_out(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        """Lay out (weight, bias) for the hot path, on their device and dtype."""
+        expected = self._weight_shape()
+        self.weight = weight.contiguous()
+        self.bias = bias.contiguous()
+        self.selected = self.selected.to(self.weight.device)
         k = self.selected.shape[1]
         self._dense = k == self.source.num_layers and bool(
-            (self.selected == torch.arange(self.source.num_layers)).all()
+            (self.selected.cpu() == torch.arange(self.source.num_layers)).all()
         )
         if self._dense and self.joint_inputs:
             # [2·Ls·Fs, 2·Lt·Ft]: K and V of every target layer from all source K and V in one GEMM
@@ -74,8 +99,25 @@ class Mapper:
             self._dense_bias = self.bias.reshape(2, -1)
         else:
             self._flat_weight = self.weight.reshape(-1, *expected[2:])
-            self._gather = torch.cat([self.selected, self.selected + self.source.num_layers])  # [2Lt, k]
         self._rope_tables: dict = {}  # (side, seq_len or None) → (cos, sin, scaling), see _cos_sin
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the map's GEMM runs in (float32 unless `to` changed it)."""
+        return self.weight.dtype
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Mapper:
+        """Move the mapper's tensors to ``device`` and/or cast them to the floating ``dtype`` (in place; returns
+        the mapper). `transfer` then runs its GEMM in that dtype on that device; RoPE is stripped and applied
+        in float32 whatever the dtype."""
+        if dtype is not None and not dtype.is_floating_point:
+            raise ConfigError(f"a mapper's dtype must be a floating dtype, got {dtype}")
+        self._lay_out(self.weight.to(device=device, dtype=dtype), self.bias.to(device=device, dtype=dtype))
+        return self
 
     # -- metadata ---------------------------------------------------------------------------------
     @property
@@ -84,8 +126,8 @@ class Mapper:
 
     @property
     def exact_prefix(self) -> int:
-        """Leading tokens the target should recompute at handoff (from the fit config; 0 for older mappers)."""
-        return int(self.manifest.get("config", {}).get("exact_prefix", 0))
+        """Leading tokens the target should recompute at handoff (the fit config's exact_prefix)."""
+        return self.manifest.exact_prefix
 
     def num_parameters(self) -> int:
         return self.weight.numel() + self.bias.numel()
@@ -138,9 +180,9 @@ class Mapper:
         """Calibration-layout rows (`FeatureLayout`: K then V of every source layer) [n, source width] → target
         rows [n, target width], content space."""
         src = self.source
-        grid = x.float().view(-1, 2, src.num_layers, src.num_kv_heads, src.head_dim).transpose(0, 1)
-        y = self.map_rows(grid.unsqueeze(1).contiguous())  # [2, 1, n, Lt, Ht, Dt]
-        return y.permute(1, 2, 0, 3, 4, 5).reshape(x.shape[0], -1)
+        grid = x.to(self.device, self.dtype).view(-1, 2, src.num_layers, src.num_kv_heads, src.head_dim)
+        y = self.map_rows(grid.transpose(0, 1).unsqueeze(1).contiguous())  # [2, 1, n, Lt, Ht, Dt]
+        return y.permute(1, 2, 0, 3, 4, 5).reshape(x.shape[0], -1).float()
 
     @torch.inference_mode()
     def map_content(self, content: ContentKV) -> ContentKV:
@@ -149,10 +191,20 @@ class Mapper:
         self._check_source(layers, heads, head_dim)
         # [2, Ls, B, Hs, T, Ds] → token rows [2, B, T, Ls, Hs, Ds]: the permute and the float cast in one copy
         batch, tokens = content.keys.shape[1], content.keys.shape[3]
-        rows = torch.empty(2, batch, tokens, layers, heads, head_dim)
+        rows = torch.empty(2, batch, tokens, layers, heads, head_dim, dtype=self.dtype, device=self.device)
         rows.copy_(torch.stack([content.keys, content.values]).permute(0, 2, 4, 1, 3, 5))
         y = self.map_rows(rows).permute(0, 3, 1, 4, 2, 5)  # [2, Lt, B, Ht, T, Dt]
         return ContentKV(keys=y[0], values=y[1])
+
+    def check_context(self, length: int) -> None:
+        """ContextTooLongError unless ``length`` positions fit the target's context window (checked before any
+        work: the target cannot attend past its max_position_embeddings)."""
+        limit = self.manifest.target_max_position_embeddings
+        if length > limit:
+            raise ContextTooLongError(
+                f"a context of {length} tokens exceeds the target's max_position_embeddings ({limit}): shorten the "
+                "context (drop earlier turns) or hand off to a model with a longer context window"
+            )
 
     @torch.no_grad()  # not inference_mode: the cache's tensors must stay usable (in place) outside it
     def transfer(
@@ -169,21 +221,41 @@ class Mapper:
         Same arithmetic as `cache_to_content` → `map_content` → `apply_rope`, laid out for speed: RoPE
         cos/sin tables are cached per mapper, the source cache is gathered in one copy and de-rotated in
         place, the GEMM output is rotated straight into the target cache's buffers, and the DynamicCache
-        layers are views of two buffers (no per-layer concatenation).
+        layers are views of two buffers (no per-layer concatenation). RoPE is stripped and applied in float32;
+        the GEMM runs in the mapper's dtype (float32 unless `to` changed it). Refused: positions past the
+        target's context window, a cache on another device than the mapper, NaN/Inf in the cache.
         """
-        src, tgt = self.source, self.target
         layers = source_cache.layers
         keys0 = layers[0].keys
-        batch, heads, tokens, head_dim = keys0.shape
+        _, heads, tokens, head_dim = keys0.shape
         self._check_source(len(layers), heads, head_dim)
-        out_dtype = dtype or keys0.dtype
         if position_ids is not None and position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
+        self.check_context(tokens if position_ids is None else int(position_ids.max()) + 1)
+        if keys0.device != self.device:
+            raise ConfigError(
+                f"the source cache is on {keys0.device}, the mapper on {self.device}: move the mapper with "
+                f"mapper.to({str(keys0.device)!r})"
+            )
+        x = self._content_rows(layers, position_ids)
+        y = self.map_rows(x.to(self.dtype))  # [2, B, T, Lt, Ht, Dt]
+        return self._target_cache(y, position_ids, dtype or keys0.dtype)
 
-        # source, gathered straight into GEMM rows [2, B, T, Ls, Hs, Ds] (cache dtype); RoPE stripped in place
+    def _content_rows(self, layers, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """The source cache gathered straight into GEMM rows [2, B, T, Ls, Hs, Ds] (cache dtype), RoPE stripped
+        in place; NaN/Inf refused with the layer named."""
+        src = self.source
+        keys0 = layers[0].keys
+        batch, heads, tokens, head_dim = keys0.shape
         x = torch.empty(2, batch, tokens, src.num_layers, heads, head_dim, dtype=keys0.dtype, device=keys0.device)
         torch.stack([layer.keys.transpose(1, 2) for layer in layers], dim=2, out=x[0])
         torch.stack([layer.values.transpose(1, 2) for layer in layers], dim=2, out=x[1])
+        if not bool(x.isfinite().all()):
+            bad = nonfinite_layers(x, dim=3)
+            raise NonFiniteError(
+                f"the source cache holds NaN/Inf in layer(s) {bad}: the source model's prefill overflowed (e.g. in "
+                "float16); prefill in bfloat16 or float32 and hand off again"
+            )
         cos, sin, scaling = self._cos_sin("source", position_ids, tokens)  # [b, T, R]
         rotary = cos.shape[-1]
         keys = x[0, ..., :rotary]
@@ -191,21 +263,23 @@ class Mapper:
         if scaling != 1.0:  # x / 1 is exact: skipping it changes nothing
             content = content / (scaling * scaling)
         keys.copy_(content)  # rounds to the cache dtype, as strip_rope does
-        y = self.map_rows(x.float())  # [2, B, T, Lt, Ht, Dt] float32
+        return x
 
-        # target: rotate the mapped keys into the cache buffers [Lt, B, Ht, T, Dt]
+    def _target_cache(self, y: torch.Tensor, position_ids: torch.Tensor | None, dtype: torch.dtype) -> DynamicCache:
+        """Rotate the mapped rows y [2, B, T, Lt, Ht, Dt] into the target cache's buffers [Lt, B, Ht, T, Dt]."""
+        tgt = self.target
+        batch, tokens = y.shape[1:3]
         shape = (tgt.num_layers, batch, tgt.num_kv_heads, tokens, tgt.head_dim)
-        out_keys = torch.empty(shape, dtype=out_dtype, device=keys0.device)
-        out_values = torch.empty(shape, dtype=out_dtype, device=keys0.device)
+        out_keys = torch.empty(shape, dtype=dtype, device=y.device)
+        out_values = torch.empty(shape, dtype=dtype, device=y.device)
         out_values.permute(1, 3, 0, 2, 4).copy_(y[1])
         cos, sin, _ = self._cos_sin("target", position_ids, tokens)
         rotary = cos.shape[-1]
-        rotated = _rotate(y[0][..., :rotary], cos[:, :, None, None], sin[:, :, None, None], inverse=False)
+        rotated = _rotate(y[0][..., :rotary].float(), cos[:, :, None, None], sin[:, :, None, None], inverse=False)
         keys_view = out_keys.permute(1, 3, 0, 2, 4)  # [B, T, Lt, Ht, Dt]
         keys_view[..., :rotary].copy_(rotated)
         if rotary < tgt.head_dim:
             keys_view[..., rotary:].copy_(y[0][..., rotary:])
-
         return cache_of(zip(out_keys.unbind(0), out_values.unbind(0), strict=True))
 
     def _cos_sin(
@@ -219,13 +293,14 @@ class Mapper:
         """
         seq_len = tokens if positions is None else int(positions.max()) + 1
         config = self._rope_configs()[0 if side == "source" else 1]
+        device = self.device
         fixed = config.rope_parameters.get("rope_type", "default") in _SEQ_LEN_FREE_ROPE
         key = (side, None if fixed else seq_len)
         table = self._rope_tables.get(key)
         if table is None or table[0].shape[0] < seq_len:
             inv_freq, scaling = rope_frequencies(config, seq_len=seq_len)
             length = -(-seq_len // 1024) * 1024 if fixed else seq_len
-            angles = torch.arange(length).to(torch.float32)[:, None] * inv_freq
+            angles = torch.arange(length, device=device).to(torch.float32)[:, None] * inv_freq.to(device)
             emb = torch.cat((angles, angles), dim=-1)
             table = (emb.cos() * scaling, emb.sin() * scaling, scaling)
             if not fixed:  # keep one length-dependent table per side
@@ -239,19 +314,7 @@ class Mapper:
     def _rope_configs(self):
         """Minimal configs carrying each side's RoPE parameters, for transformers' rope initialisers."""
         if not hasattr(self, "_rope_config_cache"):
-            from transformers import PretrainedConfig
-
-            configs = []
-            for side in ("source", "target"):
-                geometry = self.manifest[f"{side}_fingerprint"]["geometry"]
-                config = PretrainedConfig()
-                config.rope_parameters = json.loads(geometry["rope"]["parameters"])
-                config.head_dim = geometry["head_dim"]
-                config.hidden_size = geometry["hidden_size"]
-                config.num_attention_heads = geometry["num_attention_heads"]
-                config.max_position_embeddings = self.manifest[f"{side}_max_position_embeddings"]
-                configs.append(config)
-            self._rope_config_cache = tuple(configs)
+            self._rope_config_cache = tuple(self.manifest.rope_config(side) for side in ("source", "target"))
         return self._rope_config_cache
 
     # -- persistence ------------------------------------------------------------------------------
@@ -259,15 +322,26 @@ class Mapper:
         """Write `mapper.safetensors` + `manifest.json` into directory `path`, atomically.
 
         The new mapper is written beside the old one and swapped in by rename (`files.atomic_folder`), so an
-        interrupted save never leaves a half-written mapper where a good one was, nor loses the old one.
+        interrupted save never leaves a half-written mapper where a good one was, nor loses the old one. The
+        manifest records the tensor file's sha256 and a checksum over itself. A mapper with NaN/Inf weights is
+        refused (nothing is written).
         """
         path = Path(path)
-        tensors = {"weight": self.weight.contiguous(), "bias": self.bias, "selected": self.selected,
-                   **self._extra_tensors()}
+        tensors = {"weight": self.weight, "bias": self.bias, "selected": self.selected, **self.extra_tensors()}
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+                # the linear map is [K|V, target layer, ...]; a subclass's tensors are [target layer, ...]
+                axis = 1 if name in ("weight", "bias") else 0
+                where = f"target layer(s) {nonfinite_layers(tensor, dim=axis)}" if tensor.dim() > 2 else name
+                raise NonFiniteError(
+                    f"the mapper's {name} holds NaN/Inf ({where}): it is not saved; re-fit it (check the "
+                    "calibration data for NaN/Inf, or raise ridge_lambda)"
+                )
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
         with atomic_folder(path) as staging:
             save_file(tensors, str(staging / TENSOR_FILE))
-            manifest = {**self.manifest, "tensor_sha256": sha256_file(staging / TENSOR_FILE)}
-            (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+            manifest = dataclasses.replace(self.manifest, tensor_sha256=sha256_file(staging / TENSOR_FILE))
+            (staging / MANIFEST_FILE).write_text(dumps(manifest))
         self.manifest = manifest
         return path
 
@@ -280,7 +354,10 @@ class Mapper:
         source_tokenizer=None,
         target_tokenizer=None,
     ) -> Mapper:
-        """Load a saved mapper; with models given, verify it was fitted for exactly this pair. Never runs code."""
+        """Load a saved mapper; with models given, verify it was fitted for exactly this pair. Never runs code.
+
+        An interrupted save is finished first (`files.recover_folder`): the good copy is what loads.
+        """
         path = Path(path)
         recover_folder(path)
         manifest_path, tensor_path = path / MANIFEST_FILE, path / TENSOR_FILE
@@ -289,36 +366,39 @@ class Mapper:
                 f"{path} is not a saved mapper (needs {MANIFEST_FILE} and {TENSOR_FILE}); "
                 "fit one with `kvhandoff fit --source ... --target ... --out DIR`"
             )
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise MapperFormatError(
-                f"{manifest_path} is not valid JSON ({exc}); re-fit or restore the mapper"
-            ) from exc
-        version = manifest.get("format_version")
-        if not isinstance(version, int) or version > MAPPER_FORMAT_VERSION:
-            raise MapperFormatError(
-                f"{path} has mapper format version {version!r}; this kvhandoff reads versions up to "
-                f"{MAPPER_FORMAT_VERSION}: upgrade kvhandoff (`pip install -U kvhandoff`)"
-            )
-        if sha256_file(tensor_path) != manifest.get("tensor_sha256"):
+        manifest = loads(manifest_path.read_text(), str(manifest_path))
+        if sha256_file(tensor_path) != manifest.tensor_sha256:
             raise MapperFormatError(
                 f"{tensor_path} does not match the checksum in its manifest: the file is truncated or was "
                 "edited; re-fit the mapper or restore it from a backup"
             )
         with safe_open(str(tensor_path), framework="pt") as handle:
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-        mapper = _class_for(manifest, path)._from_tensors(tensors, manifest)
+        mapper = mapper_class(manifest.method, str(path)).from_tensors(tensors, manifest)
         mapper.verify_pair(source_model, target_model, source_tokenizer, target_tokenizer)
         return mapper
 
     @classmethod
-    def _from_tensors(cls, tensors: dict[str, torch.Tensor], manifest: dict) -> Mapper:
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], manifest: MapperManifest) -> Mapper:
+        """The mapper of a saved file's tensors (what `save` wrote: weight, bias, selected, `extra_tensors`)."""
+        missing = [name for name in ("weight", "bias", "selected") if name not in tensors]
+        if missing:
+            raise MapperFormatError(f"the mapper file lacks tensors {missing}; re-fit the mapper")
         return cls(tensors["weight"], tensors["bias"], tensors["selected"], manifest)
 
-    def _extra_tensors(self) -> dict[str, torch.Tensor]:
+    def extra_tensors(self) -> dict[str, torch.Tensor]:
         """Tensors a subclass saves beside the linear map's."""
         return {}
+
+    # -- pairing ----------------------------------------------------------------------------------
+    def check_models(self, source_model=None, target_model=None) -> None:
+        """`verify_pair` for these models, once per (mapper, model): the hot path (`handoff_cache`, `catch_up`,
+        `SwitchingSession`) calls it every time and fingerprints a model only the first time it sees it."""
+        for side, model in (("source", source_model), ("target", target_model)):
+            if model is None or model in self._verified[side]:
+                continue
+            self.verify_pair(**{f"{side}_model": model})
+            self._verified[side].add(model)
 
     def verify_pair(self, source_model=None, target_model=None, source_tokenizer=None, target_tokenizer=None):
         """Raise MapperMismatchError unless the given models (and tokenizers) are the ones fitted for."""
@@ -328,7 +408,7 @@ class Mapper:
         ):
             if model is None:
                 continue
-            expected = self.manifest[f"{side}_fingerprint"]
+            expected = getattr(self.manifest, f"{side}_fingerprint")
             actual = model_fingerprint(model, tokenizer)
             for key in PAIRING_KEYS:
                 if key == "tokenizer_hash" and (actual[key] is None or expected.get(key) is None):
@@ -355,11 +435,11 @@ def register_method(name: str, mapper_class: type[Mapper]) -> None:
     MAPPER_METHODS[name] = mapper_class
 
 
-def _class_for(manifest: dict, path: Path) -> type[Mapper]:
-    method = manifest.get("method", "ridge")
+def mapper_class(method: str, where: str = "the manifest") -> type[Mapper]:
+    """The mapper class registered for ``method``; MapperFormatError naming ``where`` when none is."""
     if method not in MAPPER_METHODS:
         raise MapperFormatError(
-            f"{path} holds a mapper of unknown method {method!r} (known: {', '.join(sorted(MAPPER_METHODS))}); "
+            f"{where} holds a mapper of unknown method {method!r} (known: {', '.join(sorted(MAPPER_METHODS))}); "
             "upgrade kvhandoff or re-fit it"
         )
     return MAPPER_METHODS[method]

@@ -10,17 +10,20 @@ per-layer early stopping on held-out windows never lets a layer end worse than t
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from kvhandoff.config import MLP_FORMAT_VERSION, MLPConfig
-from kvhandoff.errors import MapperFormatError
+from kvhandoff.capture import nonfinite_layers
+from kvhandoff.config import MLPConfig
+from kvhandoff.errors import MapperFormatError, StatisticsError
 from kvhandoff.features import check_layouts, load_features, read_manifest, validation_shards
+from kvhandoff.manifest import MapperManifest
 from kvhandoff.mapper import Mapper, register_method
 from kvhandoff.selection import select_layers
 from kvhandoff.statistics import FeatureLayout
@@ -99,6 +102,9 @@ class MLPMapper(Mapper):
                 f"MLP of {tuple(mlp.w1.shape)}→{tuple(mlp.w3.shape)} does not fit a {layers}-layer target "
                 f"reading {self.input_layers.shape[1]} source layers; re-fit the mapper"
             )
+        if self.manifest.mlp_input_layers is not None and \
+                self.input_layers.tolist() != [list(row) for row in self.manifest.mlp_input_layers]:
+            raise MapperFormatError("the MLP's input layers differ from the manifest's mlp_input_layers; re-fit")
         self.mlp = mlp.eval().requires_grad_(False)
 
     def map_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,11 +126,17 @@ class MLPMapper(Mapper):
     def nbytes(self) -> int:
         return super().nbytes() + sum(t.numel() * t.element_size() for t in self.mlp.tensors().values())
 
-    def _extra_tensors(self) -> dict[str, torch.Tensor]:
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> MLPMapper:
+        super().to(device, dtype)
+        self.mlp.to(device=device, dtype=dtype)
+        self.input_layers = self.input_layers.to(self.device)
+        return self
+
+    def extra_tensors(self) -> dict[str, torch.Tensor]:
         return {"mlp_input_layers": self.input_layers, **{f"mlp.{k}": v for k, v in self.mlp.tensors().items()}}
 
     @classmethod
-    def _from_tensors(cls, tensors: dict[str, torch.Tensor], manifest: dict) -> MLPMapper:
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], manifest: MapperManifest) -> MLPMapper:
         missing = [n for n in ("mlp_input_layers", *(f"mlp.{k}" for k in _MLP_TENSORS)) if n not in tensors]
         if missing:
             raise MapperFormatError(f"MLP mapper file lacks tensors {missing}; re-fit the mapper")
@@ -133,6 +145,34 @@ class MLPMapper(Mapper):
 
 
 register_method("mlp", MLPMapper)
+
+
+@dataclass
+class _Rows:
+    """The calibration rows an MLP trains on: inputs x, residual targets y (what the ridge leaves over), the
+    columns each target layer's MLP reads and writes, and the train/held-out split by window."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    shard: torch.Tensor
+    in_cols: torch.Tensor
+    out_cols: torch.Tensor
+    train_rows: torch.Tensor
+    val_rows: torch.Tensor
+
+    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-layer inputs [Lt, n, in] and targets [Lt, n, out] of ``rows``."""
+        return self.x[rows][:, self.in_cols].transpose(0, 1), self.y[rows][:, self.out_cols].transpose(0, 1)
+
+
+@dataclass
+class _Training:
+    """Per-layer held-out losses of the ridge alone and of the kept epoch, the kept epoch, the epoch history."""
+
+    ridge_loss: torch.Tensor
+    best_loss: torch.Tensor
+    best_epoch: torch.Tensor
+    history: list[dict]
 
 
 def fit_mlp_mapper(
@@ -151,64 +191,101 @@ def fit_mlp_mapper(
     """
     started = time.perf_counter()
     torch.manual_seed(config.seed)
-    manifest = read_manifest(features)
-    check_layouts(features, manifest, reverse, base.source, base.target)
+    feature_manifest = read_manifest(features)
+    check_layouts(features, feature_manifest, reverse, base.source, base.target)
+    input_layers = select_layers(r2_matrix, config.input_layers)  # [Lt, m]
+    rows, y_var = _residual_rows(base, features, reverse, input_layers, config)
+    model = _initial_mlp(base.target, rows, y_var, config)
+    training = _train(model, rows, config, progress)
+    record = {
+        "heldout_windows": int(torch.unique(rows.shard[rows.val_rows]).numel()),
+        "train_rows": int(rows.train_rows.numel()), "heldout_rows": int(rows.val_rows.numel()),
+        "heldout_loss_ridge": float(training.ridge_loss.mean()),
+        "heldout_loss_mlp": float(training.best_loss.mean()),
+        "heldout_loss_ridge_per_layer": training.ridge_loss.tolist(),
+        "heldout_loss_mlp_per_layer": training.best_loss.tolist(),
+        "epoch_per_layer": training.best_epoch.tolist(), "history": training.history,
+        "train_seconds": round(time.perf_counter() - started, 1),
+    }
+    manifest = dataclasses.replace(
+        base.manifest.with_metrics(mlp=record), method="mlp", tensor_sha256=None, mlp_config=config,
+        mlp_input_layers=input_layers.tolist(),
+        mlp_features={"rows": int(rows.x.shape[0]), "calibration": feature_manifest.get("calibration")},
+    )
+    require_finite_mlp(model)
+    return MLPMapper(base.weight, base.bias, base.selected, manifest, input_layers, model)
+
+
+def _residual_rows(base: Mapper, features, reverse: bool, input_layers: torch.Tensor,
+                   config: MLPConfig) -> tuple[_Rows, torch.Tensor]:
+    """The rows with y replaced by what `base` leaves over, split by window; and y's variance on the train
+    rows (taken before: the loss is relative to each output's variance)."""
     x, y, shard = load_features(features)
     if reverse:
         x, y = y, x
-    src, tgt = base.source, base.target
-    input_layers = select_layers(r2_matrix, config.input_layers)  # [Lt, m]
-    in_cols, out_cols = input_columns(src, input_layers), output_columns(tgt)
-
     held_out = torch.isin(shard, validation_shards(int(shard.max()) + 1, config.validation_fraction, config.seed))
     train_rows, val_rows = (~held_out).nonzero().squeeze(1), held_out.nonzero().squeeze(1)
-    y_var = y[train_rows].var(0)  # before y becomes the residual: the loss is relative to each output's variance
+    y_var = y[train_rows].var(0)
     with torch.no_grad():
         for start in range(0, x.shape[0], 4096):
             y[start : start + 4096] -= base.map_feature_rows(x[start : start + 4096])
-    x_mean, x_std = x[train_rows].mean(0), x[train_rows].std(0).clamp_min(1e-6)
+    rows = _Rows(x, y, shard, input_columns(base.source, input_layers), output_columns(base.target),
+                 train_rows, val_rows)
+    return rows, y_var
 
-    model = ResidualMLP(tgt.num_layers, in_cols.shape[1], config.hidden, out_cols.shape[1], seed=config.seed)
+
+def _initial_mlp(tgt: FeatureLayout, rows: _Rows, y_var: torch.Tensor, config: MLPConfig) -> ResidualMLP:
+    """A zero-output MLP per target layer, its inputs standardised on the train rows and its outputs scaled by
+    each (layer, K|V) block's standard deviation."""
+    x = rows.x[rows.train_rows]
+    x_mean, x_std = x.mean(0), x.std(0).clamp_min(1e-6)
+    model = ResidualMLP(tgt.num_layers, rows.in_cols.shape[1], config.hidden, rows.out_cols.shape[1],
+                        seed=config.seed)
     with torch.no_grad():
-        model.in_mean.copy_(x_mean[in_cols].unsqueeze(1))
-        model.in_scale.copy_(1 / x_std[in_cols].unsqueeze(1))
-        per_modality = y_var[out_cols].view(tgt.num_layers, 2, -1).mean(-1).clamp_min(1e-12).sqrt()
+        model.in_mean.copy_(x_mean[rows.in_cols].unsqueeze(1))
+        model.in_scale.copy_(1 / x_std[rows.in_cols].unsqueeze(1))
+        per_modality = y_var[rows.out_cols].view(tgt.num_layers, 2, -1).mean(-1).clamp_min(1e-12).sqrt()
         model.out_scale.copy_(per_modality.repeat_interleave(tgt.layer_width, dim=1).unsqueeze(1))
+    return model
 
-    def batch(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x[rows][:, in_cols].transpose(0, 1), y[rows][:, out_cols].transpose(0, 1)
 
-    def layer_losses(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return ((pred - target) / model.out_scale).pow(2).mean(dim=(1, 2))  # [Lt]: (1 − R²) units
+def _layer_losses(model: ResidualMLP, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((pred - target) / model.out_scale).pow(2).mean(dim=(1, 2))  # [Lt]: (1 − R²) units
 
-    @torch.no_grad()
-    def validation_loss() -> torch.Tensor:
-        total = torch.zeros(tgt.num_layers)
-        for start in range(0, val_rows.numel(), 4096):
-            rows = val_rows[start : start + 4096]
-            inputs, target = batch(rows)
-            total += layer_losses(model(inputs), target) * rows.numel()
-        return total / val_rows.numel()
 
-    ridge_loss = validation_loss()
-    best_loss, best_epoch = ridge_loss.clone(), torch.zeros(tgt.num_layers, dtype=torch.long)
+@torch.no_grad()
+def _validation_loss(model: ResidualMLP, rows: _Rows) -> torch.Tensor:
+    total = torch.zeros(model.w1.shape[0])
+    for start in range(0, rows.val_rows.numel(), 4096):
+        chunk = rows.val_rows[start : start + 4096]
+        inputs, target = rows.batch(chunk)
+        total += _layer_losses(model, model(inputs), target) * chunk.numel()
+    return total / rows.val_rows.numel()
+
+
+def _train(model: ResidualMLP, rows: _Rows, config: MLPConfig, progress: bool) -> _Training:
+    """Adam epochs over the train rows; every layer keeps the epoch with its lowest held-out loss (epoch 0, the
+    ridge alone, included). ``model`` ends with the kept parameters."""
+    layers = model.w1.shape[0]
+    ridge_loss = _validation_loss(model, rows)
+    best_loss, best_epoch = ridge_loss.clone(), torch.zeros(layers, dtype=torch.long)
     best = {name: tensor.detach().clone() for name, tensor in model.named_parameters()}
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     history = []
-    steps = math.ceil(train_rows.numel() / config.batch_size)
+    steps = math.ceil(rows.train_rows.numel() / config.batch_size)
     bar = tqdm(total=config.epochs * steps, desc="mlp", unit="step", disable=not progress)
     for epoch in range(1, config.epochs + 1):
-        order = train_rows[torch.randperm(train_rows.numel())]
+        order = rows.train_rows[torch.randperm(rows.train_rows.numel())]
         train_total = 0.0
         for start in range(0, order.numel(), config.batch_size):
-            inputs, target = batch(order[start : start + config.batch_size])
-            loss = layer_losses(model(inputs), target).sum()
+            inputs, target = rows.batch(order[start : start + config.batch_size])
+            loss = _layer_losses(model, model(inputs), target).sum()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            train_total += float(loss.detach()) / tgt.num_layers
+            train_total += float(loss.detach()) / layers
             bar.update()
-        val = validation_loss()
+        val = _validation_loss(model, rows)
         improved = val < best_loss
         with torch.no_grad():
             for name, tensor in model.named_parameters():
@@ -220,17 +297,12 @@ def fit_mlp_mapper(
     with torch.no_grad():
         for name, tensor in model.named_parameters():
             tensor.copy_(best[name])
+    return _Training(ridge_loss, best_loss, best_epoch, history)
 
-    base_manifest = {k: v for k, v in copy.deepcopy(base.manifest).items() if k != "tensor_sha256"}
-    base_manifest["fit_metrics"]["mlp"] = {
-        "heldout_windows": int(torch.unique(shard[val_rows]).numel()),
-        "train_rows": int(train_rows.numel()), "heldout_rows": int(val_rows.numel()),
-        "heldout_loss_ridge": float(ridge_loss.mean()), "heldout_loss_mlp": float(best_loss.mean()),
-        "heldout_loss_ridge_per_layer": ridge_loss.tolist(), "heldout_loss_mlp_per_layer": best_loss.tolist(),
-        "epoch_per_layer": best_epoch.tolist(), "history": history,
-        "train_seconds": round(time.perf_counter() - started, 1),
-    }
-    manifest = {**base_manifest, "format_version": MLP_FORMAT_VERSION, "method": "mlp",
-                "mlp_config": config.to_dict(), "mlp_input_layers": input_layers.tolist(),
-                "mlp_features": {"rows": int(x.shape[0]), "calibration": manifest.get("calibration")}}
-    return MLPMapper(base.weight, base.bias, base.selected, manifest, input_layers, model)
+
+def require_finite_mlp(model: ResidualMLP) -> None:
+    """StatisticsError naming the target layer(s) whose trained MLP holds NaN/Inf (never a NaN mapper)."""
+    bad = sorted({layer for tensor in model.tensors().values() for layer in nonfinite_layers(tensor, dim=0)})
+    if bad:
+        raise StatisticsError(f"the trained MLP of target layer(s) {bad} holds NaN/Inf: check the calibration "
+                              "rows for NaN/Inf or lower the learning rate")

@@ -12,7 +12,7 @@ Settings: `config.RefineConfig`.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -32,7 +32,7 @@ from kvhandoff.rope import apply_rope, rope_frequencies
 def check_refinable(mapper: Mapper) -> None:
     if type(mapper) is not Mapper:
         raise ConfigError(
-            f"only linear (ridge) mappers can be refined, this one is {mapper.manifest.get('method')!r}; "
+            f"only linear (ridge) mappers can be refined, this one is {mapper.manifest.method!r}; "
             "refine the ridge mapper it was built on"
         )
 
@@ -135,6 +135,32 @@ def refine_mapper(
     `validation_windows` are held out); the input mapper is left unchanged. The manifest gains a `refinement`
     record: config, corpus description, validation KL before and after, the step kept, time."""
     check_refinable(mapper)
+    _check_windows(windows, config)
+    started = time.perf_counter()
+    windows = windows[:, : config.window_length()]
+    prepared = [teacher_window(source, target, windows[i : i + 1], mapper.exact_prefix)
+                for i in tqdm(range(windows.shape[0]), desc="teacher", unit="window", disable=not progress)]
+    train, held_out = prepared[: -config.validation_windows], prepared[-config.validation_windows :]
+    prepare_seconds = time.perf_counter() - started
+
+    refined = Mapper(mapper.weight.detach().clone(), mapper.bias.detach().clone(), mapper.selected,
+                     dataclasses.replace(mapper.manifest, tensor_sha256=None))
+    target_flags = [p.requires_grad for p in target.parameters()]
+    target.requires_grad_(False)
+    try:
+        record = _optimise(refined, target, train, held_out, config, progress)
+    finally:
+        for parameter, flag in zip(target.parameters(), target_flags, strict=True):
+            parameter.requires_grad_(flag)
+    record = {
+        "config": config.to_dict(), "corpus": description or {"windows": int(windows.shape[0])}, **record,
+        "prepare_seconds": round(prepare_seconds, 1), "seconds": round(time.perf_counter() - started, 1),
+    }
+    manifest = dataclasses.replace(refined.manifest, refinement=record)
+    return Mapper(refined.weight.detach().clone(), refined.bias.detach().clone(), refined.selected, manifest)
+
+
+def _check_windows(windows: torch.Tensor, config: RefineConfig) -> None:
     if windows.dim() != 2 or windows.shape[1] < config.window_length():
         raise ConfigError(
             f"refinement windows must be [n, >= {config.window_length()}] token ids (max_context + continuation), "
@@ -145,33 +171,28 @@ def refine_mapper(
             f"{windows.shape[0]} windows leave none to train on after {config.validation_windows} validation "
             "windows: pass more windows"
         )
-    started = time.perf_counter()
-    windows = windows[:, : config.window_length()]
-    prepared = [teacher_window(source, target, windows[i : i + 1], mapper.exact_prefix)
-                for i in tqdm(range(windows.shape[0]), desc="teacher", unit="window", disable=not progress)]
-    train, held_out = prepared[: -config.validation_windows], prepared[-config.validation_windows :]
-    plan = _validation_plan(config)
-    prepare_seconds = time.perf_counter() - started
 
-    manifest = {k: v for k, v in copy.deepcopy(mapper.manifest).items() if k != "tensor_sha256"}
-    refined = Mapper(mapper.weight.detach().clone(), mapper.bias.detach().clone(), mapper.selected, manifest)
+
+def _validation_kl(mapper: Mapper, target, held_out: list[TeacherWindow], contexts: list[int],
+                   continuation: int) -> float:
+    with torch.no_grad():
+        return sum(float(handoff_kl(mapper, target, window, context, continuation))
+                   for window, context in zip(held_out, contexts, strict=True)) / len(contexts)
+
+
+def _optimise(refined: Mapper, target, train: list[TeacherWindow], held_out: list[TeacherWindow],
+              config: RefineConfig, progress: bool) -> dict:
+    """Adam steps on ``refined``'s map tensors (in place); they end at the step with the lowest validation KL
+    (step 0, the unrefined map, included). Returns the record's validation entries and history."""
+    contexts = _validation_plan(config)
     parameters = [tensor.requires_grad_(True) for tensor in refined.map_tensors()]
-    target_flags = [p.requires_grad for p in target.parameters()]
-    target.requires_grad_(False)
-
-    def validation_kl() -> float:
-        with torch.no_grad():
-            return sum(float(handoff_kl(refined, target, window, context, config.continuation))
-                       for window, context in zip(held_out, plan, strict=True)) / len(plan)
-
     generator = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.Adam(parameters, lr=config.learning_rate)
-    history = [{"step": 0, "validation_kl": validation_kl()}]
+    history = [{"step": 0, "validation_kl": _validation_kl(refined, target, held_out, contexts, config.continuation)}]
     best_kl, best_step = history[0]["validation_kl"], 0
     best = [p.detach().clone() for p in parameters]
-    bar = tqdm(total=config.steps, desc="refine", unit="step", disable=not progress)
     train_kl = 0.0
-    try:
+    with tqdm(total=config.steps, desc="refine", unit="step", disable=not progress) as bar:
         for step in range(1, config.steps + 1):
             optimizer.zero_grad(set_to_none=True)
             for context in _context_lengths(config, config.batch_size, generator):
@@ -182,7 +203,7 @@ def refine_mapper(
             optimizer.step()
             bar.update()
             if step % config.validate_every == 0 or step == config.steps:
-                kl = validation_kl()
+                kl = _validation_kl(refined, target, held_out, contexts, config.continuation)
                 steps_since = step - history[-1]["step"]
                 history.append({"step": step, "validation_kl": kl, "train_kl": train_kl / steps_since})
                 train_kl = 0.0
@@ -190,17 +211,8 @@ def refine_mapper(
                 if kl < best_kl:
                     best_kl, best_step = kl, step
                     best = [p.detach().clone() for p in parameters]
-    finally:
-        bar.close()
-        for parameter, flag in zip(target.parameters(), target_flags, strict=True):
-            parameter.requires_grad_(flag)
     with torch.no_grad():
         for parameter, kept in zip(parameters, best, strict=True):
             parameter.requires_grad_(False).copy_(kept)
-    manifest["refinement"] = {
-        "config": config.to_dict(), "corpus": description or {"windows": int(windows.shape[0])},
-        "validation_contexts": plan, "validation_kl_before": history[0]["validation_kl"],
-        "validation_kl_after": best_kl, "kept_step": best_step, "history": history,
-        "prepare_seconds": round(prepare_seconds, 1), "seconds": round(time.perf_counter() - started, 1),
-    }
-    return Mapper(refined.weight.detach().clone(), refined.bias.detach().clone(), refined.selected, manifest)
+    return {"validation_contexts": contexts, "validation_kl_before": history[0]["validation_kl"],
+            "validation_kl_after": best_kl, "kept_step": best_step, "history": history}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvhandoff.config import require_positive
 from kvhandoff.errors import ConfigError
 from kvhandoff.solve import residual_variance, ridge_from_covariance
 from kvhandoff.statistics import MODALITIES, CalibrationStats
@@ -35,8 +36,7 @@ def layer_r2_matrix(stats: CalibrationStats, ridge_lambda: float = 0.01) -> torc
 def resolve_k(top_k: int | str, num_source_layers: int) -> int:
     if top_k == "all":
         return num_source_layers
-    if not isinstance(top_k, int) or top_k < 1:
-        raise ConfigError(f"top_k must be a positive integer or 'all', got {top_k!r}")
+    require_positive("top_k", top_k)
     return min(top_k, num_source_layers)
 
 
@@ -49,11 +49,13 @@ def parse_ks(text: str, option: str = "--ks") -> list[int | str]:
             ks.append(part)
             continue
         try:
-            value = int(part)
+            value: int | str = int(part)
         except ValueError:
-            value = 0
-        if value < 1:
-            raise ConfigError(f"{option} takes positive integers or 'all', got {part!r}")
+            value = part
+        try:
+            require_positive(option, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{option} takes positive integers or 'all', got {part!r}") from exc
         ks.append(value)
     if not ks:
         raise ConfigError(f"{option} is empty; give e.g. 1,4,all")

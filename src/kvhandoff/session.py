@@ -8,7 +8,7 @@ from transformers.cache_utils import DynamicCache
 
 from kvhandoff.cache import prefill, rollback
 from kvhandoff.errors import ConfigError
-from kvhandoff.handoff import catch_up, handoff_cache
+from kvhandoff.handoff import catch_up, check_context, handoff_cache, verify_mapper
 
 #: how a conversation is handed over at a switch: "all" — the current server's whole cache is mapped for the new
 #: server; "incremental" — every model keeps its own cache and only the positions it has not cached are mapped
@@ -27,12 +27,22 @@ class SwitchingSession:
     another model served last; `generate(server, ids, ...)` also answers, and the answer joins the conversation.
     A caller may decode from `cache(server)` itself: what it decodes past `tokens` (what every cache agrees on)
     is dropped before the conversation goes on (`rollback`).
+
+    Every mapper is checked against its two models when the session starts (MapperMismatchError for a wrong
+    pair), and a turn that would take the conversation past a model's context window is refused before any
+    work (ContextTooLongError).
     """
 
     def __init__(self, models, mappers, handover: str = "incremental", exact_prefix: int | None = None) -> None:
         if handover not in HANDOVERS:
             raise ConfigError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
         self.models, self.mappers = dict(models), dict(mappers)
+        for (source, target), mapper in self.mappers.items():
+            unknown = [name for name in (source, target) if name not in self.models]
+            if unknown:
+                raise ConfigError(f"mapper {source} → {target} names unknown model(s) {unknown}; this session "
+                                  f"serves {', '.join(self.models)}")
+            verify_mapper(mapper, self.models[source], self.models[target])
         self.handover, self.exact_prefix = handover, exact_prefix
         self.tokens: list[int] = []
         self.owner: str | None = None  # the model that read the conversation last
@@ -56,7 +66,7 @@ class SwitchingSession:
                 raise ConfigError(f"no mapper for the handoff {owner} → {server}")
             current = self._caches[owner] if self.handover == "incremental" else self._caches.pop(owner)
             if server in self._caches:
-                catch_up(self._caches[server], current, mapper)
+                catch_up(self._caches[server], current, mapper, self.models[owner], self.models[server])
             else:
                 ids = torch.tensor([self.tokens], device=current.layers[0].keys.device)
                 self._caches[server] = handoff_cache(self.models[owner], self.models[server], mapper, ids,
@@ -70,6 +80,7 @@ class SwitchingSession:
         ids = list(ids)
         if not ids:
             raise ConfigError("read needs at least one token")
+        self._check_length(server, len(ids))
         cache = self.switch_to(server)
         model = self.models[server]
         input_ids = torch.tensor([ids], device=model.device)
@@ -86,6 +97,7 @@ class SwitchingSession:
         ids = list(ids)
         if not ids:
             raise ConfigError("generate needs at least one token of the new turn")
+        self._check_length(server, len(ids))
         cache = self.switch_to(server)
         model = self.models[server]
         if cache is None:  # the conversation's first turn: generate prefills it
@@ -100,6 +112,12 @@ class SwitchingSession:
             prefill(model, torch.tensor([missing], device=model.device), cache)
         self.tokens = everything
         return answer
+
+    def _check_length(self, server: str, new: int) -> None:
+        """Refuse a turn that takes the conversation past ``server``'s context window, before anything runs."""
+        if server not in self.models:
+            raise ConfigError(f"unknown model {server!r}; this session serves {', '.join(self.models)}")
+        check_context(len(self.tokens) + new, self.models[server])
 
     def rollback(self, server: str) -> None:
         """Drop what ``server``'s cache holds past `tokens` (e.g. an answer the caller decoded and will feed back

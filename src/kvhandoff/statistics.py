@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kvhandoff.capture import ContentKV
+from kvhandoff.capture import ContentKV, nonfinite_layers
 from kvhandoff.errors import StatisticsError
 from kvhandoff.files import atomic_path
 
@@ -62,6 +63,17 @@ class FeatureLayout:
         return both.permute(2, 4, 0, 1, 3, 5).reshape(-1, self.width).to(torch.float64)
 
 
+def require_finite_content(side: str, content: ContentKV) -> None:
+    """StatisticsError naming the layer(s) whose captured K or V holds NaN/Inf (they would poison every sum)."""
+    for name, tensor in (("K", content.keys), ("V", content.values)):
+        if not bool(tensor.isfinite().all()):
+            raise StatisticsError(
+                f"the {side} model's calibration {name} activations hold NaN/Inf in layer(s) "
+                f"{nonfinite_layers(tensor, dim=0)}: run the calibration in float32 (or bfloat16) and check the "
+                "model's weights"
+            )
+
+
 class CalibrationStats:
     """Sums of x, y, xxᵀ, xyᵀ and yyᵀ over calibration tokens, in float64."""
 
@@ -86,6 +98,8 @@ class CalibrationStats:
                 f"source and target captures differ in shape ({tuple(source.keys.shape)} vs "
                 f"{tuple(target.keys.shape)}): feed both models the same token batch"
             )
+        for side, content in (("source", source), ("target", target)):
+            require_finite_content(side, content)
         positions = torch.arange(skip_first_tokens, tokens, token_stride)
         x = self.source.flatten(source, positions)
         y = self.target.flatten(target, positions)
@@ -174,18 +188,29 @@ class CalibrationStats:
 
     @classmethod
     def load(cls, path: str | Path) -> CalibrationStats:
-        from safetensors import safe_open
-
+        """Read statistics written by `save`; every tensor is checked against the layouts in the metadata."""
         try:
             with safe_open(str(path), framework="pt") as handle:
                 meta = json.loads(handle.metadata()["kvhandoff_stats"])
             tensors = load_file(str(path))
+            stats = cls(FeatureLayout(**meta["source"]), FeatureLayout(**meta["target"]))
+            stats.count = int(meta["count"])
         except Exception as exc:  # safetensors raises several types for corrupt files
             raise StatisticsError(
                 f"cannot read statistics file {path}: {exc}; re-run the calibration"
             ) from exc
-        stats = cls(FeatureLayout(**meta["source"]), FeatureLayout(**meta["target"]))
-        stats.count = int(meta["count"])
-        for name, tensor in tensors.items():
+        if sorted(tensors) != sorted(_TENSORS):
+            raise StatisticsError(
+                f"statistics file {path} holds tensors {sorted(tensors)}, expected {sorted(_TENSORS)}; "
+                "re-run the calibration"
+            )
+        for name in _TENSORS:
+            expected = getattr(stats, name)
+            tensor = tensors[name]
+            if tuple(tensor.shape) != tuple(expected.shape) or tensor.dtype != expected.dtype:
+                raise StatisticsError(
+                    f"statistics tensor {name} in {path} is {tuple(tensor.shape)} {tensor.dtype}, but its layouts "
+                    f"need {tuple(expected.shape)} {expected.dtype}; the file is damaged: re-run the calibration"
+                )
             setattr(stats, name, tensor)
         return stats

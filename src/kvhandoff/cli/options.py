@@ -21,7 +21,7 @@ from kvhandoff.config import (
     DEFAULT_CALIBRATION_MIX,
     CalibrationSpec,
     FitConfig,
-    require_positive_int,
+    require_positive,
 )
 from kvhandoff.errors import ConfigError
 from kvhandoff.selection import parse_ks
@@ -33,9 +33,9 @@ DEFAULT_MIX = ",".join(DEFAULT_CALIBRATION_MIX)
 
 # -- parsers ---------------------------------------------------------------------------------------------------
 def positive_int(value) -> int:
-    """A positive integer (`config.require_positive_int`)."""
+    """A positive integer (`config.require_positive`)."""
     try:
-        return require_positive_int(int(value) if isinstance(value, str) else value, "the value")
+        return require_positive("the value", int(value) if isinstance(value, str) else value)
     except (ValueError, ConfigError):
         raise typer.BadParameter(f"give a positive integer, got {value!r}") from None
 

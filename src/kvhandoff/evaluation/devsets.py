@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvhandoff.config import CalibrationSpec, FitConfig, require_positive_int
+from kvhandoff.config import CalibrationSpec, FitConfig, require_positive
 from kvhandoff.corpus import heldout_documents
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.tasks import gsm8k_dev_examples, mmlu_dev_examples, zeroshot_dev_examples
@@ -46,7 +46,7 @@ class DevSet:
         if self.kind not in DEV_SETS:
             raise ConfigError(f"dev set kind must be one of {', '.join(DEV_SETS)}, got {self.kind!r}")
         for name in ("docs", "prefix_len", "continuation_len"):
-            require_positive_int(getattr(self, name), name)
+            require_positive(name, getattr(self, name))
 
 
 def dev_divergence(pair: NamedPair, dev: DevSet) -> tuple[HandoffDivergence, dict]:

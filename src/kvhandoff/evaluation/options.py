@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvhandoff.config import require_positive_int
+from kvhandoff.config import require_positive
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.scoring import check_mapped
 from kvhandoff.evaluation.tasks import parse_tasks
@@ -39,7 +39,7 @@ class EvalOptions:
             raise ConfigError(f"tasks: {exc}") from None
         object.__setattr__(self, "tasks", names)
         if self.limit is not None:
-            require_positive_int(self.limit, "limit")
+            require_positive("limit", self.limit)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
         check_mapped(self.mapped)
@@ -69,7 +69,7 @@ class ScoringOptions:
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "n_resamples", "perplexity_docs", "prefix_len", "continuation_len",
                      "coqa_conversations", "coqa_turns", "coqa_max_new_tokens"):
-            require_positive_int(getattr(self, name), name)
+            require_positive(name, getattr(self, name))
         if isinstance(self.confidence, bool) or not 0 < self.confidence < 1:
             raise ConfigError(f"confidence must be in (0, 1), got {self.confidence!r}")
 

@@ -1,0 +1,97 @@
+import dataclasses
+import json
+
+import pytest
+
+from kvhandoff import FitConfig, fit_mapper
+from kvhandoff.config import MAPPER_FORMAT_VERSION
+from kvhandoff.errors import MapperFormatError
+from kvhandoff.manifest import MapperManifest, dumps, loads
+from kvhandoff.statistics import FeatureLayout
+
+from conftest import random_batches, tiny_model
+
+
+@pytest.fixture(scope="module")
+def manifest() -> MapperManifest:
+    source, target = tiny_model("llama", layers=2), tiny_model("llama", layers=3, seed=4)
+    return fit_mapper(source, target, random_batches(2), FitConfig(top_k=1, exact_prefix=3), progress=False).manifest
+
+
+def test_fields_are_typed_and_read_as_a_mapping_of_the_json_form(manifest):
+    assert isinstance(manifest.config, FitConfig) and manifest.exact_prefix == 3 and not manifest.joint_inputs
+    assert manifest.source_layout == FeatureLayout(2, 2, 16) and manifest.format_version == MAPPER_FORMAT_VERSION
+    assert manifest.method == "ridge" and len(manifest.selected_layers) == 3
+    assert all(isinstance(row, tuple) and len(row) == 1 for row in manifest.selected_layers)
+    assert manifest["config"] == FitConfig(top_k=1, exact_prefix=3).to_dict()
+    assert manifest["source_layout"] == {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
+    assert manifest.get("refinement") is None and "refinement" not in manifest and "fit_metrics" in manifest
+    assert dict(manifest) == manifest.to_dict()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        manifest.method = "mlp"
+
+
+def test_with_metrics_returns_a_new_manifest(manifest):
+    more = manifest.with_metrics(extra_metric=1.5)
+    assert more.fit_metrics["extra_metric"] == 1.5 and "extra_metric" not in manifest.fit_metrics
+    assert more.fit_metrics["r2_k_mean"] == manifest.fit_metrics["r2_k_mean"]
+
+
+def test_round_trip_through_the_file_text(manifest):
+    again = loads(dumps(manifest), "manifest.json")
+    assert again == manifest and again.checksum() == manifest.checksum()
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        ({"config": {"top_k": 0}}, "config"),
+        ({"config": {"top_k": 1, "colour": "red"}}, "config"),
+        ({"source_layout": {"num_layers": 2, "num_kv_heads": 0, "head_dim": 16}}, "source_layout"),
+        ({"target_layout": [3, 2, 16]}, "target_layout"),
+        ({"target_max_position_embeddings": 0}, "target_max_position_embeddings"),
+        ({"source_max_position_embeddings": "long"}, "source_max_position_embeddings"),
+        ({"selected_layers": [[0], [1]]}, "selected_layers"),
+        ({"selected_layers": [[0], [1], [7]]}, "selected_layers"),
+        ({"selected_layers": [[0], [1], ["x"]]}, "selected_layers"),
+        ({"fit_metrics": [1, 2]}, "fit_metrics"),
+        ({"method": ""}, "method"),
+        ({"shiny_new_field": 1}, "shiny_new_field"),
+        ({"tensor_sha256": 5}, "tensor_sha256"),
+    ],
+)
+def test_validation_names_the_bad_field(manifest, edit, field):
+    with pytest.raises(MapperFormatError, match=f"field '{field}'"):
+        MapperManifest.from_dict({**manifest.to_dict(), **edit})
+
+
+def test_missing_fields_and_fingerprint_geometry_are_named(manifest):
+    data = manifest.to_dict()
+    del data["target_layout"]
+    with pytest.raises(MapperFormatError, match="field 'target_layout' is missing"):
+        MapperManifest.from_dict(data)
+    data = manifest.to_dict()
+    data["source_fingerprint"]["geometry"]["num_kv_heads"] = 4
+    with pytest.raises(MapperFormatError, match=r"field 'source_fingerprint\.geometry'"):
+        MapperManifest.from_dict(data)
+    data = manifest.to_dict()
+    del data["target_fingerprint"]["geometry"]["rope"]
+    with pytest.raises(MapperFormatError, match=r"field 'target_fingerprint\.geometry' lacks the RoPE"):
+        MapperManifest.from_dict(data)
+
+
+def test_one_format_version(manifest):
+    for version in (1, 2, 3, None, "4"):
+        with pytest.raises(MapperFormatError, match="re-fit"):
+            MapperManifest.from_dict({**manifest.to_dict(), "format_version": version})
+    with pytest.raises(MapperFormatError, match="upgrade kvhandoff"):
+        MapperManifest.from_dict({**manifest.to_dict(), "format_version": MAPPER_FORMAT_VERSION + 1})
+
+
+def test_a_manifest_without_fingerprints_has_no_rope(manifest):
+    bare = dataclasses.replace(manifest, source_fingerprint={}, target_fingerprint={})
+    with pytest.raises(MapperFormatError, match="no source fingerprint"):
+        bare.rope_config("source")
+    target_rope = manifest.rope_config("target")
+    assert target_rope.max_position_embeddings == manifest.target_max_position_embeddings
+    assert target_rope.rope_parameters == json.loads(manifest.target_fingerprint["geometry"]["rope"]["parameters"])

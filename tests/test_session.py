@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from kvhandoff import FitConfig, SwitchingSession, fit_mapper
+from kvhandoff.errors import ConfigError, ContextTooLongError, MapperMismatchError
+
+from conftest import random_batches, tiny_model
+
+
+@pytest.fixture(scope="module")
+def trio():
+    """Models a (source) and b (target) with a mapper a → b, and c: b's geometry, other weights."""
+    a = tiny_model("qwen2", layers=2, max_position_embeddings=64)
+    b = tiny_model("qwen2", layers=3, head_dim=32, seed=4, max_position_embeddings=64)
+    c = tiny_model("qwen2", layers=3, head_dim=32, seed=12, max_position_embeddings=64)
+    return a, b, c, fit_mapper(a, b, random_batches(2, tokens=32), FitConfig(), progress=False)
+
+
+def test_a_mapper_for_another_pair_is_refused_when_the_session_starts(trio):
+    a, b, c, mapper = trio
+    with pytest.raises(MapperMismatchError, match="different target model"):
+        SwitchingSession({"a": a, "c": c}, {("a", "c"): mapper})
+    with pytest.raises(MapperMismatchError, match="different source model"):
+        SwitchingSession({"c": c, "b": b}, {("c", "b"): mapper})
+    with pytest.raises(ConfigError, match="unknown model"):
+        SwitchingSession({"a": a}, {("a", "b"): mapper})
+    SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper})  # the right pair starts
+
+
+def test_the_pair_is_fingerprinted_once_per_mapper_and_model(trio, monkeypatch):
+    import kvhandoff.mapper as mapper_module
+
+    a, b, _, mapper = trio
+    fresh = type(mapper)(mapper.weight, mapper.bias, mapper.selected, mapper.manifest)
+    back = fit_mapper(b, a, random_batches(2, tokens=32), FitConfig(), progress=False)
+    calls = []
+    real = mapper_module.model_fingerprint
+    monkeypatch.setattr(mapper_module, "model_fingerprint", lambda model, tok=None: calls.append(model) or real(model))
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): fresh, ("b", "a"): back}, exact_prefix=0)
+    assert calls == [a, b, b, a]  # each mapper checked against its two models when the session starts
+    ids = torch.randint(0, 128, (30,)).tolist()
+    session.read("a", ids[:10])
+    session.read("b", ids[10:15])
+    session.read("a", ids[15:20])
+    session.read("b", ids[20:])  # a second switch a → b: catch_up, no new fingerprint
+    assert calls == [a, b, b, a] and session.cache("b").get_seq_length() == 30
+
+
+def test_a_turn_past_the_window_is_refused_before_any_work(trio):
+    a, b, _, mapper = trio
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, exact_prefix=0)
+    session.read("a", torch.randint(0, 128, (50,)).tolist())
+    before = (list(session.tokens), session.owner, session.cache("a").get_seq_length())
+    with pytest.raises(ContextTooLongError, match="65 tokens"):
+        session.read("b", list(range(15)))
+    with pytest.raises(ContextTooLongError, match="70 tokens"):
+        session.generate("a", list(range(20)), max_new_tokens=1)
+    assert (list(session.tokens), session.owner, session.cache("a").get_seq_length()) == before
+    assert session.cache("b") is None  # nothing was handed over
+    session.read("b", list(range(14)))  # up to the window is fine
+    assert len(session.tokens) == 64 and session.cache("b").get_seq_length() == 64
