@@ -58,7 +58,7 @@ from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.corpus import heldout_documents
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.runner import mapper_identity
-from kvhandoff.files import atomic_write_json
+from kvhandoff.files import atomic_write_json, save_figure
 from kvhandoff.fit import feature_layout, mapper_from_statistics
 from kvhandoff.geometry import decoder_layers, model_fingerprint, read_geometry
 from kvhandoff.mapper import Mapper
@@ -527,9 +527,7 @@ def _plot_heatmaps(result: dict, path: Path) -> Path:
     axes[0][0].set_ylabel("target layer")
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.85, label="R² of a single-source-layer ridge probe")
     fig.suptitle(f"{_title(result)}: which source layer predicts which target layer", fontsize=10)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110, bbox_inches="tight")
 
 
 def _ordered_mappers(result: dict) -> list[tuple[str, dict]]:
@@ -564,9 +562,7 @@ def _plot_r2_vs_k(result: dict, path: Path) -> Path:
         axis.legend(fontsize=8)
     fig.suptitle(f"{_title(result)}: held-out quality vs k", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def _plot_selection(result: dict, path: Path) -> Path:
@@ -594,9 +590,7 @@ def _plot_selection(result: dict, path: Path) -> Path:
     axes[0][0].set_ylabel("target layer")
     fig.suptitle(f"{_title(result)}: layer selection (background: {label})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def _plot_attention(result: dict, path: Path) -> Path:
@@ -620,6 +614,4 @@ def _plot_attention(result: dict, path: Path) -> Path:
         axis.legend(fontsize=7)
     fig.suptitle(f"{_title(result)}: per-layer attention fidelity and error concentration (held-out)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)

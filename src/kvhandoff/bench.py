@@ -51,7 +51,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvhandoff.cache import prefill
 from kvhandoff.config import MAPPER_FORMAT_VERSION, FitConfig
 from kvhandoff.errors import ConfigError
-from kvhandoff.files import atomic_write_json
+from kvhandoff.files import atomic_write_json, save_figure
 from kvhandoff.geometry import model_fingerprint, read_geometry
 from kvhandoff.handoff import patch_exact_prefix
 from kvhandoff.mapper import Mapper
@@ -540,8 +540,7 @@ def _plot(result: dict, path: Path) -> None:
     fig.suptitle(f"{result['source']['name']} → {result['target']['name']}: KV handoff vs re-prefill "
                  f"({result['settings']['torch_threads']} CPU threads)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 # -- command-line values ------------------------------------------------------------------------------------

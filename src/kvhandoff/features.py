@@ -11,7 +11,6 @@ folder complete, so an interrupted pass is never mistaken for a finished one.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvhandoff.errors import StatisticsError
+from kvhandoff.files import publish_folder, staging_folder
 from kvhandoff.statistics import FeatureLayout
 
 MANIFEST = "features.json"
@@ -29,9 +29,7 @@ class FeatureShardWriter:
 
     def __init__(self, folder: str | Path, source: FeatureLayout, target: FeatureLayout):
         self.folder = Path(folder)
-        self.staging = self.folder.with_name(f".{self.folder.name}.writing")
-        shutil.rmtree(self.staging, ignore_errors=True)
-        self.staging.mkdir(parents=True)
+        self.staging = staging_folder(self.folder)
         self.source, self.target = source, target
         self.shards: list[dict] = []
 
@@ -48,9 +46,7 @@ class FeatureShardWriter:
         manifest = {"source_layout": self.source.__dict__, "target_layout": self.target.__dict__,
                     "shards": self.shards, "rows": sum(s["rows"] for s in self.shards), **(description or {})}
         (self.staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        shutil.rmtree(self.folder, ignore_errors=True)
-        self.staging.rename(self.folder)
-        return self.folder
+        return publish_folder(self.staging, self.folder)
 
 
 def features_complete(folder: str | Path) -> bool:

@@ -69,25 +69,50 @@ def recover_folder(folder: str | Path) -> None:
             os.replace(backup, folder)
 
 
-@contextlib.contextmanager
-def atomic_folder(folder: str | Path) -> Iterator[Path]:
-    """Yield an empty staging folder beside ``folder``; on success it replaces ``folder`` (the old one kept under
-    `backup_of` until the swap is done), on error it is removed and ``folder`` stays as it was."""
+def staging_folder(folder: str | Path) -> Path:
+    """A new empty folder beside ``folder`` to build its next content in; `publish_folder` swaps it in."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     recover_folder(folder)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".staging", dir=folder.parent))
+    return Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".staging", dir=folder.parent))
+
+
+def publish_folder(staging: Path, folder: str | Path) -> Path:
+    """Replace ``folder`` by ``staging``; the old folder waits under `backup_of` until the swap is done."""
+    folder = Path(folder)
+    backup = backup_of(folder)
+    if folder.exists():
+        os.replace(folder, backup)
+    os.replace(staging, folder)
+    if backup.exists():
+        shutil.rmtree(backup)
+    return folder
+
+
+@contextlib.contextmanager
+def atomic_folder(folder: str | Path) -> Iterator[Path]:
+    """Yield an empty staging folder beside ``folder``; on success it replaces ``folder`` (`publish_folder`), on
+    error it is removed and ``folder`` stays as it was."""
+    staging = staging_folder(folder)
     try:
         yield staging
-        backup = backup_of(folder)
-        if folder.exists():
-            os.replace(folder, backup)
-        os.replace(staging, folder)
-        if backup.exists():
-            shutil.rmtree(backup)
+        publish_folder(staging, folder)
     finally:
         if staging.exists():
             shutil.rmtree(staging)
+
+
+def save_figure(figure, path: str | Path, **savefig_options) -> Path:
+    """Write a matplotlib figure atomically (format from the file suffix) and close it."""
+    path = Path(path)
+    import matplotlib.pyplot as plt  # only callers that draw pay for matplotlib
+
+    try:
+        with atomic_path(path) as tmp:
+            figure.savefig(tmp, format=path.suffix.lstrip(".") or "png", **savefig_options)
+    finally:
+        plt.close(figure)
+    return path
 
 
 def sha256_file(path: str | Path) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.files import atomic_path, atomic_write_text
+from kvhandoff.files import atomic_write_text, save_figure
 
 
 def load_results(path: str | Path) -> dict:
@@ -173,9 +173,7 @@ def plot_retention(results: Sequence[dict], path: str | Path) -> Path:
         ncol = len(results) if fig_width >= 8 else 1
         ax.legend(fontsize=8, loc="upper center", ncol=ncol, frameon=False)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
