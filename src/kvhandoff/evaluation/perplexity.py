@@ -9,7 +9,6 @@ are mapped ones. Perplexities are token-weighted over all documents: exp(Σ NLL 
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,12 +17,13 @@ import torch
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.scoring import Condition, continuation_logprobs, standard_conditions
+from kvhandoff.files import sha256_bytes
 
 
 def document_id(ids: Sequence[int] | torch.Tensor) -> str:
     """A stable id for a token sequence (content hash)."""
     values = ids.flatten().tolist() if isinstance(ids, torch.Tensor) else list(ids)
-    return "doc-" + hashlib.sha1(",".join(map(str, values)).encode()).hexdigest()[:16]
+    return "doc-" + sha256_bytes(",".join(map(str, values)).encode(), 16)
 
 
 def _as_list(doc: Sequence[int] | torch.Tensor) -> list[int]:

@@ -44,7 +44,6 @@ Deviations from lm-eval, by necessity or for speed:
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ import numpy as np
 from kvhandoff.config import END_OF_TEXT_TOKENS
 from kvhandoff.errors import AssetError, ConfigError
 from kvhandoff.evaluation.data import hf_rows, mmlu_subjects, oe_requests
+from kvhandoff.files import sha256_bytes
 
 LOGLIKELIHOOD = "loglikelihood"
 GENERATE = "generate"
@@ -223,7 +223,7 @@ POOLS = ("report", "dev")
 
 def pool_of(task: str, item_id: str) -> str:
     """'dev' or 'report': a fixed, seed-independent split by a hash of the item id."""
-    digest = int(hashlib.sha256(f"{task}/{item_id}".encode()).hexdigest()[:8], 16)
+    digest = int(sha256_bytes(f"{task}/{item_id}".encode(), 8), 16)
     return "dev" if digest % DEV_POOL_EVERY == 0 else "report"
 
 
