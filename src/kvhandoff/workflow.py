@@ -31,7 +31,7 @@ from kvhandoff.refine import check_refinable, refine_mapper
 from kvhandoff.selection import layer_r2_matrix
 from kvhandoff.statistics import CalibrationStats
 
-#: version of the cache keys: 2 keys entries by both models' fingerprints (1 keyed them by folder names)
+#: version of the cache keys (part of every key: raising it makes every entry written before a miss)
 CACHE_SCHEMA = 2
 #: the fingerprint entries a cache entry depends on: what pairs a mapper, plus the weights themselves
 IDENTITY_KEYS = (*PAIRING_KEYS, "weights_checksum")
