@@ -40,7 +40,7 @@ class SwitchingSession:
         for (source, target), mapper in self.mappers.items():
             unknown = [name for name in (source, target) if name not in self.models]
             if unknown:
-                raise ConfigError(f"mapper {source} → {target} names unknown model(s) {unknown}; this session "
+                raise ConfigError(f"mapper {source} → {target} names unknown model(s) {unknown}; the session "
                                   f"serves {', '.join(self.models)}")
             verify_mapper(mapper, self.models[source], self.models[target])
         self.handover, self.exact_prefix = handover, exact_prefix
@@ -55,7 +55,7 @@ class SwitchingSession:
     def switch_to(self, server: str):
         """Make ``server`` the owner; returns its cache of `tokens` (mapped as `handover` says)."""
         if server not in self.models:
-            raise ConfigError(f"unknown model {server!r}; this session serves {', '.join(self.models)}")
+            raise ConfigError(f"unknown model {server!r}; the session serves {', '.join(self.models)}")
         owner = self.owner
         for name in (owner, server):
             if name in self._caches:
@@ -116,7 +116,7 @@ class SwitchingSession:
     def _check_length(self, server: str, new: int) -> None:
         """Refuse a turn that takes the conversation past ``server``'s context window, before anything runs."""
         if server not in self.models:
-            raise ConfigError(f"unknown model {server!r}; this session serves {', '.join(self.models)}")
+            raise ConfigError(f"unknown model {server!r}; the session serves {', '.join(self.models)}")
         check_context(len(self.tokens) + new, self.models[server])
 
     def rollback(self, server: str) -> None:
