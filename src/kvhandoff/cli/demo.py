@@ -50,7 +50,7 @@ def demo(
     mapper: Annotated[Path | None, typer.Option(help="show this saved mapper (fitted for SOURCE → TARGET, e.g. "
                                                      "from `kvhandoff refine`) instead of the pair's default")] = None,
 ) -> None:
-    """Fit (or reuse) the default pair's mapper, hand a long CoQA context over, compare with re-prefill."""
+    """Fit (or reuse) the pair's mapper, hand a long CoQA context over, compare with the target's re-prefill."""
     if reverse:
         source, target = target, source
     with option_errors("--sequences", "--mix"):

@@ -57,8 +57,8 @@ def eval_command(
     out: Annotated[Path, typer.Option(help="Output folder (per-item caches, results, report).")]
     = Path("kvhandoff-eval"),
     reverse: Annotated[Path | None, typer.Option("--reverse-mapper", help=(
-        "Mapper folder for target → source: also evaluates the reverse direction (and is required for the coqa "
-        "multi-turn task)."))] = None,
+        "Mapper folder for target → source: evaluates the reverse direction with it (the coqa multi-turn task "
+        "needs a reverse mapper: this one, or the default one that --both-directions brings)."))] = None,
     statistics: Annotated[Path | None, typer.Option(help=(
         "Calibration statistics (source → target) to build the mapper from, for any k."))] = None,
     sweep_k: Annotated[bool, typer.Option(help=(
@@ -91,7 +91,8 @@ def eval_command(
     """Evaluate KV-cache transfer: target vs. source vs. transfer accuracy, retention with bootstrap intervals.
 
     Per-item results are cached under OUT/items, so an interrupted run resumes and a finished one re-renders
-    at once. Writes OUT/forward.{json,md,png}, OUT/reverse.* with --reverse-mapper, and OUT/summary.{md,png}.
+    at once. Writes OUT/forward.{json,md,png}, OUT/reverse.* when there is a reverse mapper
+    (--reverse-mapper, or the pair's default one with --both-directions), and OUT/summary.{md,png}.
     """
     with option_errors("--mapper", "--statistics", "--sweep-k"):
         mappers = MapperSource(mapper, statistics, k, sweep_k, sweep_limit, sweep_ks, reverse, both_directions)

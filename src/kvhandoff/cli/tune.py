@@ -67,7 +67,8 @@ def tune(
     = None,
     out: Annotated[Path, typer.Option(help="JSON file for the sweep table")] = Path("runs/tune.json"),
 ) -> None:
-    """Sweep k × λ from one set of statistics, scored by next-token KL on held-out dev prose."""
+    """Sweep k, λ, source inputs, exact prefixes and target tails from one set of statistics, scored by the
+    next-token KL against the target's own cache on a dev set (--dev: prose, mmlu, gsm8k or zeroshot)."""
     with option_errors("--ks", "--lambdas", "--inputs", "--sequences", "--mix"):
         configs = config_grid(ks, lams, inputs, stride)
         calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, mix=groups)
