@@ -330,7 +330,9 @@ class ServeConfig:
         if not isinstance(self.guard, bool):
             raise ConfigError(f"serve guard must be True or False, got {self.guard!r}")
         if self.guard_signal not in GUARD_SIGNALS:
-            raise ConfigError(f"serve guard_signal must be one of {', '.join(GUARD_SIGNALS)}, got {self.guard_signal!r}")
+            raise ConfigError(
+                f"serve guard_signal must be one of {', '.join(GUARD_SIGNALS)}, got {self.guard_signal!r}"
+            )
         if isinstance(self.guard_threshold, bool) or not isinstance(self.guard_threshold, int | float) \
                 or self.guard_threshold != self.guard_threshold:
             raise ConfigError(f"serve guard_threshold must be a number, got {self.guard_threshold!r}")
