@@ -244,6 +244,7 @@ class Engine:
             for name, (model, tokenizer) in models.items()
         }
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()  # least recently used first
+        self._running: set[Generation] = set()  # admitted and not finished
         self.metrics.track(lambda: len(self._sessions), self.cache_bytes)
 
     # -- state ----------------------------------------------------------------------------------------------------
@@ -262,9 +263,12 @@ class Engine:
         return None if state is None else list(state.session.tokens)
 
     def health(self) -> dict:
+        """Liveness and load: per model the requests queued, sessions, cache bytes, generations running and those of
+        them cancelled (their client went away) that have not stopped yet."""
         return {"status": "ok", "models": {name: {"queued": hosted.worker.queued()}
                                            for name, hosted in self._models.items()},
-                "sessions": len(self._sessions), "cache_bytes": self.cache_bytes()}
+                "sessions": len(self._sessions), "cache_bytes": self.cache_bytes(), "running": len(self._running),
+                "cancelling": sum(g.cancelled.is_set() for g in self._running)}
 
     def close(self) -> None:
         for hosted in self._models.values():
@@ -296,10 +300,11 @@ class Engine:
             raise
         generation = Generation(asyncio.get_running_loop(), len(prompt))
         job = functools.partial(self._run, state, hosted, prompt, max_new, request, generation, arrival)
+        self._running.add(generation)
         try:
             hosted.worker.submit(job)
         except BaseException:
-            self._finish(state)
+            self._finish(state, generation)
             raise
         try:
             await generation.wait_ready()
@@ -336,8 +341,9 @@ class Engine:
         del self._sessions[key]
         self.metrics.evictions.labels(reason=reason).inc()
 
-    def _finish(self, state: SessionState) -> None:
+    def _finish(self, state: SessionState, generation: Generation) -> None:
         """A request of ``state`` ended (event loop): release its session and keep the cache memory in bounds."""
+        self._running.discard(generation)
         state.pending -= 1
         state.last_used = time.monotonic()
         state.lock.release()
@@ -386,7 +392,7 @@ class Engine:
             generation.post("error", error)
         finally:
             state.bytes = session.cache_bytes() if state.id is not None else 0
-            generation.call_soon(functools.partial(self._finish, state))
+            generation.call_soon(functools.partial(self._finish, state, generation))
 
     def _prepare(self, session: SwitchingSession, server: str, prompt: list[int]):
         """Bring ``server``'s cache of the session up to ``prompt``; returns (report, log-probs of the next token)."""
