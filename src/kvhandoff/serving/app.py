@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvhandoff import __version__
+import kvhandoff
 from kvhandoff.serving.engine import Engine, Generation, GenerationRequest, RequestError
 from kvhandoff.serving.protocol import (
     AssistantMessage,
@@ -100,7 +100,7 @@ def sse(data: dict | str) -> str:
 def create_app(engine: Engine) -> FastAPI:
     """The FastAPI application serving ``engine`` (routes: POST /v1/chat/completions, POST /v1/completions,
     GET /v1/models, GET /health, GET /metrics)."""
-    app = FastAPI(title="kvhandoff", version=__version__)
+    app = FastAPI(title="kvhandoff", version=kvhandoff.__version__)
     app.state.engine = engine
     requests = engine.metrics.requests
 
