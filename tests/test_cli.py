@@ -334,3 +334,44 @@ def test_bad_command_line_values_exit_2_with_one_line(arguments, option):
 def test_no_arguments_show_the_help():
     result = CliRunner().invoke(app, [])
     assert "Commands" in result.output and "eval-render" in result.output
+
+
+def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_path):
+    import kvhandoff.cli.serve as serve_cli
+
+    calls = {}
+
+    def fake_load_family(specs, mapper_dirs):
+        calls["family"] = (specs, mapper_dirs)
+        return {"models": 1}, {"mappers": 2}
+
+    monkeypatch.setattr(serve_cli, "load_family", fake_load_family)
+    monkeypatch.setattr(serve_cli, "run_server", lambda models, mappers, config: calls.update(run=(models, mappers,
+                                                                                                   config)))
+    result = CliRunner().invoke(app, ["serve", "--models", "small=/m/s,large=/m/l", "--mapper",
+                                      f"small:large={tmp_path}", "--port", "0", "--guard", "off",
+                                      "--max-context", "300", "--cache-memory", "1000"])
+    assert result.exit_code == 0, result.output
+    assert calls["family"] == ({"small": "/m/s", "large": "/m/l"}, {("small", "large"): tmp_path})
+    models, mappers, config = calls["run"]
+    assert (models, mappers) == ({"models": 1}, {"mappers": 2})
+    assert (config.port, config.guard, config.max_context, config.cache_memory_bytes) == (0, False, 300, 1000)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--port", "-1"], "--port"),
+    (["--guard", "maybe"], "--guard"),
+    (["--guard-signal", "vibes"], "--guard-signal"),
+    (["--max-sessions", "0"], "--max-sessions"),
+    (["--max-context", "1"], "--max-context"),
+    (["--session-ttl", "x"], "--session-ttl"),
+    (["--models", "a=x,a=y"], "--models"),
+    (["--models", "a=x,b=y", "--mapper", "a:c=/tmp"], "--mapper"),
+])
+def test_serve_refuses_bad_values_before_loading_models(monkeypatch, args, option):
+    import kvhandoff.cli.serve as serve_cli
+
+    monkeypatch.setattr(serve_cli, "load_family", lambda *a: pytest.fail("models loaded despite a bad option"))
+    result = CliRunner().invoke(app, ["serve", *args])
+    assert result.exit_code == 2, result.output
+    assert option in result.output and len(result.output.strip().splitlines()) == 1

@@ -125,3 +125,64 @@ class SwitchingSession:
         cache = self._caches[server]
         if cache.get_seq_length() > len(self.tokens):
             rollback(cache, len(self.tokens))
+
+    # -- for a server (kvhandoff.serving): roll back to a common prefix, read with scores, re-prefill, size ---------
+    def truncate(self, length: int) -> None:
+        """Roll the conversation back to its first ``length`` tokens (e.g. the prefix an edited history shares with
+        the cached one): `tokens` and every cache are cut there; a cache that is already shorter (a model that
+        missed later turns) is kept as it is. ``length`` 0 forgets the conversation and every cache."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= len(self.tokens):
+            raise ConfigError(f"truncate length must be in 0..{len(self.tokens)}, got {length!r}")
+        self.tokens = self.tokens[:length]
+        if length == 0:
+            self._caches.clear()
+            self.owner = None
+            return
+        for cache in self._caches.values():
+            if cache.get_seq_length() > length:
+                rollback(cache, length)
+
+    @torch.inference_mode()
+    def read_logprobs(self, server: str, ids, keep: int = 1) -> torch.Tensor:
+        """As `read`, but returns the float32 log-probs of the last ``keep`` positions of ``ids`` [min(keep,
+        len(ids)), vocab] (row i: the distribution of the token after that position); only those logits are
+        computed."""
+        ids = list(ids)
+        if not ids:
+            raise ConfigError("read_logprobs needs at least one token")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"keep must be a positive integer, got {keep!r}")
+        cache = self.switch_to(server)
+        model = self.models[server]
+        input_ids = torch.tensor([ids], device=model.device)
+        out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=min(keep, len(ids)))
+        self._caches[server] = out.cache
+        self.tokens += ids
+        return out.logits[0].float().log_softmax(-1)
+
+    @torch.inference_mode()
+    def reprefill(self, server: str) -> torch.Tensor:
+        """``server`` drops its cache and prefills the whole conversation itself (the fallback when a mapped cache
+        is not to be trusted) and becomes the owner; other models keep theirs. Returns the float32 log-probs of
+        the token after `tokens`."""
+        if server not in self.models:
+            raise ConfigError(f"unknown model {server!r}; this session serves {', '.join(self.models)}")
+        if not self.tokens:
+            raise ConfigError("reprefill needs a conversation of at least one token")
+        self._caches.pop(server, None)
+        model = self.models[server]
+        cache, logits = prefill(model, torch.tensor([self.tokens], device=model.device))
+        self._caches[server] = cache
+        self.owner = server
+        return logits[0].float().log_softmax(-1)
+
+    def cache_bytes(self) -> int:
+        """Bytes of memory the session's caches hold (storage shared by several views counted once)."""
+        storages: dict[tuple, int] = {}
+        for cache in self._caches.values():
+            for layer in cache.layers:
+                for tensor in (layer.keys, layer.values):
+                    if tensor is not None:
+                        storage = tensor.untyped_storage()
+                        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+        return sum(storages.values())

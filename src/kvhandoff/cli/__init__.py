@@ -1,4 +1,4 @@
-"""`kvhandoff` command line: prepare, fit, refine, demo, tune, eval, eval-render, bench, analyze.
+"""`kvhandoff` command line: prepare, fit, refine, demo, tune, eval, eval-render, bench, analyze, serve.
 
 One module per command group; the options several commands share, and the parsers of command-line values,
 live in `kvhandoff.cli.options`; failures are reported on one line (`kvhandoff.cli.group`). Each command
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from kvhandoff.cli import analyze, bench, demo, evaluate, models, tune
+from kvhandoff.cli import analyze, bench, demo, evaluate, models, serve, tune
 from kvhandoff.cli.group import CommandGroup
 
 app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
@@ -22,6 +22,7 @@ app.command("eval")(evaluate.eval_command)
 app.command("eval-render")(evaluate.render_command)
 app.command()(bench.bench)
 app.command()(analyze.analyze)
+app.command()(serve.serve)
 
 
 def main() -> None:

@@ -1,0 +1,56 @@
+"""`serve`: an OpenAI-compatible server where a conversation switches models without re-prefill."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kvhandoff.cli.options import (
+    DEFAULT_SOURCE,
+    DEFAULT_TARGET,
+    non_negative_int,
+    one_of,
+    option_errors,
+    positive_float,
+    positive_int,
+)
+from kvhandoff.config import GUARD_SIGNALS, ServeConfig
+from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs
+from kvhandoff.serving.server import run_server
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def serve(
+    models: Annotated[str, typer.Option(help=(
+        "hosted models, comma-separated NAME=SPEC (or SPEC, named by itself); SPEC: registry name, local model "
+        "folder or hub id (default: qwen2.5-coder:0.5b and qwen2.5-coder:1.5b)"))] = "",
+    mapper: Annotated[list[str] | None, typer.Option("--mapper", help=(
+        "FROM:TO=DIR: a saved mapper for one direction (repeatable); the other directions use the pair's cached "
+        "default mapper, fitted on first use"))] = None,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(parser=non_negative_int, help="port to listen on")] = 8000,
+    guard: Annotated[str, typer.Option(parser=one_of(("on", "off")), help=(
+        "score a mapped cache before it serves and re-prefill when it scores as degraded"))] = "on",
+    guard_signal: Annotated[str, typer.Option(parser=one_of(GUARD_SIGNALS), help="the guard's score")] = "logloss",
+    guard_threshold: Annotated[float, typer.Option(help="re-prefill when the guard's score exceeds this")] = 1.0,
+    max_sessions: Annotated[int, typer.Option(parser=positive_int, help="live sessions at once")] = 256,
+    session_ttl: Annotated[float, typer.Option(parser=positive_float, help="seconds an idle session is kept")]
+    = 1800.0,
+    cache_memory: Annotated[int, typer.Option(parser=positive_int, help=(
+        "bytes of KV cache across sessions (least recently used sessions evicted past it)"))] = 4 * 1024**3,
+    max_context: Annotated[int | None, typer.Option(parser=positive_int, help=(
+        "tokens a conversation may reach (default: the hosted models' smallest max_position_embeddings)"))] = None,
+    log_level: Annotated[str, typer.Option(parser=one_of(LOG_LEVELS), help="uvicorn's log level")] = "info",
+) -> None:
+    """Serve a model family behind an OpenAI-compatible API; a conversation that switches models is handed over."""
+    with option_errors("--host", "--port", "--guard-threshold", "--max-context"):
+        config = ServeConfig(host=host, port=port, guard=guard == "on", guard_signal=guard_signal,
+                             guard_threshold=guard_threshold, max_sessions=max_sessions, session_ttl_s=session_ttl,
+                             cache_memory_bytes=cache_memory, max_context=max_context, log_level=log_level)
+    with option_errors("--models", "--mapper"):
+        specs = parse_model_specs(item for item in models.split(",") if item.strip()) or None
+        mapper_dirs = parse_mapper_dirs(mapper or [], list(specs) if specs else [DEFAULT_SOURCE, DEFAULT_TARGET])
+    run_server(*load_family(specs, mapper_dirs), config)
+

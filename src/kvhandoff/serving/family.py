@@ -1,0 +1,87 @@
+"""The model family a server hosts: name → (model, tokenizer), and a mapper for every ordered pair of names.
+
+By default the embedded pair (`assets.DEFAULT_SOURCE`, `assets.DEFAULT_TARGET`: qwen2.5-coder:0.5b and :1.5b) with
+the cached default mapper of each direction (`workflow.obtain_mapper`: fitted on first use); otherwise models given
+as name → spec (registry name, local folder or hub id) and saved mappers as (from, to) → folder, the missing
+directions obtained like the default's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, load_model, load_pair
+from kvhandoff.errors import ConfigError
+from kvhandoff.geometry import check_pair
+from kvhandoff.mapper import Mapper
+from kvhandoff.workflow import obtain_mapper
+
+
+def parse_model_specs(items: Iterable[str]) -> dict[str, str]:
+    """``NAME=SPEC`` items → {name: spec}; a bare ``SPEC`` is its own name (e.g. ``qwen2.5-coder:0.5b``)."""
+    specs: dict[str, str] = {}
+    for item in items:
+        name, _, spec = item.partition("=") if "=" in item else (item, "", item)
+        name, spec = name.strip(), spec.strip()
+        if not name or not spec:
+            raise ConfigError(f"models: expected NAME=SPEC or SPEC, got {item!r}")
+        if name in specs:
+            raise ConfigError(f"models: the name {name!r} is given twice")
+        specs[name] = spec
+    return specs
+
+
+def parse_mapper_dirs(items: Iterable[str], names: Iterable[str]) -> dict[tuple[str, str], Path]:
+    """``FROM:TO=DIR`` items → {(from, to): folder}. Names may contain ':' (``qwen2.5-coder:0.5b``): the pair is
+    split where both sides are hosted ``names``."""
+    names = list(names)
+    dirs: dict[tuple[str, str], Path] = {}
+    for item in items:
+        pair, _, folder = item.partition("=")
+        splits = [(pair[:i], pair[i + 1:]) for i, c in enumerate(pair) if c == ":"
+                  and pair[:i] in names and pair[i + 1:] in names]
+        if not folder or len(splits) != 1 or splits[0][0] == splits[0][1]:
+            raise ConfigError(f"mappers: expected FROM:TO=DIR with FROM and TO two of {', '.join(names)}, "
+                              f"got {item!r}")
+        if splits[0] in dirs:
+            raise ConfigError(f"mappers: {splits[0][0]} → {splits[0][1]} is given twice")
+        dirs[splits[0]] = Path(folder).expanduser()
+    return dirs
+
+
+def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str, str], Path] | None = None,
+                dtype: torch.dtype = torch.float32, progress: bool = True):
+    """(models, mappers) to serve: models name → (model, tokenizer), mappers (from, to) → `Mapper` for every ordered
+    pair. ``specs`` None: the embedded default pair under its registry names. A pair in ``mapper_dirs`` is loaded
+    (and checked against its models); any other is the cached default mapper of that direction (fitted and cached
+    on first use, which takes long: see README)."""
+    specs = dict(specs) if specs else {DEFAULT_SOURCE: DEFAULT_SOURCE, DEFAULT_TARGET: DEFAULT_TARGET}
+    mapper_dirs = dict(mapper_dirs or {})
+    names = list(specs)
+    for pair in mapper_dirs:
+        if pair[0] not in specs or pair[1] not in specs:
+            raise ConfigError(f"mappers: {pair[0]} → {pair[1]} names a model that is not hosted ({', '.join(names)})")
+    if len(names) == 2:
+        pair = load_pair(specs[names[0]], specs[names[1]], dtype=dtype, progress=progress)
+        models = {names[0]: (pair.source, pair.source_tokenizer), names[1]: (pair.target, pair.target_tokenizer)}
+    else:
+        models = {name: load_model(spec, dtype=dtype, progress=progress) for name, spec in specs.items()}
+        first_model, first_tokenizer = models[names[0]]
+        for model, tokenizer in list(models.values())[1:]:
+            check_pair(first_model, model, first_tokenizer, tokenizer)
+    mappers = {}
+    for source in names:
+        for target in names:
+            if source == target:
+                continue
+            (source_model, tokenizer), (target_model, target_tokenizer) = models[source], models[target]
+            if (source, target) in mapper_dirs:
+                mappers[source, target] = Mapper.load(mapper_dirs[source, target], source_model, target_model,
+                                                      tokenizer, target_tokenizer)
+            else:
+                mappers[source, target] = obtain_mapper(specs[source], specs[target], source_model, target_model,
+                                                        tokenizer, progress=progress)[0]
+    return models, mappers

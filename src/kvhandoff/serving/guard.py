@@ -1,0 +1,185 @@
+"""The quality guard: before a mapped cache serves, score it cheaply and fall back to a re-prefill when the score
+says the mapping is degraded; and the measurement of the guard on dev conversations (AUROC, threshold).
+
+At a switch the receiving model reads the new turn anyway (on top of the mapped history), so its next-token
+distributions at the new turn's positions come for free; the previous model reads the same tokens over its own
+cache (a forward pass of the new turn only, then rolled back) for a reference. Signals (`config.GUARD_SIGNALS`):
+
+- "logloss": the receiving model's mean log-loss on the new turn's tokens minus the previous model's;
+- "kl": the mean KL(previous model ‖ receiving model) of the next-token distributions at those positions.
+
+Both cost a forward pass of the new turn's tokens through the previous model, next to a re-prefill of the whole
+conversation by the receiving model. A score above the threshold means: re-prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvhandoff.cache import kl_divergence, rollback
+from kvhandoff.config import GUARD_SIGNALS
+from kvhandoff.errors import ConfigError
+from kvhandoff.serving.decoding import greedy_answer
+from kvhandoff.session import SwitchingSession
+
+
+@torch.inference_mode()
+def reference_logprobs(model, cache, ids: Sequence[int], keep: int) -> torch.Tensor:
+    """``model`` reads ``ids`` on top of its own ``cache`` and forgets them again (the cache is rolled back);
+    float32 log-probs of the last ``keep`` positions [min(keep, len(ids)), vocab]."""
+    length = cache.get_seq_length()
+    device = cache.layers[0].keys.device
+    out = model(input_ids=torch.tensor([list(ids)], device=device), cache=cache, use_cache=True,
+                logits_to_keep=min(keep, len(ids)))
+    rollback(cache, length)
+    return out.logits[0].float().log_softmax(-1)
+
+
+def guard_score(signal: str, served: torch.Tensor, reference: torch.Tensor, ids: Sequence[int]) -> float | None:
+    """The guard's score of a mapped cache (higher: more degraded).
+
+    served / reference: log-probs [k, vocab] of the last k positions of the new turn ``ids`` from the receiving
+    model over the mapped history and from the previous model over its own cache. None when the signal has nothing
+    to score ("logloss" needs two positions: k − 1 tokens are predicted inside the turn).
+    """
+    if signal not in GUARD_SIGNALS:
+        raise ConfigError(f"guard signal must be one of {', '.join(GUARD_SIGNALS)}, got {signal!r}")
+    reference = reference.to(served.device)
+    if signal == "kl":
+        return float(kl_divergence(reference, served).mean())
+    k = served.shape[0]
+    if k < 2:
+        return None
+    following = torch.tensor(list(ids)[-(k - 1):], device=served.device)[:, None]
+    served_loss = -served[:-1].gather(1, following).mean()
+    reference_loss = -reference[:-1].gather(1, following).mean()
+    return float(served_loss - reference_loss)
+
+
+# -- measuring the guard on dev conversations ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class GuardRecord:
+    """One handoff of a dev conversation: the guard's score, and whether the receiving model's greedy answer
+    after the handoff differs from its answer after re-prefilling the conversation itself."""
+
+    conversation: int
+    turn: int
+    source: str
+    target: str
+    mapped_tokens: int
+    score: float | None
+    differs: bool
+
+
+@dataclass(frozen=True)
+class GuardSummary:
+    """How well the scores predict a changed answer: AUROC, and the threshold chosen on these records (the one
+    maximising catch rate − false-fallback rate, with `max_false_fallback` as a bound when given) with its catch
+    rate (changed answers it sends to re-prefill) and false-fallback rate (unchanged answers it re-prefills)."""
+
+    signal: str
+    handoffs: int
+    changed: int
+    auroc: float | None
+    threshold: float | None
+    catch_rate: float | None
+    false_fallback_rate: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float | None:
+    """Probability that a positive's score exceeds a negative's (ties count half); None without both classes."""
+    positives = [s for s, y in zip(scores, labels, strict=True) if y]
+    negatives = [s for s, y in zip(scores, labels, strict=True) if not y]
+    if not positives or not negatives:
+        return None
+    wins = sum((p > n) + 0.5 * (p == n) for p in positives for n in negatives)
+    return wins / (len(positives) * len(negatives))
+
+
+def choose_threshold(scores: Sequence[float], labels: Sequence[bool],
+                     max_false_fallback: float | None = None) -> tuple[float | None, float | None, float | None]:
+    """(threshold, catch rate, false-fallback rate) of the guard "fall back when score > threshold" that maximises
+    catch − false-fallback rate (ties: the higher threshold), among thresholds whose false-fallback rate is at
+    most ``max_false_fallback`` when given. Rates are None for a class with no records."""
+    if not scores:
+        return None, None, None
+    ordered = sorted(set(scores))
+    candidates = [ordered[0] - 1.0, *ordered]
+    positives = sum(labels)
+    negatives = len(labels) - positives
+    best = None
+    for threshold in candidates:
+        flagged = [s > threshold for s in scores]
+        caught = sum(f and y for f, y in zip(flagged, labels, strict=True))
+        false = sum(f and not y for f, y in zip(flagged, labels, strict=True))
+        catch = caught / positives if positives else None
+        false_rate = false / negatives if negatives else None
+        if max_false_fallback is not None and false_rate is not None and false_rate > max_false_fallback:
+            continue
+        gain = (catch or 0.0) - (false_rate or 0.0)
+        if best is None or gain >= best[0]:
+            best = (gain, threshold, catch, false_rate)
+    if best is None:
+        return None, None, None
+    return best[1], best[2], best[3]
+
+
+def summarize_guard(records: Iterable[GuardRecord], signal: str,
+                    max_false_fallback: float | None = None) -> GuardSummary:
+    """AUROC and the chosen threshold of ``records`` (records without a score are left out)."""
+    scored = [r for r in records if r.score is not None]
+    scores, labels = [r.score for r in scored], [r.differs for r in scored]
+    threshold, catch, false_rate = choose_threshold(scores, labels, max_false_fallback)
+    return GuardSummary(signal, len(scored), sum(labels), auroc(scores, labels), threshold, catch, false_rate)
+
+
+@torch.inference_mode()
+def guard_records(models, mappers, conversations, signal: str = "logloss", max_new_tokens: int = 16,
+                  window: int = 64, stop_ids=(), handover: str = "incremental",
+                  exact_prefix: int | None = None) -> list[GuardRecord]:
+    """Run dev conversations through a `SwitchingSession` and record every handoff.
+
+    conversations: each a sequence of (model name, new turn's token ids). At each turn the named model reads the
+    turn and answers greedily (``max_new_tokens``, stopping before ``stop_ids``). At a switch the guard scores the
+    mapped cache, the receiving model answers over it, then re-prefills the conversation and answers again; the
+    record says whether the two answers differ. The conversation goes on with the re-prefilled answer, so later
+    turns do not inherit earlier mapping errors.
+    """
+    stop_ids = frozenset(stop_ids)
+    records = []
+    for c, turns in enumerate(conversations):
+        session = SwitchingSession(models, mappers, handover, exact_prefix)
+        for t, (server, ids) in enumerate(turns):
+            ids = list(ids)
+            previous = session.owner
+            if previous is None or previous == server:
+                logprobs = session.read_logprobs(server, ids)[-1]
+                greedy_answer(session, server, logprobs, max_new_tokens, stop_ids, feed_last=True)
+                continue
+            cached = session.cache(server)
+            mapped_tokens = len(session.tokens) - (cached.get_seq_length() if cached is not None else 0)
+            reference = reference_logprobs(models[previous], session.cache(previous), ids, window)
+            served = session.read_logprobs(server, ids, window)
+            score = guard_score(signal, served, reference, ids)
+            length = len(session.tokens)
+            handed = greedy_answer(session, server, served[-1], max_new_tokens, stop_ids)
+            session.truncate(length)
+            own = greedy_answer(session, server, session.reprefill(server), max_new_tokens, stop_ids,
+                                feed_last=True)
+            records.append(GuardRecord(c, t, previous, server, mapped_tokens, score, handed != own))
+    return records
+
+
+def measure_guard(models, mappers, conversations, signal: str = "logloss", max_new_tokens: int = 16,
+                  window: int = 64, stop_ids=(), max_false_fallback: float | None = None,
+                  **session_options) -> tuple[GuardSummary, list[GuardRecord]]:
+    """`guard_records` on dev conversations, summarised (`summarize_guard`): (summary, records)."""
+    records = guard_records(models, mappers, conversations, signal, max_new_tokens, window, stop_ids,
+                            **session_options)
+    return summarize_guard(records, signal, max_false_fallback), records

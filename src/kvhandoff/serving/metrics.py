@@ -1,0 +1,71 @@
+"""The server's Prometheus metrics, in a registry of their own (one per engine, so several engines never share
+counters). `GET /metrics` renders it in Prometheus' text format."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+#: buckets of the time-to-first-token histograms, in seconds
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServingMetrics:
+    """Counters, gauges and histograms of one engine.
+
+    kvhandoff_handoffs_total{from,to,status}: conversations handed over (status applied | fallback);
+    kvhandoff_mapped_tokens_total{from,to}: cached positions mapped between models;
+    kvhandoff_prefill_tokens_avoided_total{kind}: prompt tokens served from a cache instead of prefilled (kind own |
+    mapped); kvhandoff_time_to_first_token_seconds{status}: request arrival to the first token's distribution
+    (status applied | fallback | none); kvhandoff_live_sessions, kvhandoff_cache_bytes: gauges read at scrape time;
+    kvhandoff_evictions_total{reason}: sessions dropped (memory | ttl | sessions); kvhandoff_guard_fallbacks_total
+    {from,to}; kvhandoff_requests_total{endpoint,outcome}; kvhandoff_cancelled_total: generations cancelled by a
+    client that went away.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.handoffs = Counter("kvhandoff_handoffs", "Conversations handed over between models",
+                                ["from", "to", "status"], registry=r)
+        self.mapped_tokens = Counter("kvhandoff_mapped_tokens", "Cached positions mapped between models",
+                                     ["from", "to"], registry=r)
+        self.prefill_avoided = Counter("kvhandoff_prefill_tokens_avoided",
+                                       "Prompt tokens served from a cache instead of prefilled", ["kind"], registry=r)
+        self.ttft = Histogram("kvhandoff_time_to_first_token_seconds",
+                              "Seconds from a request's arrival to its first token's distribution", ["status"],
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.live_sessions = Gauge("kvhandoff_live_sessions", "Sessions holding state", registry=r)
+        self.cache_bytes = Gauge("kvhandoff_cache_bytes", "Bytes of KV cache held across sessions", registry=r)
+        self.evictions = Counter("kvhandoff_evictions", "Sessions dropped", ["reason"], registry=r)
+        self.guard_fallbacks = Counter("kvhandoff_guard_fallbacks",
+                                       "Mapped caches the quality guard rejected (the model re-prefilled)",
+                                       ["from", "to"], registry=r)
+        self.requests = Counter("kvhandoff_requests", "Requests answered", ["endpoint", "outcome"], registry=r)
+        self.cancelled = Counter("kvhandoff_cancelled", "Generations cancelled by a client that went away",
+                                 registry=r)
+
+    def track(self, sessions, cache_bytes) -> None:
+        """Read the live-session count and the cache bytes from these callables at every scrape."""
+        self.live_sessions.set_function(sessions)
+        self.cache_bytes.set_function(cache_bytes)
+
+    def record_first_token(self, report: dict, seconds: float) -> None:
+        """Count one request's handoff report (`engine.HandoffReport.to_dict()`) and its time to first token."""
+        status = report["status"]
+        source, target = report["from"] or "", report["to"]
+        self.ttft.labels(status=status).observe(seconds)
+        if status in ("applied", "fallback"):
+            self.handoffs.labels(source, target, status).inc()
+            self.mapped_tokens.labels(source, target).inc(report["mapped_tokens"])
+        if status == "fallback":
+            self.guard_fallbacks.labels(source, target).inc()
+        cached = report["cached_tokens"]
+        mapped = report["mapped_tokens"] if status == "applied" else 0
+        if mapped:
+            self.prefill_avoided.labels(kind="mapped").inc(mapped)
+        if cached - mapped > 0:
+            self.prefill_avoided.labels(kind="own").inc(cached - mapped)
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of the Prometheus text exposition."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,67 @@
+"""Running the server: `run_server` (blocking, what `kvhandoff serve` calls) and `serve_in_thread` (a server on a
+background thread, for tests and notebooks)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from kvhandoff.config import ServeConfig
+from kvhandoff.serving.app import create_app
+from kvhandoff.serving.engine import Engine
+
+
+def run_server(models, mappers, config: ServeConfig = ServeConfig()) -> None:  # noqa: B008 - frozen
+    """Serve ``models`` (name → (model, tokenizer)) with ``mappers`` ((from, to) → Mapper, every ordered pair) on
+    ``config.host``:``config.port`` until interrupted."""
+    engine = Engine(models, mappers, config)
+    try:
+        uvicorn.run(create_app(engine), host=config.host, port=config.port, log_level=config.log_level)
+    finally:
+        engine.close()
+
+
+class RunningServer:
+    """A uvicorn server on a background thread; `url` is its base URL; `close()` stops it (and the engine)."""
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 timeout: float = 30.0) -> None:
+        self.engine = engine
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.host, self.port = self._socket.getsockname()[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        config = uvicorn.Config(create_app(engine), log_level=log_level, lifespan="off", timeout_graceful_shutdown=2)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="kvhandoff-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        self._socket.close()
+        self.engine.close()
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve_in_thread(engine: Engine, host: str = "127.0.0.1", port: int = 0,
+                    log_level: str = "warning") -> RunningServer:
+    """Serve ``engine`` on a background thread (port 0: a free port); returns the `RunningServer` (a context
+    manager)."""
+    return RunningServer(engine, host, port, log_level)

@@ -1,0 +1,66 @@
+"""Shared pieces of the serving tests: an exactly related tiny pair hosted as "small" and "large" with exact mappers
+both ways, a server on a free loopback port, and reference answers computed without the server."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from kvhandoff import FitConfig, fit_mapper
+from kvhandoff.config import ServeConfig
+from kvhandoff.serving.engine import CHATML_TEMPLATE, Engine
+from kvhandoff.serving.server import serve_in_thread
+
+from conftest import chat_tokenizer, exactly_related, random_batches, tiny_model
+
+#: an exact relation, fitted as exactly as float32 captures allow
+EXACT_FIT = FitConfig(top_k="all", ridge_lambda=1e-10, token_stride=1)
+#: the tiny models' vocabulary (the chat tokenizer's 259 ids fit)
+VOCAB = 300
+
+
+@functools.cache
+def tiny_family():
+    """(models, mappers): "small" and "large" (an exactly related copy: equal outputs, a different cache) with the
+    chat tokenizer, and exact mappers both ways. Cached: build once per test process (do not mutate)."""
+    small = tiny_model("qwen2", layers=3, vocab_size=VOCAB, seed=3, max_position_embeddings=512)  # 413 tests
+    large = exactly_related(small)
+    forward = fit_mapper(small, large, random_batches(), EXACT_FIT, progress=False)
+    backward = fit_mapper(large, small, random_batches(), EXACT_FIT, progress=False)
+    tokenizer = chat_tokenizer()
+    return ({"small": (small, tokenizer), "large": (large, tokenizer)},
+            {("small", "large"): forward, ("large", "small"): backward})
+
+
+@contextlib.contextmanager
+def running(models=None, mappers=None, **settings):
+    """A server of the tiny family (or the given models/mappers) on a free 127.0.0.1 port; yields it (`.url`,
+    `.engine`); shut down afterwards."""
+    if models is None:
+        models, mappers = tiny_family()
+    engine = Engine(models, mappers, ServeConfig(**{"guard": False, **settings}))
+    server = serve_in_thread(engine)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    """The prompt ids the server builds for ``messages`` (ChatML, the generation prompt added)."""
+    text = tokenizer.apply_chat_template(messages, chat_template=CHATML_TEMPLATE, add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def reference_answer(model, tokenizer, ids, max_tokens: int) -> str:
+    """``model.generate(do_sample=False)`` on ``ids`` alone (a full prefill), stopping at the tokenizer's EOS."""
+    input_ids = torch.tensor([list(ids)])
+    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
+                         do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    answer = out[0, input_ids.shape[1]:].tolist()
+    if tokenizer.eos_token_id in answer:
+        answer = answer[: answer.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(answer, skip_special_tokens=True)

@@ -1,0 +1,168 @@
+"""The engine without HTTP (driven from asyncio), and the `SwitchingSession` methods it relies on: truncate,
+read_logprobs, reprefill, cache_bytes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from _serving_support import chat_ids, reference_answer, tiny_family
+from kvhandoff.config import ServeConfig
+from kvhandoff.errors import ConfigError
+from kvhandoff.serving.engine import Engine, GenerationRequest, RequestError, common_prefix
+from kvhandoff.session import SwitchingSession
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def two_way():
+    family, mappers = tiny_family()
+    return {name: model for name, (model, _) in family.items()}, mappers
+
+
+def test_truncate_rolls_every_cache_back_to_a_common_prefix():
+    models, mappers = two_way()
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    session = SwitchingSession(models, mappers, exact_prefix=0)
+    session.read("small", ids[:20])
+    session.read("large", ids[20:30])  # large: 30 positions; small keeps its 20
+    session.truncate(25)
+    assert session.tokens == ids[:25] and session.owner == "large"
+    assert session.cache("large").get_seq_length() == 25 and session.cache("small").get_seq_length() == 20
+    session.truncate(10)
+    assert session.cache("small").get_seq_length() == 10
+    got = session.read_logprobs("small", ids[10:40])  # back to small: 10 own positions, nothing to map
+    alone = models["small"](input_ids=torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+    torch.testing.assert_close(got[-1], alone, atol=1e-4, rtol=0)
+    session.truncate(0)
+    assert session.tokens == [] and session.owner is None and session.cache("small") is None
+    with pytest.raises(ConfigError, match="truncate"):
+        session.truncate(1)
+
+
+def test_read_logprobs_reprefill_and_cache_bytes():
+    models, mappers = two_way()
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    session = SwitchingSession(models, mappers)
+    last = session.read_logprobs("small", ids[:20], keep=5)
+    assert last.shape == (5, models["small"].config.vocab_size) and session.tokens == ids[:20]
+    full = models["small"](input_ids=torch.tensor([ids[:20]])).logits[0, -5:].float().log_softmax(-1)
+    torch.testing.assert_close(last, full, atol=1e-4, rtol=0)
+    per_model = 3 * 2 * 2 * 16 * 4  # layers × (K, V) × KV heads × head dim × float32 bytes
+    assert session.cache_bytes() == 20 * per_model
+    session.read_logprobs("large", ids[20:])  # mapped: the layers are views of one buffer, counted once
+    assert session.cache_bytes() >= 50 * per_model
+    own = session.reprefill("large")
+    torch.testing.assert_close(own, models["large"](input_ids=torch.tensor([ids])).logits[0, -1].log_softmax(-1),
+                               atol=1e-4, rtol=0)
+    assert session.owner == "large" and session.cache("large").get_seq_length() == 30
+    with pytest.raises(ConfigError, match="unknown model"):
+        session.reprefill("huge")
+    with pytest.raises(ConfigError, match="at least one token"):
+        session.read_logprobs("small", [])
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2
+
+
+def test_engine_refuses_an_incomplete_family():
+    family, mappers = tiny_family()
+    with pytest.raises(ConfigError, match="large → small"):
+        Engine(family, {("small", "large"): mappers[("small", "large")]})
+    with pytest.raises(ConfigError, match="not hosted"):
+        Engine({"small": family["small"]}, {("small", "large"): mappers[("small", "large")]})
+    with pytest.raises(ConfigError, match="at least one model"):
+        Engine({}, {})
+
+
+async def ask(engine, model, prompt=None, messages=None, session=None, max_tokens=24, **sampling):
+    request = GenerationRequest(model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
+                                temperature=sampling.pop("temperature", 0.0), session_id=session, **sampling)
+    generation = await engine.start(request)
+    return await generation.text(), generation.report, generation
+
+
+def test_greedy_decoding_equals_generate_on_the_same_prompt():
+    family, mappers = tiny_family()
+    model, tokenizer = family["large"]
+
+    async def main():
+        engine = Engine(family, mappers, ServeConfig(guard=False))
+        try:
+            first = [("user", "Write a haiku about the sea.")]
+            text, report, generation = await ask(engine, "large", messages=tuple(first), session="s")
+            ids = chat_ids(tokenizer, [{"role": r, "content": c} for r, c in first])
+            assert text == reference_answer(model, tokenizer, ids, 24) and report.status == "none"
+            assert generation.completion_tokens <= 24 and generation.finish_reason in ("stop", "length")
+            second = (*first, ("assistant", text), ("user", "Again, please."))
+            text, report, _ = await ask(engine, "large", messages=second, session="s")  # on its own cache
+            ids = chat_ids(tokenizer, [{"role": r, "content": c} for r, c in second])
+            assert text == reference_answer(model, tokenizer, ids, 24) and report.cached_tokens > 0
+            text, _, _ = await ask(engine, "small", prompt=tuple(ids), max_tokens=30)  # token ids, stateless
+            assert text == reference_answer(family["small"][0], tokenizer, ids, 30)
+        finally:
+            engine.close()
+
+    asyncio.run(main())
+
+
+def evictions(engine, reason: str) -> float:
+    return engine.metrics.registry.get_sample_value("kvhandoff_evictions_total", {"reason": reason})
+
+
+def test_ttl_and_session_limit_evict_idle_sessions_least_recently_used_first():
+    family, mappers = tiny_family()
+
+    async def main():
+        engine = Engine(family, mappers, ServeConfig(guard=False, max_sessions=2, session_ttl_s=0.05))
+        try:
+            await ask(engine, "small", prompt="one", session="a", max_tokens=2)
+            await asyncio.sleep(0.1)  # past the TTL: a goes when the next request arrives
+            await ask(engine, "small", prompt="two", session="b", max_tokens=2)
+            assert engine.session_tokens("a") is None and engine.session_tokens("b")
+            assert evictions(engine, "ttl") == 1
+            engine.config = ServeConfig(guard=False, max_sessions=2)  # no TTL from here on
+            await ask(engine, "small", prompt="three", session="c", max_tokens=2)
+            await ask(engine, "small", prompt="two more", session="b", max_tokens=2)  # b is now the most recent
+            await ask(engine, "small", prompt="four", session="d", max_tokens=2)  # full: c, the LRU, goes
+            assert engine.session_tokens("c") is None and engine.session_tokens("b") and engine.session_count() == 2
+            assert evictions(engine, "sessions") == 1
+        finally:
+            engine.close()
+
+    asyncio.run(main())
+
+
+class BrokenMapper:
+    """Refuses to map (an error in the middle of a handoff)."""
+
+    exact_prefix = 0
+
+    def transfer(self, *args, **kwargs):
+        raise RuntimeError("mapper broke")
+
+
+def test_an_error_mid_handoff_answers_an_error_and_resets_the_session():
+    family, mappers = tiny_family()
+
+    async def main():
+        engine = Engine(family, {**mappers, ("small", "large"): BrokenMapper()}, ServeConfig(guard=False))
+        try:
+            await ask(engine, "small", prompt="hello there", session="s", max_tokens=3)
+            with pytest.raises(RequestError) as caught:
+                await ask(engine, "large", prompt="hello there, again", session="s", max_tokens=3)
+            assert caught.value.kind == "internal" and "mapper broke" in caught.value.message
+            assert engine.session_tokens("s") == []  # forgotten, not half-mapped
+            _, report, _ = await ask(engine, "large", prompt="hello there, again", session="s", max_tokens=3)
+            assert report.status == "none" and report.cached_tokens == 0
+            with pytest.raises(RequestError) as caught:
+                await ask(engine, "medium", prompt="x")
+            assert caught.value.kind == "not_found" and caught.value.param == "model"
+        finally:
+            engine.close()
+
+    asyncio.run(main())

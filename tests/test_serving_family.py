@@ -1,0 +1,54 @@
+"""Loading the family a server hosts: NAME=SPEC models, FROM:TO=DIR mappers (names with ':' included)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhandoff import FitConfig, fit_mapper
+from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
+from kvhandoff.config import ServeConfig
+from kvhandoff.errors import ConfigError, KVHandoffError
+from kvhandoff.serving.engine import Engine
+from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs
+
+from conftest import random_batches, save_tiny_pair
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_parse_model_specs():
+    assert parse_model_specs(["small=/m/a", DEFAULT_SOURCE]) == {"small": "/m/a", DEFAULT_SOURCE: DEFAULT_SOURCE}
+    with pytest.raises(ConfigError, match="twice"):
+        parse_model_specs(["a=/x", "a=/y"])
+    with pytest.raises(ConfigError, match="NAME=SPEC"):
+        parse_model_specs(["a="])
+
+
+def test_parse_mapper_dirs_splits_names_that_contain_colons():
+    names = [DEFAULT_SOURCE, DEFAULT_TARGET]
+    dirs = parse_mapper_dirs([f"{DEFAULT_SOURCE}:{DEFAULT_TARGET}=/maps/up", f"{DEFAULT_TARGET}:{DEFAULT_SOURCE}=down"],
+                             names)
+    assert {pair: str(folder) for pair, folder in dirs.items()} == {(DEFAULT_SOURCE, DEFAULT_TARGET): "/maps/up",
+                                                                    (DEFAULT_TARGET, DEFAULT_SOURCE): "down"}
+    for bad in ("small:large=/x", f"{DEFAULT_SOURCE}:{DEFAULT_SOURCE}=/x", f"{DEFAULT_SOURCE}:{DEFAULT_TARGET}"):
+        with pytest.raises(ConfigError, match="FROM:TO=DIR"):
+            parse_mapper_dirs([bad], names)
+
+
+def test_load_family_from_local_folders_and_saved_mappers(tmp_path):
+    small_path, large_path = save_tiny_pair(tmp_path)
+    small, tokenizer = load_model(small_path, progress=False)
+    large, _ = load_model(large_path, progress=False)
+    for source, target, name in ((small, large, "up"), (large, small, "down")):
+        fit_mapper(source, target, random_batches(2), FitConfig(top_k=1), tokenizer, tokenizer,
+                   progress=False).save(tmp_path / name)
+    specs = parse_model_specs([f"small={small_path}", f"large={large_path}"])
+    dirs = parse_mapper_dirs([f"small:large={tmp_path / 'up'}", f"large:small={tmp_path / 'down'}"], specs)
+    models, mappers = load_family(specs, dirs, progress=False)
+    assert set(models) == {"small", "large"} and set(mappers) == {("small", "large"), ("large", "small")}
+    Engine(models, mappers, ServeConfig()).close()
+    swapped = {("small", "large"): tmp_path / "down", ("large", "small"): tmp_path / "up"}
+    with pytest.raises(KVHandoffError):  # a mapper fitted for another pair is refused
+        load_family(specs, swapped, progress=False)
+    with pytest.raises(ConfigError, match="not hosted"):
+        load_family(specs, {("small", "huge"): tmp_path / "up"}, progress=False)

@@ -1,0 +1,86 @@
+"""ServeConfig, a server on a background thread, and `run_server` in a process of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from _serving_support import tiny_family
+from kvhandoff.config import ServeConfig
+from kvhandoff.errors import ConfigError
+from kvhandoff.serving.engine import Engine
+from kvhandoff.serving.server import serve_in_thread
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_serve_config_validates_every_field_by_name():
+    config = ServeConfig()
+    assert config.guard and config.max_context is None and config.host == "127.0.0.1"
+    for field, bad in (("port", -1), ("max_sessions", 0), ("session_ttl_s", 0), ("cache_memory_bytes", 0),
+                       ("max_context", 1), ("default_max_tokens", 0), ("max_queue", 0), ("guard", "on"),
+                       ("guard_signal", "vibes"), ("guard_threshold", "high"), ("guard_window", 0),
+                       ("handover", "lazy"), ("exact_prefix", -1), ("log_level", "loud"), ("host", "")):
+        with pytest.raises(ConfigError, match=field):
+            ServeConfig(**{field: bad})
+
+
+def test_server_in_a_thread_starts_on_a_free_port_and_stops():
+    family, mappers = tiny_family()
+    engine = Engine(family, mappers, ServeConfig(max_context=64))
+    assert engine.max_context == 64
+    with serve_in_thread(engine) as server:
+        assert server.host == "127.0.0.1" and server.port > 0
+        assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=2)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_run_server_serves_until_interrupted(tmp_path):
+    port = free_port()
+    script = tmp_path / "serve.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from _serving_support import tiny_family
+        from kvhandoff.config import ServeConfig
+        from kvhandoff.serving.server import run_server
+        models, mappers = tiny_family()
+        run_server(models, mappers, ServeConfig(port={port}, log_level="warning"))
+    """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    process = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):  # bounded: up to 60 s for torch to import and the server to start
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert process.poll() is None, process.stdout.read().decode()[-2000:]
+                time.sleep(0.1)
+        assert health.json()["status"] == "ok"
+        body = {"model": "small", "prompt": "abc", "max_tokens": 3, "temperature": 0}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).status_code == 200
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
