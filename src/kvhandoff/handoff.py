@@ -74,6 +74,24 @@ def patch_exact_prefix(mapped_cache, target_model, input_ids: torch.Tensor, exac
     return mapped_cache
 
 
+def patch_mapped_cache(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
+                       recompute=None, recompute_info: SelectionInfo | None = None, source_model=None,
+                       source_cache=None):
+    """What the target does to a freshly mapped cache of ``input_ids`` [batch, T] before it reads on: recompute
+    the first `exact_prefix` positions (`patch_exact_prefix`; None = the mapper's setting), then the positions the
+    recompute policy picks among the rest (`recompute.apply_policy`; None = the mapper's default). Both in place;
+    returns ``cache``. ``source_model``/``source_cache`` serve rule "source_attention" when ``recompute_info``
+    carries no scores."""
+    prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
+    cache = patch_exact_prefix(cache, target_model, input_ids, prefix)
+    policy = recompute_policy(mapper, recompute)
+    own = min(max(prefix or 0, 0), input_ids.shape[1])
+    if policy.active and own < input_ids.shape[1]:
+        info = replace(recompute_info or SelectionInfo(), start=own)
+        apply_policy(policy, target_model, cache, input_ids, info, source_model, source_cache)
+    return cache
+
+
 def handoff_cache(
     source_model,
     target_model,
@@ -122,13 +140,8 @@ def handoff_cache(
             f"{mapped_ids.shape[1]}"
         )
     mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
-    prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
-    cache = patch_exact_prefix(mapped, target_model, mapped_ids.to(target_model.device), prefix)
-    if policy.active:
-        own = min(max(prefix or 0, 0), mapped_ids.shape[1])
-        if own < mapped_ids.shape[1]:
-            apply_policy(policy, target_model, cache, mapped_ids.to(target_model.device),
-                         replace(info, start=own), source_model, source_cache)
+    cache = patch_mapped_cache(mapped, target_model, mapped_ids.to(target_model.device), mapper, exact_prefix,
+                               policy, info, source_model, source_cache)
     if target_tail:
         prefill(target_model, input_ids[:, mapped_ids.shape[1] :].to(target_model.device), cache)
     return cache
