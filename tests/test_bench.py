@@ -114,3 +114,22 @@ def test_a_new_turn_read_by_the_target(pair):
     one = run_bench(source, target, mapper, lengths=(24,), repeats=1, warmup=0, progress=False,
                     measure_memory=False)["results"][0]
     assert row["flops"]["handoff"] > one["flops"]["handoff"] and row["flop_bound"] < one["flop_bound"]
+
+
+def test_bench_times_the_recompute_as_part_of_the_handoff(pair):
+    source, target, mapper = pair
+    result = run_bench(source, target, mapper, lengths=(12, 24), repeats=1, warmup=0, progress=False,
+                       measure_memory=False, recompute="recent:50%")
+    assert result["settings"]["recompute"] == "recent:50%"
+    # mapped: T − 1 positions, of which the exact prefix (4) is never counted; half of the rest, rounded half up
+    assert [row["recompute_tokens"] for row in result["results"]] == [4, 10]
+    for row in result["results"]:
+        assert len(row["recompute"]["samples"]) == 1 and row["recompute"]["median"] > 0
+        assert row["flops"]["recompute"] > 0 and row["top1_agree"]
+        parts = row["transfer"]["median"] + row["recompute"]["median"] + row["new_turn"]["median"]
+        assert parts <= row["handoff"]["median"]
+    plain = run_bench(source, target, mapper, lengths=(12,), repeats=1, warmup=0, progress=False,
+                      measure_memory=False)
+    assert plain["settings"]["recompute"] == "none" and plain["results"][0]["recompute_tokens"] == 0
+    assert plain["results"][0]["flops"]["recompute"] == 0
+    assert bench_table(result).row_count == 2

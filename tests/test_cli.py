@@ -204,6 +204,22 @@ def test_eval_both_directions(fake_models, tmp_path):
     assert rendered.exit_code == 0 and (tmp_path / "r" / "summary.png").is_file()
 
 
+def test_eval_with_a_recompute_policy(fake_models, tmp_path):
+    """`--recompute RULE:BUDGET` reaches the transfer condition and is recorded in the results; recomputing every
+    mapped position makes the transfer score the target's own."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [
+        "eval", "--source", "small", "--target", "large", "--mapper", str(tmp_path / "m"), "--no-both-directions",
+        "--tasks", "winogrande", "--limit", "2", "--n-resamples", "20", "--out", str(out), "--no-progress",
+        "--recompute", "sinks:1.0",
+    ])
+    assert result.exit_code == 0, result.output
+    forward = json.loads((out / "forward.json").read_text())
+    assert forward["recompute"] == "sinks:100%"
+    accuracy = forward["tasks"]["winogrande"]["accuracy"]
+    assert accuracy["transfer"]["value"] == accuracy["target"]["value"]
+
+
 def test_eval_with_statistics_and_k_sweep(fake_models, tmp_path):
     from kvhandoff.config import FitConfig
     from kvhandoff.fit import collect_statistics
@@ -322,6 +338,9 @@ def test_every_entry_point_refuses_a_pair_whose_tokenizers_differ(command, tmp_p
     (["analyze", "--ks", "all,0"], "--ks"),
     (["analyze", "--windows", "0"], "--windows"),
     (["eval", "--n-resamples", "x"], "--n-resamples"),
+    (["eval", "--recompute", "recent:200%"], "--recompute"),
+    (["demo", "--recompute", "deviation"], "--recompute"),
+    (["bench", "--recompute", "fast:10%"], "--recompute"),
     (["fit", "--no-such-option"], "--no-such-option"),
 ])
 def test_bad_command_line_values_exit_2_with_one_line(arguments, option):

@@ -83,3 +83,14 @@ def test_demo_end_to_end_on_the_real_pair():
     assert result["speedup"] > 1
     assert result["answer_handoff"]
     assert 0 <= result["agreement_top1_agreement"] <= 1
+
+
+def test_demo_with_a_full_recompute_answers_as_the_target_itself(tmp_path, monkeypatch):
+    """`--recompute recent:100%`: the target recomputes every mapped position, timed as part of the handoff, so its
+    answer agrees with the re-prefill's at every position."""
+    monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
+    small, large = save_tiny_pair(tmp_path)
+    result = run_demo(small, large, FitConfig(), CalibrationSpec(num_sequences=2, seq_len=64, mix=("prose",)),
+                      max_new_tokens=3, min_context_tokens=300, progress=False, recompute="recent:100%")
+    assert result["recompute"] == "recent:100%"
+    assert result["agreement_top1_agreement"] == 1.0 and result["answer_handoff"] == result["answer_reprefill"]

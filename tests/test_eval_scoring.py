@@ -418,3 +418,25 @@ def test_generation_stops_at_every_end_of_text_token():
     chat = chat_tokenizer()
     ids = S.eos_token_ids(chat)
     assert ids == {chat.convert_tokens_to_ids("<|im_end|>"), chat.convert_tokens_to_ids("<|endoftext|>")}
+
+
+def test_transfer_with_a_recompute_policy(models):
+    """A transfer condition's recompute policy: every mapped position recomputed → the target's own scores; a
+    partial budget changes the noisy transfer's; the history condition recomputes the history it maps."""
+    from kvhandoff.evaluation.options import EvalOptions
+
+    target, _ = models
+    (item,) = short_items("arc_challenge")
+    own = S.evaluate_mc_item(S.Standalone("target", target), TOK, item)
+    noisy = S.evaluate_mc_item(S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=0), TOK, item)
+    full = S.evaluate_mc_item(S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=0,
+                                         recompute="deviation:100%"), TOK, item)
+    some = S.evaluate_mc_item(S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=0,
+                                         recompute="recent:20%"), TOK, item)
+    assert full["loglikelihoods"] == pytest.approx(own["loglikelihoods"], abs=1e-4)
+    assert some["loglikelihoods"] != noisy["loglikelihoods"]
+    conditions = S.standard_conditions(target, target, NoisyMapper(), 0, "history", recompute="sinks:50%")
+    assert conditions["transfer"].recompute.spec == "sinks:50%"
+    assert EvalOptions(recompute="recent:0.1").recompute == "recent:10%" and EvalOptions().recompute is None
+    with pytest.raises(ConfigError):
+        EvalOptions(recompute="recent")

@@ -8,7 +8,9 @@ path is run `warmup` times untimed and `repeats` times timed:
 
 - handoff   = `mapper.transfer(source_cache)` (strip source RoPE, map, apply target RoPE, build the target's
   DynamicCache) + the target recomputing the mapper's `exact_prefix` leading tokens (counted in the
-  transfer time) + the target reading the N new tokens on top of the mapped cache up to the logits of the
+  transfer time) + the selective recompute of the `recompute` policy (`kvhandoff.recompute`; timed apart as
+  "recompute", part of the handoff) + the target reading the N new tokens on top of the mapped cache up to the
+  logits of the
   last (`new_turn` = 1: the issue's all-mapped handoff; N > 1: a switch at a turn boundary, as
   `kvhandoff eval --mapped history` and `SwitchingSession` do);
 - re-prefill = the target's own prefill of all T tokens up to the logits of the last position
@@ -30,7 +32,8 @@ FLOPs (multiply-add = 2 FLOPs; norms, activations and softmax ignored):
 - mapper per token = 2 · weight params (+ bias adds); the weight is [2, Lt, k·Fs, Ft], so k is accounted for;
 - target prefill of T tokens = 2 · body params · T + attention 2·2·layers·q_width·T(T+1)/2
   (QKᵀ and AV over the causal prefix; q_width = heads · head_dim) + 2 · vocab · hidden once (logits_to_keep=1);
-- handoff = mapper · (T−N) + the target's prefill of the mapper's exact_prefix tokens + the target reading the
+- handoff = mapper · (T−N) + the target's prefill of the mapper's exact_prefix tokens + the recompute of n
+  positions (counted as n tokens read at the end of the history: an upper bound) + the target reading the
   N new tokens at positions T−N … T−1 (2 · body params · N + attention over the keys before each + LM head).
 `flop_bound` = prefill FLOPs ÷ handoff FLOPs is the speed-up the arithmetic alone would allow, printed next to
 the measured one; `flop_ratio_per_token` = target prefill FLOPs per token ÷ mapper FLOPs per token.
@@ -53,8 +56,9 @@ from kvhandoff.config import MAPPER_FORMAT_VERSION, FitConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json, save_figure
 from kvhandoff.geometry import model_fingerprint, read_geometry
-from kvhandoff.handoff import patch_exact_prefix
+from kvhandoff.handoff import patch_exact_prefix, recompute_policy
 from kvhandoff.mapper import Mapper
+from kvhandoff.recompute import SelectionInfo, apply_policy, budget_count
 from kvhandoff.selection import resolve_k
 from kvhandoff.statistics import FeatureLayout
 from kvhandoff.workflow import NamedPair, load_pair_mapper, obtain_mapper
@@ -213,9 +217,9 @@ def _vocab_size(source_model, target_model) -> int:
 
 # -- the benchmark ------------------------------------------------------------------------------------------
 def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, repeats: int, warmup: int,
-                 measure_memory: bool = True, new_turn: int = 1) -> dict:
+                 measure_memory: bool = True, new_turn: int = 1, recompute=None) -> dict:
     """Time handoff and re-prefill for one context `ids` [1, T] whose last `new_turn` tokens are the new turn
-    (see the module docstring)."""
+    (see the module docstring; ``recompute``: the selective-recompute policy, None = the mapper's default)."""
     tokens = ids.shape[1]
     if not 1 <= new_turn < tokens:
         raise ConfigError(f"new_turn must be at least 1 and shorter than the context ({tokens}), got {new_turn}")
@@ -223,7 +227,7 @@ def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, 
         started = time.perf_counter()
         source_cache, _ = prefill(source_model, ids[:, :-new_turn])
         source_seconds = time.perf_counter() - started
-        handoff, reprefill = _paths(target_model, mapper, source_cache, ids, new_turn)
+        handoff, reprefill = _paths(target_model, mapper, source_cache, ids, new_turn, recompute, source_model)
         timings, handoff_logits, reprefill_logits = _time_interleaved(handoff, reprefill, repeats, warmup)
         memory = {"handoff": None, "reprefill": None}
         if measure_memory:
@@ -238,6 +242,8 @@ def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, 
         "handoff": handoff_stats,
         "transfer": transfer_stats,
         "new_turn": summarize(timings["new_turn"]),
+        "recompute": summarize(timings["recompute"]),
+        "recompute_tokens": recomputed_tokens(mapper, recompute, tokens - new_turn),
         "reprefill": reprefill_stats,
         "speedup": reprefill_stats["median"] / handoff_stats["median"],
         "speedup_transfer_only": reprefill_stats["median"] / transfer_stats["median"],
@@ -248,20 +254,34 @@ def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, 
     }
 
 
-def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_turn: int):
-    """The two timed paths to the target's next-token logits: handoff() → (logits, transfer s, new-turn s) and
-    reprefill() → logits."""
+def recomputed_tokens(mapper, recompute, mapped: int) -> int:
+    """Positions the recompute policy has the target recompute in a handoff of ``mapped`` positions."""
+    policy = recompute_policy(mapper, recompute)
+    candidates = max(mapped - min(mapper.exact_prefix, mapped), 0)
+    return budget_count(policy.budget, candidates) if policy.active else 0
+
+
+def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_turn: int, recompute=None,
+           source_model=None):
+    """The two timed paths to the target's next-token logits: handoff() → (logits, transfer s, recompute s,
+    new-turn s) and reprefill() → logits."""
     target_dtype = next(target_model.parameters()).dtype
     history, turn = ids[:, :-new_turn], ids[:, -new_turn:]
+    policy = recompute_policy(mapper, recompute)
+    prefix = min(mapper.exact_prefix, history.shape[1])  # the exact prefix is never counted in the budget
 
     def handoff():
         t0 = time.perf_counter()
         cache = mapper.transfer(source_cache, dtype=target_dtype)
         patch_exact_prefix(cache, target_model, history, mapper.exact_prefix)
         t1 = time.perf_counter()
-        out = target_model(input_ids=turn, cache=cache, use_cache=True, logits_to_keep=1)
+        if policy.active and prefix < history.shape[1]:
+            apply_policy(policy, target_model, cache, history, SelectionInfo(start=prefix), source_model,
+                         source_cache)
         t2 = time.perf_counter()
-        return out.logits[:, -1], t1 - t0, t2 - t1
+        out = target_model(input_ids=turn, cache=cache, use_cache=True, logits_to_keep=1)
+        t3 = time.perf_counter()
+        return out.logits[:, -1], t1 - t0, t2 - t1, t3 - t2
 
     def reprefill():
         return prefill(target_model, ids)[1]
@@ -272,14 +292,16 @@ def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_tu
 def _time_interleaved(handoff, reprefill, repeats: int, warmup: int):
     """Run both paths `warmup` + `repeats` times, alternating; ({path: seconds of the timed runs}, the last
     handoff logits, the last re-prefill logits)."""
-    timings: dict[str, list[float]] = {"transfer": [], "new_turn": [], "handoff": [], "reprefill": []}
+    timings: dict[str, list[float]] = {"transfer": [], "recompute": [], "new_turn": [], "handoff": [],
+                                       "reprefill": []}
     handoff_logits = reprefill_logits = None
     for run in range(warmup + repeats):
         started = time.perf_counter()
-        handoff_logits, transfer_t, step_t = handoff()
+        handoff_logits, transfer_t, recompute_t, step_t = handoff()
         elapsed = time.perf_counter() - started
         if run >= warmup:
             timings["transfer"].append(transfer_t)
+            timings["recompute"].append(recompute_t)
             timings["new_turn"].append(step_t)
             timings["handoff"].append(elapsed)
         started = time.perf_counter()
@@ -305,30 +327,35 @@ def run_bench(
     source_name: str | None = None,
     target_name: str | None = None,
     new_turn: int = 1,
+    recompute=None,
 ) -> dict:
     """Handoff vs re-prefill latency for each context length; returns the result dict (and writes
     bench.json + bench.png into `out_dir` when given).
 
     lengths: context lengths T > new_turn (the caller picks how far memory and time allow);
     new_turn: tokens at the end of each context that the target reads itself (1: the all-mapped handoff);
+    recompute: the selective-recompute policy of the handoff (a `RecomputePolicy` or spec, e.g. "deviation:10%";
+    None = the mapper's default), timed as part of the handoff and apart ("recompute");
     time_budget_s: stop before a new length once this much wall time has passed (remaining lengths are
     listed under "skipped"); a length that runs out of memory is recorded under "failed" and ends the run.
     Result fields: format, source, target, mapper (parameters, parameter_bytes, memory_bytes, disk_bytes,
     top_k, method, flops_per_token), settings, notes, and per length (`results`): tokens, new_turn_tokens,
-    handoff / transfer / new_turn / reprefill timing summaries (median, min, max, q1, q3, mean, samples;
-    seconds), speedup, speedup_transfer_only, peak_memory_bytes {handoff, reprefill}, flops {...}, flop_bound,
-    top1_agree.
+    handoff / transfer / recompute / new_turn / reprefill timing summaries (median, min, max, q1, q3, mean,
+    samples; seconds), recompute_tokens, speedup, speedup_transfer_only, peak_memory_bytes {handoff,
+    reprefill}, flops {...}, flop_bound, top1_agree.
     """
     lengths = _checked_lengths(source_model, target_model, lengths, new_turn, repeats, warmup)
+    policy = recompute_policy(mapper, recompute)
     result = _bench_header(source_model, target_model, mapper, source_name, target_name,
-                           {"repeats": repeats, "warmup": warmup, "new_turn": new_turn, "seed": seed})
+                           {"repeats": repeats, "warmup": warmup, "new_turn": new_turn, "seed": seed,
+                            "recompute": policy.spec})
     vocab = _vocab_size(source_model, target_model)
     gen = torch.Generator().manual_seed(seed)
     context = torch.randint(0, vocab, (1, lengths[-1]), generator=gen)  # every length is a prefix of it
     console = _console() if progress else None
     started = time.perf_counter()
     _measure_lengths(result, source_model, target_model, mapper, context, lengths, repeats, warmup, measure_memory,
-                     new_turn, time_budget_s, console)
+                     new_turn, time_budget_s, console, policy)
     result["wall_seconds"] = time.perf_counter() - started
     if out_dir is not None:
         render_bench(result, out_dir)
@@ -339,7 +366,7 @@ def run_bench(
 
 def _measure_lengths(result: dict, source_model, target_model, mapper: Mapper, context: torch.Tensor,
                      lengths: list[int], repeats: int, warmup: int, measure_memory: bool, new_turn: int,
-                     time_budget_s: float | None, console) -> None:
+                     time_budget_s: float | None, console, recompute=None) -> None:
     """Append a row per length to result["results"] (a prefix of `context` each), until the time budget is
     spent (the rest under "skipped") or a length runs out of memory ("failed")."""
     started = time.perf_counter()
@@ -349,7 +376,7 @@ def _measure_lengths(result: dict, source_model, target_model, mapper: Mapper, c
             return
         try:
             row = bench_length(source_model, target_model, mapper, context[:, :tokens], repeats, warmup,
-                               measure_memory, new_turn)
+                               measure_memory, new_turn, recompute)
         except (MemoryError, RuntimeError) as exc:  # allocator failures surface as RuntimeError in torch
             if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower():
                 raise
@@ -357,12 +384,13 @@ def _measure_lengths(result: dict, source_model, target_model, mapper: Mapper, c
             result["skipped"] = lengths[index + 1:]
             return
         row.update(row_flops(result["target_flop_constants"], result["mapper"]["flops_per_token"], tokens,
-                             new_turn, mapper.exact_prefix))
+                             new_turn, mapper.exact_prefix, row["recompute_tokens"]))
         result["results"].append(row)
         if console is not None:
             console.print(
                 f"T={tokens:>6}: handoff {_ms(row['handoff']['median'])} (transfer "
-                f"{_ms(row['transfer']['median'])}), re-prefill {_ms(row['reprefill']['median'])}: "
+                f"{_ms(row['transfer']['median'])}, recompute {_ms(row['recompute']['median'])} of "
+                f"{row['recompute_tokens']} tokens), re-prefill {_ms(row['reprefill']['median'])}: "
                 f"×{row['speedup']:.1f} (FLOP bound ×{row['flop_bound']:.1f})"
             )
 
@@ -409,13 +437,19 @@ def _bench_header(source_model, target_model, mapper: Mapper, source_name, targe
     }
 
 
-def row_flops(target_constants: dict, mapper_per_token: int, tokens: int, new_turn: int, exact_prefix: int) -> dict:
+def row_flops(target_constants: dict, mapper_per_token: int, tokens: int, new_turn: int, exact_prefix: int,
+              recompute_tokens: int = 0) -> dict:
     """The FLOP entries of one length's row: flops {...}, flop_ratio_per_token, flop_bound."""
     prefill_total = prefill_flops(target_constants, tokens)
     mapped = tokens - new_turn
     exact_prefix = min(exact_prefix, mapped)
     prefix_total = prefill_flops(target_constants, exact_prefix) if exact_prefix else 0.0
-    handoff_total = mapper_per_token * mapped + prefix_total + continuation_flops(target_constants, mapped, new_turn)
+    recompute_total = 0.0
+    if recompute_tokens:  # n tokens read at the end of the history, without the LM head: an upper bound
+        recompute_total = continuation_flops(target_constants, mapped - recompute_tokens, recompute_tokens) - \
+            2 * target_constants["lm_head"]
+    handoff_total = mapper_per_token * mapped + prefix_total + recompute_total + \
+        continuation_flops(target_constants, mapped, new_turn)
     return {
         "flops": {
             "mapper_per_token": mapper_per_token,
@@ -424,6 +458,7 @@ def row_flops(target_constants: dict, mapper_per_token: int, tokens: int, new_tu
             "handoff": handoff_total,
             "transfer": mapper_per_token * mapped,
             "exact_prefix": prefix_total,
+            "recompute": recompute_total,
         },
         "flop_ratio_per_token": prefill_total / tokens / mapper_per_token,
         "flop_bound": prefill_total / handoff_total,
@@ -471,11 +506,12 @@ def bench_table(result: dict):
             f"{_mib(mapper['disk_bytes'])} MiB on disk, {_mib(mapper['memory_bytes'])} MiB in memory, "
             f"{mapper['flops_per_token'] / 1e6:.0f} MFLOP/token; {result['settings']['repeats']} repeats, "
             f"{result['settings']['torch_threads']} threads; the target reads the last "
-            f"{result['settings']['new_turn']} token(s) itself"
+            f"{result['settings']['new_turn']} token(s) itself; recompute "
+            f"{result['settings'].get('recompute', 'none')}"
         ),
         caption="latency: median (min–max); peak MiB: torch tensor allocations of each path",
     )
-    for column in ("tokens", "handoff", "transfer", "new turn", "re-prefill", "speed-up", "FLOP bound",
+    for column in ("tokens", "handoff", "transfer", "recompute", "new turn", "re-prefill", "speed-up", "FLOP bound",
                    "peak MiB h / r", "top-1"):
         table.add_column(column, justify="right")
     for row in result["results"]:
@@ -486,7 +522,8 @@ def bench_table(result: dict):
         agree = row.get("top1_agree")
         table.add_row(
             str(row["tokens"]), cell(row["handoff"]), _ms(row["transfer"]["median"]),
-            _ms(row["new_turn"]["median"]), cell(row["reprefill"]), f"×{row['speedup']:.2f}",
+            _ms(row.get("recompute", {}).get("median")), _ms(row["new_turn"]["median"]), cell(row["reprefill"]),
+            f"×{row['speedup']:.2f}",
             f"×{row['flop_bound']:.1f}", f"{_mib(memory['handoff'])} / {_mib(memory['reprefill'])}",
             "-" if agree is None else ("same" if agree else "differs"),
         )

@@ -15,7 +15,7 @@ from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.errors import AssetError
 from kvhandoff.evaluation.multiturn import Conversation, load_coqa_conversations
 from kvhandoff.evaluation.scoring import OpenContext, check_mapped, greedy_from
-from kvhandoff.handoff import patch_exact_prefix
+from kvhandoff.handoff import patch_mapped_cache, recompute_policy
 from kvhandoff.workflow import NamedPair, load_named_pair, load_pair_mapper, obtain_mapper
 
 MIN_CONTEXT_TOKENS = 1000
@@ -118,6 +118,7 @@ def run_demo(
     refit: bool = False,
     mapped: str = "all",
     mapper_path: str | Path | None = None,
+    recompute=None,
 ) -> dict:
     """Everything the demo prints, measured in this call.
 
@@ -127,6 +128,9 @@ def run_demo(
     mapped: "all" — the source prefilled the whole context, question included, and the target reads on from
     the mapped cache; "history" — the switch happens at the new question: the source's cache of the conversation
     so far is mapped and the target prefills the question itself (its time counts in the handoff's).
+
+    recompute: the handoff's selective-recompute policy ("deviation:10%", a `RecomputePolicy`; None = the
+    mapper's default), timed as part of the handoff.
     """
     check_mapped(mapped)  # before the models load
     pair = load_named_pair(source_spec, target_spec, progress=progress)
@@ -140,7 +144,7 @@ def run_demo(
     context = demo_context(pair.tokenizer, min_context_tokens)
     ids = pair.tokenizer(context.text, return_tensors="pt")["input_ids"]
     n_mapped = mapped_length(pair.tokenizer, context, ids[0].tolist(), mapped)
-    measured = compare_paths(pair, mapper, ids, n_mapped, repeats, max_new_tokens)
+    measured = compare_paths(pair, mapper, ids, n_mapped, repeats, max_new_tokens, recompute)
     return {
         "source": source_spec,
         "target": target_spec,
@@ -155,6 +159,7 @@ def run_demo(
         "context_tokens": ids.shape[1],
         "mapped": mapped,
         "mapped_tokens": n_mapped,
+        "recompute": recompute_policy(mapper, recompute).spec,
         "target_prefilled_tokens": ids.shape[1] - n_mapped,
         **measured,
         "gold_answers": list(context.gold_answers),
@@ -163,7 +168,7 @@ def run_demo(
 
 @torch.inference_mode()
 def compare_paths(pair: NamedPair, mapper, ids: torch.Tensor, n_mapped: int, repeats: int,
-                  max_new_tokens: int) -> dict:
+                  max_new_tokens: int, recompute=None) -> dict:
     """Time the handoff of the source's cache of ``ids[:, :n_mapped]`` (the target reads the rest) against the
     target's re-prefill of all of ``ids``, interleaved `repeats` times; then both answers and their agreement."""
     source, target, tokenizer = pair.source, pair.target, pair.tokenizer
@@ -174,7 +179,8 @@ def compare_paths(pair: NamedPair, mapper, ids: torch.Tensor, n_mapped: int, rep
 
     def handoff():
         cache = mapper.transfer(source_cache, dtype=target.dtype)
-        patch_exact_prefix(cache, target, ids[:, :n_mapped], mapper.exact_prefix)
+        patch_mapped_cache(cache, target, ids[:, :n_mapped], mapper, recompute=recompute, source_model=source,
+                           source_cache=source_cache)
         return cache, feed(target, cache, ids[0, n_mapped:].tolist())[-1]
 
     def reprefill():
@@ -221,7 +227,9 @@ def render_demo(result: dict, console=None) -> None:
         ("context", f"CoQA {result['context_id']}, {result['context_tokens']} tokens"),
         ("handed over", f"{result['mapped_tokens']} tokens mapped, {result['target_prefilled_tokens']} "
                         f"prefilled by the target"
-                        + (" (the new question)" if result.get("mapped") == "history" else "")),
+                        + (" (the new question)" if result.get("mapped") == "history" else "")
+                        + (f"; recompute {result['recompute']}" if result.get("recompute", "none") != "none"
+                           else "")),
         ("source prefill (done before the switch)", f"{result['source_prefill_seconds']:.3f} s"),
         ("time to first token: handoff", f"{result['handoff_ttft_seconds']:.3f} s"),
         ("time to first token: re-prefill", f"{result['reprefill_ttft_seconds']:.3f} s"),

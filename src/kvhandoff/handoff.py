@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvhandoff.cache import cache_view, prefill
+from kvhandoff.config import RecomputePolicy
 from kvhandoff.errors import ConfigError, ContextTooLongError, MapperMismatchError
 from kvhandoff.mapper import Mapper
+from kvhandoff.recompute import (
+    SelectionInfo,
+    apply_policy,
+    attention_from_queries,
+    needs_source_attention,
+    record_queries,
+)
 
 
 def _check_ids(input_ids: torch.Tensor, minimum: int) -> None:
@@ -22,6 +32,15 @@ def verify_mapper(mapper, source_model=None, target_model=None) -> None:
     nothing to check against and pass."""
     if isinstance(mapper, Mapper):
         mapper.check_models(source_model, target_model)
+
+
+def recompute_policy(mapper, recompute=None) -> RecomputePolicy:
+    """The selective-recompute policy of a handoff: ``recompute`` (a `RecomputePolicy` or a spec such as
+    "deviation:10%"), or with None the mapper's default (its fit config's `recompute`, recorded in the manifest;
+    "none" for objects without a manifest)."""
+    if recompute is not None:
+        return RecomputePolicy.parse(recompute)
+    return RecomputePolicy.parse(getattr(mapper, "recompute", None) or "none")
 
 
 def check_context(length: int, target_model=None, mapper=None) -> None:
@@ -55,6 +74,24 @@ def patch_exact_prefix(mapped_cache, target_model, input_ids: torch.Tensor, exac
     return mapped_cache
 
 
+def patch_mapped_cache(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
+                       recompute=None, recompute_info: SelectionInfo | None = None, source_model=None,
+                       source_cache=None):
+    """What the target does to a freshly mapped cache of ``input_ids`` [batch, T] before it reads on: recompute
+    the first `exact_prefix` positions (`patch_exact_prefix`; None = the mapper's setting), then the positions the
+    recompute policy picks among the rest (`recompute.apply_policy`; None = the mapper's default). Both in place;
+    returns ``cache``. ``source_model``/``source_cache`` serve rule "source_attention" when ``recompute_info``
+    carries no scores."""
+    prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
+    cache = patch_exact_prefix(cache, target_model, input_ids, prefix)
+    policy = recompute_policy(mapper, recompute)
+    own = min(max(prefix or 0, 0), input_ids.shape[1])
+    if policy.active and own < input_ids.shape[1]:
+        info = replace(recompute_info or SelectionInfo(), start=own)
+        apply_policy(policy, target_model, cache, input_ids, info, source_model, source_cache)
+    return cache
+
+
 def handoff_cache(
     source_model,
     target_model,
@@ -63,6 +100,8 @@ def handoff_cache(
     exact_prefix: int | None = None,
     source_cache=None,
     target_tail: int = 0,
+    recompute=None,
+    recompute_info: SelectionInfo | None = None,
 ):
     """The target's cache for all of `input_ids`, built from the source's prefill (no target prefill of the
     context; with `exact_prefix` > 0 the target recomputes only that many leading tokens; None = the
@@ -85,30 +124,42 @@ def handoff_cache(
         raise ConfigError(
             f"target_tail must be in 0..{input_ids.shape[1] - 1} (at least one token is mapped), got {target_tail}"
         )
+    policy = recompute_policy(mapper, recompute)
     mapped_ids = input_ids[:, : input_ids.shape[1] - target_tail]
+    info = recompute_info or SelectionInfo()
     if source_cache is None:
-        source_cache, _ = prefill(source_model, mapped_ids.to(source_model.device))
+        if needs_source_attention(policy):
+            with record_queries(source_model, policy.window) as queries:
+                source_cache, _ = prefill(source_model, mapped_ids.to(source_model.device))
+            info = replace(info, source_attention=attention_from_queries(source_model, queries, source_cache))
+        else:
+            source_cache, _ = prefill(source_model, mapped_ids.to(source_model.device))
     elif source_cache.get_seq_length() != mapped_ids.shape[1]:
         raise ConfigError(
             f"source_cache holds {source_cache.get_seq_length()} tokens, the mapped part of input_ids "
             f"{mapped_ids.shape[1]}"
         )
     mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
-    prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
-    cache = patch_exact_prefix(mapped, target_model, mapped_ids.to(target_model.device), prefix)
+    cache = patch_mapped_cache(mapped, target_model, mapped_ids.to(target_model.device), mapper, exact_prefix,
+                               policy, info, source_model, source_cache)
     if target_tail:
         prefill(target_model, input_ids[:, mapped_ids.shape[1] :].to(target_model.device), cache)
     return cache
 
 
 @torch.inference_mode()
-def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, target_model=None):
+def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, target_model=None, input_ids=None,
+             recompute=None, recompute_info: SelectionInfo | None = None):
     """Bring ``target_cache`` (positions 0..m−1: the target's own, or mapped at an earlier switch) up to
     ``source_cache``'s length by mapping only the source's positions m..T−1 and appending them.
 
     What a model returning to a conversation needs: it keeps its own cache of the turns it served, so only the
     turns another model served since are mapped, once. Nothing is mapped twice, so no position makes a round
     trip through two mappers. Returns ``target_cache``, extended in place.
+
+    recompute: as in `handoff_cache` (None = the mapper's default); only the newly mapped positions m..T−1 are
+    candidates, and the budget is a fraction of them. An active policy needs ``target_model`` and ``input_ids``
+    (the conversation's T token ids, [batch, T]).
 
     Refused before any work: a target cache of another geometry than the mapper's target, models (when given)
     the mapper was not fitted for (checked once per mapper and model), a context past the target's window.
@@ -121,12 +172,20 @@ def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, targ
         raise ConfigError(f"the target's cache holds {have} tokens, more than the source's {total}")
     if have == total:
         return target_cache
+    policy = recompute_policy(mapper, recompute)
+    if policy.active and (target_model is None or input_ids is None or input_ids.shape[-1] != total):
+        raise ConfigError(f"recompute {policy.spec!r} at a catch-up needs the target model and the conversation's "
+                          f"{total} token ids (input_ids)")
     dtype = target_cache.layers[0].keys.dtype
     positions = torch.arange(have, total, device=source_cache.layers[0].keys.device)
     mapped = mapper.transfer(cache_view(source_cache, have), position_ids=positions, dtype=dtype)
     for own, new in zip(target_cache.layers, mapped.layers, strict=True):
         own.keys = torch.cat([own.keys, new.keys.to(own.keys.device)], dim=-2)
         own.values = torch.cat([own.values, new.values.to(own.values.device)], dim=-2)
+    if policy.active:
+        info = replace(recompute_info or SelectionInfo(), start=have)
+        apply_policy(policy, target_model, target_cache, input_ids.to(target_cache.layers[0].keys.device), info,
+                     source_model, source_cache)
     return target_cache
 
 
@@ -151,17 +210,19 @@ def handoff_generate(
     input_ids: torch.Tensor,
     exact_prefix: int | None = None,
     target_tail: int = 0,
+    recompute=None,
     **generate_kwargs,
 ):
     """Source prefills all but the last token (all but the last 1 + `target_tail`, which the target
-    prefills itself: see `handoff_cache`); the mapped cache goes to the target, which generates.
+    prefills itself: see `handoff_cache`); the mapped cache goes to the target, which generates. recompute: the
+    selective-recompute policy (`handoff_cache`; None = the mapper's default).
 
     generate_kwargs go to `target_model.generate` (max_new_tokens, do_sample, temperature, ...).
     Returns the full sequences [batch, tokens + new], as `generate` does.
     """
     _check_ids(input_ids, 2)
     cache = handoff_cache(source_model, target_model, mapper, input_ids[:, :-1], exact_prefix,
-                          target_tail=target_tail)
+                          target_tail=target_tail, recompute=recompute)
     attention_mask = torch.ones_like(input_ids)
     return target_model.generate(
         input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs

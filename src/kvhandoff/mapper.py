@@ -129,6 +129,11 @@ class Mapper:
         """Leading tokens the target should recompute at handoff (the fit config's exact_prefix)."""
         return self.manifest.exact_prefix
 
+    @property
+    def recompute(self) -> str:
+        """The handoffs' default selective-recompute policy spec (the fit config's recompute; "none" unless set)."""
+        return self.manifest.config.recompute
+
     def num_parameters(self) -> int:
         return self.weight.numel() + self.bias.numel()
 

@@ -8,7 +8,8 @@ from transformers.cache_utils import DynamicCache
 
 from kvhandoff.cache import prefill, rollback
 from kvhandoff.errors import ConfigError
-from kvhandoff.handoff import catch_up, check_context, handoff_cache, verify_mapper
+from kvhandoff.handoff import catch_up, check_context, handoff_cache, recompute_policy, verify_mapper
+from kvhandoff.recompute import SelectionInfo
 
 #: how a conversation is handed over at a switch: "all" — the current server's whole cache is mapped for the new
 #: server; "incremental" — every model keeps its own cache and only the positions it has not cached are mapped
@@ -22,6 +23,9 @@ class SwitchingSession:
     handover: see `HANDOVERS` ("incremental": a model returning to the conversation keeps its cache and catches
     up on the turns it missed, so no position is mapped twice). exact_prefix: leading positions a model
     recomputes itself the first time it is handed the conversation (None = the mapper's own setting).
+    recompute: the selective-recompute policy of every handover (a `RecomputePolicy` or a spec such as
+    "sinks:10%"; None = each mapper's default): the receiving model recomputes that share of the positions just
+    mapped for it. The session knows where each turn (each `read`, each generated answer) starts, for "sinks".
 
     `read(server, ids)` lets ``server`` read the next tokens of the conversation, switching to it first when
     another model served last; `generate(server, ids, ...)` also answers, and the answer joins the conversation.
@@ -33,7 +37,8 @@ class SwitchingSession:
     work (ContextTooLongError).
     """
 
-    def __init__(self, models, mappers, handover: str = "incremental", exact_prefix: int | None = None) -> None:
+    def __init__(self, models, mappers, handover: str = "incremental", exact_prefix: int | None = None,
+                 recompute=None) -> None:
         if handover not in HANDOVERS:
             raise ConfigError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
         self.models, self.mappers = dict(models), dict(mappers)
@@ -44,6 +49,8 @@ class SwitchingSession:
                                   f"serves {', '.join(self.models)}")
             verify_mapper(mapper, self.models[source], self.models[target])
         self.handover, self.exact_prefix = handover, exact_prefix
+        self.recompute = None if recompute is None else recompute_policy(None, recompute)
+        self._turn_starts: list[int] = []  # where each read turn and each generated answer began
         self.tokens: list[int] = []
         self.owner: str | None = None  # the model that read the conversation last
         self._caches: dict[str, object] = {}
@@ -65,12 +72,15 @@ class SwitchingSession:
             if mapper is None:
                 raise ConfigError(f"no mapper for the handoff {owner} → {server}")
             current = self._caches[owner] if self.handover == "incremental" else self._caches.pop(owner)
+            ids = torch.tensor([self.tokens], device=current.layers[0].keys.device)
+            info = SelectionInfo(turn_starts=tuple(p for p in self._turn_starts if p < len(self.tokens)))
             if server in self._caches:
-                catch_up(self._caches[server], current, mapper, self.models[owner], self.models[server])
+                catch_up(self._caches[server], current, mapper, self.models[owner], self.models[server], ids,
+                         self.recompute, info)
             else:
-                ids = torch.tensor([self.tokens], device=current.layers[0].keys.device)
                 self._caches[server] = handoff_cache(self.models[owner], self.models[server], mapper, ids,
-                                                     self.exact_prefix, source_cache=current)
+                                                     self.exact_prefix, source_cache=current,
+                                                     recompute=self.recompute, recompute_info=info)
         self.owner = server
         return self._caches.get(server)
 
@@ -86,6 +96,7 @@ class SwitchingSession:
         input_ids = torch.tensor([ids], device=model.device)
         cache, logits = prefill(model, input_ids, cache)
         self._caches[server] = cache
+        self._mark_turns(len(self.tokens))
         self.tokens += ids
         return logits[0].float().log_softmax(-1)
 
@@ -106,12 +117,17 @@ class SwitchingSession:
         out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
                              **generate_kwargs)
         answer = out[0, input_ids.shape[1]:].tolist()
+        self._mark_turns(len(self.tokens), input_ids.shape[1])  # the turn read, then the answer
         everything = out[0].tolist()
         missing = everything[cache.get_seq_length():]  # generate does not feed its last token back
         if missing:
             prefill(model, torch.tensor([missing], device=model.device), cache)
         self.tokens = everything
         return answer
+
+    def _mark_turns(self, *starts: int) -> None:
+        """Record where turns start (positions past the current conversation, e.g. after a rollback, are dropped)."""
+        self._turn_starts = [p for p in self._turn_starts if p < len(self.tokens)] + list(starts)
 
     def _check_length(self, server: str, new: int) -> None:
         """Refuse a turn that takes the conversation past ``server``'s context window, before anything runs."""

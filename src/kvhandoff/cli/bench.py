@@ -12,6 +12,7 @@ from kvhandoff.bench import DEFAULT_LENGTHS, bench_mapper, run_bench
 from kvhandoff.cli.options import (
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
+    Recompute,
     SavedMapper,
     Source,
     Target,
@@ -46,6 +47,7 @@ def bench(
     new_turn: Annotated[int, typer.Option(parser=positive_int, help=(
         "tokens at the end of each context the target reads itself (1: all mapped; more: a switch at a turn "
         "boundary)"))] = 1,
+    recompute: Recompute = None,
 ) -> None:
     """Latency of handoff (transfer + the target reading the new turn) vs the target's re-prefill, per context
     length."""
@@ -56,7 +58,7 @@ def bench(
     typer.echo(note)
     result = run_bench(pair.source, pair.target, the_mapper, lengths, repeats=repeats, warmup=warmup, out_dir=out,
                        time_budget_s=budget, measure_memory=memory, source_name=source, target_name=target,
-                       new_turn=new_turn)
+                       new_turn=new_turn, recompute=recompute)
     typer.echo(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     if result["failed"] or result["skipped"]:
         typer.echo(f"not measured: skipped {result['skipped']}, failed {[f['tokens'] for f in result['failed']]}")

@@ -16,6 +16,7 @@ from kvhandoff.cli.options import (
     DEFAULT_TOP_K,
     JsonOut,
     Mix,
+    Recompute,
     SeqLen,
     Sequences,
     Source,
@@ -49,6 +50,7 @@ def demo(
         "with the new question, which the target prefills itself on top of the mapped conversation"))] = "all",
     mapper: Annotated[Path | None, typer.Option(help="show this saved mapper (fitted for SOURCE → TARGET, e.g. "
                                                      "from `kvhandoff refine`) instead of the pair's default")] = None,
+    recompute: Recompute = None,
 ) -> None:
     """Fit (or reuse) the pair's mapper, hand a long CoQA context over, compare with the target's re-prefill."""
     if reverse:
@@ -56,7 +58,7 @@ def demo(
     with option_errors("--sequences", "--mix"):
         calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, mix=groups)
     result = run_demo(source, target, FitConfig(top_k=k), calibration, max_new_tokens=max_new_tokens,
-                      repeats=repeats, refit=refit, mapped=mapped, mapper_path=mapper)
+                      repeats=repeats, refit=refit, mapped=mapped, mapper_path=mapper, recompute=recompute)
     render_demo(result)
     if json_out:
         atomic_write_json(json_out, result)

@@ -12,6 +12,7 @@ from kvhandoff.cli.options import (
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
     Progress,
+    Recompute,
     Source,
     Target,
     fixed_top_k,
@@ -87,6 +88,7 @@ def eval_command(
     dtype: Annotated[str, typer.Option(parser=one_of(DTYPES), help="Model dtype: float32, bfloat16 or float16.")]
     = "float32",
     progress: Progress = True,
+    recompute: Recompute = None,
 ) -> None:
     """Evaluate KV-cache transfer: target vs. source vs. transfer accuracy, retention with bootstrap intervals.
 
@@ -96,7 +98,7 @@ def eval_command(
     """
     with option_errors("--mapper", "--statistics", "--sweep-k"):
         mappers = MapperSource(mapper, statistics, k, sweep_k, sweep_limit, sweep_ks, reverse, both_directions)
-    options = EvalOptions(tasks, limit, seed, mapped, exact_prefix)
+    options = EvalOptions(tasks, limit, seed, mapped, exact_prefix, recompute)
     scoring = ScoringOptions(max_new_tokens, n_resamples, perplexity_docs=perplexity_docs, prefix_len=prefix_len,
                              continuation_len=continuation_len, coqa_conversations=coqa_conversations)
     pair = load_named_pair(source, target, dtype=getattr(torch, dtype), progress=progress)

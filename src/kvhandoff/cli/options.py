@@ -19,8 +19,10 @@ from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.config import (
     CALIBRATION_GROUPS,
     DEFAULT_CALIBRATION_MIX,
+    RECOMPUTE_RULES,
     CalibrationSpec,
     FitConfig,
+    RecomputePolicy,
     require_positive,
 )
 from kvhandoff.errors import ConfigError
@@ -38,6 +40,14 @@ def positive_int(value) -> int:
         return require_positive("the value", int(value) if isinstance(value, str) else value)
     except (ValueError, ConfigError):
         raise typer.BadParameter(f"give a positive integer, got {value!r}") from None
+
+
+def recompute_spec(value) -> str:
+    """A selective-recompute policy "RULE:BUDGET" (`config.RecomputePolicy.parse`), as its canonical spec."""
+    try:
+        return RecomputePolicy.parse(value).spec
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def non_negative_int(value) -> int:
@@ -172,6 +182,11 @@ Sequences = Annotated[int, typer.Option("--sequences", parser=positive_int, help
 SeqLen = Annotated[int, typer.Option("--seq-len", parser=positive_int, help="tokens per calibration window")]
 Stride = Annotated[int, typer.Option("--stride", parser=positive_int, help="keep every n-th calibration token")]
 JsonOut = Annotated[Path | None, typer.Option("--json", help="also write the results here")]
+Recompute = Annotated[str | None, typer.Option(
+    "--recompute", parser=recompute_spec, metavar="RULE:BUDGET",
+    help=f"selective recompute after the handoff: the target recomputes BUDGET (a fraction or a percentage) of the "
+         f"mapped positions itself, chosen by RULE ({', '.join(RECOMPUTE_RULES)}; 'mix(sinks=0.2,...)' for other "
+         f"shares), e.g. deviation:10%; default: the mapper's setting (none unless fitted with one)")]
 Progress = Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")]
 
 DEFAULT_SEQUENCES = CalibrationSpec().num_sequences

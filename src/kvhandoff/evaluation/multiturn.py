@@ -138,13 +138,15 @@ def run_conversation(
     max_new_tokens: int = 50,
     exact_prefix: int = 0,
     handover: str = "all",
+    recompute=None,
 ) -> dict:
     """Answer every turn with the scheduled model, handing the conversation over at each switch
     (`kvhandoff.session.SwitchingSession` with ``handover``; a first handoff to a model lets it recompute the
-    first ``exact_prefix`` positions itself)."""
+    first ``exact_prefix`` positions itself; ``recompute``: the selective-recompute policy of every handover,
+    None = each mapper's default)."""
     if len(schedule) != len(conversation.turns):
         raise ConfigError(f"schedule has {len(schedule)} turns, conversation {len(conversation.turns)}")
-    session = SwitchingSession(models, mappers, handover, exact_prefix)
+    session = SwitchingSession(models, mappers, handover, exact_prefix, recompute=recompute)
     answers: list[str] = []
     with torch.inference_mode():
         for server, turn in zip(schedule, conversation.turns, strict=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvhandoff.config import require_positive
+from kvhandoff.config import RecomputePolicy, require_positive
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.scoring import check_mapped
 from kvhandoff.evaluation.tasks import parse_tasks
@@ -24,6 +24,8 @@ class EvalOptions:
     mapped: what the transfer condition maps on benchmark tasks: "all" (the whole context) or "history" (the
         few-shot history; the target prefills the question itself).
     exact_prefix: leading positions the target recomputes after every handoff (None = the mapper's own setting).
+    recompute: the selective-recompute policy of every handoff, a spec such as "deviation:10%" (None = the
+        mapper's default; kept as the canonical spec, `config.RecomputePolicy`).
     """
 
     tasks: str | tuple[str, ...] = "core"
@@ -31,6 +33,7 @@ class EvalOptions:
     seed: int = 0
     mapped: str = "all"
     exact_prefix: int | None = None
+    recompute: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -47,6 +50,8 @@ class EvalOptions:
             isinstance(self.exact_prefix, bool) or not isinstance(self.exact_prefix, int) or self.exact_prefix < 0
         ):
             raise ConfigError(f"exact_prefix must be an integer >= 0 or None, got {self.exact_prefix!r}")
+        if self.recompute is not None:
+            object.__setattr__(self, "recompute", RecomputePolicy.parse(self.recompute).spec)
 
     def benchmark_tasks(self) -> tuple[str, ...]:
         return tuple(name for name in self.tasks if name not in EXTRA_TASKS)

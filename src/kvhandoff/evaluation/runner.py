@@ -52,6 +52,7 @@ from kvhandoff.evaluation.tasks import (
 )
 from kvhandoff.files import atomic_write_json, sha256_json
 from kvhandoff.geometry import model_fingerprint, tokenizer_hash
+from kvhandoff.handoff import recompute_policy
 
 #: 2: records keyed by `geometry.model_fingerprint` and `geometry.tokenizer_hash`, every setting in the header
 RECORD_VERSION = 2
@@ -276,6 +277,12 @@ def task_summary(
 # -- the runner -----------------------------------------------------------------------------------------------
 
 
+def recompute_setting(recompute: str) -> dict:
+    """The recompute policy as a record-run setting: left out while "none", so records stored before the
+    setting existed still match."""
+    return {} if recompute == "none" else {"recompute": recompute}
+
+
 def _standalone_run(name: str, model, tok_id: str, settings: dict, compute) -> RecordRun:
     header = {"condition": "standalone", "model": model_fingerprint(model), "tokenizer": tok_id, **settings}
     return RecordRun(name, f"model-{slug(display_name(model, 'model'))}-{sha256_json(header, 16)}", header, compute)
@@ -297,11 +304,12 @@ def _transfer_run(name: str, source, target, mapper, tok_id: str, settings: dict
 def benchmark_runs(
     source_model, target_model, mapper, tokenizer, spec: TaskSpec, max_new_tokens: int = 256,
     conditions: Sequence[str] = ("target", "source", "transfer"), tok_id: str | None = None,
-    exact_prefix: int = 0, mapped: str = "all",
+    exact_prefix: int = 0, mapped: str = "all", recompute: str = "none",
 ) -> list[RecordRun]:
-    """The record runs (target, source, transfer) of one benchmark task (mapped: see `standard_conditions`)."""
+    """The record runs (target, source, transfer) of one benchmark task (mapped, recompute: see
+    `standard_conditions`)."""
     tok_id = tok_id or tokenizer_hash(tokenizer)
-    conds = standard_conditions(source_model, target_model, mapper, exact_prefix, mapped)
+    conds = standard_conditions(source_model, target_model, mapper, exact_prefix, mapped, recompute)
     settings: dict[str, Any] = {"record_version": RECORD_VERSION, "task": spec.name}
     if spec.kind == GENERATE:
         settings["max_new_tokens"] = max_new_tokens
@@ -314,7 +322,8 @@ def benchmark_runs(
         cond = conds[name]
         if name == "transfer":
             runs.append(_transfer_run(name, source_model, target_model, mapper, tok_id,
-                                      {**settings, "exact_prefix": exact_prefix, "mapped": mapped},
+                                      {**settings, "exact_prefix": exact_prefix, "mapped": mapped,
+                                       **recompute_setting(recompute)},
                                       compute_for(cond)))
         else:
             model = target_model if name == "target" else source_model
@@ -336,6 +345,7 @@ class _Evaluation:
     on_item: ItemHook | None
     exact_prefix: int
     tok_id: str
+    recompute: str = "none"
 
 
 def run_eval(
@@ -365,8 +375,9 @@ def run_eval(
         raise ConfigError("the 'coqa' multi-turn task needs the reverse mapper (target → source) as well")
     # the mapper's own setting when none is given, recorded explicitly in the results
     exact_prefix = getattr(mapper, "exact_prefix", 0) if options.exact_prefix is None else options.exact_prefix
+    recompute = recompute_policy(mapper, options.recompute).spec
     run = _Evaluation(source_model, target_model, mapper, tokenizer, options, scoring, output, on_item,
-                      exact_prefix, tokenizer_hash(tokenizer))
+                      exact_prefix, tokenizer_hash(tokenizer), recompute)
     result = _result_header(run)
     _run_benchmarks(run, result)
     if "perplexity" in options.tasks:
@@ -388,6 +399,7 @@ def _result_header(run: _Evaluation) -> dict:
         "mapper": mapper_identity(run.mapper),
         "tokenizer": run.tok_id,
         "exact_prefix": run.exact_prefix,
+        "recompute": run.recompute,
         "mapped": options.mapped,
         "seed": options.seed,
         "limit": options.limit,
@@ -407,7 +419,7 @@ def _run_benchmarks(run: _Evaluation, result: dict) -> None:
             continue
         runs = benchmark_runs(run.source_model, run.target_model, run.mapper, run.tokenizer, spec,
                               scoring.max_new_tokens, tok_id=run.tok_id, exact_prefix=run.exact_prefix,
-                              mapped=options.mapped)
+                              mapped=options.mapped, recompute=run.recompute)
         records = run_records(name, items, runs, run.output.store_dir, run.output.progress, run.on_item)
         summary = task_summary(spec, items, records, scoring.n_resamples, options.seed, scoring.confidence)
         result["tasks"][name] = {**summary, "item_ids": [item.id for item in items]}
@@ -445,7 +457,8 @@ def _run_perplexity(run: _Evaluation, documents) -> dict:
     docs = usable_documents(documents, prefix_len, continuation_len)[: scoring.perplexity_docs]
     if not docs:
         raise ConfigError(f"no held-out document has the {prefix_len + continuation_len} tokens needed")
-    conds = standard_conditions(run.source_model, run.target_model, run.mapper, run.exact_prefix)
+    conds = standard_conditions(run.source_model, run.target_model, run.mapper, run.exact_prefix,
+                                recompute=run.recompute)
     settings = {"record_version": RECORD_VERSION, "task": "perplexity", "prefix_len": prefix_len,
                 "continuation_len": continuation_len}
 
@@ -456,7 +469,8 @@ def _run_perplexity(run: _Evaluation, documents) -> dict:
         _standalone_run("target", run.target_model, run.tok_id, settings, compute_for(conds["target"])),
         _standalone_run("source", run.source_model, run.tok_id, settings, compute_for(conds["source"])),
         _transfer_run("transfer", run.source_model, run.target_model, run.mapper, run.tok_id,
-                      {**settings, "exact_prefix": run.exact_prefix}, compute_for(conds["transfer"])),
+                      {**settings, "exact_prefix": run.exact_prefix, **recompute_setting(run.recompute)},
+                      compute_for(conds["transfer"])),
     ]
     records = run_records("perplexity", docs, runs, run.output.store_dir, run.output.progress, run.on_item,
                           item_id=document_id)
@@ -465,9 +479,9 @@ def _run_perplexity(run: _Evaluation, documents) -> dict:
     return {**summary, "prefix_len": prefix_len, "continuation_len": continuation_len, "document_ids": ids}
 
 
-def _coqa_compute(schedule, handover, models, mappers, tokenizer, max_new_tokens, exact_prefix):
+def _coqa_compute(schedule, handover, models, mappers, tokenizer, max_new_tokens, exact_prefix, recompute="none"):
     return lambda conv: run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens, exact_prefix,
-                                         handover)
+                                         handover, recompute)
 
 
 def _run_coqa(run: _Evaluation, reverse_mapper) -> dict:
@@ -481,7 +495,7 @@ def _run_coqa(run: _Evaluation, reverse_mapper) -> dict:
     mappers = {("source", "target"): run.mapper, ("target", "source"): reverse_mapper}
     settings = {"record_version": RECORD_VERSION, "task": "coqa", "max_new_tokens": scoring.coqa_max_new_tokens,
                 "num_turns": scoring.coqa_turns}
-    common = (models, mappers, run.tokenizer, scoring.coqa_max_new_tokens, run.exact_prefix)
+    common = (models, mappers, run.tokenizer, scoring.coqa_max_new_tokens, run.exact_prefix, run.recompute)
     runs = []
     for name, (schedule, handover) in run_variants(scoring.coqa_turns, names).items():
         compute = _coqa_compute(schedule, handover, *common)
@@ -493,7 +507,7 @@ def _run_coqa(run: _Evaluation, reverse_mapper) -> dict:
             "condition": "switch", "schedule": schedule, "source": model_fingerprint(run.source_model),
             "target": model_fingerprint(run.target_model), "mapper": mapper_identity(run.mapper),
             "reverse_mapper": mapper_identity(reverse_mapper), "tokenizer": run.tok_id,
-            "exact_prefix": run.exact_prefix, "handover": handover, **settings,
+            "exact_prefix": run.exact_prefix, "handover": handover, **settings, **recompute_setting(run.recompute),
         }
         runs.append(RecordRun(name, f"{name}-{sha256_json(header, 16)}", header, compute))
     records = run_records("coqa", conversations, runs, run.output.store_dir, run.output.progress, run.on_item)

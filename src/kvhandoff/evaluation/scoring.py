@@ -33,7 +33,7 @@ from kvhandoff.assets import end_of_text_ids
 from kvhandoff.cache import feed, model_device, prefill, rollback
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.tasks import GenItem, MCItem, cut_at_stop, encode, encode_pair
-from kvhandoff.handoff import handoff_cache
+from kvhandoff.handoff import handoff_cache, recompute_policy
 
 #: prefilled few-shot prefixes kept per condition (MMLU has 57 subject prefixes, GSM8K one)
 PREFIX_CACHE_ENTRIES = 4
@@ -132,6 +132,8 @@ class Transfer(Condition):
     attention-sink patch); 0 = a purely mapped cache; None = the mapper's own setting.
     prefix_entries: shared prefixes kept prefilled by the *source* (0 = no reuse); the extended source cache
     is mapped as a whole, as without reuse.
+    recompute: the selective-recompute policy of every handoff (a spec or `RecomputePolicy`; None = the
+    mapper's default; `kvhandoff.recompute`).
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class Transfer(Condition):
         mapper,
         exact_prefix: int | None = None,
         prefix_entries: int = PREFIX_CACHE_ENTRIES,
+        recompute=None,
     ) -> None:
         if exact_prefix is None:
             exact_prefix = getattr(mapper, "exact_prefix", 0)
@@ -149,6 +152,7 @@ class Transfer(Condition):
             raise ConfigError(f"exact_prefix must be >= 0, got {exact_prefix}")
         self.name, self.source, self.reader, self.mapper = name, source_model, target_model, mapper
         self.exact_prefix = exact_prefix
+        self.recompute = recompute_policy(mapper, recompute)
         self.prefixes = PrefixCache(prefix_entries) if prefix_entries else None
 
     def prefill(self, input_ids: torch.Tensor, prefix_len: int = 0):
@@ -156,7 +160,8 @@ class Transfer(Condition):
         source_cache = None
         if prefix_len and self.prefixes is not None:
             source_cache = self.prefixes.prefill(self.source, input_ids, prefix_len)
-        return handoff_cache(self.source, self.reader, self.mapper, input_ids, self.exact_prefix, source_cache)
+        return handoff_cache(self.source, self.reader, self.mapper, input_ids, self.exact_prefix, source_cache,
+                             recompute=self.recompute)
 
 
 class TransferHistory(Transfer):
@@ -170,8 +175,8 @@ class TransferHistory(Transfer):
     """
 
     def __init__(self, name: str, source_model, target_model, mapper, exact_prefix: int | None = None,
-                 prefix_entries: int = PREFIX_CACHE_ENTRIES) -> None:
-        super().__init__(name, source_model, target_model, mapper, exact_prefix, prefix_entries)
+                 prefix_entries: int = PREFIX_CACHE_ENTRIES, recompute=None) -> None:
+        super().__init__(name, source_model, target_model, mapper, exact_prefix, prefix_entries, recompute)
         self.prefixes = PrefixCache(prefix_entries)  # the history boundary is needed even without reuse
 
     def prefill(self, input_ids: torch.Tensor, prefix_len: int = 0):
@@ -184,7 +189,8 @@ class TransferHistory(Transfer):
         history = input_ids[:, :prefix_len]
         cache = self.prefixes.copy_of(
             history[0].tolist(),
-            lambda: handoff_cache(self.source, self.reader, self.mapper, history, self.exact_prefix),
+            lambda: handoff_cache(self.source, self.reader, self.mapper, history, self.exact_prefix,
+                                  recompute=self.recompute),
         )
         if input_ids.shape[1] > prefix_len:
             prefill(self.reader, input_ids[:, prefix_len:].to(model_device(self.reader)), cache)
@@ -204,14 +210,15 @@ def check_mapped(mapped: str) -> str:
 
 
 def standard_conditions(
-    source_model, target_model, mapper, exact_prefix: int | None = None, mapped: str = "all"
+    source_model, target_model, mapper, exact_prefix: int | None = None, mapped: str = "all", recompute=None
 ) -> dict[str, Condition]:
-    """The three conditions of one direction, in the order they are evaluated: target, source, transfer."""
+    """The three conditions of one direction, in the order they are evaluated: target, source, transfer
+    (recompute: the transfer's selective-recompute policy, None = the mapper's default)."""
     transfer = Transfer if check_mapped(mapped) == "all" else TransferHistory
     return {
         "target": Standalone("target", target_model),
         "source": Standalone("source", source_model),
-        "transfer": transfer("transfer", source_model, target_model, mapper, exact_prefix),
+        "transfer": transfer("transfer", source_model, target_model, mapper, exact_prefix, recompute=recompute),
     }
 
 
