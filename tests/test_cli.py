@@ -369,12 +369,13 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
                                                                                                    config)))
     result = CliRunner().invoke(app, ["serve", "--models", "small=/m/s,large=/m/l", "--mapper",
                                       f"small:large={tmp_path}", "--port", "0", "--guard", "off",
-                                      "--max-context", "300", "--cache-memory", "1000"])
+                                      "--max-context", "300", "--cache-memory", "1000", "--recompute", "sinks:10%"])
     assert result.exit_code == 0, result.output
     assert calls["family"] == ({"small": "/m/s", "large": "/m/l"}, {("small", "large"): tmp_path})
     models, mappers, config = calls["run"]
     assert (models, mappers) == ({"models": 1}, {"mappers": 2})
     assert (config.port, config.guard, config.max_context, config.cache_memory_bytes) == (0, False, 300, 1000)
+    assert config.recompute == "sinks:10%"
 
 
 @pytest.mark.parametrize("args, option", [
@@ -384,6 +385,7 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
     (["--max-sessions", "0"], "--max-sessions"),
     (["--max-context", "1"], "--max-context"),
     (["--session-ttl", "x"], "--session-ttl"),
+    (["--recompute", "sinks:300%"], "--recompute"),
     (["--models", "a=x,a=y"], "--models"),
     (["--models", "a=x,b=y", "--mapper", "a:c=/tmp"], "--mapper"),
 ])

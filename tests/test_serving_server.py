@@ -30,7 +30,8 @@ def test_serve_config_validates_every_field_by_name():
     for field, bad in (("port", -1), ("max_sessions", 0), ("session_ttl_s", 0), ("cache_memory_bytes", 0),
                        ("max_context", 1), ("default_max_tokens", 0), ("max_queue", 0), ("guard", "on"),
                        ("guard_signal", "vibes"), ("guard_threshold", "high"), ("guard_window", 0),
-                       ("handover", "lazy"), ("exact_prefix", -1), ("log_level", "loud"), ("host", "")):
+                       ("handover", "lazy"), ("exact_prefix", -1), ("log_level", "loud"), ("host", ""),
+                       ("recompute", "sinks:300%")):
         with pytest.raises(ConfigError, match=field):
             ServeConfig(**{field: bad})
 

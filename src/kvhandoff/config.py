@@ -420,7 +420,8 @@ class ServeConfig:
     models). default_max_tokens: answer length when a request names none. max_queue: requests waiting per model
     worker (past it: 503). guard: score a mapped cache before it serves and re-prefill when the score exceeds
     guard_threshold (signal: one of `GUARD_SIGNALS`; guard_window: the new turn's last positions it scores).
-    handover / exact_prefix: as in `SwitchingSession` (None: the mapper's own exact prefix).
+    handover / exact_prefix / recompute: as in `SwitchingSession` (None: the mapper's own setting; recompute is a
+    `RecomputePolicy` spec such as "sinks:10%").
     """
 
     host: str = "127.0.0.1"
@@ -437,6 +438,7 @@ class ServeConfig:
     guard_window: int = 64
     handover: str = "incremental"
     exact_prefix: int | None = None
+    recompute: str | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -462,6 +464,8 @@ class ServeConfig:
             raise ConfigError(f"serve handover must be 'all' or 'incremental', got {self.handover!r}")
         if self.exact_prefix is not None:
             require_positive("serve exact_prefix", self.exact_prefix, minimum=0)
+        if self.recompute is not None:
+            RecomputePolicy.parse(self.recompute)  # a ConfigError naming the bad rule or budget
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ConfigError(f"serve log_level must be a uvicorn log level, got {self.log_level!r}")
 

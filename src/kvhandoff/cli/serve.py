@@ -9,6 +9,7 @@ import typer
 from kvhandoff.cli.options import (
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
+    Recompute,
     non_negative_int,
     one_of,
     option_errors,
@@ -42,13 +43,15 @@ def serve(
         "bytes of KV cache across sessions (least recently used sessions evicted past it)"))] = 4 * 1024**3,
     max_context: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "tokens a conversation may reach (default: the hosted models' smallest max_position_embeddings)"))] = None,
+    recompute: Recompute = None,
     log_level: Annotated[str, typer.Option(parser=one_of(LOG_LEVELS), help="uvicorn's log level")] = "info",
 ) -> None:
     """Serve a model family behind an OpenAI-compatible API; a conversation that switches models is handed over."""
     with option_errors("--host", "--port", "--guard-threshold", "--max-context"):
         config = ServeConfig(host=host, port=port, guard=guard == "on", guard_signal=guard_signal,
                              guard_threshold=guard_threshold, max_sessions=max_sessions, session_ttl_s=session_ttl,
-                             cache_memory_bytes=cache_memory, max_context=max_context, log_level=log_level)
+                             cache_memory_bytes=cache_memory, max_context=max_context, recompute=recompute,
+                             log_level=log_level)
     with option_errors("--models", "--mapper"):
         specs = parse_model_specs(item for item in models.split(",") if item.strip()) or None
         mapper_dirs = parse_mapper_dirs(mapper or [], list(specs) if specs else [DEFAULT_SOURCE, DEFAULT_TARGET])

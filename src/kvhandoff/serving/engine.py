@@ -335,7 +335,7 @@ class Engine:
 
     def _new_session(self) -> SwitchingSession:
         return SwitchingSession({name: hosted.model for name, hosted in self._models.items()}, self._mappers,
-                                self.config.handover, self.config.exact_prefix)
+                                self.config.handover, self.config.exact_prefix, self.config.recompute)
 
     def _evict(self, key: str, reason: str) -> None:
         del self._sessions[key]

@@ -142,7 +142,7 @@ def summarize_guard(records: Iterable[GuardRecord], signal: str,
 @torch.inference_mode()
 def guard_records(models, mappers, conversations, signal: str = "logloss", max_new_tokens: int = 16,
                   window: int = 64, stop_ids=(), handover: str = "incremental",
-                  exact_prefix: int | None = None) -> list[GuardRecord]:
+                  exact_prefix: int | None = None, recompute=None) -> list[GuardRecord]:
     """Run dev conversations through a `SwitchingSession` and record every handoff.
 
     conversations: each a sequence of (model name, new turn's token ids). At each turn the named model reads the
@@ -154,7 +154,7 @@ def guard_records(models, mappers, conversations, signal: str = "logloss", max_n
     stop_ids = frozenset(stop_ids)
     records = []
     for c, turns in enumerate(conversations):
-        session = SwitchingSession(models, mappers, handover, exact_prefix)
+        session = SwitchingSession(models, mappers, handover, exact_prefix, recompute)
         for t, (server, ids) in enumerate(turns):
             ids = list(ids)
             previous = session.owner
