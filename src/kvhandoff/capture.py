@@ -40,24 +40,29 @@ def _heads_first(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
+#: the module whose output is each kind of pre-RoPE projection (after k_norm / q_norm where the family has them)
+PROJECTIONS = {
+    "k": lambda attn: getattr(attn, "k_norm", attn.k_proj),
+    "v": lambda attn: attn.v_proj,
+    "q": lambda attn: getattr(attn, "q_norm", attn.q_proj),
+}
+
+
 @contextmanager
-def _record_projections(model, with_queries: bool):
-    """Forward hooks that record each layer's pre-RoPE key, value (and query) projections."""
+def projection_hooks(model, kinds: str, record):
+    """While active, every forward of ``model`` calls ``record(kind, layer index, x)`` for each layer's pre-RoPE
+    projection of each of ``kinds`` ("k", "v", "q"), x [batch, heads, tokens, head_dim] (detached). Nothing stays
+    hooked outside the block."""
     head_dim = read_geometry(model).head_dim
-    records: dict[str, list[torch.Tensor]] = {"k": [], "v": [], "q": []}
     handles = []
+    for index, layer in enumerate(decoder_layers(model)):
+        for kind in kinds:
+            def hook(_module, _inputs, output, kind=kind, index=index):
+                record(kind, index, _heads_first(output.detach(), head_dim))
 
-    def recorder(kind):
-        return lambda _module, _inputs, output: records[kind].append(_heads_first(output.detach(), head_dim))
-
-    for layer in decoder_layers(model):
-        attn = layer.self_attn
-        handles.append(getattr(attn, "k_norm", attn.k_proj).register_forward_hook(recorder("k")))
-        handles.append(attn.v_proj.register_forward_hook(recorder("v")))
-        if with_queries:
-            handles.append(getattr(attn, "q_norm", attn.q_proj).register_forward_hook(recorder("q")))
+            handles.append(PROJECTIONS[kind](layer.self_attn).register_forward_hook(hook))
     try:
-        yield records
+        yield
     finally:
         for handle in handles:
             handle.remove()
@@ -70,7 +75,8 @@ def capture_content_kv(model, input_ids: torch.Tensor, with_queries: bool = Fals
     Runs the decoder body only (no LM head: the vocab projection would dominate memory and time).
     """
     body = getattr(model, "model", model)
-    with _record_projections(model, with_queries) as records:
+    records: dict[str, list[torch.Tensor]] = {"k": [], "v": [], "q": []}
+    with projection_hooks(model, "kvq" if with_queries else "kv", lambda kind, _, x: records[kind].append(x)):
         body(input_ids=input_ids, use_cache=False)
     return ContentKV(
         keys=torch.stack(records["k"]),

@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvhandoff.cache import cache_view, prefill
+from kvhandoff.capture import projection_hooks
 from kvhandoff.config import RecomputePolicy
 from kvhandoff.errors import ConfigError
 from kvhandoff.geometry import decoder_layers
@@ -302,27 +303,13 @@ def record_queries(model, window: int):
     """While active, keep the pre-RoPE queries of the last ``window`` tokens each layer of ``model`` sees in a
     forward ([batch, heads, ≤ window, head_dim] per layer; a later forward replaces them). Nothing is hooked
     outside the block, so an unused capture costs nothing."""
-    head_dim = decoder_layers(model)[0].self_attn.head_dim
     records: list[torch.Tensor | None] = [None] * len(decoder_layers(model))
-    handles = []
 
-    def recorder(index):
-        def hook(_module, _inputs, output):
-            queries = output.detach()[:, -window:]
-            if queries.dim() == 3:
-                queries = queries.unflatten(-1, (-1, head_dim))
-            records[index] = queries.transpose(1, 2).clone()
+    def keep(_kind, index, queries):
+        records[index] = queries[:, :, -window:].clone()
 
-        return hook
-
-    for index, layer in enumerate(decoder_layers(model)):
-        attn = layer.self_attn
-        handles.append(getattr(attn, "q_norm", attn.q_proj).register_forward_hook(recorder(index)))
-    try:
+    with projection_hooks(model, "q", keep):
         yield records
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @torch.inference_mode()
