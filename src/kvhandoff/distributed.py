@@ -148,13 +148,21 @@ def default_backend() -> str:
     return os.environ.get("KVHANDOFF_DIST_BACKEND") or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
 
 
+def requested_world_size() -> int:
+    """The world size torchrun's environment asks for (1 without torchrun)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    except ValueError:
+        raise DistributedError(f"WORLD_SIZE must be an integer, got {os.environ['WORLD_SIZE']!r}") from None
+
+
 @contextmanager
 def launched(timeout_s: float | None = None,
              checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY) -> Iterator[Ranks]:
     """This process's `Ranks` from torchrun's environment (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT): the
     default process group is set up for the block (unless the caller set one up) and torn down after it.
     Without WORLD_SIZE > 1: a single process, nothing set up."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = requested_world_size()
     if timeout_s is None:
         timeout_s = timeout_from_environment()
     if world <= 1:

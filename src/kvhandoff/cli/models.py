@@ -28,7 +28,7 @@ from kvhandoff.cli.options import (
     top_k,
 )
 from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig
-from kvhandoff.distributed import DEFAULT_CHECKPOINT_EVERY, launched
+from kvhandoff.distributed import DEFAULT_CHECKPOINT_EVERY, launched, requested_world_size
 from kvhandoff.workflow import (
     describe_fit,
     fit_on_texts,
@@ -103,11 +103,10 @@ def fit(
         with option_errors("--sequences", "--seq-len", "--mix"):
             calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed, mix=groups)
     mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed) if method == "mlp" else None
+    if requested_world_size() > 1 and (method == "mlp" or k == "heldout"):
+        raise typer.BadParameter("--method mlp and --top-k heldout need the calibration rows, which a distributed "
+                                 "run does not collect: run them without torchrun", param_hint="--method / --top-k")
     with launched(dist_timeout, checkpoint_every) as ranks:
-        if ranks.distributed and (method == "mlp" or k == "heldout"):
-            raise typer.BadParameter("--method mlp and --top-k heldout need the calibration rows, which a "
-                                     "distributed run does not collect: run them without torchrun",
-                                     param_hint="--method / --top-k")
         pair = load_named_pair(source, target, progress=ranks.is_root, ranks=ranks)
         if not ranks.is_root:
             records = serve_calibration(pair, ranks)
