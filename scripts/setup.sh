@@ -75,7 +75,7 @@ try:
 except md.PackageNotFoundError:
     sys.exit(1)
 ok = url.rstrip("/") == "file://" + sys.argv[1].rstrip("/")
-ok = ok and all(importlib.util.find_spec(m) for m in ("pytest", "ruff", "importlinter", "transformers"))
+ok = ok and all(importlib.util.find_spec(m) for m in ("pytest", "ruff", "importlinter", "transformers", "lm_eval"))
 sys.exit(0 if ok else 1)
 EOF
 then
