@@ -166,7 +166,7 @@ def test_torchrun_fit_with_two_ranks_equals_one_process(pair_paths, tmp_path, mo
     done = subprocess.run(command, env=loopback_env(KVHANDOFF_HOME=str(tmp_path / "home2")), capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "saved" in done.stdout and "rank 1 of 2: read 2 calibration window(s)" in done.stderr
+    assert "saved" in done.stdout and "rank 1 of 2: done, read 2 calibration window(s)" in done.stderr
     two = Mapper.load(tmp_path / "m2")
     assert two.manifest["calibration"]["world_size"] == 2
     assert two.manifest["calibration"]["windows_per_rank"] == [[0, 2], [1, 3]]

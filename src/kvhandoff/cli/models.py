@@ -28,7 +28,7 @@ from kvhandoff.cli.options import (
     top_k,
 )
 from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig
-from kvhandoff.distributed import DEFAULT_CHECKPOINT_EVERY, launched, requested_world_size
+from kvhandoff.distributed import DEFAULT_CHECKPOINT_EVERY, dismiss, launched, requested_world_size
 from kvhandoff.workflow import (
     describe_fit,
     fit_on_texts,
@@ -111,13 +111,16 @@ def fit(
         if not ranks.is_root:
             records = serve_calibration(pair, ranks)
             windows = sum(len(record["windows_per_rank"][ranks.rank]) for record in records)
-            typer.echo(f"rank {ranks.rank} of {ranks.world_size}: read {windows} calibration window(s); rank 0 "
-                       "solves and saves the mapper", err=True)
+            typer.echo(f"rank {ranks.rank} of {ranks.world_size}: done, read {windows} calibration window(s) for "
+                       "rank 0", err=True)
             return
-        if calibration is not None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
-            mapper = obtain_mapper(pair, config, calibration, mlp=mlp, ranks=ranks)[0]
-        else:
-            mapper = fit_on_texts(pair, texts, config, sequences, seq_len, seed, ranks=ranks)
+        try:
+            if calibration is not None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
+                mapper = obtain_mapper(pair, config, calibration, mlp=mlp, ranks=ranks)[0]
+            else:
+                mapper = fit_on_texts(pair, texts, config, sequences, seq_len, seed, ranks=ranks)
+        finally:
+            dismiss(ranks)  # a failure before any pass must not leave the other ranks waiting
         mapper.save(out)
     typer.echo(f"saved {out} ({mapper.num_parameters():,} parameters); {describe_fit(mapper)}")
 
