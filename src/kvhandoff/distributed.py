@@ -8,8 +8,8 @@ list of windows it covers (one file, written atomically). A re-run skips those w
 ranks: sums over disjoint windows add exactly, so N processes give the one-process statistics up to float64
 round-off (only the order of the additions differs).
 Under torchrun's c10d rendezvous (`--rdzv-backend c10d --max-restarts R`) a restart after a dead rank resumes by
-itself; with the static rendezvous (`--master-addr/--master-port`) torchrun's restarted ranks cannot reconnect
-(its store keeps the old addresses), so run the command again instead.
+itself; with the static rendezvous (`--master-addr/--master-port`, torch 2.13) the restarted ranks failed to
+connect to each other (gloo: connection refused) when tried, so there run the command again instead.
 
 Rank 0 leads: it runs the ordinary fit-or-reuse workflow and, when a pass is needed, sends the windows to the
 other ranks (`lead_collection`), which wait for work in `follow` until rank 0 dismisses them. A collective that
