@@ -75,7 +75,8 @@ try:
 except md.PackageNotFoundError:
     sys.exit(1)
 ok = url.rstrip("/") == "file://" + sys.argv[1].rstrip("/")
-ok = ok and all(importlib.util.find_spec(m) for m in ("pytest", "ruff", "importlinter", "openai", "fastapi", "transformers"))
+ok = ok and all(importlib.util.find_spec(m) for m in ("pytest", "ruff", "importlinter", "openai", "fastapi", "transformers",
+                                                   "lm_eval"))
 sys.exit(0 if ok else 1)
 EOF
 then

@@ -39,3 +39,8 @@ class ContextTooLongError(ConfigError):
 
 class NonFiniteError(KVHandoffError, ValueError):
     """A cache or a mapper holds NaN/Inf (the layer is named)."""
+
+
+class DistributedError(KVHandoffError):
+    """A distributed calibration run failed: a rank died, stopped answering, or runs other models (the rank
+    and the step are named)."""

@@ -27,6 +27,8 @@ from kvhandoff.files import atomic_path
 
 MODALITIES = ("K", "V")
 _TENSORS = ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy")
+#: metadata key of the caller's description saved with the sums (`save(info=...)`, `read_info`)
+_INFO_KEY = "kvhandoff_info"
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,10 @@ class CalibrationStats:
             setattr(merged, name, getattr(self, name) + getattr(other, name))
         return merged
 
+    def sums(self) -> list[torch.Tensor]:
+        """The float64 sum tensors themselves (x, y, xxᵀ, xyᵀ, yyᵀ), e.g. for a collective to add up in place."""
+        return [getattr(self, name) for name in _TENSORS]
+
     @classmethod
     def from_rows(cls, source: FeatureLayout, target: FeatureLayout, x: torch.Tensor, y: torch.Tensor):
         """Statistics of explicit feature rows x [n, source width], y [n, target width] (e.g. held-out windows)."""
@@ -180,11 +186,26 @@ class CalibrationStats:
         return flipped
 
     # -- persistence ------------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, info: dict | None = None) -> None:
+        """Write the sums atomically; `info` (JSON) is stored in the same file, so it always describes these sums
+        (`read_info`)."""
         layouts = {"source": self.source.__dict__, "target": self.target.__dict__, "count": self.count}
+        metadata = {"kvhandoff_stats": json.dumps(layouts)}
+        if info is not None:
+            metadata[_INFO_KEY] = json.dumps(info)
         tensors = {n: getattr(self, n).contiguous() for n in _TENSORS}
         with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata={"kvhandoff_stats": json.dumps(layouts)})
+            save_file(tensors, str(tmp), metadata=metadata)
+
+    @staticmethod
+    def read_info(path: str | Path) -> dict | None:
+        """The `info` saved with the statistics at `path` (None when none was), without reading the tensors."""
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                text = (handle.metadata() or {}).get(_INFO_KEY)
+            return None if text is None else json.loads(text)
+        except Exception as exc:  # safetensors raises several types for corrupt files
+            raise StatisticsError(f"cannot read statistics file {path}: {exc}; re-run the calibration") from exc
 
     @classmethod
     def load(cls, path: str | Path) -> CalibrationStats:

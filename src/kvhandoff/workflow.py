@@ -19,6 +19,7 @@ import torch
 from kvhandoff.assets import ModelPair, load_pair
 from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig, kvhandoff_home
 from kvhandoff.corpus import calibration_batches, pack_texts
+from kvhandoff.distributed import Ranks, dismiss, follow, lead_collection
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.features import FeatureShardWriter, features_complete
 from kvhandoff.files import atomic_write_json, sha256_json
@@ -84,9 +85,27 @@ class NamedPair:
         return self.source.config.max_position_embeddings, self.target.config.max_position_embeddings
 
 
-def load_named_pair(source: str, target: str, dtype: torch.dtype = torch.float32, progress: bool = True) -> NamedPair:
-    """`assets.load_pair` (which refuses pairs whose tokenizers differ), with the names and cache identities."""
-    return NamedPair.of(source, target, load_pair(source, target, dtype=dtype, progress=progress))
+def load_named_pair(source: str, target: str, dtype: torch.dtype = torch.float32, progress: bool = True,
+                    ranks: Ranks | None = None) -> NamedPair:
+    """`assets.load_pair` (which refuses pairs whose tokenizers differ), with the names and cache identities.
+
+    ranks (a distributed run): rank 0 loads first (converting registry models once), then the other ranks; every
+    rank must end up with the same two models (`DistributedError` otherwise)."""
+    if ranks is None or not ranks.distributed:
+        return NamedPair.of(source, target, load_pair(source, target, dtype=dtype, progress=progress))
+    pair = NamedPair.of(source, target, load_pair(source, target, dtype=dtype, progress=progress)) \
+        if ranks.is_root else None
+    ranks.barrier("waiting for rank 0 to load the models")
+    if pair is None:
+        pair = NamedPair.of(source, target, load_pair(source, target, dtype=dtype, progress=False))
+    ranks.require_same((pair.source_identity, pair.target_identity), "models (source and target identities)")
+    return pair
+
+
+def serve_calibration(pair: NamedPair, ranks: Ranks) -> list[dict]:
+    """Ranks other than 0 of a distributed fit: read their share of every pass rank 0 leads, until dismissed.
+    Returns each pass's record (world_size, windows_per_rank)."""
+    return follow(ranks, pair.source, pair.target)
 
 
 def _slug(spec: str) -> str:
@@ -105,6 +124,13 @@ def pair_dir(pair: NamedPair) -> Path:
 def statistics_path(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec) -> Path:
     key = _key(pair, asdict(calibration), config.token_stride, config.skip_first_tokens)
     return pair_dir(pair) / f"stats-{key}.safetensors"
+
+
+def checkpoint_path(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec) -> Path:
+    """Partial statistics of a distributed pass over the same windows as `statistics_path` (rank 0 rewrites it
+    after every round; a re-run resumes from it; removed once the statistics are saved)."""
+    stats_file = statistics_path(pair, config, calibration)
+    return stats_file.with_name(stats_file.name.replace("stats-", "partial-", 1))
 
 
 def features_dir(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec) -> Path:
@@ -179,6 +205,7 @@ def _split_mix(calibration: CalibrationSpec, leading: int) -> tuple[CalibrationS
 
 def obtain_statistics(
     pair: NamedPair, config: FitConfig, calibration: CalibrationSpec, progress: bool = True, features: bool = False,
+    ranks: Ranks | None = None,
 ) -> tuple[CalibrationStats, dict]:
     """Load the pair's calibration statistics, or collect and save them. Returns (stats, calibration info).
 
@@ -188,7 +215,13 @@ def obtain_statistics(
     features: also make sure the pass's feature rows are on disk; info["features"] then says where
     ({"folder", "reverse"}). When they are missing the pass is run again (statistics and rows must come
     from the same tokens), and a mix is never assembled from parts.
+    ranks (rank 0 of a distributed run): a pass is shared with the other ranks, waiting in `serve_calibration`
+    (`distributed.lead_collection`), checkpointed after every round at `checkpoint_path`; feature rows cannot be
+    collected that way.
     """
+    if features and ranks is not None and ranks.distributed:
+        raise ConfigError("a distributed calibration collects statistics only: settings that need the calibration "
+                          "rows (top_k='heldout', the MLP mapper) run in one process (without torchrun)")
     cached = _cached_statistics(pair, config, calibration, features, progress)
     if cached is not None:
         return cached
@@ -197,9 +230,9 @@ def obtain_statistics(
             parts = _split_mix(calibration, leading)
             lead = parts and _cached_statistics(pair, config, parts[0], False, progress)
             if lead:
-                return _extend(pair, config, calibration, parts, lead, progress)
+                return _extend(pair, config, calibration, parts, lead, progress, ranks)
     feature_folder = features_dir(pair, config, calibration) if features else None
-    return _collect(pair, config, calibration, progress, feature_folder)
+    return _collect(pair, config, calibration, progress, feature_folder, ranks)
 
 
 def _corpus(tokenizer, calibration: CalibrationSpec):
@@ -213,37 +246,57 @@ def _pass_info(pair: NamedPair, corpus, seconds: float) -> dict:
             **_identities(pair), "collect_seconds": round(seconds, 1)}
 
 
-def _extend(pair: NamedPair, config, calibration, parts, lead, progress):
+def _extend(pair: NamedPair, config, calibration, parts, lead, progress, ranks=None):
     """Statistics of `calibration` = the cached pass `lead` over its leading groups + a pass over the rest
     (`parts`: the two specs)."""
     (lead_spec, rest_spec), (lead_stats, lead_info) = parts, lead
     if progress:
         print(f"extending the cached pass over {list(lead_spec.mix)} with {rest_spec.num_sequences} windows of "
               f"{list(rest_spec.mix)}")
-    rest_stats, rest_info = obtain_statistics(pair, config, rest_spec, progress)
+    rest_stats, rest_info = obtain_statistics(pair, config, rest_spec, progress, ranks=ranks)
+    # the leading groups' windows come first in the mix: the new pass's window i is window lead + i of the mix
+    lead_windows = lead_spec.num_sequences
     info = {**_pass_info(pair, _corpus(pair.tokenizer, calibration),
                          lead_info["collect_seconds"] + rest_info["collect_seconds"]),
-            "assembled_from": {"cached_pass": lead_spec.to_dict(), "new_pass": rest_spec.to_dict()}}
+            "world_size": rest_info.get("world_size", 1),
+            "windows_per_rank": [[lead_windows + w for w in share]
+                                 for share in rest_info.get("windows_per_rank", [range(rest_spec.num_sequences)])],
+            "assembled_from": {"cached_pass": lead_spec.to_dict(), "new_pass": rest_spec.to_dict(),
+                               "cached_pass_windows": f"0-{lead_windows - 1}",
+                               "cached_pass_world_size": lead_info.get("world_size")}}
     stats = lead_stats.merge(rest_stats)
     _save_statistics(statistics_path(pair, config, calibration), stats, info)
     return stats, info
 
 
-def _collect(pair: NamedPair, config, calibration, progress, feature_folder=None):
+def _collect(pair: NamedPair, config, calibration, progress, feature_folder=None, ranks=None):
     path = statistics_path(pair, config, calibration)
     corpus = _corpus(pair.tokenizer, calibration)
     started = time.perf_counter()
+    if ranks is not None and ranks.distributed:
+        checkpoint = checkpoint_path(pair, config, calibration)
+        stats, record = lead_collection(ranks, pair.source, pair.target, corpus.input_ids, config,
+                                        corpus.batch_size, checkpoint, progress)
+        info = {**_pass_info(pair, corpus, time.perf_counter() - started), **record}
+        _save_statistics(path, stats, info)
+        checkpoint.unlink(missing_ok=True)
+        return stats, info
     writer = None
     if feature_folder is not None:
         writer = FeatureShardWriter(feature_folder, feature_layout(pair.source), feature_layout(pair.target))
     stats = collect_statistics(pair.source, pair.target, corpus, config, progress, feature_writer=writer)
-    info = _pass_info(pair, corpus, time.perf_counter() - started)
+    info = {**_pass_info(pair, corpus, time.perf_counter() - started), **_one_process_record(corpus.num_sequences)}
     if writer is not None:
         writer.close({"calibration": info, "token_stride": config.token_stride})
     _save_statistics(path, stats, info)
     if writer is not None:
         info = {**info, "features": {"folder": str(feature_folder), "reverse": False}}
     return stats, info
+
+
+def _one_process_record(windows: int) -> dict:
+    """How a one-process pass read its windows, in the form a distributed pass records it."""
+    return {"world_size": 1, "windows_per_rank": [list(range(windows))]}
 
 
 def _save_statistics(path: Path, stats: CalibrationStats, info: dict) -> None:
@@ -280,19 +333,24 @@ def obtain_mapper(
     progress: bool = True,
     refit: bool = False,
     mlp: MLPConfig | None = None,
+    ranks: Ranks | None = None,
 ) -> tuple[Mapper, Path, bool]:
     """Return (mapper, its folder, whether it was reused from the cache): the ridge mapper of `config`, or with
     `mlp` an `MLPMapper` around it. Settings that need the calibration rows (top_k="heldout", the MLP) make the
-    pass keep them, running it again when a cached pass kept none (`obtain_statistics`)."""
+    pass keep them, running it again when a cached pass kept none (`obtain_statistics`).
+    ranks (rank 0 of a distributed run): a pass needed is shared with the other ranks (`serve_calibration`), which
+    are dismissed once the statistics are there; only rank 0 solves and saves."""
     folder = (mapper_dir(pair, config, calibration) if mlp is None
               else mlp_mapper_dir(pair, config, calibration, mlp))
     expected = {"config": config.to_dict(), **({} if mlp is None else {"mlp_config": mlp.to_dict()})}
     cached = None if refit else _cached(folder, pair, expected, progress)
     if cached is not None:
+        _dismiss(ranks)
         return cached, folder, True
     check_pair(pair.source, pair.target, pair.models.source_tokenizer, pair.models.target_tokenizer)
     stats, info = obtain_statistics(pair, config, calibration, progress,
-                                    features=mlp is not None or config.top_k == "heldout")
+                                    features=mlp is not None or config.top_k == "heldout", ranks=ranks)
+    _dismiss(ranks)
     r2 = layer_r2_matrix(stats, config.probe_lambda)
     mapper = _ridge_mapper(stats, info, config, pair, r2_matrix=r2)
     if mlp is not None:
@@ -300,6 +358,11 @@ def obtain_mapper(
         mapper = fit_mlp_mapper(mapper, features["folder"], r2, mlp, reverse=features["reverse"], progress=progress)
     mapper.save(folder)
     return mapper, folder, False
+
+
+def _dismiss(ranks: Ranks | None) -> None:
+    if ranks is not None:
+        dismiss(ranks)
 
 
 def _ridge_mapper(stats, info: dict, config: FitConfig, pair: NamedPair, r2_matrix=None) -> Mapper:
@@ -316,16 +379,32 @@ def _ridge_mapper(stats, info: dict, config: FitConfig, pair: NamedPair, r2_matr
 
 
 def fit_on_texts(pair: NamedPair, texts: Path, config: FitConfig, sequences: int, seq_len: int,
-                 seed: int = 0) -> Mapper:
-    """A ridge mapper calibrated on a UTF-8 text file (paragraphs split on blank lines), not cached."""
+                 seed: int = 0, ranks: Ranks | None = None) -> Mapper:
+    """A ridge mapper calibrated on a UTF-8 text file (paragraphs split on blank lines), not cached.
+    ranks (rank 0 of a distributed run): the pass is shared with the ranks in `serve_calibration` (no checkpoint:
+    nothing of a text-file fit is cached)."""
     if config.top_k == "heldout":
         raise ConfigError("top_k='heldout' calibrates on the built-in corpus (its rows are cached per pair)")
     paragraphs = [p.strip() for p in texts.read_text(encoding="utf-8").split("\n\n") if p.strip()]
     corpus = pack_texts(pair.tokenizer, paragraphs, sequences, seq_len, seed=seed, name=str(texts))
+    if ranks is not None and ranks.distributed:
+        check_pair(pair.source, pair.target, pair.models.source_tokenizer, pair.models.target_tokenizer)
+        started = time.perf_counter()
+        try:
+            stats, record = lead_collection(ranks, pair.source, pair.target, corpus.input_ids, config,
+                                            corpus.batch_size)
+        finally:
+            _dismiss(ranks)
+        mapper = mapper_from_statistics(stats, config, *pair.fingerprints(),
+                                        {**corpus.describe(), "source_model": pair.source_spec,
+                                         "target_model": pair.target_spec, **record},
+                                        max_position_embeddings=pair.max_positions())
+        mapper.manifest = mapper.manifest.with_metrics(collect_seconds=round(time.perf_counter() - started, 3))
+        return mapper
     return fit_mapper(pair.source, pair.target, corpus, config, pair.models.source_tokenizer,
                       pair.models.target_tokenizer,
                       calibration={**corpus.describe(), "source_model": pair.source_spec,
-                                   "target_model": pair.target_spec})
+                                   "target_model": pair.target_spec, **_one_process_record(corpus.num_sequences)})
 
 
 def describe_fit(mapper: Mapper) -> str:

@@ -28,7 +28,15 @@ from kvhandoff.cli.options import (
     top_k,
 )
 from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig
-from kvhandoff.workflow import describe_fit, fit_on_texts, load_named_pair, obtain_mapper, refine_saved_mapper
+from kvhandoff.distributed import DEFAULT_CHECKPOINT_EVERY, dismiss, launched, requested_world_size
+from kvhandoff.workflow import (
+    describe_fit,
+    fit_on_texts,
+    load_named_pair,
+    obtain_mapper,
+    refine_saved_mapper,
+    serve_calibration,
+)
 
 
 def prepare(
@@ -70,8 +78,18 @@ def fit(
     mlp_inputs: Annotated[int, typer.Option(parser=positive_int, help=(
         "mlp: source layers (K and V) read by each target layer's MLP"))] = MLPConfig().input_layers,
     epochs: Annotated[int, typer.Option(parser=positive_int, help="mlp: training epochs")] = MLPConfig().epochs,
+    checkpoint_every: Annotated[int, typer.Option(parser=positive_int, help=(
+        "under torchrun: windows each rank reads between two reductions; rank 0 checkpoints every reduction, so "
+        "a re-run resumes"))] = DEFAULT_CHECKPOINT_EVERY,
+    dist_timeout: Annotated[float | None, typer.Option(parser=positive_float, metavar="SECONDS", help=(
+        "under torchrun: how long a collective waits for the other ranks (default $KVHANDOFF_DIST_TIMEOUT "
+        "or 1800)"))] = None,
 ) -> None:
-    """Fit a mapper from SOURCE's KV cache to TARGET's and save it to OUT."""
+    """Fit a mapper from SOURCE's KV cache to TARGET's and save it to OUT.
+
+    Under torchrun (WORLD_SIZE > 1) the calibration windows are shared out between the ranks and their float64
+    sums added up on rank 0, which solves and saves; `torchrun --nproc-per-node N -m kvhandoff.cli fit ...`.
+    """
     if texts is not None and not texts.is_file():
         raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")
     if texts is not None and (method == "mlp" or k == "heldout"):
@@ -85,12 +103,25 @@ def fit(
         with option_errors("--sequences", "--seq-len", "--mix"):
             calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed, mix=groups)
     mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed) if method == "mlp" else None
-    pair = load_named_pair(source, target)
-    if calibration is not None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
-        mapper = obtain_mapper(pair, config, calibration, mlp=mlp)[0]
-    else:
-        mapper = fit_on_texts(pair, texts, config, sequences, seq_len, seed)
-    mapper.save(out)
+    if requested_world_size() > 1 and (method == "mlp" or k == "heldout"):
+        raise typer.BadParameter("--method mlp and --top-k heldout need the calibration rows, which a distributed "
+                                 "run does not collect: run them without torchrun", param_hint="--method / --top-k")
+    with launched(dist_timeout, checkpoint_every) as ranks:
+        pair = load_named_pair(source, target, progress=ranks.is_root, ranks=ranks)
+        if not ranks.is_root:
+            records = serve_calibration(pair, ranks)
+            windows = sum(len(record["windows_per_rank"][ranks.rank]) for record in records)
+            typer.echo(f"rank {ranks.rank} of {ranks.world_size}: done, read {windows} calibration window(s) for "
+                       "rank 0", err=True)
+            return
+        try:
+            if calibration is not None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
+                mapper = obtain_mapper(pair, config, calibration, mlp=mlp, ranks=ranks)[0]
+            else:
+                mapper = fit_on_texts(pair, texts, config, sequences, seq_len, seed, ranks=ranks)
+        finally:
+            dismiss(ranks)  # a failure before any pass must not leave the other ranks waiting
+        mapper.save(out)
     typer.echo(f"saved {out} ({mapper.num_parameters():,} parameters); {describe_fit(mapper)}")
 
 
