@@ -223,8 +223,8 @@ def plot_serve_bench(result: dict, path: str | Path) -> Path:
     for axis, (source, target) in zip(axes[0], directions, strict=False):
         rows = [r for r in result["results"] if (r["source"], r["target"]) == (source, target)]
         tokens = [r["tokens"] for r in rows]
-        for path, style in (("reprefill", "o-"), ("handoff", "s-")):
-            axis.plot(tokens, [r[path]["ttft_s"]["median"] for r in rows], style, label=path)
+        for name, style in (("reprefill", "o-"), ("handoff", "s-")):
+            axis.plot(tokens, [r[name]["ttft_s"]["median"] for r in rows], style, label=name)
         axis.set_xscale("log")
         axis.set_yscale("log")
         axis.set_xticks(tokens, [str(t) for t in tokens])
