@@ -111,7 +111,7 @@ async def bench_over_http(url: str, tokenizer, pairs: list[tuple[str, str]], len
                           timeout_s: float = 1800.0, conversations=None, echo=print) -> dict:
     """Measure every length and pair against the server at ``url`` (see the module docstring); the rows of the
     result, with the lengths skipped for the time limit (no new length starts after ``time_limit_s``)."""
-    conversations = conversations if conversations is not None else coqa_dialogues(12)
+    conversations = conversations if conversations is not None else coqa_dialogues(40)
     rows, skipped = [], []
     started = time.monotonic()
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as http:
