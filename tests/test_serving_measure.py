@@ -61,7 +61,7 @@ def test_bench_serve_times_both_paths_per_length_and_direction(tiny_cli, tmp_pat
             assert path["first_chunk_s"]["median"] <= path["ttft_s"]["median"]
         assert row["ratio"] == pytest.approx(reprefill["ttft_s"]["median"] / handoff["ttft_s"]["median"])
         assert row["history_tokens"] < row["prompt_tokens"]
-    assert rows[2]["prompt_tokens"] - rows[0]["prompt_tokens"] == 24  # the document grew by 24 tokens
+    assert rows[2]["history_tokens"] - rows[0]["history_tokens"] == 24  # the document grew by 24 tokens
 
 
 def test_bench_serve_one_direction_and_bad_values(tiny_cli, tmp_path):
