@@ -217,6 +217,7 @@ def plot_serve_bench(result: dict, path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullLocator
 
     directions = list(dict.fromkeys((r["source"], r["target"]) for r in result["results"]))
     fig, axes = plt.subplots(1, max(len(directions), 1), figsize=(6 * max(len(directions), 1), 4.5), squeeze=False)
@@ -228,7 +229,10 @@ def plot_serve_bench(result: dict, path: str | Path) -> Path:
         axis.set_xscale("log")
         axis.set_yscale("log")
         axis.set_xticks(tokens, [str(t) for t in tokens])
-        axis.minorticks_off()
+        axis.xaxis.set_minor_locator(NullLocator())
+        axis.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        axis.yaxis.set_minor_locator(NullLocator())
         axis.set_title(f"{source} → {target}", fontsize=10)
         axis.set_xlabel("history (tokens)")
         axis.set_ylabel("time to first token over HTTP (s, median)")
