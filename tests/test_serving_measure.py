@@ -15,7 +15,7 @@ from kvhandoff.cli import app
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.client import require_loopback
 from kvhandoff.serving.guard import guard_records, guard_records_by_signal
-from kvhandoff.serving.guard_eval import chat_turns, switching_schedule
+from kvhandoff.serving.guard_eval import chat_turns, resummarize, switching_schedule
 from kvhandoff.serving.loadtest import load_over_http, percentile, schedule
 from kvhandoff.serving.workload import coqa_dialogues, document
 
@@ -110,6 +110,8 @@ def test_guard_eval_splits_dev_and_heldout_and_reports_each_signal(tiny_cli, tmp
         assert row["heldout"]["catch_rate"] is None and row["heldout"]["false_fallback_rate"] is not None
         assert row["served_threshold"] == {"threshold": 1.0, "catch_rate": None, "false_fallback_rate": 0.0,
                                            "fallback_rate": 0.0}
+        assert {d: v["handoffs"] for d, v in row["by_direction"].items()} == {"large → small": 4, "small → large": 4}
+    assert resummarize(guard)["signals"] == guard["signals"]  # the stored records give the same numbers again
     records = guard["records"]
     assert {r["split"] for r in records if r["conversation"] % 2} == {"heldout"}
     assert {(r["from"], r["to"]) for r in records} == {("small", "large"), ("large", "small")}

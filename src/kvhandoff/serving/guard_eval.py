@@ -110,8 +110,33 @@ def evaluate_signal(records: list[GuardRecord], heldout: set[int], signal: str,
         "heldout": {"handoffs": sum(r.score is not None for r in held),
                     "changed": sum(r.differs for r in held if r.score is not None), **rates(held, chosen.threshold)},
         "served_threshold": {"threshold": served_threshold, **rates(records, served_threshold)},
+        "by_direction": {f"{source} → {target}": _direction(records, source, target, served_threshold)
+                         for source, target in sorted({(r.source, r.target) for r in records})},
         "unscored": sum(r.score is None for r in records),
     }
+
+
+def _direction(records: list[GuardRecord], source: str, target: str, served_threshold: float) -> dict:
+    chosen = [r for r in records if (r.source, r.target) == (source, target)]
+    return {"handoffs": len(chosen), "changed": sum(r.differs for r in chosen), "auroc": _auroc(chosen),
+            "served_threshold": rates(chosen, served_threshold)}
+
+
+def records_of(result: dict) -> dict[str, list[GuardRecord]]:
+    """The `GuardRecord`s of each signal stored in a `run_guard_eval` result (to summarise it again)."""
+    return {signal: [GuardRecord(r["conversation"], r["turn"], r["from"], r["to"], r["mapped_tokens"],
+                                 r["scores"][signal], r["differs"]) for r in result["records"]]
+            for signal in result["settings"]["signals"]}
+
+
+def resummarize(result: dict, served_threshold: float = ServeConfig().guard_threshold) -> dict:
+    """``result`` (a `run_guard_eval` result, e.g. read back from its JSON) with its per-signal numbers computed
+    again from its records by this version of `evaluate_signal`."""
+    heldout = {r["conversation"] for r in result["records"] if r["split"] == "heldout"}
+    settings = result["settings"]
+    signals = {signal: evaluate_signal(records, heldout, signal, settings["max_false_fallback"], served_threshold)
+               for signal, records in records_of(result).items()}
+    return {**result, "signals": signals}
 
 
 def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, switch_every: int = 1,
