@@ -149,6 +149,39 @@ def test_small_large_small_conversation_hands_over_exactly(server):
     assert chat(client, "small", messages2, user="conversation-3")[2]["status"] == "applied"
 
 
+def test_per_request_reprefill_override_re_prefills_at_a_switch_and_says_so(server):
+    """kv_handoff.mode "reprefill" (sent by the openai client with extra_body): at a switch nothing is mapped, the
+    receiving model re-prefills the conversation, status "reprefill" names the previous model; without a switch the
+    override changes nothing."""
+    client = client_of(server)
+    reprefill = {"kv_handoff": {"mode": "reprefill"}}
+    messages = [{"role": "user", "content": USER_TURNS[0]}]
+    text, headers, handoff, _ = chat(client, "small", messages, session="override", extra_body=reprefill)
+    assert headers["x-kv-handoff"] == "none" and handoff["status"] == "none"  # no switch: nothing to override
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": USER_TURNS[1]}]
+    text, headers, handoff, usage = chat(client, "large", messages, session="override", extra_body=reprefill)
+    assert headers["x-kv-handoff"] == "reprefill" and handoff["status"] == "reprefill"
+    assert handoff["from"] == "small" and handoff["to"] == "large" and handoff["guard"] is None
+    assert handoff["mapped_tokens"] == 0 and handoff["read_tokens"] == usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert text == expected("large", messages)
+    assert metric(server, 'kvhandoff_handoffs_total{from="small",status="reprefill",to="large"}') == 1
+    assert metric(server, 'kvhandoff_time_to_first_token_seconds_count{status="reprefill"}') >= 1
+    # "auto" (the default) maps again at the next switch
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": USER_TURNS[2]}]
+    text, headers, handoff, _ = chat(client, "small", messages, session="override",
+                                     extra_body={"kv_handoff": {"mode": "auto"}})
+    assert headers["x-kv-handoff"] == "applied" and handoff["mapped_tokens"] > 0
+    assert text == expected("small", messages)
+    # completions take it too
+    body = {"model": "small", "prompt": "abcdef", "max_tokens": 2, "temperature": 0}
+    httpx.post(server.url + "/v1/completions", json=body, headers={"X-Session-ID": "override-2"}, timeout=30)
+    response = httpx.post(server.url + "/v1/completions", json={**body, "model": "large", "prompt": "abcdefgh",
+                                                                **reprefill},
+                          headers={"X-Session-ID": "override-2"}, timeout=30)
+    assert response.headers["x-kv-handoff"] == "reprefill" and response.json()["kv_handoff"]["mapped_tokens"] == 0
+
+
 def test_guard_forced_to_fall_back_re_prefills():
     with running(guard=True, guard_threshold=-1e9) as server:
         client = client_of(server)
@@ -213,6 +246,12 @@ BAD_REQUESTS = [
      "stop"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "stream"),
     ({"model": "small", "messages": [{"role": "user", "content": "x" * 600}]}, 413, "messages"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "kv_handoff": {"mode": "never"}}, 400,
+     "kv_handoff.mode"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "kv_handoff": "reprefill"}, 400,
+     "kv_handoff"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "kv_handoff": {"mode": "auto", "to": 1}},
+     400, "kv_handoff.to"),
 ]
 BAD_COMPLETIONS = [
     ({"model": "small", "prompt": ["one", "two"]}, 400, "prompt"),
@@ -221,6 +260,7 @@ BAD_COMPLETIONS = [
     ({"model": "small", "prompt": "x", "echo": True}, 400, "echo"),
     ({"model": "small", "prompt": ""}, 400, "prompt"),
     ({"model": "large", "prompt": "x" * 600}, 413, "prompt"),
+    ({"model": "small", "prompt": "x", "kv_handoff": {"mode": 1}}, 400, "kv_handoff.mode"),
 ]
 
 

@@ -52,3 +52,26 @@ def test_load_family_from_local_folders_and_saved_mappers(tmp_path):
         load_family(specs, swapped, progress=False)
     with pytest.raises(ConfigError, match="not hosted"):
         load_family(specs, {("small", "huge"): tmp_path / "up"}, progress=False)
+
+
+def test_load_family_obtains_the_cached_default_mapper_of_each_missing_direction(tmp_path, monkeypatch):
+    import kvhandoff.serving.family as family
+
+    small_path, large_path = save_tiny_pair(tmp_path)
+    small, tokenizer = load_model(small_path, progress=False)
+    large, _ = load_model(large_path, progress=False)
+    saved = tmp_path / "up"
+    fit_mapper(small, large, random_batches(2), FitConfig(top_k=1), tokenizer, tokenizer, progress=False).save(saved)
+    asked = []
+
+    def fake_obtain_mapper(pair, progress=True):  # workflow.obtain_mapper's signature: a NamedPair first
+        asked.append((pair.source_spec, pair.target_spec, pair.source_identity != pair.target_identity))
+        return fit_mapper(pair.source, pair.target, random_batches(2), FitConfig(top_k=1), pair.tokenizer,
+                          pair.models.target_tokenizer, progress=False), tmp_path / "cached", True
+
+    monkeypatch.setattr(family, "obtain_mapper", fake_obtain_mapper)
+    specs = parse_model_specs([f"small={small_path}", f"large={large_path}"])
+    models, mappers = load_family(specs, {("small", "large"): saved}, progress=False)
+    assert asked == [(large_path, small_path, True)]  # only the direction without a folder
+    assert set(mappers) == {("small", "large"), ("large", "small")}
+    Engine(models, mappers, ServeConfig()).close()

@@ -20,14 +20,16 @@ def test_reports_count_handoffs_tokens_and_first_token_times():
     metrics.record_first_token(report("applied", 40, 50), 0.02)
     metrics.record_first_token(report("fallback", 40, 0), 0.5)
     metrics.record_first_token(report("none", 0, 12), 0.01)
+    metrics.record_first_token(report("reprefill", 0, 0), 0.4)
     value = metrics.registry.get_sample_value
     assert value("kvhandoff_handoffs_total", {"from": "small", "to": "large", "status": "applied"}) == 1
     assert value("kvhandoff_handoffs_total", {"from": "small", "to": "large", "status": "fallback"}) == 1
+    assert value("kvhandoff_handoffs_total", {"from": "small", "to": "large", "status": "reprefill"}) == 1
     assert value("kvhandoff_mapped_tokens_total", {"from": "small", "to": "large"}) == 80
     assert value("kvhandoff_guard_fallbacks_total", {"from": "small", "to": "large"}) == 1
     assert value("kvhandoff_prefill_tokens_avoided_total", {"kind": "mapped"}) == 40
     assert value("kvhandoff_prefill_tokens_avoided_total", {"kind": "own"}) == 10 + 12
-    for status in ("applied", "fallback", "none"):
+    for status in ("applied", "fallback", "reprefill", "none"):
         assert value("kvhandoff_time_to_first_token_seconds_count", {"status": status}) == 1
     metrics.track(lambda: 3, lambda: 4096)
     body, content_type = metrics.render()

@@ -1,4 +1,5 @@
-"""`kvhandoff` command line: prepare, fit, refine, demo, tune, eval, eval-render, bench, analyze, serve.
+"""`kvhandoff` command line: prepare, fit, refine, demo, tune, eval, eval-render, bench, analyze, serve, bench-serve,
+load-test, guard-eval.
 
 One module per command group; the options several commands share, and the parsers of command-line values,
 live in `kvhandoff.cli.options`; failures are reported on one line (`kvhandoff.cli.group`). Each command
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from kvhandoff.cli import analyze, bench, demo, evaluate, models, serve, tune
+from kvhandoff.cli import analyze, bench, demo, evaluate, measure, models, serve, tune
 from kvhandoff.cli.group import CommandGroup
 
 app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
@@ -23,6 +24,9 @@ app.command("eval-render")(evaluate.render_command)
 app.command()(bench.bench)
 app.command()(analyze.analyze)
 app.command()(serve.serve)
+app.command("bench-serve")(measure.bench_serve)
+app.command("load-test")(measure.load_test)
+app.command("guard-eval")(measure.guard_eval)
 
 
 def main() -> None:

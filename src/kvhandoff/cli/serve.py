@@ -23,19 +23,37 @@ from kvhandoff.serving.server import run_server
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
+#: the hosted models (`serve`, and the measurements that host a family)
+Models = Annotated[str, typer.Option(help=(
+    "hosted models, comma-separated NAME=SPEC (or SPEC, named by itself); SPEC: registry name, local model "
+    "folder or hub id (default: qwen2.5-coder:0.5b and qwen2.5-coder:1.5b)"))]
+#: saved mappers of the hosted models
+Mappers = Annotated[list[str] | None, typer.Option("--mapper", help=(
+    "FROM:TO=DIR: a saved mapper for one direction (repeatable); the other directions use the pair's cached "
+    "default mapper, fitted on first use"))]
+GuardSwitch = Annotated[str, typer.Option(parser=one_of(("on", "off")), help=(
+    "score a mapped cache before it serves and re-prefill when it scores as degraded"))]
+GuardSignal = Annotated[str, typer.Option(parser=one_of(GUARD_SIGNALS), help="the guard's score")]
+GuardThreshold = Annotated[float, typer.Option(help="re-prefill when the guard's score exceeds this")]
+
+
+def family_specs(models: str, mapper: list[str] | None):
+    """(specs, mapper folders) of the --models / --mapper options, for `load_family`; bad values are reported
+    against those options."""
+    with option_errors("--models", "--mapper"):
+        specs = parse_model_specs(item for item in models.split(",") if item.strip()) or None
+        mapper_dirs = parse_mapper_dirs(mapper or [], list(specs) if specs else [DEFAULT_SOURCE, DEFAULT_TARGET])
+    return specs, mapper_dirs
+
+
 def serve(
-    models: Annotated[str, typer.Option(help=(
-        "hosted models, comma-separated NAME=SPEC (or SPEC, named by itself); SPEC: registry name, local model "
-        "folder or hub id (default: qwen2.5-coder:0.5b and qwen2.5-coder:1.5b)"))] = "",
-    mapper: Annotated[list[str] | None, typer.Option("--mapper", help=(
-        "FROM:TO=DIR: a saved mapper for one direction (repeatable); the other directions use the pair's cached "
-        "default mapper, fitted on first use"))] = None,
+    models: Models = "",
+    mapper: Mappers = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(parser=non_negative_int, help="port to listen on")] = 8000,
-    guard: Annotated[str, typer.Option(parser=one_of(("on", "off")), help=(
-        "score a mapped cache before it serves and re-prefill when it scores as degraded"))] = "on",
-    guard_signal: Annotated[str, typer.Option(parser=one_of(GUARD_SIGNALS), help="the guard's score")] = "logloss",
-    guard_threshold: Annotated[float, typer.Option(help="re-prefill when the guard's score exceeds this")] = 1.0,
+    guard: GuardSwitch = "on",
+    guard_signal: GuardSignal = "logloss",
+    guard_threshold: GuardThreshold = 1.0,
     max_sessions: Annotated[int, typer.Option(parser=positive_int, help="live sessions at once")] = 256,
     session_ttl: Annotated[float, typer.Option(parser=positive_float, help="seconds an idle session is kept")]
     = 1800.0,
@@ -52,8 +70,5 @@ def serve(
                              guard_threshold=guard_threshold, max_sessions=max_sessions, session_ttl_s=session_ttl,
                              cache_memory_bytes=cache_memory, max_context=max_context, recompute=recompute,
                              log_level=log_level)
-    with option_errors("--models", "--mapper"):
-        specs = parse_model_specs(item for item in models.split(",") if item.strip()) or None
-        mapper_dirs = parse_mapper_dirs(mapper or [], list(specs) if specs else [DEFAULT_SOURCE, DEFAULT_TARGET])
-    run_server(*load_family(specs, mapper_dirs), config)
+    run_server(*load_family(*family_specs(models, mapper)), config)
 

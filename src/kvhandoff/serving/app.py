@@ -50,7 +50,7 @@ ERROR_STATUS = {
 }
 #: header naming the session (before the body's prompt_cache_key and user)
 SESSION_HEADER = "X-Session-ID"
-#: response header saying what happened to the cache: applied | fallback | none
+#: response header saying what happened to the cache: applied | fallback | reprefill | none
 HANDOFF_HEADER = "X-KV-Handoff"
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 
@@ -149,7 +149,7 @@ def create_app(engine: Engine) -> FastAPI:
         request = GenerationRequest(
             model=body.model, messages=tuple((m.template_role(), m.text()) for m in body.messages),
             max_tokens=body.answer_limit(), temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-            stop=body.stop_strings(), session_id=session_of(x_session_id, body),
+            stop=body.stop_strings(), session_id=session_of(x_session_id, body), handoff_mode=body.handoff_mode(),
         )
         return await respond(request, body, chat=True)
 
@@ -160,6 +160,7 @@ def create_app(engine: Engine) -> FastAPI:
         request = GenerationRequest(
             model=body.model, prompt=prompt, max_tokens=body.answer_limit(), temperature=body.temperature,
             top_p=body.top_p, seed=body.seed, stop=body.stop_strings(), session_id=session_of(x_session_id, body),
+            handoff_mode=body.handoff_mode(),
         )
         return await respond(request, body, chat=False)
 

@@ -33,6 +33,7 @@ from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.serving.decoding import choose_token, end_ids, held_back, make_generator, stop_index
 from kvhandoff.serving.guard import guard_score, reference_logprobs
 from kvhandoff.serving.metrics import ServingMetrics
+from kvhandoff.serving.protocol import HANDOFF_MODES
 from kvhandoff.session import SwitchingSession
 
 #: the chat template of a tokenizer that has none (ChatML, the layout of Qwen chat models)
@@ -59,7 +60,9 @@ class RequestError(KVHandoffError):
 @dataclass(frozen=True)
 class GenerationRequest:
     """One request: chat ``messages`` ((role, text) pairs, the chat template applied by the engine) or a completion
-    ``prompt`` (text or token ids); sampling settings (temperature 0: greedy); ``session_id`` None: stateless."""
+    ``prompt`` (text or token ids); sampling settings (temperature 0: greedy); ``session_id`` None: stateless;
+    ``handoff_mode`` (`protocol.HANDOFF_MODES`) "auto", or "reprefill": at a switch the receiving model re-prefills
+    the conversation instead of mapping it (the path without handoff, for comparisons)."""
 
     model: str
     messages: tuple[tuple[str, str], ...] | None = None
@@ -70,6 +73,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     session_id: str | None = None
+    handoff_mode: str = "auto"
 
     @property
     def prompt_field(self) -> str:
@@ -283,6 +287,9 @@ class Engine:
         if hosted is None:
             raise RequestError("not_found", f"the model {request.model!r} does not exist; this server hosts "
                                f"{', '.join(self._models)}", param="model", code="model_not_found")
+        if request.handoff_mode not in HANDOFF_MODES:
+            raise RequestError("invalid_request", f"kv_handoff.mode must be one of {', '.join(HANDOFF_MODES)}, got "
+                               f"{request.handoff_mode!r}", param="kv_handoff.mode")
         prompt = await asyncio.to_thread(self._prompt_ids, hosted, request)
         if not prompt:
             raise RequestError("invalid_request", "the prompt is empty", param=request.prompt_field)
@@ -381,7 +388,7 @@ class Engine:
             if generation.cancelled.is_set():
                 raise RequestError("cancelled", "the client went away before the request was served")
             with torch.inference_mode():
-                report, logprobs = self._prepare(session, hosted.name, prompt)
+                report, logprobs = self._prepare(session, hosted.name, prompt, request.handoff_mode)
                 self.metrics.record_first_token(report.to_dict(), time.perf_counter() - arrival)
                 generation.post("ready", report)
                 self._decode(session, hosted, logprobs, len(prompt), max_new, request, generation)
@@ -394,8 +401,9 @@ class Engine:
             state.bytes = session.cache_bytes() if state.id is not None else 0
             generation.call_soon(functools.partial(self._finish, state, generation))
 
-    def _prepare(self, session: SwitchingSession, server: str, prompt: list[int]):
-        """Bring ``server``'s cache of the session up to ``prompt``; returns (report, log-probs of the next token)."""
+    def _prepare(self, session: SwitchingSession, server: str, prompt: list[int], mode: str = "auto"):
+        """Bring ``server``'s cache of the session up to ``prompt``; returns (report, log-probs of the next token).
+        At a switch with ``mode`` "reprefill" the model re-prefills the whole conversation instead of mapping."""
         started = time.perf_counter()
         common = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
         session.truncate(common)
@@ -404,7 +412,11 @@ class Engine:
         own = session.cache(server)
         mapped = common - (own.get_seq_length() if own is not None else 0) if previous not in (None, server) else 0
         status, source, guard = "none", None, None
-        if mapped > 0:
+        if mapped > 0 and mode == "reprefill":
+            status, source, mapped = "reprefill", previous, 0
+            session.tokens += new  # read by the prefill below, with the rest of the conversation
+            logprobs = session.reprefill(server)[None]
+        elif mapped > 0:
             status, source = "applied", previous
             config = self.config
             keep, reference = 1, None
@@ -420,9 +432,9 @@ class Engine:
                     logprobs = session.reprefill(server)[None]
         else:
             logprobs = session.read_logprobs(server, new)
-        fallback = status == "fallback"
-        report = HandoffReport(status, source, server, mapped, len(prompt) if fallback else len(new),
-                               0 if fallback else common, len(prompt), guard,
+        prefilled = status in ("fallback", "reprefill")  # the whole conversation was read again
+        report = HandoffReport(status, source, server, mapped, len(prompt) if prefilled else len(new),
+                               0 if prefilled else common, len(prompt), guard,
                                round((time.perf_counter() - started) * 1000, 3))
         return report, logprobs[-1]
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, load_model, load_pair
+from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, ModelPair, load_model, load_pair
 from kvhandoff.errors import ConfigError
 from kvhandoff.geometry import check_pair
 from kvhandoff.mapper import Mapper
-from kvhandoff.workflow import obtain_mapper
+from kvhandoff.workflow import NamedPair, obtain_mapper
 
 
 def parse_model_specs(items: Iterable[str]) -> dict[str, str]:
@@ -82,6 +82,7 @@ def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str
                 mappers[source, target] = Mapper.load(mapper_dirs[source, target], source_model, target_model,
                                                       tokenizer, target_tokenizer)
             else:
-                mappers[source, target] = obtain_mapper(specs[source], specs[target], source_model, target_model,
-                                                        tokenizer, progress=progress)[0]
+                pair = NamedPair.of(specs[source], specs[target],
+                                    ModelPair(source_model, target_model, tokenizer, target_tokenizer))
+                mappers[source, target] = obtain_mapper(pair, progress=progress)[0]
     return models, mappers

@@ -14,6 +14,7 @@ conversation by the receiving model. A score above the threshold means: re-prefi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -151,9 +152,27 @@ def guard_records(models, mappers, conversations, signal: str = "logloss", max_n
     record says whether the two answers differ. The conversation goes on with the re-prefilled answer, so later
     turns do not inherit earlier mapping errors.
     """
+    return guard_records_by_signal(models, mappers, conversations, (signal,), max_new_tokens, window, stop_ids,
+                                   handover, exact_prefix, recompute)[signal]
+
+
+@torch.inference_mode()
+def guard_records_by_signal(models, mappers, conversations, signals: Sequence[str] = GUARD_SIGNALS,
+                            max_new_tokens: int = 16, window: int = 64, stop_ids=(), handover: str = "incremental",
+                            exact_prefix: int | None = None, recompute=None,
+                            time_limit_s: float | None = None) -> dict[str, list[GuardRecord]]:
+    """`guard_records` for several signals in one pass (the answers do not depend on the signal): signal → records.
+    With ``time_limit_s`` no conversation starts after that many seconds (the records of those that ran)."""
+    signals = tuple(signals)
+    for signal in signals:
+        if signal not in GUARD_SIGNALS:
+            raise ConfigError(f"guard signal must be one of {', '.join(GUARD_SIGNALS)}, got {signal!r}")
     stop_ids = frozenset(stop_ids)
-    records = []
+    records: dict[str, list[GuardRecord]] = {signal: [] for signal in signals}
+    started = time.monotonic()
     for c, turns in enumerate(conversations):
+        if time_limit_s is not None and time.monotonic() - started > time_limit_s:
+            break
         session = SwitchingSession(models, mappers, handover, exact_prefix, recompute)
         for t, (server, ids) in enumerate(turns):
             ids = list(ids)
@@ -166,13 +185,15 @@ def guard_records(models, mappers, conversations, signal: str = "logloss", max_n
             mapped_tokens = len(session.tokens) - (cached.get_seq_length() if cached is not None else 0)
             reference = reference_logprobs(models[previous], session.cache(previous), ids, window)
             served = session.read_logprobs(server, ids, window)
-            score = guard_score(signal, served, reference, ids)
+            scores = {signal: guard_score(signal, served, reference, ids) for signal in signals}
             length = len(session.tokens)
             handed = greedy_answer(session, server, served[-1], max_new_tokens, stop_ids)
             session.truncate(length)
             own = greedy_answer(session, server, session.reprefill(server), max_new_tokens, stop_ids,
                                 feed_last=True)
-            records.append(GuardRecord(c, t, previous, server, mapped_tokens, score, handed != own))
+            for signal in signals:
+                records[signal].append(GuardRecord(c, t, previous, server, mapped_tokens, scores[signal],
+                                                   handed != own))
     return records
 
 

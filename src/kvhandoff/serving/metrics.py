@@ -12,11 +12,13 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 class ServingMetrics:
     """Counters, gauges and histograms of one engine.
 
-    kvhandoff_handoffs_total{from,to,status}: conversations handed over (status applied | fallback);
+    kvhandoff_handoffs_total{from,to,status}: switches of model (status applied | fallback, or reprefill: the
+    request asked to re-prefill instead of mapping);
     kvhandoff_mapped_tokens_total{from,to}: cached positions mapped between models;
     kvhandoff_prefill_tokens_avoided_total{kind}: prompt tokens served from a cache instead of prefilled (kind own |
     mapped); kvhandoff_time_to_first_token_seconds{status}: request arrival to the first token's distribution
-    (status applied | fallback | none); kvhandoff_live_sessions, kvhandoff_cache_bytes: gauges read at scrape time;
+    (status applied | fallback | reprefill | none); kvhandoff_live_sessions, kvhandoff_cache_bytes: gauges read at
+    scrape time;
     kvhandoff_evictions_total{reason}: sessions dropped (memory | ttl | sessions); kvhandoff_guard_fallbacks_total
     {from,to}; kvhandoff_requests_total{endpoint,outcome}; kvhandoff_cancelled_total: generations cancelled by a
     client that went away.
@@ -25,7 +27,7 @@ class ServingMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.handoffs = Counter("kvhandoff_handoffs", "Conversations handed over between models",
+        self.handoffs = Counter("kvhandoff_handoffs", "Conversations switched between models",
                                 ["from", "to", "status"], registry=r)
         self.mapped_tokens = Counter("kvhandoff_mapped_tokens", "Cached positions mapped between models",
                                      ["from", "to"], registry=r)
@@ -54,8 +56,9 @@ class ServingMetrics:
         status = report["status"]
         source, target = report["from"] or "", report["to"]
         self.ttft.labels(status=status).observe(seconds)
-        if status in ("applied", "fallback"):
+        if status in ("applied", "fallback", "reprefill"):
             self.handoffs.labels(source, target, status).inc()
+        if status in ("applied", "fallback"):
             self.mapped_tokens.labels(source, target).inc(report["mapped_tokens"])
         if status == "fallback":
             self.guard_fallbacks.labels(source, target).inc()

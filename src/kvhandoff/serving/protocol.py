@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 #: at most this many stop strings (OpenAI's limit)
 MAX_STOP_STRINGS = 4
+#: the request body's ``kv_handoff.mode``: "auto" (map at a switch, the guard deciding) or "reprefill" (at a switch
+#: the receiving model re-prefills the conversation itself: the path without handoff, to compare against)
+HANDOFF_MODES = ("auto", "reprefill")
 
 
 def _unsupported(name: str, value: Any, allowed: Any = None) -> Any:
@@ -56,6 +59,15 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class HandoffOptions(BaseModel):
+    """The body's ``kv_handoff`` extension (the openai client sends it with ``extra_body``): ``mode`` "auto" (the
+    server's rules: map at a switch, the guard may fall back) or "reprefill" (at a switch the receiving model
+    re-prefills the whole conversation instead of mapping; reported as status "reprefill")."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["auto", "reprefill"] = "auto"
+
+
 class SamplingRequest(BaseModel):
     """Fields chat and text completions share."""
 
@@ -76,6 +88,7 @@ class SamplingRequest(BaseModel):
     logit_bias: dict | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    kv_handoff: HandoffOptions | None = None
 
     @field_validator("n")
     @classmethod
@@ -107,6 +120,9 @@ class SamplingRequest(BaseModel):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def handoff_mode(self) -> str:
+        return self.kv_handoff.mode if self.kv_handoff else "auto"
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -181,10 +197,12 @@ class HandoffInfo(BaseModel):
     """What the server did with the conversation's cache for this request (also header X-KV-Handoff: status).
 
     status: "applied" (another model's cache was mapped and served), "fallback" (it was mapped, the guard
-    rejected it, the model re-prefilled), "none" (no mapping: the model's own cache or a prefill).
+    rejected it, the model re-prefilled), "reprefill" (another model served last and the request asked for
+    ``kv_handoff.mode`` "reprefill": nothing was mapped, the model re-prefilled the conversation), "none" (no
+    switch: the model's own cache or a prefill).
     """
 
-    status: Literal["applied", "fallback", "none"]
+    status: Literal["applied", "fallback", "reprefill", "none"]
     from_: str | None = Field(default=None, serialization_alias="from")
     to: str
     mapped_tokens: int

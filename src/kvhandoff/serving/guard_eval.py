@@ -1,0 +1,228 @@
+"""Measuring the quality guard on real conversations (`kvhandoff guard-eval`): AUROC of each signal for "the answer
+after the handoff differs from the answer after a re-prefill", a threshold chosen on dev conversations, and its
+catch rate and false-fallback rate on held-out ones.
+
+Conversations are CoQA stories with their questions (`workload.coqa_dialogues`), in the server's chat format: the
+first turn is the chat template's rendering of the story and the first question (with the generation prompt), every
+later turn what the template adds after an assistant answer: the end of the answer's message, the next question as
+a user message and the generation prompt. The serving model switches every ``switch_every`` turns; conversation i
+starts on hosted model i % 2, so both directions are measured. Every ``heldout_every``-th conversation is held out
+(the others are dev), and conversations run in order until the time limit, so both splits fill alike.
+
+Each switch is recorded once for every signal (`guard.guard_records_by_signal`: the guard's score, and whether the
+receiving model's greedy answer over the mapped cache differs from its answer after re-prefilling). Per signal:
+AUROC (dev, held-out, all), the threshold maximising catch − false-fallback rate on dev (`guard.summarize_guard`,
+bounded by ``max_false_fallback`` when given) and that threshold's rates on held-out, and the rates of the server's
+configured threshold (``ServeConfig().guard_threshold``) on all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import kvhandoff
+from kvhandoff.config import GUARD_SIGNALS, ServeConfig
+from kvhandoff.errors import ConfigError
+from kvhandoff.files import atomic_write_json
+from kvhandoff.serving.decoding import end_ids
+from kvhandoff.serving.engine import CHATML_TEMPLATE
+from kvhandoff.serving.guard import GuardRecord, auroc, guard_records_by_signal, summarize_guard
+from kvhandoff.serving.workload import coqa_dialogues
+
+GUARD_EVAL_FORMAT = "kvhandoff-serve-guard/1"
+_MARK = "\u2063KVHANDOFF-ANSWER\u2063"  # stands for an answer while rendering the turn that follows it
+
+
+def _render(tokenizer, messages: list[dict]) -> str:
+    template = None if getattr(tokenizer, "chat_template", None) else CHATML_TEMPLATE
+    return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def chat_turns(tokenizer, conversation, turns: int, story_chars: int | None = None) -> list[list[int]]:
+    """Token ids of each user turn of ``conversation`` in the chat format (module docstring); the answers between
+    them are the models' own."""
+    questions = [t.question for t in conversation.turns[:turns]]
+    if len(questions) < turns:
+        raise ConfigError(f"conversation {conversation.id} has {len(questions)} questions, fewer than {turns} turns")
+    story = conversation.story if story_chars is None else conversation.story[:story_chars]
+    first = [{"role": "user", "content": f"{story}\n\nQ: {questions[0]}"}]
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    ids = [encode(_render(tokenizer, first))]
+    for question in questions[1:]:
+        text = _render(tokenizer, [*first, {"role": "assistant", "content": _MARK},
+                                   {"role": "user", "content": f"Q: {question}"}])
+        if text.count(_MARK) != 1:
+            raise ConfigError("the chat template does not render an assistant's answer verbatim")
+        ids.append(encode(text.split(_MARK)[1]))
+    return ids
+
+
+def switching_schedule(index: int, turns: int, names: list[str], switch_every: int = 1) -> list[str]:
+    """The model of each turn of conversation ``index``: starting on ``names[index % 2]``, switching every
+    ``switch_every`` turns."""
+    if switch_every < 1:
+        raise ConfigError(f"switch_every must be positive, got {switch_every}")
+    first, second = (names[0], names[1]) if index % 2 == 0 else (names[1], names[0])
+    return [first if (t // switch_every) % 2 == 0 else second for t in range(turns)]
+
+
+def rates(records: list[GuardRecord], threshold: float | None) -> dict:
+    """Catch rate (changed answers with score > threshold) and false-fallback rate (unchanged ones above it) of
+    ``records`` with a score; None where a class is empty or there is no threshold."""
+    scored = [r for r in records if r.score is not None]
+    changed = [r for r in scored if r.differs]
+    unchanged = [r for r in scored if not r.differs]
+    if threshold is None:
+        return {"catch_rate": None, "false_fallback_rate": None, "fallback_rate": None}
+    return {"catch_rate": sum(r.score > threshold for r in changed) / len(changed) if changed else None,
+            "false_fallback_rate": (sum(r.score > threshold for r in unchanged) / len(unchanged)
+                                    if unchanged else None),
+            "fallback_rate": sum(r.score > threshold for r in scored) / len(scored) if scored else None}
+
+
+def _auroc(records: list[GuardRecord]) -> float | None:
+    scored = [r for r in records if r.score is not None]
+    return auroc([r.score for r in scored], [r.differs for r in scored])
+
+
+def evaluate_signal(records: list[GuardRecord], heldout: set[int], signal: str,
+                    max_false_fallback: float | None = None,
+                    served_threshold: float = ServeConfig().guard_threshold) -> dict:
+    """One signal's numbers (module docstring) from its records; ``heldout``: the held-out conversations."""
+    dev = [r for r in records if r.conversation not in heldout]
+    held = [r for r in records if r.conversation in heldout]
+    chosen = summarize_guard(dev, signal, max_false_fallback)
+    return {
+        "signal": signal,
+        "auroc_dev": chosen.auroc, "auroc_heldout": _auroc(held), "auroc_all": _auroc(records),
+        "threshold": chosen.threshold,
+        "dev": {"handoffs": chosen.handoffs, "changed": chosen.changed, "catch_rate": chosen.catch_rate,
+                "false_fallback_rate": chosen.false_fallback_rate},
+        "heldout": {"handoffs": sum(r.score is not None for r in held),
+                    "changed": sum(r.differs for r in held if r.score is not None), **rates(held, chosen.threshold)},
+        "served_threshold": {"threshold": served_threshold, **rates(records, served_threshold)},
+        "by_direction": {f"{source} → {target}": _direction(records, source, target, served_threshold)
+                         for source, target in sorted({(r.source, r.target) for r in records})},
+        "unscored": sum(r.score is None for r in records),
+    }
+
+
+def _direction(records: list[GuardRecord], source: str, target: str, served_threshold: float) -> dict:
+    chosen = [r for r in records if (r.source, r.target) == (source, target)]
+    return {"handoffs": len(chosen), "changed": sum(r.differs for r in chosen), "auroc": _auroc(chosen),
+            "served_threshold": rates(chosen, served_threshold)}
+
+
+def records_of(result: dict) -> dict[str, list[GuardRecord]]:
+    """The `GuardRecord`s of each signal stored in a `run_guard_eval` result (to summarise it again)."""
+    return {signal: [GuardRecord(r["conversation"], r["turn"], r["from"], r["to"], r["mapped_tokens"],
+                                 r["scores"][signal], r["differs"]) for r in result["records"]]
+            for signal in result["settings"]["signals"]}
+
+
+def resummarize(result: dict, served_threshold: float = ServeConfig().guard_threshold) -> dict:
+    """``result`` (a `run_guard_eval` result, e.g. read back from its JSON) with its per-signal numbers computed
+    again from its records by this version of `evaluate_signal`."""
+    heldout = {r["conversation"] for r in result["records"] if r["split"] == "heldout"}
+    settings = result["settings"]
+    signals = {signal: evaluate_signal(records, heldout, signal, settings["max_false_fallback"], served_threshold)
+               for signal, records in records_of(result).items()}
+    return {**result, "signals": signals}
+
+
+def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, switch_every: int = 1,
+                   signals=GUARD_SIGNALS, max_new_tokens: int = 16, window: int = 64, heldout_every: int = 2,
+                   max_false_fallback: float | None = None, time_limit_s: float | None = None,
+                   story_chars: int | None = None, dialogues=None, config: ServeConfig = ServeConfig(),  # noqa: B008
+                   out: str | Path | None = None) -> dict:
+    """Measure the guard of ``models`` (name → (model, tokenizer)) with ``mappers`` on CoQA conversations (module
+    docstring); writes the result to ``out`` (JSON) when given and returns it. ``config`` supplies the session's
+    handover, exact prefix and recompute settings and the served threshold the result compares against."""
+    names, signals = list(models), tuple(signals)
+    if len(names) < 2:
+        raise ConfigError("the guard measurement needs two hosted models")
+    if heldout_every < 2:
+        raise ConfigError(f"heldout_every must be at least 2 (every n-th conversation held out), got {heldout_every}")
+    tokenizer = models[names[0]][1]
+    dialogues = dialogues if dialogues is not None else coqa_dialogues(conversations, min_turns=turns)
+    dialogues = dialogues[:conversations]
+    schedules = [switching_schedule(i, turns, names, switch_every) for i in range(len(dialogues))]
+    built = [list(zip(schedule, chat_turns(tokenizer, dialogue, turns, story_chars), strict=True))
+             for schedule, dialogue in zip(schedules, dialogues, strict=True)]
+    stop_ids = frozenset().union(*(end_ids(model, tok) for model, tok in models.values()))
+    started = time.monotonic()
+    ran = 0
+
+    def within_time():  # conversations in order while time is left (checked as each one starts)
+        nonlocal ran
+        for conversation in built:
+            if time_limit_s is not None and time.monotonic() - started > time_limit_s:
+                return
+            ran += 1
+            yield conversation
+
+    records = guard_records_by_signal({name: model for name, (model, _) in models.items()}, mappers, within_time(),
+                                      signals, max_new_tokens, window, stop_ids, config.handover,
+                                      config.exact_prefix, config.recompute)
+    wall = time.monotonic() - started
+    first = records[signals[0]]
+    heldout = {i for i in range(ran) if i % heldout_every == heldout_every - 1}
+    result = {
+        "format": GUARD_EVAL_FORMAT,
+        "kvhandoff_version": kvhandoff.__version__,
+        "models": names,
+        "settings": {"conversations": conversations, "turns": turns, "switch_every": switch_every,
+                     "signals": list(signals), "max_new_tokens": max_new_tokens, "window": window,
+                     "heldout_every": heldout_every, "max_false_fallback": max_false_fallback,
+                     "time_limit_s": time_limit_s, "story_chars": story_chars, "handover": config.handover,
+                     "label": "greedy answer after the handoff != greedy answer after a re-prefill",
+                     "text": "CoQA validation conversations in the chat template"},
+        "n": {"conversations_run": ran, "conversations_dev": ran - len(heldout),
+              "conversations_heldout": len(heldout), "handoffs": len(first),
+              "changed": sum(r.differs for r in first)},
+        "wall_s": wall,
+        "signals": {signal: evaluate_signal(records[signal], heldout, signal, max_false_fallback,
+                                            config.guard_threshold) for signal in signals},
+        "records": [{"conversation": r.conversation, "id": dialogues[r.conversation].id, "turn": r.turn,
+                     "from": r.source, "to": r.target, "mapped_tokens": r.mapped_tokens, "differs": r.differs,
+                     "split": "heldout" if r.conversation in heldout else "dev",
+                     "scores": {signal: records[signal][i].score for signal in signals}}
+                    for i, r in enumerate(first)],
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "torch_threads": torch.get_num_threads()},
+    }
+    if out is not None:
+        atomic_write_json(Path(out), result)
+    return result
+
+
+def guard_table(result: dict):
+    """A rich table: per signal AUROC, the dev threshold and its held-out rates."""
+    from rich.table import Table  # rich is only needed to print, not to measure
+
+    n = result["n"]
+    table = Table(title=(f"guard on {n['conversations_run']} conversations ({n['conversations_dev']} dev, "
+                         f"{n['conversations_heldout']} held out): {n['handoffs']} handoffs, {n['changed']} changed "
+                         f"answers"))
+    for column in ("signal", "AUROC dev", "AUROC held-out", "threshold (dev)", "catch held-out",
+                   "false fallback held-out", "served threshold: catch / false"):
+        table.add_column(column, justify="right")
+
+    def cell(value, digits=3):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    for signal, row in result["signals"].items():
+        served = row["served_threshold"]
+        table.add_row(signal, cell(row["auroc_dev"]), cell(row["auroc_heldout"]), cell(row["threshold"], 4),
+                      cell(row["heldout"]["catch_rate"]), cell(row["heldout"]["false_fallback_rate"]),
+                      f"{cell(served['catch_rate'])} / {cell(served['false_fallback_rate'])}")
+    return table

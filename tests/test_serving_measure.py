@@ -1,0 +1,168 @@
+"""The server's measurements on the tiny family, through their commands: the serve bench (both paths per length and
+direction, with the server's reports), the load test (switching conversations, no errors) and the guard measurement
+(dev / held-out split); and their pieces (schedules, chat turns, percentiles, loopback only)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from _serving_support import chat_ids, tiny_family
+from kvhandoff.cli import app
+from kvhandoff.errors import ConfigError
+from kvhandoff.serving.client import require_loopback
+from kvhandoff.serving.guard import guard_records, guard_records_by_signal
+from kvhandoff.serving.guard_eval import chat_turns, resummarize, switching_schedule
+from kvhandoff.serving.loadtest import load_over_http, percentile, schedule
+from kvhandoff.serving.workload import coqa_dialogues, document
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def tiny_cli(monkeypatch):
+    """The measurement commands host the tiny family instead of loading models."""
+    import kvhandoff.cli.measure as measure
+
+    seen = {}
+
+    def fake_load_family(specs, mapper_dirs):
+        seen["family"] = (specs, mapper_dirs)
+        return tiny_family()
+
+    monkeypatch.setattr(measure, "load_family", fake_load_family)
+    return seen
+
+
+def test_bench_serve_times_both_paths_per_length_and_direction(tiny_cli, tmp_path):
+    out, plot = tmp_path / "serve_bench.json", tmp_path / "serve_bench.png"
+    result = CliRunner().invoke(app, ["bench-serve", "--lengths", "24,48", "--repeats", "2", "--max-tokens", "3",
+                                      "--out", str(out), "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    assert plot.stat().st_size > 0 and "ratio" in result.output
+    bench = json.loads(out.read_text())
+    assert bench["format"] == "kvhandoff-serve-bench/1" and bench["models"] == ["small", "large"]
+    assert bench["settings"]["guard"] and bench["skipped"] == []
+    rows = bench["results"]
+    assert [(r["tokens"], r["source"], r["target"]) for r in rows] == [
+        (24, "small", "large"), (24, "large", "small"), (48, "small", "large"), (48, "large", "small")]
+    for row in rows:
+        handoff, reprefill = row["handoff"], row["reprefill"]
+        assert handoff["status"] == ["applied", "applied"] and reprefill["status"] == ["reprefill", "reprefill"]
+        assert all(m > 0 for m in handoff["mapped_tokens"]) and reprefill["mapped_tokens"] == [0, 0]
+        assert reprefill["read_tokens"] == [row["prompt_tokens"]] * 2
+        assert all(g["signal"] == "logloss" for g in handoff["guard"]) and reprefill["guard"] == [None, None]
+        assert handoff["answers"] == reprefill["answers"]  # an exact mapper: the same answers either way
+        for path in (handoff, reprefill):
+            assert len(path["ttft_s"]["samples"]) == 2 and path["ttft_s"]["median"] > 0
+            assert path["first_chunk_s"]["median"] <= path["ttft_s"]["median"]
+        assert row["ratio"] == pytest.approx(reprefill["ttft_s"]["median"] / handoff["ttft_s"]["median"])
+        assert row["history_tokens"] < row["prompt_tokens"]
+    assert rows[2]["history_tokens"] - rows[0]["history_tokens"] == 24  # the document grew by 24 tokens
+
+
+def test_bench_serve_one_direction_and_bad_values(tiny_cli, tmp_path):
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(app, ["bench-serve", "--lengths", "16", "--direction", "reverse", "--no-warmup",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert [(r["source"], r["target"]) for r in json.loads(out.read_text())["results"]] == [("large", "small")]
+    for args, option in ((["--direction", "sideways"], "--direction"), (["--lengths", "0"], "--lengths"),
+                         (["--lengths", "4000"], "lengths")):
+        tiny_cli.clear()
+        result = CliRunner().invoke(app, ["bench-serve", *args, "--out", str(out)])
+        assert result.exit_code != 0 and option in result.output, result.output
+
+
+def test_load_test_runs_switching_conversations_without_errors(tiny_cli, tmp_path):
+    out = tmp_path / "serve_load.json"
+    result = CliRunner().invoke(app, ["load-test", "--conversations", "3", "--turns", "4", "--max-tokens", "3",
+                                      "--story-chars", "40", "--time-limit", "120", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["errors"] == 0 and report["requests"] == 12 and report["turns_left_out"] == 0
+    assert report["generated_tokens"] == 36 and report["generated_tokens_per_s"] > 0 and report["requests_per_s"] > 0
+    statuses = report["ttft_by_status"]
+    assert set(statuses) == {"none", "applied"}  # every conversation switches at least once
+    assert sum(row["requests"] for row in statuses.values()) == 12
+    for row in statuses.values():
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p95_s"]
+    assert report["memory"]["peak_rss_bytes"] >= report["memory"]["rss_max_during_run_bytes"] > 0
+    assert report["settings"]["schedules"][1] == ["large", "large", "large", "small"]
+    assert len(report["requests_log"]) == 12 and report["server_health_after"]["sessions"] == 3
+
+
+def test_guard_eval_splits_dev_and_heldout_and_reports_each_signal(tiny_cli, tmp_path):
+    out = tmp_path / "serve_guard.json"
+    result = CliRunner().invoke(app, ["guard-eval", "--conversations", "4", "--turns", "3", "--max-new-tokens", "3",
+                                      "--story-chars", "40", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    guard = json.loads(out.read_text())
+    assert guard["n"] == {"conversations_run": 4, "conversations_dev": 2, "conversations_heldout": 2,
+                          "handoffs": 8, "changed": 0}  # switching every turn: two handoffs per conversation
+    assert set(guard["signals"]) == {"logloss", "kl"}
+    for row in guard["signals"].values():
+        assert row["dev"]["handoffs"] == row["heldout"]["handoffs"] == 4
+        assert row["auroc_dev"] is None  # an exact mapper never changes an answer: one class only
+        assert row["heldout"]["catch_rate"] is None and row["heldout"]["false_fallback_rate"] is not None
+        assert row["served_threshold"] == {"threshold": 1.0, "catch_rate": None, "false_fallback_rate": 0.0,
+                                           "fallback_rate": 0.0}
+        assert {d: v["handoffs"] for d, v in row["by_direction"].items()} == {"large → small": 4, "small → large": 4}
+    assert resummarize(guard)["signals"] == guard["signals"]  # the stored records give the same numbers again
+    records = guard["records"]
+    assert {r["split"] for r in records if r["conversation"] % 2} == {"heldout"}
+    assert {(r["from"], r["to"]) for r in records} == {("small", "large"), ("large", "small")}
+    assert all(abs(r["scores"]["kl"]) < 1e-3 for r in records)
+    result = CliRunner().invoke(app, ["guard-eval", "--heldout-every", "1", "--out", str(out)])
+    assert result.exit_code == 2 and "--heldout-every" in result.output
+    result = CliRunner().invoke(app, ["guard-eval", "--signals", "vibes", "--out", str(out)])
+    assert result.exit_code == 2 and "--signals" in result.output
+
+
+def test_records_for_several_signals_equal_one_pass_per_signal():
+    models, mappers = tiny_family()
+    plain = {name: model for name, (model, _) in models.items()}
+    conversations = [[("small", list(range(40, 70))), ("large", [5, 6, 7, 8]), ("small", [9, 10, 11])]]
+    both = guard_records_by_signal(plain, mappers, conversations, ("logloss", "kl"), max_new_tokens=3)
+    for signal in ("logloss", "kl"):
+        assert both[signal] == guard_records(plain, mappers, conversations, signal, max_new_tokens=3)
+    assert guard_records_by_signal(plain, mappers, conversations, ("kl",), time_limit_s=1e-9) == {"kl": []}
+    with pytest.raises(ConfigError, match="guard signal"):
+        guard_records_by_signal(plain, mappers, conversations, ("vibes",))
+
+
+def test_chat_turns_render_the_conversation_the_server_sees():
+    tokenizer = tiny_family()[0]["small"][1]
+    dialogue = coqa_dialogues(1, min_turns=3)[0]
+    turns = chat_turns(tokenizer, dialogue, 3, story_chars=30)
+    answers = ["yes", "no"]
+    ids = turns[0] + tokenizer(answers[0], add_special_tokens=False)["input_ids"] + turns[1]
+    ids += tokenizer(answers[1], add_special_tokens=False)["input_ids"] + turns[2]
+    messages = [{"role": "user", "content": f"{dialogue.story[:30]}\n\nQ: {dialogue.turns[0].question}"},
+                {"role": "assistant", "content": answers[0]},
+                {"role": "user", "content": f"Q: {dialogue.turns[1].question}"},
+                {"role": "assistant", "content": answers[1]},
+                {"role": "user", "content": f"Q: {dialogue.turns[2].question}"}]
+    assert tokenizer.decode(ids) == tokenizer.decode(chat_ids(tokenizer, messages))
+
+
+def test_schedules_documents_percentiles_and_loopback_only():
+    names = ["a", "b"]
+    assert schedule(0, 5, names) == ["a", "a", "b", "b", "a"] and schedule(1, 5, names) == ["b", "b", "b", "a", "a"]
+    assert switching_schedule(0, 4, names) == ["a", "b", "a", "b"]
+    assert switching_schedule(1, 4, names, 2) == ["b", "b", "a", "a"]
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([1.0, 2.0], 0.95) == pytest.approx(1.95)
+    assert percentile([], 0.5) is None
+    tokenizer = tiny_family()[0]["small"][1]
+    text = document(tokenizer, 50, coqa_dialogues(3))
+    assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 50
+    assert require_loopback("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+    assert require_loopback("http://localhost:1") and require_loopback("http://[::1]:5")
+    for url in ("http://10.0.0.1:8000", "http://example.com", "http://0.0.0.0:80"):
+        with pytest.raises(ConfigError, match="this machine only"):
+            require_loopback(url)
+    with pytest.raises(ConfigError, match="this machine only"):
+        asyncio.run(load_over_http("http://192.168.1.2:8000", names))
