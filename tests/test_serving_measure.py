@@ -39,8 +39,8 @@ def tiny_cli(monkeypatch):
 
 def test_bench_serve_times_both_paths_per_length_and_direction(tiny_cli, tmp_path):
     out, plot = tmp_path / "serve_bench.json", tmp_path / "serve_bench.png"
-    result = CliRunner().invoke(app, ["bench-serve", "--lengths", "24,48", "--repeats", "2", "--max-tokens", "3",
-                                      "--out", str(out), "--plot", str(plot)])
+    result = CliRunner().invoke(app, ["bench-serve", "--guard", "on", "--lengths", "24,48", "--repeats", "2",
+                                      "--max-tokens", "3", "--out", str(out), "--plot", str(plot)])
     assert result.exit_code == 0, result.output
     assert plot.stat().st_size > 0 and "ratio" in result.output
     bench = json.loads(out.read_text())

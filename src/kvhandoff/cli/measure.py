@@ -44,7 +44,7 @@ def bench_serve(
                                                                    "(medians reported)")] = 1,
     max_tokens: Annotated[int, typer.Option(parser=positive_int, help="answer length of each request")] = 8,
     warmup: Annotated[bool, typer.Option(help="one untimed short switch per path and direction first")] = True,
-    guard: GuardSwitch = "on",
+    guard: GuardSwitch = "off",
     guard_signal: GuardSignal = "logloss",
     guard_threshold: GuardThreshold = 1.0,
     time_limit: TimeLimit = None,
@@ -74,7 +74,7 @@ def load_test(
         "seconds; no turn starts after it"))] = 900.0,
     story_chars: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "cut each story to this many characters (default: whole stories)"))] = None,
-    guard: GuardSwitch = "on",
+    guard: GuardSwitch = "off",
     guard_signal: GuardSignal = "logloss",
     guard_threshold: GuardThreshold = 1.0,
     out: Annotated[Path, typer.Option(help="the report (JSON)")] = Path("runs/serve_load.json"),

@@ -51,7 +51,7 @@ def serve(
     mapper: Mappers = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(parser=non_negative_int, help="port to listen on")] = 8000,
-    guard: GuardSwitch = "on",
+    guard: GuardSwitch = "off",
     guard_signal: GuardSignal = "logloss",
     guard_threshold: GuardThreshold = 1.0,
     max_sessions: Annotated[int, typer.Option(parser=positive_int, help="live sessions at once")] = 256,
