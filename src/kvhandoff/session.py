@@ -55,14 +55,18 @@ class SwitchingSession:
         self.owner: str | None = None  # the model that read the conversation last
         self._caches: dict[str, object] = {}
 
+    def require_model(self, server: str) -> None:
+        """ConfigError unless ``server`` is one of the session's models."""
+        if server not in self.models:
+            raise ConfigError(f"unknown model {server!r}; the session serves {', '.join(self.models)}")
+
     def cache(self, server: str):
         """``server``'s cache of the conversation (None before it has one)."""
         return self._caches.get(server)
 
     def switch_to(self, server: str):
         """Make ``server`` the owner; returns its cache of `tokens` (mapped as `handover` says)."""
-        if server not in self.models:
-            raise ConfigError(f"unknown model {server!r}; the session serves {', '.join(self.models)}")
+        self.require_model(server)
         owner = self.owner
         for name in (owner, server):
             if name in self._caches:
@@ -131,8 +135,7 @@ class SwitchingSession:
 
     def _check_length(self, server: str, new: int) -> None:
         """Refuse a turn that takes the conversation past ``server``'s context window, before anything runs."""
-        if server not in self.models:
-            raise ConfigError(f"unknown model {server!r}; the session serves {', '.join(self.models)}")
+        self.require_model(server)
         check_context(len(self.tokens) + new, self.models[server])
 
     def rollback(self, server: str) -> None:
@@ -181,8 +184,7 @@ class SwitchingSession:
         """``server`` drops its cache and prefills the whole conversation itself (the fallback when a mapped cache
         is not to be trusted) and becomes the owner; other models keep theirs. Returns the float32 log-probs of
         the token after `tokens`."""
-        if server not in self.models:
-            raise ConfigError(f"unknown model {server!r}; this session serves {', '.join(self.models)}")
+        self.require_model(server)
         if not self.tokens:
             raise ConfigError("reprefill needs a conversation of at least one token")
         self._caches.pop(server, None)
