@@ -9,6 +9,7 @@ reused only when its manifest matches the fit config; otherwise it is refitted a
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import asdict, dataclass, replace
@@ -38,26 +39,34 @@ CACHE_SCHEMA = 2
 IDENTITY_KEYS = (*PAIRING_KEYS, "weights_checksum")
 
 
-def model_identity(model, tokenizer) -> str:
+def identity_of(fingerprint: dict) -> str:
     """Hash of what a model's cached statistics depend on (`IDENTITY_KEYS` of its fingerprint)."""
-    fingerprint = model_fingerprint(model, tokenizer)
     return sha256_json({key: fingerprint[key] for key in IDENTITY_KEYS}, 16)
 
 
 @dataclass(frozen=True)
 class NamedPair:
-    """A loaded model pair with the names it was asked for and the identities its cache entries are keyed by."""
+    """A loaded model pair with the names it was asked for and each model's fingerprint (with its own tokenizer's
+    hash), taken once: what mapper manifests record and, hashed, the identities cache entries are keyed by."""
 
     source_spec: str
     target_spec: str
     models: ModelPair
-    source_identity: str
-    target_identity: str
+    source_fingerprint: dict
+    target_fingerprint: dict
 
     @classmethod
     def of(cls, source_spec: str, target_spec: str, models: ModelPair) -> NamedPair:
-        return cls(source_spec, target_spec, models, model_identity(models.source, models.source_tokenizer),
-                   model_identity(models.target, models.target_tokenizer))
+        return cls(source_spec, target_spec, models, model_fingerprint(models.source, models.source_tokenizer),
+                   model_fingerprint(models.target, models.target_tokenizer))
+
+    @property
+    def source_identity(self) -> str:
+        return identity_of(self.source_fingerprint)
+
+    @property
+    def target_identity(self) -> str:
+        return identity_of(self.target_fingerprint)
 
     @property
     def source(self):
@@ -74,12 +83,11 @@ class NamedPair:
 
     def reversed(self) -> NamedPair:
         models = ModelPair(self.target, self.source, self.models.target_tokenizer, self.models.source_tokenizer)
-        return NamedPair(self.target_spec, self.source_spec, models, self.target_identity, self.source_identity)
+        return NamedPair(self.target_spec, self.source_spec, models, self.target_fingerprint, self.source_fingerprint)
 
     def fingerprints(self) -> tuple[dict, dict]:
-        """Each model's fingerprint with its own tokenizer's hash (what mapper manifests record)."""
-        return (model_fingerprint(self.source, self.models.source_tokenizer),
-                model_fingerprint(self.target, self.models.target_tokenizer))
+        """Copies of each model's fingerprint with its own tokenizer's hash (what mapper manifests record)."""
+        return copy.deepcopy(self.source_fingerprint), copy.deepcopy(self.target_fingerprint)
 
     def max_positions(self) -> tuple[int, int]:
         return self.source.config.max_position_embeddings, self.target.config.max_position_embeddings
