@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,7 +15,11 @@ from kvhandoff.recompute import (
     apply_policy,
     attention_from_queries,
     needs_source_attention,
+    policy_positions,
+    recompute_and_read,
+    recompute_positions,
     record_queries,
+    takes_custom_mask,
 )
 
 
@@ -74,22 +78,117 @@ def patch_exact_prefix(mapped_cache, target_model, input_ids: torch.Tensor, exac
     return mapped_cache
 
 
+@dataclass
+class MappedCache:
+    """A freshly mapped target cache of ``input_ids`` [batch, T] whose ``pending`` positions [batch, n] (sorted rows:
+    the exact prefix, then what the recompute policy picked) still hold mapped K/V that the target recomputes.
+
+    The recompute is left to the target's next forward: `read` recomputes them and reads the new tokens in one
+    forward (the target's weights are read once, not twice); `settle` recomputes them alone, for a caller that
+    hands the cache on (e.g. to `generate`). Either empties ``pending``."""
+
+    cache: object
+    input_ids: torch.Tensor
+    pending: torch.Tensor
+
+    def read(self, target_model, new_ids: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
+        """The target recomputes the pending positions and reads ``new_ids`` [batch, N] on top (the cache grows to
+        T + N), in one forward; the logits of the last ``logits_to_keep`` new tokens [batch, keep, vocab]."""
+        logits = recompute_and_read(target_model, self.cache, self.input_ids, self.pending, new_ids, logits_to_keep)
+        self.pending = self.pending[:, :0]
+        self.input_ids = torch.cat([self.input_ids, new_ids.to(self.input_ids.device)], dim=1)
+        return logits
+
+    def settle(self, target_model):
+        """The target recomputes the pending positions alone (one forward; none when nothing is pending); returns
+        the cache."""
+        if self.pending.numel():
+            recompute_positions(target_model, self.cache, self.input_ids, self.pending)
+            self.pending = self.pending[:, :0]
+        return self.cache
+
+
+def pending_positions(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
+                      recompute=None, recompute_info: SelectionInfo | None = None, source_model=None,
+                      source_cache=None) -> torch.Tensor:
+    """The positions [batch, n] the target recomputes in a freshly mapped cache of ``input_ids`` [batch, T]: the first
+    `exact_prefix` (None = the mapper's setting; causal attention makes them exact from those tokens alone: they
+    act as attention sinks, so an error there reaches every later token), then the ones the recompute policy picks
+    among the rest (`recompute.policy_positions`; None = the mapper's default)."""
+    batch, total = input_ids.shape
+    own = _prefix_length(mapper, exact_prefix, total)
+    device = cache.layers[0].keys.device
+    positions = torch.arange(own, device=device).expand(batch, -1)
+    policy = recompute_policy(mapper, recompute)
+    if policy.active and own < total:
+        info = replace(recompute_info or SelectionInfo(), start=own)
+        picked = policy_positions(policy, target_model, cache, input_ids, info, source_model, source_cache)
+        positions = torch.cat([positions, picked.to(device)], dim=1)
+    return positions
+
+
+def _prefix_length(mapper, exact_prefix: int | None, total: int) -> int:
+    prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
+    return min(max(prefix or 0, 0), total)
+
+
 def patch_mapped_cache(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
                        recompute=None, recompute_info: SelectionInfo | None = None, source_model=None,
                        source_cache=None):
-    """What the target does to a freshly mapped cache of ``input_ids`` [batch, T] before it reads on: recompute
-    the first `exact_prefix` positions (`patch_exact_prefix`; None = the mapper's setting), then the positions the
-    recompute policy picks among the rest (`recompute.apply_policy`; None = the mapper's default). Both in place;
-    returns ``cache``. ``source_model``/``source_cache`` serve rule "source_attention" when ``recompute_info``
-    carries no scores."""
-    prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
-    cache = patch_exact_prefix(cache, target_model, input_ids, prefix)
+    """What the target does to a freshly mapped cache of ``input_ids`` [batch, T] before it reads on: recompute the
+    `pending_positions` (the exact prefix and the recompute policy's picks), in place, in one forward; returns
+    ``cache``. ``source_model``/``source_cache`` serve rule "source_attention" when ``recompute_info`` carries no
+    scores. A target whose attention takes no custom mask recomputes the exact prefix by a prefill of it (and
+    cannot run a recompute policy)."""
+    return _mapped(cache, target_model, input_ids, mapper, exact_prefix, recompute, recompute_info, source_model,
+                   source_cache).settle(target_model)
+
+
+def _mapped(cache, target_model, input_ids, mapper, exact_prefix, recompute, recompute_info, source_model,
+            source_cache) -> MappedCache:
+    input_ids = input_ids.to(cache.layers[0].keys.device)
+    positions = pending_positions(cache, target_model, input_ids, mapper, exact_prefix, recompute, recompute_info,
+                                  source_model, source_cache)
+    if not takes_custom_mask(target_model):  # no sparse forward: the prefix by a prefill; a policy is refused
+        own = _prefix_length(mapper, exact_prefix, input_ids.shape[1])
+        patch_exact_prefix(cache, target_model, input_ids, own)
+        recompute_positions(target_model, cache, input_ids, positions[:, own:])
+        return MappedCache(cache, input_ids, positions[:, :0])
+    return MappedCache(cache, input_ids, positions)
+
+
+def map_for_target(
+    source_model,
+    target_model,
+    mapper: Mapper,
+    input_ids: torch.Tensor,
+    exact_prefix: int | None = None,
+    source_cache=None,
+    recompute=None,
+    recompute_info: SelectionInfo | None = None,
+) -> MappedCache:
+    """The mapped target cache of all of ``input_ids`` [batch, T], built from the source's prefill, with the
+    positions the target recomputes still pending (`MappedCache`: `read` does them with the target's next tokens in
+    one forward). Arguments as in `handoff_cache`; refused, before any work, as there."""
+    _check_ids(input_ids, 1)
+    verify_mapper(mapper, source_model, target_model)
+    check_context(input_ids.shape[1], target_model, mapper)
     policy = recompute_policy(mapper, recompute)
-    own = min(max(prefix or 0, 0), input_ids.shape[1])
-    if policy.active and own < input_ids.shape[1]:
-        info = replace(recompute_info or SelectionInfo(), start=own)
-        apply_policy(policy, target_model, cache, input_ids, info, source_model, source_cache)
-    return cache
+    info = recompute_info or SelectionInfo()
+    if source_cache is None:
+        if needs_source_attention(policy):
+            with record_queries(source_model, policy.window) as queries:
+                source_cache, _ = prefill(source_model, input_ids.to(source_model.device))
+            info = replace(info, source_attention=attention_from_queries(source_model, queries, source_cache))
+        else:
+            source_cache, _ = prefill(source_model, input_ids.to(source_model.device))
+    elif source_cache.get_seq_length() != input_ids.shape[1]:
+        raise ConfigError(
+            f"source_cache holds {source_cache.get_seq_length()} tokens, the mapped part of input_ids "
+            f"{input_ids.shape[1]}"
+        )
+    mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
+    return _mapped(mapped, target_model, input_ids, mapper, exact_prefix, policy, info, source_model, source_cache)
 
 
 def handoff_cache(
@@ -112,39 +211,45 @@ def handoff_cache(
     target_tail: the last `target_tail` tokens are not mapped but prefilled by the target itself on top of
     the mapped cache — what a switch looks like when the new turn has not been read by any model yet. It
     costs a target prefill of that many tokens (independent of the context length) and keeps the positions
-    the next token attends to most exact.
+    the next token attends to most exact. The target recomputes the exact prefix (and the recompute policy's
+    picks) in the same forward (`handoff_read`); without a tail, in one forward of its own.
 
     Refused before any work: a mapper fitted for another pair (MapperMismatchError; checked once per mapper and
     model) and a context longer than the target's window (ContextTooLongError).
     """
     _check_ids(input_ids, 1)
-    verify_mapper(mapper, source_model, target_model)
-    check_context(input_ids.shape[1], target_model, mapper)
     if not 0 <= target_tail < input_ids.shape[1]:
         raise ConfigError(
             f"target_tail must be in 0..{input_ids.shape[1] - 1} (at least one token is mapped), got {target_tail}"
         )
-    policy = recompute_policy(mapper, recompute)
-    mapped_ids = input_ids[:, : input_ids.shape[1] - target_tail]
-    info = recompute_info or SelectionInfo()
-    if source_cache is None:
-        if needs_source_attention(policy):
-            with record_queries(source_model, policy.window) as queries:
-                source_cache, _ = prefill(source_model, mapped_ids.to(source_model.device))
-            info = replace(info, source_attention=attention_from_queries(source_model, queries, source_cache))
-        else:
-            source_cache, _ = prefill(source_model, mapped_ids.to(source_model.device))
-    elif source_cache.get_seq_length() != mapped_ids.shape[1]:
-        raise ConfigError(
-            f"source_cache holds {source_cache.get_seq_length()} tokens, the mapped part of input_ids "
-            f"{mapped_ids.shape[1]}"
-        )
-    mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
-    cache = patch_mapped_cache(mapped, target_model, mapped_ids.to(target_model.device), mapper, exact_prefix,
-                               policy, info, source_model, source_cache)
     if target_tail:
-        prefill(target_model, input_ids[:, mapped_ids.shape[1] :].to(target_model.device), cache)
-    return cache
+        return handoff_read(source_model, target_model, mapper, input_ids, target_tail, exact_prefix, source_cache,
+                            recompute, recompute_info)[0]
+    mapped = map_for_target(source_model, target_model, mapper, input_ids, exact_prefix, source_cache, recompute,
+                            recompute_info)
+    return mapped.settle(target_model)
+
+
+@torch.inference_mode()
+def handoff_read(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor, new_tokens: int = 1,
+                 exact_prefix: int | None = None, source_cache=None, recompute=None,
+                 recompute_info: SelectionInfo | None = None, logits_to_keep: int = 1):
+    """A handoff up to the target's next-token logits: all but the last ``new_tokens`` of ``input_ids`` [batch, T]
+    are mapped (as `handoff_cache`; ``source_cache``: the source's cache of exactly that part), and the target reads
+    the last ``new_tokens`` itself in one forward that also recomputes the exact prefix and the recompute policy's
+    picks (`MappedCache.read`). Returns (the target's cache of all T tokens, the logits of the last
+    ``logits_to_keep`` tokens [batch, keep, vocab])."""
+    _check_ids(input_ids, 2)
+    if not 1 <= new_tokens < input_ids.shape[1]:
+        raise ConfigError(f"new_tokens must be in 1..{input_ids.shape[1] - 1} (at least one token is mapped), "
+                          f"got {new_tokens}")
+    verify_mapper(mapper, source_model, target_model)
+    check_context(input_ids.shape[1], target_model, mapper)
+    cut = input_ids.shape[1] - new_tokens
+    mapped = map_for_target(source_model, target_model, mapper, input_ids[:, :cut], exact_prefix, source_cache,
+                            recompute, recompute_info)
+    logits = mapped.read(target_model, input_ids[:, cut:].to(mapped.input_ids.device), logits_to_keep)
+    return mapped.cache, logits
 
 
 @torch.inference_mode()
