@@ -140,12 +140,16 @@ def patch_mapped_cache(cache, target_model, input_ids: torch.Tensor, mapper, exa
     ``cache``. ``source_model``/``source_cache`` serve rule "source_attention" when ``recompute_info`` carries no
     scores. A target whose attention takes no custom mask recomputes the exact prefix by a prefill of it (and
     cannot run a recompute policy)."""
-    return _mapped(cache, target_model, input_ids, mapper, exact_prefix, recompute, recompute_info, source_model,
-                   source_cache).settle(target_model)
+    return defer_recompute(cache, target_model, input_ids, mapper, exact_prefix, recompute, recompute_info,
+                           source_model, source_cache).settle(target_model)
 
 
-def _mapped(cache, target_model, input_ids, mapper, exact_prefix, recompute, recompute_info, source_model,
-            source_cache) -> MappedCache:
+def defer_recompute(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
+                    recompute=None, recompute_info: SelectionInfo | None = None, source_model=None,
+                    source_cache=None) -> MappedCache:
+    """A freshly mapped ``cache`` of ``input_ids`` as a `MappedCache` whose `pending_positions` the target recomputes
+    at its next forward. A target whose attention takes no custom mask recomputes the exact prefix now, by a prefill
+    of it (and cannot run a recompute policy): nothing is left pending."""
     input_ids = input_ids.to(cache.layers[0].keys.device)
     positions = pending_positions(cache, target_model, input_ids, mapper, exact_prefix, recompute, recompute_info,
                                   source_model, source_cache)
@@ -188,7 +192,8 @@ def map_for_target(
             f"{input_ids.shape[1]}"
         )
     mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
-    return _mapped(mapped, target_model, input_ids, mapper, exact_prefix, policy, info, source_model, source_cache)
+    return defer_recompute(mapped, target_model, input_ids, mapper, exact_prefix, policy, info, source_model,
+                           source_cache)
 
 
 def handoff_cache(
