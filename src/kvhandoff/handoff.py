@@ -12,7 +12,6 @@ from kvhandoff.errors import ConfigError, ContextTooLongError, MapperMismatchErr
 from kvhandoff.mapper import Mapper
 from kvhandoff.recompute import (
     SelectionInfo,
-    apply_policy,
     attention_from_queries,
     needs_source_attention,
     policy_positions,
@@ -94,9 +93,11 @@ class MappedCache:
     def read(self, target_model, new_ids: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
         """The target recomputes the pending positions and reads ``new_ids`` [batch, N] on top (the cache grows to
         T + N), in one forward; the logits of the last ``logits_to_keep`` new tokens [batch, keep, vocab]."""
+        if not self.pending.numel():  # nothing pending: the plain read
+            out = target_model(input_ids=new_ids, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+            return out.logits
         logits = recompute_and_read(target_model, self.cache, self.input_ids, self.pending, new_ids, logits_to_keep)
         self.pending = self.pending[:, :0]
-        self.input_ids = torch.cat([self.input_ids, new_ids.to(self.input_ids.device)], dim=1)
         return logits
 
     def settle(self, target_model):
@@ -269,20 +270,32 @@ def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, targ
 
     recompute: as in `handoff_cache` (None = the mapper's default); only the newly mapped positions m..T−1 are
     candidates, and the budget is a fraction of them. An active policy needs ``target_model`` and ``input_ids``
-    (the conversation's T token ids, [batch, T]).
+    (the conversation's T token ids, [batch, T]). `catch_up_mapped` leaves that recompute to the target's next
+    forward.
 
     Refused before any work: a target cache of another geometry than the mapper's target, models (when given)
     the mapper was not fitted for (checked once per mapper and model), a context past the target's window.
     """
+    return catch_up_mapped(target_cache, source_cache, mapper, source_model, target_model, input_ids, recompute,
+                           recompute_info).settle(target_model)
+
+
+@torch.inference_mode()
+def catch_up_mapped(target_cache, source_cache, mapper: Mapper, source_model=None, target_model=None,
+                    input_ids=None, recompute=None, recompute_info: SelectionInfo | None = None) -> MappedCache:
+    """`catch_up`, with the recompute policy's picks left pending (`MappedCache`: the target recomputes them in
+    the forward that reads its next tokens)."""
     verify_mapper(mapper, source_model, target_model)
     _check_target_cache(target_cache, mapper)
     have, total = target_cache.get_seq_length(), source_cache.get_seq_length()
     check_context(total, target_model, mapper)
     if have > total:
         raise ConfigError(f"the target's cache holds {have} tokens, more than the source's {total}")
-    if have == total:
-        return target_cache
+    device = target_cache.layers[0].keys.device
+    nothing = torch.empty(1 if input_ids is None else input_ids.shape[0], 0, dtype=torch.long, device=device)
     policy = recompute_policy(mapper, recompute)
+    if have == total:
+        return MappedCache(target_cache, input_ids, nothing)
     if policy.active and (target_model is None or input_ids is None or input_ids.shape[-1] != total):
         raise ConfigError(f"recompute {policy.spec!r} at a catch-up needs the target model and the conversation's "
                           f"{total} token ids (input_ids)")
@@ -292,11 +305,12 @@ def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, targ
     for own, new in zip(target_cache.layers, mapped.layers, strict=True):
         own.keys = torch.cat([own.keys, new.keys.to(own.keys.device)], dim=-2)
         own.values = torch.cat([own.values, new.values.to(own.values.device)], dim=-2)
-    if policy.active:
-        info = replace(recompute_info or SelectionInfo(), start=have)
-        apply_policy(policy, target_model, target_cache, input_ids.to(target_cache.layers[0].keys.device), info,
-                     source_model, source_cache)
-    return target_cache
+    if not policy.active:
+        return MappedCache(target_cache, input_ids, nothing)
+    input_ids = input_ids.to(device)
+    info = replace(recompute_info or SelectionInfo(), start=have)
+    picked = policy_positions(policy, target_model, target_cache, input_ids, info, source_model, source_cache)
+    return MappedCache(target_cache, input_ids, picked.to(device))
 
 
 def _check_target_cache(cache, mapper) -> None:
