@@ -139,3 +139,14 @@ def test_bench_times_the_recompute_as_part_of_the_handoff(pair):
     assert plain["settings"]["recompute"] == "none" and plain["results"][0]["recompute_tokens"] == 0
     assert plain["results"][0]["flops"]["recompute"] == 0
     assert bench_table(result).row_count == 2
+
+
+def test_resident_weights_are_copies_with_the_same_values():
+    model = tiny_model("qwen2", layers=1)
+    before = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
+    from kvhandoff.bench import keep_resident
+
+    keep_resident(model)
+    for name, parameter in model.named_parameters():
+        pointer, values = before[name]
+        assert parameter.data_ptr() != pointer and torch.equal(parameter, values)

@@ -114,6 +114,17 @@ def peak_tensor_memory(fn):
     return result, int(peak)
 
 
+@torch.no_grad()
+def keep_resident(*models) -> None:
+    """Copy every parameter and buffer of ``models`` into memory of the process's own. Weights loaded from
+    safetensors are file-backed memory maps that the kernel may drop under memory pressure and read from disk
+    again at the next forward: a timing would then measure the disk. A machine without swap cannot drop the copies.
+    """
+    for model in models:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
+
+
 def mapper_footprint(mapper: Mapper) -> dict:
     """Parameter count, size on disk (saved to a temporary folder) and bytes held in memory."""
     storages: dict[int, int] = {}
@@ -340,6 +351,7 @@ def run_bench(
     new_turn: int = 1,
     recompute=None,
     two_step: bool = True,
+    resident: bool = False,
 ) -> dict:
     """Handoff vs re-prefill latency for each context length; returns the result dict (and writes
     bench.json + bench.png into `out_dir` when given).
@@ -349,7 +361,8 @@ def run_bench(
     recompute: the selective-recompute policy of the handoff (a `RecomputePolicy` or spec, e.g. "deviation:10%";
     None = the mapper's default), run in the handoff's one target forward (its selection timed apart: "select");
     two_step: also time the handoff with the recompute in forwards of its own before the target's read
-    ("two_step");
+    ("two_step"); resident: first copy both models' weights out of their file-backed memory maps
+    (`keep_resident`);
     time_budget_s: stop before a new length once this much wall time has passed (remaining lengths are
     listed under "skipped"); a length that runs out of memory is recorded under "failed" and ends the run.
     Result fields: format, source, target, mapper (parameters, parameter_bytes, memory_bytes, disk_bytes,
@@ -363,7 +376,9 @@ def run_bench(
     policy = recompute_policy(mapper, recompute)
     result = _bench_header(source_model, target_model, mapper, source_name, target_name,
                            {"repeats": repeats, "warmup": warmup, "new_turn": new_turn, "seed": seed,
-                            "recompute": policy.spec, "two_step": two_step})
+                            "recompute": policy.spec, "two_step": two_step, "resident_weights": resident})
+    if resident:
+        keep_resident(source_model, target_model)
     vocab = _vocab_size(source_model, target_model)
     gen = torch.Generator().manual_seed(seed)
     context = torch.randint(0, vocab, (1, lengths[-1]), generator=gen)  # every length is a prefix of it
