@@ -383,3 +383,29 @@ def test_a_session_recomputes_at_every_handover_and_knows_the_turns(inexact):
     assert changed == [0, 12]  # 10% of 21 positions: the two turn starts
     with pytest.raises(ConfigError):
         SwitchingSession({"small": source}, {}, recompute="fast:1")
+
+
+def test_stacked_query_attention_is_sdpa_without_copying_the_cache():
+    """The query heads of each KV head stacked along the query axis: transformers' sdpa (which copies every key and
+    value once per query head) to float32 precision; a model's attention setting is restored after a sparse
+    forward."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvhandoff.recompute import stacked_query_attention
+
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(shape, generator=gen) for shape in ((2, 12, 5, 16), (2, 2, 40, 16),
+                                                                         (2, 2, 40, 16)))
+    visible = torch.rand(2, 1, 5, 40, generator=gen) > 0.3
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, torch.finfo(torch.float32).min)
+    module = SimpleNamespace(num_key_value_groups=6, is_causal=True)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    stacked, _ = stacked_query_attention(module, query, key, value, mask, scaling=0.3)
+    assert stacked.shape == expected.shape == (2, 5, 12, 16)
+    assert (stacked - expected).abs().max() <= 1e-6
+    target = tiny_model("qwen2", layers=2, attn_implementation="sdpa")
+    ids = ids_of(tokens=12)
+    recompute_and_read(target, junk_like(prefill(target, ids[:, :10])[0]), ids[:, :10], torch.arange(4), ids[:, 10:])
+    assert target.config._attn_implementation == "sdpa"

@@ -18,7 +18,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvhandoff.cache import cache_view, prefill
 from kvhandoff.capture import projection_hooks
@@ -33,6 +35,43 @@ TURN_MARKERS: tuple[str, ...] = (
 )
 #: attention implementations whose masks a custom 4D additive mask replaces
 MASKED_ATTENTION = ("eager", "sdpa")
+#: the attention a sparse forward of an "sdpa" model runs (`stacked_query_attention`)
+STACKED_SDPA = "kvhandoff_stacked_sdpa"
+
+
+def stacked_query_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """sdpa for grouped-query attention under a mask that every head shares ([batch, 1, q, kv]): the query heads of
+    each KV head are stacked along the query axis (the mask tiled to match) and attend to that KV head as it is,
+    instead of every key and value being copied once per query head (transformers' `repeat_kv` for q > 1). The
+    copies cost ∝ the cache length per layer — at 8K cached tokens more than the rest of a few-token forward — the
+    stacking ∝ the queries. Same arithmetic; anything else goes to transformers' sdpa."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    batch, heads, length, dim = query.shape
+    stacked = query.reshape(batch, key.shape[1], groups * length, dim)
+    mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(attention_mask.shape[0], 1,
+                                                                             groups * length, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, length, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(STACKED_SDPA, stacked_query_attention)
+
+
+@contextmanager
+def _stacked_attention(model):
+    """While active, an "sdpa" ``model`` attends through `stacked_query_attention` (a sparse forward's mask is shared
+    by the heads). The model's forwards run one at a time (one worker per model), so switching its config is safe."""
+    config = model.config
+    previous = getattr(config, "_attn_implementation", None)
+    if previous == "sdpa":
+        config._attn_implementation = STACKED_SDPA
+    try:
+        yield
+    finally:
+        if previous == "sdpa":
+            config._attn_implementation = previous
 
 
 @dataclass(frozen=True)
@@ -139,8 +178,9 @@ def _sparse_forward(target_model, cache, input_ids: torch.Tensor, positions: tor
     scatter.layers.extend(_ScatterLayer(layer, positions) for layer in layers)
     model = target_model if logits_to_keep else getattr(target_model, "model", target_model)
     extra = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
-    out = model(input_ids=tokens, position_ids=at, attention_mask=mask[:, None], cache=scatter, use_cache=True,
-                **extra)
+    with _stacked_attention(target_model):
+        out = model(input_ids=tokens, position_ids=at, attention_mask=mask[:, None], cache=scatter, use_cache=True,
+                    **extra)
     for layer, written in zip(layers, scatter.layers, strict=True):  # appended tokens made new tensors
         layer.keys, layer.values = written.keys, written.values
     return out
