@@ -604,7 +604,8 @@ def _plot(result: dict, path: Path) -> None:
             axis.minorticks_off()
         axis.set_xlabel("context length (tokens)")
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
     left.set_ylabel("seconds to the target's next-token logits (median, min–max)")
     middle.set_ylabel("peak tensor MiB of the path (torch allocator)")
     right.set_ylabel("speed-up (×)")
