@@ -593,9 +593,11 @@ def _plot(result: dict, path: Path) -> None:
         right.plot(tokens, [r["flop_bound"] for r in rows], "k:", label="FLOP bound: prefill ÷ handoff FLOPs")
         right.axhline(1.0, color="grey", linewidth=0.8)
         for key, label, style in (("handoff", "handoff", "s-"), ("reprefill", "re-prefill", "o-")):
-            peaks = [r["peak_memory_bytes"][key] for r in rows]
-            if all(p is not None for p in peaks):
-                middle.plot(tokens, [p / 2**20 for p in peaks], style, label=label, markersize=4)
+            measured = [(r["tokens"], r["peak_memory_bytes"][key]) for r in rows
+                        if r["peak_memory_bytes"][key] is not None]
+            if measured:
+                middle.plot([t for t, _ in measured], [p / 2**20 for _, p in measured], style, label=label,
+                            markersize=4)
     for axis in (left, middle, right):
         axis.set_xscale("log")
         axis.set_yscale("log")
