@@ -98,24 +98,33 @@ def test_load_test_runs_switching_conversations_without_errors(tiny_cli, tmp_pat
 def test_guard_eval_splits_dev_and_heldout_and_reports_each_signal(tiny_cli, tmp_path):
     out = tmp_path / "serve_guard.json"
     result = CliRunner().invoke(app, ["guard-eval", "--conversations", "4", "--turns", "3", "--max-new-tokens", "3",
-                                      "--story-chars", "40", "--out", str(out)])
+                                      "--story-chars", "40", "--escalate", "recent:50%", "--out", str(out)])
     assert result.exit_code == 0, result.output
     guard = json.loads(out.read_text())
     assert guard["n"] == {"conversations_run": 4, "conversations_dev": 2, "conversations_heldout": 2,
                           "handoffs": 8, "changed": 0}  # switching every turn: two handoffs per conversation
-    assert set(guard["signals"]) == {"logloss", "kl"}
-    for row in guard["signals"].values():
+    assert set(guard["signals"]) == {"logloss", "kl", "kl_answer", "entropy", "mapped_share"}
+    assert set(guard["labels"]) == {"answer_changed", "answer_f1_below_0.5", "first_token_kl_above_0.5"}
+    assert guard["labels"]["answer_changed"] == guard["signals"] and guard["settings"]["escalate"] == "recent:50%"
+    for signal, row in guard["signals"].items():
         assert row["dev"]["handoffs"] == row["heldout"]["handoffs"] == 4
         assert row["auroc_dev"] is None  # an exact mapper never changes an answer: one class only
         assert row["heldout"]["catch_rate"] is None and row["heldout"]["false_fallback_rate"] is not None
-        assert row["served_threshold"] == {"threshold": 1.0, "catch_rate": None, "false_fallback_rate": 0.0,
-                                           "fallback_rate": 0.0}
+        assert signal == "entropy" or row["served_threshold"] == {  # a random tiny model's entropy is above 1
+            "threshold": 1.0, "catch_rate": None, "false_fallback_rate": 0.0, "fallback_rate": 0.0}
         assert {d: v["handoffs"] for d, v in row["by_direction"].items()} == {"large → small": 4, "small → large": 4}
-    assert resummarize(guard)["signals"] == guard["signals"]  # the stored records give the same numbers again
+    again = resummarize(guard)  # the stored records give the same numbers again
+    assert (again["signals"], again["labels"], again["escalation"]) == (guard["signals"], guard["labels"],
+                                                                      guard["escalation"])
+    for row in guard["escalation"].values():  # an exact mapper: every strategy serves the re-prefilled answer
+        assert row["switches"] == 8
+        for strategy in ("none", "fallback", "escalate", "escalate_all"):
+            assert row[strategy] == {"mean_f1": 1.0, "changed": 0.0}
     records = guard["records"]
     assert {r["split"] for r in records if r["conversation"] % 2} == {"heldout"}
     assert {(r["from"], r["to"]) for r in records} == {("small", "large"), ("large", "small")}
-    assert all(abs(r["scores"]["kl"]) < 1e-3 for r in records)
+    assert all(abs(r["scores"]["kl"]) < 1e-3 and r["first_kl"] < 1e-3 and r["answer_f1"] == 1.0 for r in records)
+    assert all(r["handed"] == r["own"] == r["escalated"] for r in records)
     result = CliRunner().invoke(app, ["guard-eval", "--heldout-every", "1", "--out", str(out)])
     assert result.exit_code == 2 and "--heldout-every" in result.output
     result = CliRunner().invoke(app, ["guard-eval", "--signals", "vibes", "--out", str(out)])

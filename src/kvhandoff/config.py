@@ -405,8 +405,12 @@ class RefineConfig:
 #: signals the serving quality guard can score a mapped cache with (`kvhandoff.serving.guard`): "logloss" — the
 #: receiving model's mean log-loss on the new turn over the mapped history minus the previous model's on the same
 #: tokens over its own cache; "kl" — the mean KL(previous model ‖ receiving model) of the next-token distributions
-#: at the new turn's positions
-GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl")
+#: at the new turn's positions; "kl_answer" — that KL at the last position only (the answer's first token);
+#: "entropy" — the receiving model's mean next-token entropy at those positions; "mapped_share" — the share of the
+#: conversation's positions before the new turn that this switch maps
+GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer", "entropy", "mapped_share")
+#: the signals that need the previous model's reference pass over the new turn
+REFERENCE_GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer")
 
 
 @dataclass(frozen=True)
