@@ -212,6 +212,21 @@ def _record_json(record: GuardRecord, scores: dict, dialogue_id: str, split: str
     return row
 
 
+class WithinTime:
+    """The items of a sequence in order while time is left (checked as each one starts, counted in `started`)."""
+
+    def __init__(self, items, time_limit_s: float | None) -> None:
+        self.items, self.time_limit_s, self.started = items, time_limit_s, 0
+
+    def __iter__(self):
+        begun = time.monotonic()
+        for item in self.items:
+            if self.time_limit_s is not None and time.monotonic() - begun > self.time_limit_s:
+                return
+            self.started += 1
+            yield item
+
+
 def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, switch_every: int = 1,
                    signals=GUARD_SIGNALS, max_new_tokens: int = 16, window: int = 64, heldout_every: int = 2,
                    max_false_fallback: float | None = None, time_limit_s: float | None = None,
@@ -232,38 +247,28 @@ def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, swi
                       chat_turns(tokenizer, dialogue, turns, story_chars), strict=True))
              for i, dialogue in enumerate(dialogues)]
     stop_ids = frozenset().union(*(end_ids(model, tok) for model, tok in models.values()))
-    started = time.monotonic()
-    ran = 0
-
-    def within_time():  # conversations in order while time is left (checked as each one starts)
-        nonlocal ran
-        for conversation in built:
-            if time_limit_s is not None and time.monotonic() - started > time_limit_s:
-                return
-            ran += 1
-            yield conversation
-
-    records = guard_records_by_signal({name: model for name, (model, _) in models.items()}, mappers, within_time(),
+    started, timed = time.monotonic(), WithinTime(built, time_limit_s)
+    records = guard_records_by_signal({name: model for name, (model, _) in models.items()}, mappers, timed,
                                       signals, max_new_tokens, window, stop_ids, config.handover,
                                       config.exact_prefix, config.recompute, escalate=escalate)
-    wall = time.monotonic() - started
+    wall, ran = time.monotonic() - started, timed.started
     first = records[signals[0]]
     heldout = {i for i in range(ran) if i % heldout_every == heldout_every - 1}
 
     def decode(ids) -> str:
         return tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    settings = {"conversations": conversations, "turns": turns, "switch_every": switch_every,
+                "signals": list(signals), "max_new_tokens": max_new_tokens, "window": window,
+                "heldout_every": heldout_every, "max_false_fallback": max_false_fallback, "time_limit_s": time_limit_s,
+                "story_chars": story_chars, "handover": config.handover,
+                "recompute": None if config.recompute is None else str(config.recompute), "escalate": escalate,
+                "labels": list(LABELS), "text": "CoQA validation conversations in the chat template"}
     result = {
         "format": GUARD_EVAL_FORMAT,
         "kvhandoff_version": kvhandoff.__version__,
         "models": names,
-        "settings": {"conversations": conversations, "turns": turns, "switch_every": switch_every,
-                     "signals": list(signals), "max_new_tokens": max_new_tokens, "window": window,
-                     "heldout_every": heldout_every, "max_false_fallback": max_false_fallback,
-                     "time_limit_s": time_limit_s, "story_chars": story_chars, "handover": config.handover,
-                     "recompute": None if config.recompute is None else str(config.recompute),
-                     "escalate": escalate, "labels": list(LABELS),
-                     "text": "CoQA validation conversations in the chat template"},
+        "settings": settings,
         "n": {"conversations_run": ran, "conversations_dev": ran - len(heldout),
               "conversations_heldout": len(heldout), "handoffs": len(first),
               "changed": sum(r.differs for r in first)},
