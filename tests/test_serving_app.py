@@ -183,7 +183,7 @@ def test_per_request_reprefill_override_re_prefills_at_a_switch_and_says_so(serv
 
 
 def test_guard_forced_to_fall_back_re_prefills():
-    with running(guard=True, guard_threshold=-1e9) as server:
+    with running(guard=True, guard_signal="logloss", guard_threshold=-1e9) as server:
         client = client_of(server)
         messages = [{"role": "user", "content": USER_TURNS[0]}]
         first = chat(client, "small", messages, session="g")[0]

@@ -12,10 +12,11 @@ from typer.testing import CliRunner
 
 from _serving_support import chat_ids, tiny_family
 from kvhandoff.cli import app
+from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.client import require_loopback
-from kvhandoff.serving.guard import guard_records, guard_records_by_signal
-from kvhandoff.serving.guard_eval import WithinTime, chat_turns, resummarize, switching_schedule
+from kvhandoff.serving.guard import GuardRecord, auroc, guard_records, guard_records_by_signal
+from kvhandoff.serving.guard_eval import WithinTime, auroc_interval, chat_turns, resummarize, switching_schedule
 from kvhandoff.serving.loadtest import load_over_http, percentile, schedule
 from kvhandoff.serving.workload import coqa_dialogues, document
 
@@ -39,7 +40,8 @@ def tiny_cli(monkeypatch):
 
 def test_bench_serve_times_both_paths_per_length_and_direction(tiny_cli, tmp_path):
     out, plot = tmp_path / "serve_bench.json", tmp_path / "serve_bench.png"
-    result = CliRunner().invoke(app, ["bench-serve", "--guard", "on", "--lengths", "24,48", "--repeats", "2",
+    result = CliRunner().invoke(app, ["bench-serve", "--guard", "on", "--guard-signal", "logloss",
+                                      "--guard-threshold", "1.0", "--lengths", "24,48", "--repeats", "2",
                                       "--max-tokens", "3", "--out", str(out), "--plot", str(plot)])
     assert result.exit_code == 0, result.output
     assert plot.stat().st_size > 0 and "ratio" in result.output
@@ -111,7 +113,8 @@ def test_guard_eval_splits_dev_and_heldout_and_reports_each_signal(tiny_cli, tmp
         assert row["auroc_dev"] is None  # an exact mapper never changes an answer: one class only
         assert row["heldout"]["catch_rate"] is None and row["heldout"]["false_fallback_rate"] is not None
         assert signal == "entropy" or row["served_threshold"] == {  # a random tiny model's entropy is above 1
-            "threshold": 1.0, "catch_rate": None, "false_fallback_rate": 0.0, "fallback_rate": 0.0}
+            "threshold": ServeConfig().guard_threshold, "catch_rate": None, "false_fallback_rate": 0.0,
+            "fallback_rate": 0.0}
         assert {d: v["handoffs"] for d, v in row["by_direction"].items()} == {"large → small": 4, "small → large": 4}
     again = resummarize(guard)  # the stored records give the same numbers again
     assert (again["signals"], again["labels"], again["escalation"]) == (guard["signals"], guard["labels"],
@@ -184,3 +187,11 @@ def test_within_time_counts_what_started_and_stops_when_time_is_up(monkeypatch):
     monkeypatch.setattr("kvhandoff.serving.guard_eval.time.monotonic", lambda: next(clock))
     timed = WithinTime(["a", "b", "c"], 4.0)
     assert list(timed) == ["a"] and timed.started == 1
+
+
+def test_auroc_interval_brackets_the_auroc_and_needs_both_classes():
+    records = [GuardRecord(i, 1, "a", "b", 5, score, bad) for i, (score, bad) in
+               enumerate([(0.1, False), (0.2, False), (0.35, True), (0.3, False), (0.8, True), (0.9, True)])]
+    low, high = auroc_interval(records, n_resamples=300)
+    assert 0.5 < low <= auroc([r.score for r in records], [r.differs for r in records]) <= high <= 1.0
+    assert auroc_interval([r for r in records if r.differs]) is None

@@ -436,9 +436,11 @@ class ServeConfig:
     max_context: int | None = None
     default_max_tokens: int = 512
     max_queue: int = 64
-    guard: bool = False  # no signal predicts a bad handoff on the default pair yet (docs/SERVING.md)
-    guard_signal: str = "logloss"
-    guard_threshold: float = 1.0
+    guard: bool = True
+    # chosen on dev conversations of the default pair (`kvhandoff guard-eval`, docs/SERVING.md); another family
+    # should measure its own
+    guard_signal: str = "entropy"
+    guard_threshold: float = 1.79
     guard_window: int = 64
     handover: str = "incremental"
     exact_prefix: int | None = None

@@ -53,8 +53,8 @@ def bench_serve(
     max_tokens: Annotated[int, typer.Option(parser=positive_int, help="answer length of each request")] = 8,
     warmup: Annotated[bool, typer.Option(help="one untimed short switch per path and direction first")] = True,
     guard: GuardSwitch = "off",
-    guard_signal: GuardSignal = "logloss",
-    guard_threshold: GuardThreshold = 1.0,
+    guard_signal: GuardSignal = ServeConfig.guard_signal,
+    guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
     time_limit: TimeLimit = None,
     out: Annotated[Path, typer.Option(help="the result (JSON)")] = Path("runs/serve_bench.json"),
     plot: Annotated[Path | None, typer.Option(help="also draw the times here (PNG)")] = None,
@@ -83,8 +83,8 @@ def load_test(
     story_chars: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "cut each story to this many characters (default: whole stories)"))] = None,
     guard: GuardSwitch = "off",
-    guard_signal: GuardSignal = "logloss",
-    guard_threshold: GuardThreshold = 1.0,
+    guard_signal: GuardSignal = ServeConfig.guard_signal,
+    guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
     out: Annotated[Path, typer.Option(help="the report (JSON)")] = Path("runs/serve_load.json"),
 ) -> None:
     """Concurrent conversations switching models every 2–3 turns against a server on a free loopback port:

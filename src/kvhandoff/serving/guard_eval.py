@@ -32,7 +32,7 @@ import torch
 import kvhandoff
 from kvhandoff.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.metrics import token_f1
+from kvhandoff.evaluation.metrics import paired_bootstrap, token_f1
 from kvhandoff.files import atomic_write_json
 from kvhandoff.serving.decoding import end_ids
 from kvhandoff.serving.engine import CHATML_TEMPLATE
@@ -99,6 +99,22 @@ def _auroc(records: list[GuardRecord]) -> float | None:
     return auroc([r.score for r in scored], [r.differs for r in scored])
 
 
+def auroc_interval(records: list[GuardRecord], n_resamples: int = 1000, seed: int = 0) -> list[float] | None:
+    """95 % bootstrap interval of the AUROC of ``records`` (handoffs resampled with replacement; resamples with one
+    class only are skipped); None without both classes."""
+    scored = [r for r in records if r.score is not None]
+    if _auroc(scored) is None:
+        return None
+
+    def statistic(sample) -> float:
+        value = auroc(list(sample["score"]), [bool(y) for y in sample["bad"]])
+        return float("nan") if value is None else value
+
+    low, high = paired_bootstrap({"score": [r.score for r in scored], "bad": [float(r.differs) for r in scored]},
+                                 statistic, n_resamples, seed)
+    return [low, high]
+
+
 def evaluate_signal(records: list[GuardRecord], heldout: set[int], signal: str,
                     max_false_fallback: float | None = None,
                     served_threshold: float = ServeConfig().guard_threshold) -> dict:
@@ -109,6 +125,7 @@ def evaluate_signal(records: list[GuardRecord], heldout: set[int], signal: str,
     return {
         "signal": signal,
         "auroc_dev": chosen.auroc, "auroc_heldout": _auroc(held), "auroc_all": _auroc(records),
+        "auroc_heldout_ci": auroc_interval(held), "auroc_all_ci": auroc_interval(records),
         "threshold": chosen.threshold,
         "dev": {"handoffs": chosen.handoffs, "changed": chosen.changed, "catch_rate": chosen.catch_rate,
                 "false_fallback_rate": chosen.false_fallback_rate},
