@@ -97,3 +97,21 @@ def test_a_switch_is_one_forward_of_the_receiving_model_with_the_two_step_logits
         reference.tokens += turn
         assert (fused - logits[0].float().log_softmax(-1)).abs().max() <= 1e-5
     assert session.cache("b").get_seq_length() == 40
+
+
+def test_a_fork_hands_over_and_reads_without_touching_the_session(trio):
+    a, b, _, mapper = trio
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, exact_prefix=0)
+    ids = torch.randint(0, 128, (40,)).tolist()
+    session.read("a", ids[:30])
+    before = (list(session.tokens), session.owner, session.cache("a").layers[0].keys.clone())
+    twin = session.fork()
+    twin.recompute = "recent:50%"
+    forked = twin.read("b", ids[30:])
+    twin.read("b", ids[:3])  # the fork goes on; the session does not
+    assert (list(session.tokens), session.owner) == before[:2] and session.cache("b") is None
+    assert session.cache("a").get_seq_length() == 30 and torch.equal(session.cache("a").layers[0].keys, before[2])
+    assert twin.cache("b").get_seq_length() == 43 and len(twin.tokens) == 43
+    # the session itself hands over the same way as the fork did
+    session.recompute = "recent:50%"
+    torch.testing.assert_close(session.read("b", ids[30:]), forked)

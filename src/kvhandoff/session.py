@@ -3,10 +3,12 @@ cache (`handoff`), never by re-prefilling it."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import DynamicCache
 
-from kvhandoff.cache import prefill, rollback
+from kvhandoff.cache import cache_copy, prefill, rollback
 from kvhandoff.errors import ConfigError
 from kvhandoff.handoff import (
     MappedCache,
@@ -213,6 +215,14 @@ class SwitchingSession:
         self._caches[server] = cache
         self.owner = server
         return logits[0].float().log_softmax(-1)
+
+    def fork(self) -> SwitchingSession:
+        """A copy of the conversation that shares the models and mappers but owns copies of the caches: what the
+        fork reads, generates or hands over leaves this session as it was (e.g. to try a switch another way)."""
+        twin = copy.copy(self)
+        twin.tokens, twin._turn_starts = list(self.tokens), list(self._turn_starts)
+        twin._caches = {name: cache_copy(cache) for name, cache in self._caches.items()}
+        return twin
 
     def cache_bytes(self) -> int:
         """Bytes of memory the session's caches hold (storage shared by several views counted once)."""
