@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvhandoff.cache import model_device
 from kvhandoff.geometry import decoder_layers, read_geometry
 from kvhandoff.rope import rope_frequencies, strip_rope
 
@@ -75,9 +76,12 @@ def capture_content_kv(model, input_ids: torch.Tensor, with_queries: bool = Fals
     Runs the decoder body only (no LM head: the vocab projection would dominate memory and time).
     """
     body = getattr(model, "model", model)
+    device = model_device(model)
     records: dict[str, list[torch.Tensor]] = {"k": [], "v": [], "q": []}
-    with projection_hooks(model, "kvq" if with_queries else "kv", lambda kind, _, x: records[kind].append(x)):
-        body(input_ids=input_ids, use_cache=False)
+    # with a device map the layers sit on several devices: every record joins the embedding's device
+    with projection_hooks(model, "kvq" if with_queries else "kv",
+                          lambda kind, _, x: records[kind].append(x.to(device))):
+        body(input_ids=input_ids.to(device), use_cache=False)
     return ContentKV(
         keys=torch.stack(records["k"]),
         values=torch.stack(records["v"]),

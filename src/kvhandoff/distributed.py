@@ -183,13 +183,40 @@ def launched(timeout_s: float | None = None,
         except (RuntimeError, ValueError) as exc:
             raise DistributedError(f"rank {rank} of {world}: cannot join the process group "
                                    f"({_one_line(exc)[:300]}); check MASTER_ADDR/MASTER_PORT") from exc
-        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        gpus = local_gpus()
+        if gpus:
+            torch.cuda.set_device(gpus[0])
     try:
         yield Ranks(rank, world, timeout_s, checkpoint_every)
     finally:
         if owner and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def gpu_share(local_rank: int, local_world_size: int, device_count: int) -> list[int]:
+    """The GPUs of a node that one of its `local_world_size` ranks uses: an equal run of consecutive GPUs each
+    (a model too big for one GPU is spread over its run with a device map), or one shared GPU when there are
+    more ranks than GPUs; none without GPUs."""
+    if device_count <= 0:
+        return []
+    if local_world_size > device_count:
+        return [local_rank % device_count]
+    per_rank = device_count // local_world_size
+    return list(range(local_rank * per_rank, (local_rank + 1) * per_rank))
+
+
+def local_gpus() -> list[int]:
+    """This process's share of the node's GPUs (`gpu_share`; torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE, all
+    visible GPUs without them)."""
+    if not torch.cuda.is_available():
+        return []
+    try:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    except ValueError:
+        raise DistributedError("LOCAL_RANK and LOCAL_WORLD_SIZE must be integers: start the ranks with torchrun") \
+            from None
+    return gpu_share(local_rank, max(1, local_world), torch.cuda.device_count())
 
 
 # -- the windows ------------------------------------------------------------------------------------------------

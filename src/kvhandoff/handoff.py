@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from kvhandoff.cache import cache_view, prefill
+from kvhandoff.cache import cache_view, model_device, prefill
 from kvhandoff.config import RecomputePolicy
 from kvhandoff.errors import ConfigError, ContextTooLongError, MapperMismatchError
 from kvhandoff.mapper import Mapper
@@ -130,20 +130,20 @@ def handoff_cache(
     if source_cache is None:
         if needs_source_attention(policy):
             with record_queries(source_model, policy.window) as queries:
-                source_cache, _ = prefill(source_model, mapped_ids.to(source_model.device))
+                source_cache, _ = prefill(source_model, mapped_ids.to(model_device(source_model)))
             info = replace(info, source_attention=attention_from_queries(source_model, queries, source_cache))
         else:
-            source_cache, _ = prefill(source_model, mapped_ids.to(source_model.device))
+            source_cache, _ = prefill(source_model, mapped_ids.to(model_device(source_model)))
     elif source_cache.get_seq_length() != mapped_ids.shape[1]:
         raise ConfigError(
             f"source_cache holds {source_cache.get_seq_length()} tokens, the mapped part of input_ids "
             f"{mapped_ids.shape[1]}"
         )
     mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
-    cache = patch_mapped_cache(mapped, target_model, mapped_ids.to(target_model.device), mapper, exact_prefix,
+    cache = patch_mapped_cache(mapped, target_model, mapped_ids.to(model_device(target_model)), mapper, exact_prefix,
                                policy, info, source_model, source_cache)
     if target_tail:
-        prefill(target_model, input_ids[:, mapped_ids.shape[1] :].to(target_model.device), cache)
+        prefill(target_model, input_ids[:, mapped_ids.shape[1] :].to(model_device(target_model)), cache)
     return cache
 
 

@@ -60,9 +60,11 @@ class FeatureLayout:
         return torch.cat([torch.arange(s.start, s.stop) for s in slices])
 
     def flatten(self, content: ContentKV, positions: torch.Tensor) -> torch.Tensor:
-        """[tokens kept, width] float64 rows from content K/V [layers, batch, heads, tokens, head_dim]."""
-        both = torch.stack([content.keys, content.values])[..., positions, :]  # [2, L, B, H, t, D]
-        return both.permute(2, 4, 0, 1, 3, 5).reshape(-1, self.width).to(torch.float64)
+        """[tokens kept, width] float64 rows on the CPU (where the sums are) from content K/V [layers, batch, heads,
+        tokens, head_dim] of any dtype and device: the model's dtype (bfloat16, float16) is cast before any sum."""
+        both = torch.stack([content.keys, content.values])[..., positions.to(content.keys.device), :]
+        rows = both.permute(2, 4, 0, 1, 3, 5).reshape(-1, self.width)  # [2, L, B, H, t, D] → [B·t, width]
+        return rows.to("cpu").to(torch.float64)
 
 
 def require_finite_content(side: str, content: ContentKV) -> None:

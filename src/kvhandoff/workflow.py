@@ -20,7 +20,7 @@ import torch
 from kvhandoff.assets import ModelPair, load_pair
 from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig, kvhandoff_home
 from kvhandoff.corpus import calibration_batches, pack_texts
-from kvhandoff.distributed import Ranks, dismiss, follow, lead_collection
+from kvhandoff.distributed import Ranks, dismiss, follow, lead_collection, local_gpus
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.features import FeatureShardWriter, features_complete
 from kvhandoff.files import atomic_write_json, sha256_json
@@ -93,19 +93,22 @@ class NamedPair:
         return self.source.config.max_position_embeddings, self.target.config.max_position_embeddings
 
 
-def load_named_pair(source: str, target: str, dtype: torch.dtype = torch.float32, progress: bool = True,
-                    ranks: Ranks | None = None) -> NamedPair:
+def load_named_pair(source: str, target: str, dtype: torch.dtype | str = torch.float32, progress: bool = True,
+                    ranks: Ranks | None = None, device_map: str | None = None) -> NamedPair:
     """`assets.load_pair` (which refuses pairs whose tokenizers differ), with the names and cache identities.
 
-    ranks (a distributed run): rank 0 loads first (converting registry models once), then the other ranks; every
-    rank must end up with the same two models (`DistributedError` otherwise)."""
+    dtype, device_map: see `assets.load_model` and `config.ModelPlacement`. ranks (a distributed run): rank 0
+    loads first (converting registry models once), then the other ranks; every rank must end up with the same two
+    models (`DistributedError` otherwise); a planned device map spreads each rank's models over its own share of
+    the node's GPUs (`distributed.local_gpus`)."""
     if ranks is None or not ranks.distributed:
-        return NamedPair.of(source, target, load_pair(source, target, dtype=dtype, progress=progress))
-    pair = NamedPair.of(source, target, load_pair(source, target, dtype=dtype, progress=progress)) \
+        return NamedPair.of(source, target, load_pair(source, target, dtype, progress, device_map))
+    gpus = local_gpus() or None
+    pair = NamedPair.of(source, target, load_pair(source, target, dtype, progress, device_map, gpus)) \
         if ranks.is_root else None
     ranks.barrier("waiting for rank 0 to load the models")
     if pair is None:
-        pair = NamedPair.of(source, target, load_pair(source, target, dtype=dtype, progress=False))
+        pair = NamedPair.of(source, target, load_pair(source, target, dtype, False, device_map, gpus))
     ranks.require_same((pair.source_identity, pair.target_identity), "models (source and target identities)")
     return pair
 

@@ -10,8 +10,11 @@ import typer
 
 from kvhandoff.bench import DEFAULT_LENGTHS, bench_mapper, run_bench
 from kvhandoff.cli.options import (
+    DEFAULT_DTYPE,
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
+    DeviceMap,
+    Dtype,
     Recompute,
     SavedMapper,
     Source,
@@ -48,12 +51,14 @@ def bench(
         "tokens at the end of each context the target reads itself (1: all mapped; more: a switch at a turn "
         "boundary)"))] = 1,
     recompute: Recompute = None,
+    dtype: Dtype = DEFAULT_DTYPE,
+    device_map: DeviceMap = None,
 ) -> None:
     """Latency of handoff (transfer + the target reading the new turn) vs the target's re-prefill, per context
     length."""
     if threads is not None:
         torch.set_num_threads(threads)
-    pair = load_named_pair(source, target)
+    pair = load_named_pair(source, target, dtype, device_map=device_map)
     the_mapper, note = bench_mapper(pair, mapper, synthetic, k)
     typer.echo(note)
     result = run_bench(pair.source, pair.target, the_mapper, lengths, repeats=repeats, warmup=warmup, out_dir=out,

@@ -9,11 +9,14 @@ import typer
 
 from kvhandoff.assets import prepare_model
 from kvhandoff.cli.options import (
+    DEFAULT_DTYPE,
     DEFAULT_MIX,
     DEFAULT_SEQ_LEN,
     DEFAULT_SEQUENCES,
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
+    DeviceMap,
+    Dtype,
     Mix,
     SeqLen,
     Sequences,
@@ -84,6 +87,8 @@ def fit(
     dist_timeout: Annotated[float | None, typer.Option(parser=positive_float, metavar="SECONDS", help=(
         "under torchrun: how long a collective waits for the other ranks (default $KVHANDOFF_DIST_TIMEOUT "
         "or 1800)"))] = None,
+    dtype: Dtype = DEFAULT_DTYPE,
+    device_map: DeviceMap = None,
 ) -> None:
     """Fit a mapper from SOURCE's KV cache to TARGET's and save it to OUT.
 
@@ -107,7 +112,7 @@ def fit(
         raise typer.BadParameter("--method mlp and --top-k heldout need the calibration rows, which a distributed "
                                  "run does not collect: run them without torchrun", param_hint="--method / --top-k")
     with launched(dist_timeout, checkpoint_every) as ranks:
-        pair = load_named_pair(source, target, progress=ranks.is_root, ranks=ranks)
+        pair = load_named_pair(source, target, dtype, progress=ranks.is_root, ranks=ranks, device_map=device_map)
         if not ranks.is_root:
             records = serve_calibration(pair, ranks)
             windows = sum(len(record["windows_per_rank"][ranks.rank]) for record in records)
