@@ -27,6 +27,13 @@ class ContentKV:
     def num_tokens(self) -> int:
         return self.keys.shape[3]
 
+    def layers(self, selected: range | None) -> ContentKV:
+        """These K/V (and queries) of the `selected` layers only (views; None: all)."""
+        if selected is None:
+            return self
+        pick = slice(selected.start, selected.stop, selected.step)
+        return ContentKV(self.keys[pick], self.values[pick], None if self.queries is None else self.queries[pick])
+
 
 def nonfinite_layers(tensor: torch.Tensor, dim: int) -> list[int]:
     """Indices along ``dim`` (a layer axis) of the slices that hold NaN or ±Inf."""
