@@ -126,15 +126,15 @@ def mapper_from_statistics(
         plan = default_plan(r2_matrix, config)
     selected = plan.padded(r2_matrix)
     solution = solve_plan(stats, config, plan, selected)
-    fitted = FittedMaps(stats.source, stats.target, stats.count, plan, selected, solution)
-    return fitted.mapper(config, source_fingerprint, target_fingerprint, calibration, max_position_embeddings,
-                         time.perf_counter() - started)
+    fitted = FittedMaps(stats.source, stats.target, stats.count, plan, selected, solution,
+                        time.perf_counter() - started)
+    return fitted.mapper(config, source_fingerprint, target_fingerprint, calibration, max_position_embeddings)
 
 
 @dataclass
 class FittedMaps:
     """Everything a ridge mapper is made of: the layouts, the statistics' token count, the plan, the padded
-    selection [Lt, k] and the solved maps."""
+    selection [Lt, k], the solved maps and the seconds the selection and solves took."""
 
     source: FeatureLayout
     target: FeatureLayout
@@ -142,9 +142,10 @@ class FittedMaps:
     plan: LayerPlan
     selected: torch.Tensor
     solution: RidgeSolution
+    solve_seconds: float = 0.0
 
     def mapper(self, config: FitConfig, source_fingerprint: dict, target_fingerprint: dict,
-               calibration: dict | None, max_position_embeddings: tuple[int, int], solve_seconds: float,
+               calibration: dict | None, max_position_embeddings: tuple[int, int],
                extra_metrics: dict | None = None) -> Mapper:
         require_finite_solution(self.solution)
         solution, plan = self.solution, self.plan
@@ -168,7 +169,7 @@ class FittedMaps:
                 "r2_v_mean": float(r2[1].mean()),
                 "r2_per_head": {"K": r2[0].tolist(), "V": r2[1].tolist()},
                 "ridge_lambda_per_target_layer": {"K": solution.lambdas[0], "V": solution.lambdas[1]},
-                "solve_seconds": round(solve_seconds, 3),
+                "solve_seconds": round(self.solve_seconds, 3),
                 **(extra_metrics or {}),
             },
         )
@@ -255,9 +256,10 @@ def fit_in_blocks(collect: BlockPass, source: FeatureLayout, target: FeatureLayo
     solution = RidgeSolution.empty(source, target, k, len(config.input_modalities(0)))
     source_layers: list[list[int]] = []
     lambdas: list[list] = [[], []]
-    selected, shared, count = [], None, 0
+    selected, shared, count, solve_seconds = [], None, 0, 0.0
     for layers in layer_blocks(target.num_layers, layer_block):
         stats = collect(layers, shared is None)
+        started = time.perf_counter()
         if shared is None:
             shared = stats.source_only()
         else:
@@ -268,9 +270,10 @@ def fit_in_blocks(collect: BlockPass, source: FeatureLayout, target: FeatureLayo
         solve_plan(stats, config, plan, selected[-1], solution, first_layer=layers.start)
         source_layers += plan.source_layers
         lambdas = [lambdas[m] + plan.lambdas[m] for m in range(len(MODALITIES))]
-        count = stats.count
+        count, solve_seconds = stats.count, solve_seconds + time.perf_counter() - started
         del stats  # the next pass allocates its own block's sums
-    return FittedMaps(source, target, count, LayerPlan(source_layers, lambdas), torch.cat(selected), solution)
+    return FittedMaps(source, target, count, LayerPlan(source_layers, lambdas), torch.cat(selected), solution,
+                      solve_seconds)
 
 
 def blocked_metrics(target: FeatureLayout, layer_block: int) -> dict:
@@ -325,8 +328,8 @@ def fit_mapper(
         fitted = fit_in_blocks(lambda layers, source_sums: collect_statistics(
             source_model, target_model, batches, config, progress, target_layers=layers, source_sums=source_sums),
             feature_layout(source_model), target, config, layer_block)
-        seconds = time.perf_counter() - started
-        return fitted.mapper(config, *fingerprints, calibration, positions, 0.0,
+        seconds = time.perf_counter() - started - fitted.solve_seconds
+        return fitted.mapper(config, *fingerprints, calibration, positions,
                              {**blocked_metrics(target, layer_block), "collect_seconds": round(seconds, 3)})
     stats = collect_statistics(source_model, target_model, batches, config, progress)
     collect_seconds = time.perf_counter() - started

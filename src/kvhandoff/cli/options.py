@@ -70,6 +70,23 @@ def device_map(value) -> str:
                                  f"'cuda:0', got {value!r}") from None
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def byte_size(value) -> int:
+    """A number of bytes, with an optional unit: 512GB, 480GiB, 2T, 1e11."""
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    try:
+        size = float(number) * _SIZE_UNITS[text[len(number):]]
+    except (ValueError, KeyError):
+        size = 0.0
+    if not size >= 1:
+        raise typer.BadParameter(f"give a size in bytes such as 480GiB, 512GB or 2T, got {value!r}")
+    return int(size)
+
+
 def non_negative_int(value) -> int:
     try:
         number = int(value)
