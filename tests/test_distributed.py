@@ -1,7 +1,8 @@
 """Distributed calibration: windows shared out between ranks, sums reduced on rank 0, checkpoints and resume.
 
 Three tests start real processes talking gloo over 127.0.0.1 (a free port): `kvhandoff fit` under torchrun (whole
-and in layer blocks), and a rank that dies mid-pass. The rest run in this process (a single-process `Ranks()` runs the same code)."""
+and in layer blocks), and a rank that dies mid-pass. The rest run in this process (a single-process `Ranks()` runs
+the same code)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from _dist_support import LOOPBACK, free_port, loopback_env, run_rank
 from kvhandoff import FitConfig
 from kvhandoff.cli import app
 from kvhandoff.config import CalibrationSpec
-from kvhandoff.distributed import Ranks, collect_shared, launched, window_shares
+from kvhandoff.distributed import Ranks, collect_shared, gpu_share, launched, window_shares
 from kvhandoff.errors import ConfigError, DistributedError
 from kvhandoff.fit import collect_statistics
 from kvhandoff.mapper import Mapper
@@ -241,3 +242,14 @@ def test_the_checkpoint_is_keyed_like_the_statistics(pair_paths, tmp_path, monke
     assert partial.parent == stats_file.parent and partial.name == stats_file.name.replace("stats-", "partial-")
     assert checkpoint_path(pair, FitConfig(token_stride=2), calibration) != partial
 
+
+
+@pytest.mark.parametrize(("local_rank", "local_world", "gpus", "share"), [
+    (0, 1, 8, list(range(8))),  # one rank: every GPU
+    (1, 4, 8, [2, 3]),  # 4 ranks on 8 GPUs: two each, consecutive
+    (2, 3, 8, [4, 5]),  # 8 // 3 = 2 each; GPUs 6 and 7 unused
+    (5, 4, 2, [1]),  # more ranks than GPUs: shared round robin
+    (0, 2, 0, []),
+])
+def test_each_rank_gets_its_own_run_of_the_nodes_gpus(local_rank, local_world, gpus, share):
+    assert gpu_share(local_rank, local_world, gpus) == share
