@@ -16,7 +16,7 @@ from kvhandoff.errors import AssetError
 from kvhandoff.evaluation.multiturn import Conversation, load_coqa_conversations
 from kvhandoff.evaluation.scoring import OpenContext, check_mapped, greedy_from
 from kvhandoff.handoff import patch_mapped_cache, recompute_policy
-from kvhandoff.workflow import NamedPair, load_named_pair, load_pair_mapper, obtain_mapper
+from kvhandoff.workflow import NamedPair, load_named_pair, load_pair_mapper, obtain_mapper, on_source_device
 
 MIN_CONTEXT_TOKENS = 1000
 
@@ -144,6 +144,7 @@ def run_demo(
     else:
         mapper, mapper_dir, reused = obtain_mapper(pair, config, calibration, progress, refit)
     fit_seconds = time.perf_counter() - fit_started
+    on_source_device(mapper, pair.source)
     context = demo_context(pair.tokenizer, min_context_tokens)
     ids = pair.tokenizer(context.text, return_tensors="pt")["input_ids"]
     n_mapped = mapped_length(pair.tokenizer, context, ids[0].tolist(), mapped)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvhandoff.assets import ModelPair, load_pair
+from kvhandoff.cache import model_device
 from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig, kvhandoff_home
 from kvhandoff.corpus import calibration_batches, pack_texts
 from kvhandoff.distributed import Ranks, dismiss, follow, lead_collection, local_gpus
@@ -325,6 +326,16 @@ def _one_process_record(windows: int) -> dict:
 def _save_statistics(path: Path, stats: CalibrationStats, info: dict) -> None:
     stats.save(path)
     atomic_write_json(path.with_suffix(".json"), info)
+
+
+def on_source_device(mapper: Mapper | None, source_model) -> Mapper | None:
+    """`mapper` moved (in place) to where `source_model` takes its inputs (`cache.model_device`) when that is not
+    the CPU: a handoff maps the source's cache where it is (a model spread over several devices is not handed
+    over yet: its cache layers sit on several devices)."""
+    device = model_device(source_model)
+    if mapper is not None and device.type != "cpu" and mapper.device != device:
+        mapper.to(device)
+    return mapper
 
 
 def load_pair_mapper(folder: str | Path, pair: NamedPair) -> Mapper:

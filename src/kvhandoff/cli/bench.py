@@ -25,7 +25,7 @@ from kvhandoff.cli.options import (
     positive_int,
     positive_ints,
 )
-from kvhandoff.workflow import load_named_pair
+from kvhandoff.workflow import load_named_pair, on_source_device
 
 
 def bench(
@@ -60,6 +60,7 @@ def bench(
         torch.set_num_threads(threads)
     pair = load_named_pair(source, target, dtype, device_map=device_map)
     the_mapper, note = bench_mapper(pair, mapper, synthetic, k)
+    on_source_device(the_mapper, pair.source)
     typer.echo(note)
     result = run_bench(pair.source, pair.target, the_mapper, lengths, repeats=repeats, warmup=warmup, out_dir=out,
                        time_budget_s=budget, measure_memory=memory, source_name=source, target_name=target,

@@ -30,7 +30,7 @@ from kvhandoff.evaluation.pipeline import MapperSource, evaluate_directions, for
 from kvhandoff.evaluation.report import render_results
 from kvhandoff.evaluation.scoring import MAPPED_PARTS
 from kvhandoff.evaluation.tasks import parse_tasks
-from kvhandoff.workflow import load_named_pair
+from kvhandoff.workflow import load_named_pair, on_source_device
 
 
 def tasks_list(value) -> str:
@@ -103,9 +103,10 @@ def eval_command(
                              continuation_len=continuation_len, coqa_conversations=coqa_conversations)
     pair = load_named_pair(source, target, dtype, progress, device_map=device_map)
     forward, sweep = forward_mapper(pair, mappers, options, out, progress)
+    on_source_device(forward, pair.source)
     if sweep is not None:
         typer.echo(f"k sweep: best k = {sweep['best_k']} (mean dev score per k: {sweep['scores']})")
-    backward = reverse_mapper(pair, mappers, progress)
+    backward = on_source_device(reverse_mapper(pair, mappers, progress), pair.target)
     md, png = evaluate_directions(pair, forward, backward, options, scoring, out, progress)
     typer.echo(md.read_text(encoding="utf-8"))
     typer.echo(f"wrote {md} and {png}")

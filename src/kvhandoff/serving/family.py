@@ -17,7 +17,7 @@ from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, ModelPair, load_mod
 from kvhandoff.errors import ConfigError
 from kvhandoff.geometry import check_pair
 from kvhandoff.mapper import Mapper
-from kvhandoff.workflow import NamedPair, obtain_mapper
+from kvhandoff.workflow import NamedPair, obtain_mapper, on_source_device
 
 
 def parse_model_specs(items: Iterable[str]) -> dict[str, str]:
@@ -85,4 +85,6 @@ def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str
                 pair = NamedPair.of(specs[source], specs[target],
                                     ModelPair(source_model, target_model, tokenizer, target_tokenizer))
                 mappers[source, target] = obtain_mapper(pair, progress=progress)[0]
+    for (source, _), mapper in mappers.items():
+        on_source_device(mapper, models[source][0])
     return models, mappers
