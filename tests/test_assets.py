@@ -21,10 +21,11 @@ from kvhandoff.assets import (
     find_parts,
     load_model,
     model_dir,
+    placement_kwargs,
     prepare_model,
     resolve_asset,
 )
-from kvhandoff.errors import AssetError
+from kvhandoff.errors import AssetError, ConfigError
 
 from conftest import chat_tokenizer, tiny_model, tiny_tokenizer
 
@@ -233,6 +234,29 @@ def test_load_model_dtype(tmp_path):
     tiny_tokenizer().save_pretrained(tmp_path / "tiny")
     loaded, _ = load_model(tmp_path / "tiny", dtype=torch.bfloat16, progress=False)
     assert next(loaded.parameters()).dtype == torch.bfloat16
+    by_name, _ = load_model(tmp_path / "tiny", dtype="fp16", progress=False)
+    assert next(by_name.parameters()).dtype == torch.float16
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        load_model(tmp_path / "tiny", dtype="fp8", progress=False)
+
+
+def test_an_auto_device_map_on_a_machine_without_gpus_puts_everything_on_the_cpu(tmp_path):
+    model = _tiny_qwen2(tie=False)
+    model.save_pretrained(tmp_path / "tiny")
+    tiny_tokenizer().save_pretrained(tmp_path / "tiny")
+    loaded, tokenizer = load_model(tmp_path / "tiny", dtype="fp32", device_map="auto", gpus=[0], progress=False)
+    assert {p.device.type for p in loaded.parameters()} == {"cpu"}
+    ids = tokenizer("the quick brown fox", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_placement_keywords_for_from_pretrained():
+    assert placement_kwargs(None) == {}
+    assert placement_kwargs("cuda:1") == {"device_map": "cuda:1"}
+    assert placement_kwargs("auto", gpus=[2, 3]) == {"device_map": "auto"}  # no GPU here: accelerate plans alone
+    with pytest.raises(ConfigError, match="device_map must be one of"):
+        placement_kwargs("gpu")
 
 
 def test_loaded_chat_model_stops_at_the_document_end_too(tmp_path):

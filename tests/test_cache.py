@@ -80,3 +80,10 @@ def test_prefill_and_feed_extend_one_cache_and_match_a_full_pass():
     with torch.no_grad():
         full = model(input_ids=ids).logits[0].float().log_softmax(-1)
     torch.testing.assert_close(logprobs, full[6:], atol=1e-5, rtol=1e-5)
+
+
+def test_the_input_device_is_the_token_embeddings():
+    model = tiny_model()
+    model.model.embed_tokens.to("meta")  # the embedding elsewhere than the first parameters of the rest
+    assert model_device(model) == torch.device("meta")
+    assert next(model.model.layers.parameters()).device == torch.device("cpu")

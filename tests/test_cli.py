@@ -29,6 +29,33 @@ def test_fit_writes_a_loadable_mapper(pair, tmp_path):
     assert mapper.manifest["calibration"]["num_tokens"] == 3 * 48
 
 
+def test_fit_in_bf16_on_an_auto_device_map_in_layer_blocks(pair, tmp_path):
+    small, large = pair
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+                                      "--sequences", "3", "--seq-len", "48", "--dtype", "bf16", "--device-map", "auto",
+                                      "--layer-block", "2"])
+    assert result.exit_code == 0, result.output
+    manifest = Mapper.load(tmp_path / "m").manifest
+    assert manifest["source_fingerprint"]["dtype"] == manifest["target_fingerprint"]["dtype"] == "bfloat16"
+    assert manifest["fit_metrics"]["target_layer_blocks"] == [[0, 1], [2, 2]]
+
+
+def test_fit_chooses_the_layer_block_for_a_statistics_memory(pair, tmp_path):
+    from kvhandoff.fit import estimate_memory
+    from kvhandoff.statistics import FeatureLayout
+
+    small, large = pair  # 2 layers × 2 KV heads × 16 → 3 layers × 2 KV heads × 32
+    budget = estimate_memory(FeatureLayout(2, 2, 16), FeatureLayout(3, 2, 32), layer_block=1).peak_bytes
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+                                      "--sequences", "3", "--seq-len", "40", "--stats-memory", str(budget)])
+    assert result.exit_code == 0, result.output
+    assert "--layer-block 1: 3 passes" in result.output
+    assert Mapper.load(tmp_path / "m").manifest["fit_metrics"]["statistics_passes"] == 3
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+                                      "--sequences", "3", "--seq-len", "40", "--stats-memory", "1kB"])
+    assert result.exit_code == 2 and "even one target layer per pass needs" in result.output
+
+
 def test_fit_on_a_text_file_and_gcv(pair, tmp_path):
     small, large = pair
     texts = tmp_path / "texts.txt"
@@ -166,20 +193,23 @@ def fake_models(monkeypatch):
     MODELS.setdefault("large", tiny_model("qwen2", seed=1, **BYTE_MODEL))
     loaded = []
 
-    def fake_load_model(spec, dtype=torch.float32, progress=True):
+    def fake_load_model(spec, dtype=torch.float32, progress=True, device_map=None, gpus=None):
         loaded.append(spec)
+        fake_models_placement.append((dtype, device_map))
         return MODELS[spec], fake_models_tokenizers.get(spec, ByteTokenizer())
 
     def fake_mapper_load(path, *args, **kwargs):
         return NoisyMapper(scale=0.2, seed=len(str(path)))
 
     fake_models_tokenizers.clear()
+    fake_models_placement.clear()
     monkeypatch.setattr(kvhandoff.assets, "load_model", fake_load_model)
     monkeypatch.setattr(kvhandoff.mapper.Mapper, "load", staticmethod(fake_mapper_load))
     return loaded
 
 
 fake_models_tokenizers: dict = {}
+fake_models_placement: list = []
 
 
 def test_eval_both_directions(fake_models, tmp_path):
@@ -187,10 +217,11 @@ def test_eval_both_directions(fake_models, tmp_path):
     result = CliRunner().invoke(app, [
         "eval", "--source", "small", "--target", "large", "--mapper", str(tmp_path / "m"),
         "--reverse-mapper", str(tmp_path / "rev"), "--tasks", "winogrande", "--limit", "2",
-        "--n-resamples", "20", "--out", str(out), "--no-progress",
+        "--n-resamples", "20", "--out", str(out), "--no-progress", "--dtype", "bfloat16", "--device-map", "auto",
     ])
     assert result.exit_code == 0, result.output
     assert fake_models == ["small", "large"]
+    assert fake_models_placement == [("bfloat16", "auto")] * 2
     forward = json.loads((out / "forward.json").read_text())
     reverse = json.loads((out / "reverse.json").read_text())
     assert forward["direction"] == {"source": "small", "target": "large"}
@@ -342,6 +373,15 @@ def test_every_entry_point_refuses_a_pair_whose_tokenizers_differ(command, tmp_p
     (["demo", "--recompute", "deviation"], "--recompute"),
     (["bench", "--recompute", "fast:10%"], "--recompute"),
     (["fit", "--no-such-option"], "--no-such-option"),
+    (["fit", "--dtype", "bf17"], "--dtype"),
+    (["fit", "--device-map", "gpu7"], "--device-map"),
+    (["fit", "--layer-block", "0"], "--layer-block"),
+    (["fit", "--stats-memory", "lots"], "--stats-memory"),
+    (["fit", "--layer-block", "2", "--stats-memory", "1GiB"], "--layer-block"),
+    (["fit", "--layer-block", "2", "--method", "mlp"], "--layer-block"),
+    (["demo", "--dtype", "int4"], "--dtype"),
+    (["bench", "--device-map", "everywhere"], "--device-map"),
+    (["eval", "--device-map", "cuda:x"], "--device-map"),
 ])
 def test_bad_command_line_values_exit_2_with_one_line(arguments, option):
     result = CliRunner().invoke(app, arguments)
@@ -360,8 +400,9 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
 
     calls = {}
 
-    def fake_load_family(specs, mapper_dirs):
+    def fake_load_family(specs, mapper_dirs, dtype, device_map):
         calls["family"] = (specs, mapper_dirs)
+        calls["placement"] = (dtype, device_map)
         return {"models": 1}, {"mappers": 2}
 
     monkeypatch.setattr(serve_cli, "load_family", fake_load_family)
@@ -369,9 +410,11 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
                                                                                                    config)))
     result = CliRunner().invoke(app, ["serve", "--models", "small=/m/s,large=/m/l", "--mapper",
                                       f"small:large={tmp_path}", "--port", "0", "--guard", "off",
-                                      "--max-context", "300", "--cache-memory", "1000", "--recompute", "sinks:10%"])
+                                      "--max-context", "300", "--cache-memory", "1000", "--recompute", "sinks:10%",
+                                      "--dtype", "bf16", "--device-map", "auto"])
     assert result.exit_code == 0, result.output
     assert calls["family"] == ({"small": "/m/s", "large": "/m/l"}, {("small", "large"): tmp_path})
+    assert calls["placement"] == ("bfloat16", "auto")
     models, mappers, config = calls["run"]
     assert (models, mappers) == ({"models": 1}, {"mappers": 2})
     assert (config.port, config.guard, config.max_context, config.cache_memory_bytes) == (0, False, 300, 1000)
@@ -388,6 +431,7 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
     (["--recompute", "sinks:300%"], "--recompute"),
     (["--models", "a=x,a=y"], "--models"),
     (["--models", "a=x,b=y", "--mapper", "a:c=/tmp"], "--mapper"),
+    (["--dtype", "fp8"], "--dtype"),
 ])
 def test_serve_refuses_bad_values_before_loading_models(monkeypatch, args, option):
     import kvhandoff.cli.serve as serve_cli

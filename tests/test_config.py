@@ -1,6 +1,6 @@
 import pytest
 
-from kvhandoff.config import FitConfig, kvhandoff_home
+from kvhandoff.config import FitConfig, ModelPlacement, kvhandoff_home
 from kvhandoff.errors import ConfigError, KVHandoffError
 
 
@@ -99,3 +99,23 @@ def test_one_positive_validator_names_the_setting():
         FitConfig(ridge_lambda=float("inf"))
     with pytest.raises(ConfigError, match="exact_prefix must be an integer >= 0"):
         FitConfig(exact_prefix=1.5)
+
+
+@pytest.mark.parametrize(("name", "canonical"), [("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"),
+                                                 ("bfloat16", "bfloat16")])
+def test_model_dtypes_have_short_and_torch_names(name, canonical):
+    assert ModelPlacement(dtype=name).dtype == canonical
+
+
+@pytest.mark.parametrize("device_map", [None, "auto", "balanced", "sequential", "cpu", "cuda", "cuda:3"])
+def test_device_maps_accelerate_plans_or_one_device(device_map):
+    placement = ModelPlacement(device_map=device_map)
+    assert placement.planned == (device_map in ("auto", "balanced", "sequential"))
+
+
+@pytest.mark.parametrize(("settings", "message"), [({"dtype": "int8"}, "dtype must be one of"),
+                                                   ({"device_map": "gpu"}, "device_map must be one of"),
+                                                   ({"device_map": "cuda:one"}, "device_map must be one of")])
+def test_bad_placements_are_refused(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelPlacement(**settings)

@@ -1,7 +1,8 @@
 """Distributed calibration: windows shared out between ranks, sums reduced on rank 0, checkpoints and resume.
 
-Two tests start real processes talking gloo over 127.0.0.1 (a free port): `kvhandoff fit` under torchrun, and a
-rank that dies mid-pass. The rest run in this process (a single-process `Ranks()` runs the same code)."""
+Three tests start real processes talking gloo over 127.0.0.1 (a free port): `kvhandoff fit` under torchrun (whole
+and in layer blocks), and a rank that dies mid-pass. The rest run in this process (a single-process `Ranks()` runs
+the same code)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from _dist_support import LOOPBACK, free_port, loopback_env, run_rank
 from kvhandoff import FitConfig
 from kvhandoff.cli import app
 from kvhandoff.config import CalibrationSpec
-from kvhandoff.distributed import Ranks, collect_shared, launched, window_shares
+from kvhandoff.distributed import Ranks, collect_shared, gpu_share, launched, window_shares
 from kvhandoff.errors import ConfigError, DistributedError
 from kvhandoff.fit import collect_statistics
 from kvhandoff.mapper import Mapper
@@ -189,6 +190,37 @@ def test_torchrun_fit_with_two_ranks_equals_one_process(pair_paths, tmp_path, mo
         torch.testing.assert_close(a.values, b.values, rtol=0, atol=1e-6)
 
 
+def _transfers(mapper, source, ids):
+    with torch.no_grad():
+        cache = source(ids, use_cache=True).past_key_values
+    return mapper.transfer(cache).layers
+
+
+def test_torchrun_fit_in_layer_blocks_equals_the_whole_one_process_fit(pair_paths, tmp_path, monkeypatch):
+    small, large = pair_paths
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--master-addr", LOOPBACK, "--master-port", str(free_port()), "-m", "kvhandoff.cli", "fit",
+               "--source", small, "--target", large, "--sequences", "4", "--seq-len", "48", "--layer-block", "2",
+               "--dtype", "fp32", "--device-map", "auto", "--dist-timeout", "120", "--out", str(tmp_path / "m2")]
+    done = subprocess.run(command, env=loopback_env(KVHANDOFF_HOME=str(tmp_path / "home2")), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 1 of 2: done, read 4 calibration window(s)" in done.stderr  # 2 windows in each of 2 passes
+    blocked = Mapper.load(tmp_path / "m2")
+    assert blocked.manifest["fit_metrics"]["target_layer_blocks"] == [[0, 1], [2, 2]]
+    assert blocked.manifest["calibration"]["windows_per_rank"] == [[0, 2], [1, 3]]
+    assert not list((tmp_path / "home2").rglob("stats-*"))  # no statistics kept: only the mapper
+
+    monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home1"))
+    pair = load_named_pair(small, large, progress=False)
+    whole, _, _ = obtain_mapper(pair, FitConfig(), CalibrationSpec(num_sequences=4, seq_len=48), progress=False)
+    assert blocked.manifest["selected_layers"] == whole.manifest["selected_layers"]
+    ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(3))
+    for a, b in zip(_transfers(whole, pair.source, ids), _transfers(blocked, pair.source, ids), strict=True):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-6)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=1e-6)
+
+
 def test_settings_that_need_the_rows_are_refused_under_torchrun(pair_paths, monkeypatch):
     small, large = pair_paths
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -210,3 +242,14 @@ def test_the_checkpoint_is_keyed_like_the_statistics(pair_paths, tmp_path, monke
     assert partial.parent == stats_file.parent and partial.name == stats_file.name.replace("stats-", "partial-")
     assert checkpoint_path(pair, FitConfig(token_stride=2), calibration) != partial
 
+
+
+@pytest.mark.parametrize(("local_rank", "local_world", "gpus", "share"), [
+    (0, 1, 8, list(range(8))),  # one rank: every GPU
+    (1, 4, 8, [2, 3]),  # 4 ranks on 8 GPUs: two each, consecutive
+    (2, 3, 8, [4, 5]),  # 8 // 3 = 2 each; GPUs 6 and 7 unused
+    (5, 4, 2, [1]),  # more ranks than GPUs: shared round robin
+    (0, 2, 0, []),
+])
+def test_each_rank_gets_its_own_run_of_the_nodes_gpus(local_rank, local_world, gpus, share):
+    assert gpu_share(local_rank, local_world, gpus) == share

@@ -3,9 +3,16 @@ import torch
 
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.config import MAPPER_FORMAT_VERSION
-from kvhandoff.errors import IncompatiblePairError, StatisticsError
-from kvhandoff.fit import collect_statistics, mapper_from_statistics
+from kvhandoff.errors import ConfigError, IncompatiblePairError, StatisticsError
+from kvhandoff.fit import (
+    collect_statistics,
+    estimate_memory,
+    feature_layout,
+    layer_block_for_budget,
+    mapper_from_statistics,
+)
 from kvhandoff.geometry import check_pair, model_fingerprint
+from kvhandoff.statistics import FeatureLayout
 
 from conftest import exactly_related, random_batches, tiny_model
 
@@ -101,3 +108,68 @@ def test_nan_solved_weights_are_refused_naming_the_map():
     stats.sum_xy[:, columns.start] = float("nan")
     with pytest.raises(StatisticsError, match="NaN/Inf weights for V of target layer 2"):
         mapper_from_statistics(stats, FitConfig(), {}, {})
+
+
+def _transfer(mapper, source, ids):
+    with torch.no_grad():
+        cache = source(ids, use_cache=True).past_key_values
+    return mapper.transfer(cache)
+
+
+@pytest.mark.parametrize(("top_k", "inputs", "layer_block"), [("all", "own", 1), (2, "own", 2), ("all", "kv", 3)])
+def test_a_fit_in_layer_blocks_equals_the_whole_fit(top_k, inputs, layer_block):
+    source, target = tiny_model("qwen2", layers=3), tiny_model("llama", layers=5, head_dim=8, seed=4)
+    batches, config = random_batches(3), FitConfig(top_k=top_k, source_inputs=inputs)
+    whole = fit_mapper(source, target, batches, config, progress=False)
+    blocked = fit_mapper(source, target, batches, config, progress=False, layer_block=layer_block)
+    metrics = blocked.manifest["fit_metrics"]
+    assert metrics["statistics_passes"] == -(-5 // layer_block) and metrics["layer_block"] == layer_block
+    assert blocked.manifest["selected_layers"] == whole.manifest["selected_layers"]
+    assert blocked.manifest["calibration"] == whole.manifest["calibration"]
+    torch.testing.assert_close(blocked.weight, whole.weight, rtol=0, atol=1e-6)
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(5))
+    for a, b in zip(_transfer(blocked, source, ids).layers, _transfer(whole, source, ids).layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-6)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=1e-6)
+
+
+def test_a_fit_in_layer_blocks_needs_batches_it_can_read_again():
+    source, target = tiny_model("qwen2"), tiny_model("qwen2", seed=1)
+    with pytest.raises(ConfigError, match="not an iterator"):
+        fit_mapper(source, target, iter(random_batches(2)), progress=False, layer_block=1)
+    with pytest.raises(ConfigError, match="layer_block"):
+        fit_mapper(source, target, random_batches(2), progress=False, layer_block=0)
+
+
+def test_the_statistics_estimate_is_the_bytes_a_pass_allocates():
+    source, target = tiny_model("qwen2", layers=3), tiny_model("llama", layers=5, head_dim=8, seed=4)
+    batches = random_batches(1)
+    for layers, layer_block in ((range(5), None), (range(0, 2), 2)):
+        stats = collect_statistics(source, target, batches, progress=False, target_layers=layers)
+        held = sum(t.numel() * t.element_size() for t in stats.sums())
+        estimate = estimate_memory(stats.source, feature_layout(target), FitConfig(), layer_block)
+        assert estimate.statistics_bytes == held
+
+
+def test_the_estimate_of_a_big_pair_by_hand():
+    # Qwen3-14B → Qwen3-32B: 40 and 64 layers, 8 KV heads of 128 each; k = 4
+    source, target = FeatureLayout(40, 8, 128), FeatureLayout(64, 8, 128)
+    whole = estimate_memory(source, target, FitConfig(top_k=4))
+    ws, wt = 2 * 40 * 1024, 2 * 64 * 1024
+    assert whole.statistics_bytes == 8 * (ws + wt + ws * ws + ws * wt + wt * wt)  # ≈ 277 GB
+    blocked = estimate_memory(source, target, FitConfig(top_k=4), layer_block=8)
+    wb = 2 * 8 * 1024
+    assert blocked.statistics_bytes == 8 * (ws + wb + ws * ws + ws * wb + wb * wb)
+    assert blocked.mapper_bytes == whole.mapper_bytes == 4 * 2 * 64 * (4 * 1024 + 1) * 1024
+    assert blocked.peak_bytes < whole.peak_bytes
+
+
+def test_the_block_for_a_memory_budget_is_the_largest_that_fits():
+    source, target = FeatureLayout(40, 8, 128), FeatureLayout(64, 8, 128)
+    config = FitConfig(top_k=4)
+    budget = estimate_memory(source, target, config, layer_block=10).peak_bytes
+    assert layer_block_for_budget(source, target, budget, config) == 10
+    assert layer_block_for_budget(source, target, budget - 1, config) == 9
+    assert layer_block_for_budget(source, target, 10**15, config) is None  # everything in one pass
+    with pytest.raises(ConfigError, match="even one target layer per pass needs"):
+        layer_block_for_budget(source, target, 2**30, config)

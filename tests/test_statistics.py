@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -127,3 +129,58 @@ def test_loading_checks_every_tensor_against_the_layouts(pair, tmp_path):
         save_file(edited, str(tmp_path / "edited.safetensors"), metadata=metadata)
         with pytest.raises(StatisticsError, match=message):
             CalibrationStats.load(tmp_path / "edited.safetensors")
+
+
+def test_a_bf16_model_is_summed_in_float64_close_to_the_fp32_model(pair):
+    source, target = pair
+    batches = random_batches(3)
+    full = collect_statistics(source, target, batches, progress=False)
+    half = collect_statistics(copy.deepcopy(source).to(torch.bfloat16), copy.deepcopy(target).to(torch.bfloat16),
+                              batches, progress=False)
+    assert half.count == full.count
+    for name in ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy"):
+        got, expected = getattr(half, name), getattr(full, name)
+        assert got.dtype == torch.float64
+        # bf16 keeps ~3 significant digits of each activation; the sums agree to that
+        assert (got - expected).norm() <= 0.03 * expected.norm()
+        assert not torch.equal(got, expected)
+
+
+def test_a_block_of_target_layers_is_the_whole_statistics_restricted(pair):
+    source, target = pair
+    batches = random_batches(2)
+    whole = collect_statistics(source, target, batches, progress=False)
+    layers = range(1, 3)
+    block = collect_statistics(source, target, batches, progress=False, target_layers=layers)
+    expected = whole.for_target_layers(layers)
+    assert block.target == FeatureLayout(2, whole.target.num_kv_heads, whole.target.head_dim) == expected.target
+    assert block.count == whole.count
+    for name in ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy"):
+        torch.testing.assert_close(getattr(block, name), getattr(expected, name), rtol=1e-12, atol=1e-9)
+    # the K columns of target layer 1 in the whole layout are the block's first K columns
+    k1 = whole.target.layer_slice(0, 1)
+    torch.testing.assert_close(block.sum_xy[:, : whole.target.layer_width], whole.sum_xy[:, k1])
+
+
+def test_a_later_block_adopts_the_source_sums_of_the_first(pair):
+    source, target = pair
+    batches = random_batches(2)
+    first = collect_statistics(source, target, batches, progress=False, target_layers=range(0, 1))
+    later = collect_statistics(source, target, batches, progress=False, target_layers=range(1, 3), source_sums=False)
+    assert later.sum_xx.numel() == 0 and len(later.sums()) == 3  # y, xyᵀ, yyᵀ: what a reduction adds up
+    with pytest.raises(StatisticsError, match="source sums"):
+        later.save("never-written.safetensors")
+    shared = first.source_only()
+    assert shared.target.num_layers == 0 and shared.sum_xx is first.sum_xx
+    later.adopt_source_sums(shared)
+    assert later.sum_xx is first.sum_xx and len(later.sums()) == 5
+    torch.testing.assert_close(later.sum_xy, collect_statistics(source, target, batches, progress=False)
+                               .for_target_layers(range(1, 3)).sum_xy)
+    with pytest.raises(StatisticsError, match="same tokens"):
+        collect_statistics(source, target, batches[:1], progress=False, source_sums=False).adopt_source_sums(shared)
+
+
+def test_a_layer_range_outside_the_model_is_refused():
+    layout = FeatureLayout(3, 2, 8)
+    with pytest.raises(StatisticsError, match="consecutive layers"):
+        layout.block(range(2, 4))

@@ -1,10 +1,11 @@
 import pytest
+import torch
 
-from kvhandoff import FitConfig
+from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.config import CalibrationSpec
-from kvhandoff.workflow import load_named_pair, mapper_dir, obtain_mapper, statistics_path
+from kvhandoff.workflow import load_named_pair, mapper_dir, obtain_mapper, on_source_device, statistics_path
 
-from conftest import save_tiny_pair
+from conftest import random_batches, save_tiny_pair, tiny_model
 
 CALIBRATION = CalibrationSpec(num_sequences=3, seq_len=64)
 
@@ -154,3 +155,13 @@ def test_a_pair_whose_tokenizers_differ_is_refused(tmp_path):
     chat_tokenizer().save_pretrained(large)
     with pytest.raises(IncompatiblePairError, match="tokenizers differ"):
         load_named_pair(small, large, progress=False)
+
+
+def test_a_mapper_goes_where_the_source_takes_its_inputs():
+    source, target = tiny_model("qwen2", layers=2), tiny_model("qwen2", layers=3, seed=1)
+    mapper = fit_mapper(source, target, random_batches(2), FitConfig(top_k=1), progress=False)
+    assert on_source_device(mapper, source) is mapper and mapper.device == torch.device("cpu")  # CPU: untouched
+    assert on_source_device(None, source) is None
+    source.model.embed_tokens.to("meta")  # stands in for a GPU this machine lacks
+    on_source_device(mapper, source)
+    assert mapper.device == torch.device("meta") and mapper.weight.device == torch.device("meta")

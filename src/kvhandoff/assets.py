@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvhandoff.config import END_OF_TEXT_TOKENS, kvhandoff_home
+from kvhandoff.config import END_OF_TEXT_TOKENS, ModelPlacement, kvhandoff_home
 from kvhandoff.errors import AssetError
 from kvhandoff.files import atomic_folder, atomic_path, sha256_file
 from kvhandoff.geometry import check_pair
@@ -437,15 +437,41 @@ def _registry_folder(asset: ModelAsset, progress: bool) -> Path:
     )
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, progress: bool = True):
+def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a torch dtype or one of `config.MODEL_DTYPES`' names ("bf16", "float32", ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return getattr(torch, ModelPlacement(dtype=dtype).dtype)
+
+
+def placement_kwargs(device_map: str | None, gpus: list[int] | None = None) -> dict:
+    """`from_pretrained` keywords for a device map (`config.ModelPlacement`); gpus: the only GPUs a planned map
+    may use (a distributed rank's share of the node), each up to its memory free now, the rest on the CPU."""
+    placement = ModelPlacement(device_map=device_map)
+    if placement.device_map is None:
+        return {}
+    kwargs: dict = {"device_map": placement.device_map}
+    if placement.planned and gpus is not None and torch.cuda.is_available():
+        import psutil
+
+        kwargs["max_memory"] = {**{gpu: torch.cuda.mem_get_info(gpu)[0] for gpu in gpus},
+                                "cpu": psutil.virtual_memory().available}
+    return kwargs
+
+
+def load_model(spec: str, dtype: torch.dtype | str = torch.float32, progress: bool = True,
+               device_map: str | None = None, gpus: list[int] | None = None):
     """Load ``(model, tokenizer)`` in eval mode.
 
     ``spec`` is a registry name (``qwen2.5-coder:0.5b``; converted on first use), a local directory
-    (a transformers folder, or a folder holding exactly one ``.gguf`` file), or a hub id.
+    (a transformers folder, or a folder holding exactly one ``.gguf`` file), or a hub id. dtype: a torch dtype or
+    a name of `config.MODEL_DTYPES`; device_map and gpus: see `placement_kwargs` (None: on the CPU).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = str(spec)
+    dtype = torch_dtype(dtype)
+    placement = placement_kwargs(device_map, gpus)
     kwargs: dict = {}
     if spec in MODEL_ASSETS or _looks_like_registry_name(spec):
         source: str | Path = _registry_folder(resolve_asset(spec), progress)
@@ -460,7 +486,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, progress: bool = T
         source = spec
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs, **placement)
     except OSError as exc:
         raise AssetError(
             f"cannot load model {spec!r}: {exc}. Use a registry name ({', '.join(registry_names())}), "
@@ -486,10 +512,12 @@ class ModelPair:
         return self.source_tokenizer
 
 
-def load_pair(source: str, target: str, dtype: torch.dtype = torch.float32, progress: bool = True) -> ModelPair:
-    """Load both models of a handoff pair (see `load_model`) and refuse pairs whose tokenizers differ."""
-    source_model, source_tokenizer = load_model(source, dtype=dtype, progress=progress)
-    target_model, target_tokenizer = load_model(target, dtype=dtype, progress=progress)
+def load_pair(source: str, target: str, dtype: torch.dtype | str = torch.float32, progress: bool = True,
+              device_map: str | None = None, gpus: list[int] | None = None) -> ModelPair:
+    """Load both models of a handoff pair (see `load_model`: dtype, device_map, gpus) and refuse pairs whose
+    tokenizers differ."""
+    source_model, source_tokenizer = load_model(source, dtype, progress, device_map, gpus)
+    target_model, target_tokenizer = load_model(target, dtype, progress, device_map, gpus)
     check_pair(source_model, target_model, source_tokenizer, target_tokenizer)
     return ModelPair(source_model, target_model, source_tokenizer, target_tokenizer)
 

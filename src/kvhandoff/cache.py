@@ -10,6 +10,12 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
 def model_device(model) -> torch.device:
+    """Where ``model``'s input ids go: the device of its token embedding (with a device map the layers may sit on
+    several devices; accelerate moves activations between them, but the ids must start where the embedding is)."""
+    try:
+        return model.get_input_embeddings().weight.device
+    except AttributeError:
+        pass
     try:
         return next(model.parameters()).device
     except (StopIteration, AttributeError):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvhandoff.cache import model_device
 from kvhandoff.geometry import decoder_layers, read_geometry
 from kvhandoff.rope import rope_frequencies, strip_rope
 
@@ -25,6 +26,13 @@ class ContentKV:
     @property
     def num_tokens(self) -> int:
         return self.keys.shape[3]
+
+    def layers(self, selected: range | None) -> ContentKV:
+        """These K/V (and queries) of the `selected` layers only (views; None: all)."""
+        if selected is None:
+            return self
+        pick = slice(selected.start, selected.stop, selected.step)
+        return ContentKV(self.keys[pick], self.values[pick], None if self.queries is None else self.queries[pick])
 
 
 def nonfinite_layers(tensor: torch.Tensor, dim: int) -> list[int]:
@@ -75,9 +83,12 @@ def capture_content_kv(model, input_ids: torch.Tensor, with_queries: bool = Fals
     Runs the decoder body only (no LM head: the vocab projection would dominate memory and time).
     """
     body = getattr(model, "model", model)
+    device = model_device(model)
     records: dict[str, list[torch.Tensor]] = {"k": [], "v": [], "q": []}
-    with projection_hooks(model, "kvq" if with_queries else "kv", lambda kind, _, x: records[kind].append(x)):
-        body(input_ids=input_ids, use_cache=False)
+    # with a device map the layers sit on several devices: every record joins the embedding's device
+    with projection_hooks(model, "kvq" if with_queries else "kv",
+                          lambda kind, _, x: records[kind].append(x.to(device))):
+        body(input_ids=input_ids.to(device), use_cache=False)
     return ContentKV(
         keys=torch.stack(records["k"]),
         values=torch.stack(records["v"]),

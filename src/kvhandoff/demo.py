@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 
 from kvhandoff.cache import feed, kl_divergence, prefill, rollback
-from kvhandoff.config import CalibrationSpec, FitConfig
+from kvhandoff.config import CalibrationSpec, FitConfig, ModelPlacement
 from kvhandoff.errors import AssetError
 from kvhandoff.evaluation.multiturn import Conversation, load_coqa_conversations
 from kvhandoff.evaluation.scoring import OpenContext, check_mapped, greedy_from
 from kvhandoff.handoff import patch_mapped_cache, recompute_policy
-from kvhandoff.workflow import NamedPair, load_named_pair, load_pair_mapper, obtain_mapper
+from kvhandoff.workflow import NamedPair, load_named_pair, load_pair_mapper, obtain_mapper, on_source_device
 
 MIN_CONTEXT_TOKENS = 1000
 
@@ -119,8 +119,11 @@ def run_demo(
     mapped: str = "all",
     mapper_path: str | Path | None = None,
     recompute=None,
+    placement: ModelPlacement = ModelPlacement(),  # noqa: B008 - frozen
 ) -> dict:
     """Everything the demo prints, measured in this call.
+
+    placement: the models' dtype and device map (`config.ModelPlacement`; default float32 on the CPU).
 
     mapper_path: a saved mapper to show (e.g. a refined one, `kvhandoff refine`) instead of fitting or reusing the
     pair's cached mapper of `config` and `calibration`; it must have been fitted for exactly this pair.
@@ -133,7 +136,7 @@ def run_demo(
     mapper's default), timed as part of the handoff.
     """
     check_mapped(mapped)  # before the models load
-    pair = load_named_pair(source_spec, target_spec, progress=progress)
+    pair = load_named_pair(source_spec, target_spec, placement.dtype, progress, device_map=placement.device_map)
     fit_started = time.perf_counter()
     if mapper_path is not None:
         mapper_dir, reused = Path(mapper_path), True
@@ -141,6 +144,7 @@ def run_demo(
     else:
         mapper, mapper_dir, reused = obtain_mapper(pair, config, calibration, progress, refit)
     fit_seconds = time.perf_counter() - fit_started
+    on_source_device(mapper, pair.source)
     context = demo_context(pair.tokenizer, min_context_tokens)
     ids = pair.tokenizer(context.text, return_tensors="pt")["input_ids"]
     n_mapped = mapped_length(pair.tokenizer, context, ids[0].tolist(), mapped)

@@ -183,13 +183,40 @@ def launched(timeout_s: float | None = None,
         except (RuntimeError, ValueError) as exc:
             raise DistributedError(f"rank {rank} of {world}: cannot join the process group "
                                    f"({_one_line(exc)[:300]}); check MASTER_ADDR/MASTER_PORT") from exc
-        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        gpus = local_gpus()
+        if gpus:
+            torch.cuda.set_device(gpus[0])
     try:
         yield Ranks(rank, world, timeout_s, checkpoint_every)
     finally:
         if owner and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def gpu_share(local_rank: int, local_world_size: int, device_count: int) -> list[int]:
+    """The GPUs of a node that one of its `local_world_size` ranks uses: an equal run of consecutive GPUs each
+    (a model too big for one GPU is spread over its run with a device map), or one shared GPU when there are
+    more ranks than GPUs; none without GPUs."""
+    if device_count <= 0:
+        return []
+    if local_world_size > device_count:
+        return [local_rank % device_count]
+    per_rank = device_count // local_world_size
+    return list(range(local_rank * per_rank, (local_rank + 1) * per_rank))
+
+
+def local_gpus() -> list[int]:
+    """This process's share of the node's GPUs (`gpu_share`; torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE, all
+    visible GPUs without them)."""
+    if not torch.cuda.is_available():
+        return []
+    try:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    except ValueError:
+        raise DistributedError("LOCAL_RANK and LOCAL_WORLD_SIZE must be integers: start the ranks with torchrun") \
+            from None
+    return gpu_share(local_rank, max(1, local_world), torch.cuda.device_count())
 
 
 # -- the windows ------------------------------------------------------------------------------------------------
@@ -244,18 +271,26 @@ def load_checkpoint(path: Path, empty: CalibrationStats, ids_hash: str, config: 
 
 # -- the pass ---------------------------------------------------------------------------------------------------
 def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: FitConfig, ranks: Ranks,
-                   batch_size: int = 1, checkpoint: Path | None = None,
-                   progress: bool = True) -> tuple[CalibrationStats | None, dict]:
+                   batch_size: int = 1, checkpoint: Path | None = None, progress: bool = True,
+                   target_layers: range | None = None,
+                   source_sums: bool = True) -> tuple[CalibrationStats | None, dict]:
     """The statistics of windows `input_ids` [windows, tokens], shared out between the ranks (every rank calls
     this with the same windows). Returns (statistics, record) on rank 0 and (None, record) elsewhere.
 
     checkpoint: a file (read and written by rank 0 only) holding the sums of the windows reduced so far; they are
     skipped, and the file is rewritten after every round. record: world_size, the windows each rank read in
     this run (windows_per_rank), and what a checkpoint contributed (resumed_from_checkpoint).
+    target_layers, source_sums: a pass for one block of target layers (`fit.collect_statistics`); such a pass
+    keeps no checkpoint.
     """
+    if target_layers is not None and checkpoint is not None:
+        raise DistributedError("a pass over a block of target layers keeps no checkpoint")
     ids_hash = windows_hash(input_ids)
     ranks.require_same(ids_hash, "calibration windows (hash of their token ids)")
-    stats = CalibrationStats(feature_layout(source_model), feature_layout(target_model))
+    target_layout = feature_layout(target_model)
+    if target_layers is not None:
+        target_layout = target_layout.block(target_layers)
+    stats = CalibrationStats(feature_layout(source_model), target_layout, source_sums)
     done: list[int] = []
     runs: list[dict] = []
     if ranks.is_root and checkpoint is not None:
@@ -279,7 +314,8 @@ def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: 
             own = mine[chunk]
             for start in range(0, len(own), batch_size):
                 ids = input_ids[own[start : start + batch_size]]
-                stats.update(capture_content_kv(source_model, ids), capture_content_kv(target_model, ids),
+                stats.update(capture_content_kv(source_model, ids),
+                             capture_content_kv(target_model, ids).layers(target_layers),
                              token_stride=config.token_stride, skip_first_tokens=config.skip_first_tokens)
                 bar.update(ids.shape[0])
             reduced = [w for share in shares for w in share[chunk]]
@@ -287,7 +323,7 @@ def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: 
                                            f"{_ranges(reduced)})")
             done.extend(reduced)
             if not ranks.is_root:
-                stats = CalibrationStats(stats.source, stats.target)  # rank 0 holds what was added so far
+                stats = CalibrationStats(stats.source, stats.target, source_sums)  # rank 0 holds the total
             elif checkpoint is not None:
                 run = {"world_size": ranks.world_size, "windows_per_rank": [share[: chunk.stop] for share in shares]}
                 stats.save(checkpoint, _checkpoint_info(ids_hash, config, done, [*runs, run]))
@@ -307,15 +343,17 @@ def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: 
 
 # -- rank 0 leads, the others follow ----------------------------------------------------------------------------
 def lead_collection(ranks: Ranks, source_model, target_model, input_ids: torch.Tensor, config: FitConfig,
-                    batch_size: int = 1, checkpoint: Path | None = None,
-                    progress: bool = True) -> tuple[CalibrationStats, dict]:
-    """Rank 0: send the windows to the ranks waiting in `follow`, then run the pass with them."""
+                    batch_size: int = 1, checkpoint: Path | None = None, progress: bool = True,
+                    target_layers: range | None = None, source_sums: bool = True) -> tuple[CalibrationStats, dict]:
+    """Rank 0: send the windows to the ranks waiting in `follow`, then run the pass with them (target_layers,
+    source_sums: see `collect_shared`)."""
     if not ranks.is_root:
         raise DistributedError(f"rank {ranks.rank}: only rank 0 leads a calibration pass")
-    job = {"input_ids": input_ids, "config": config, "batch_size": batch_size}
+    job = {"input_ids": input_ids, "config": config, "batch_size": batch_size, "target_layers": target_layers,
+           "source_sums": source_sums}
     ranks.broadcast(job, "sending the calibration windows to the other ranks")
     stats, record = collect_shared(source_model, target_model, input_ids, config, ranks, batch_size, checkpoint,
-                                   progress)
+                                   progress, target_layers, source_sums)
     assert stats is not None
     return stats, record
 
@@ -329,7 +367,8 @@ def follow(ranks: Ranks, source_model, target_model) -> list[dict]:
         if job is None:
             return records
         records.append(collect_shared(source_model, target_model, job["input_ids"], job["config"], ranks,
-                                      job["batch_size"], progress=False)[1])
+                                      job["batch_size"], progress=False, target_layers=job["target_layers"],
+                                      source_sums=job["source_sums"])[1])
 
 
 def dismiss(ranks: Ranks) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvhandoff.cache import cache_view, prefill
+from kvhandoff.cache import cache_view, model_device, prefill
 from kvhandoff.config import RecomputePolicy
 from kvhandoff.errors import ConfigError, ContextTooLongError, MapperMismatchError
 from kvhandoff.mapper import Mapper
@@ -183,10 +183,10 @@ def map_for_target(
     if source_cache is None:
         if needs_source_attention(policy):
             with record_queries(source_model, policy.window) as queries:
-                source_cache, _ = prefill(source_model, input_ids.to(source_model.device))
+                source_cache, _ = prefill(source_model, input_ids.to(model_device(source_model)))
             info = replace(info, source_attention=attention_from_queries(source_model, queries, source_cache))
         else:
-            source_cache, _ = prefill(source_model, input_ids.to(source_model.device))
+            source_cache, _ = prefill(source_model, input_ids.to(model_device(source_model)))
     elif source_cache.get_seq_length() != input_ids.shape[1]:
         raise ConfigError(
             f"source_cache holds {source_cache.get_seq_length()} tokens, the mapped part of input_ids "

@@ -16,7 +16,8 @@ from kvhandoff.statistics import CalibrationStats
 def ridge_from_covariance(cov_xx: torch.Tensor, cov_xy: torch.Tensor, ridge_lambda: float) -> torch.Tensor:
     """W = (C_xx + λ·mean(diag)·I)⁻¹ C_xy via Cholesky (the regularised matrix is positive definite)."""
     shift = ridge_lambda * cov_xx.diagonal().mean().clamp_min(1e-12)
-    system = cov_xx + shift * torch.eye(cov_xx.shape[0], dtype=cov_xx.dtype)
+    system = cov_xx.clone()
+    system.diagonal().add_(shift)  # no identity matrix: big pairs' systems are GBs
     factor, info = torch.linalg.cholesky_ex(system)
     if int(info) != 0:  # numerically indefinite (tiny λ on rank-deficient data): fall back to lstsq
         return torch.linalg.lstsq(system, cov_xy).solution

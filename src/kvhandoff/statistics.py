@@ -7,8 +7,11 @@ float64 keeps ~10 significant digits after that subtraction and makes shard merg
 Feature layout (one row per kept token):
   source x = [K of every source layer, V of every source layer], each layer = all KV heads × head_dim
   target y = likewise for the target.
-Memory is O(features²), independent of the number of calibration tokens. The full target Gram is kept too,
-so the same pass gives the statistics of the reverse direction (`reversed()`): one calibration, both ways.
+Memory is O(features²), independent of the number of calibration tokens (`footprint` says how much). The full
+target Gram is kept too, so the same pass gives the statistics of the reverse direction (`reversed()`): one
+calibration, both ways. Where the sums of a big pair do not fit, statistics may cover a block of consecutive target
+layers only (`FeatureLayout.block`, `CalibrationStats.for_target_layers`): every map of a target layer reads only
+its own layer's columns, so the blocks' solves together give the whole mapper (`fit.py`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ class FeatureLayout:
     def width(self) -> int:
         return len(MODALITIES) * self.modality_width
 
+    def block(self, layers: range) -> FeatureLayout:
+        """The layout of `layers` (consecutive layers of this one) alone."""
+        if not (layers.step == 1 and 0 <= layers.start < layers.stop <= self.num_layers):
+            raise StatisticsError(f"layers {layers.start}..{layers.stop - 1} are not a block of consecutive layers "
+                                  f"of a model with {self.num_layers}")
+        return FeatureLayout(len(layers), self.num_kv_heads, self.head_dim)
+
+    def block_indices(self, layers: range) -> torch.Tensor:
+        """The feature indices of `layers` (K of each, then V of each): the columns of `block(layers)`."""
+        return torch.cat([self.layer_indices(modality, layers) for modality in range(len(MODALITIES))])
+
     def layer_slice(self, modality: int, layer: int) -> slice:
         start = modality * self.modality_width + layer * self.layer_width
         return slice(start, start + self.layer_width)
@@ -60,9 +74,11 @@ class FeatureLayout:
         return torch.cat([torch.arange(s.start, s.stop) for s in slices])
 
     def flatten(self, content: ContentKV, positions: torch.Tensor) -> torch.Tensor:
-        """[tokens kept, width] float64 rows from content K/V [layers, batch, heads, tokens, head_dim]."""
-        both = torch.stack([content.keys, content.values])[..., positions, :]  # [2, L, B, H, t, D]
-        return both.permute(2, 4, 0, 1, 3, 5).reshape(-1, self.width).to(torch.float64)
+        """[tokens kept, width] float64 rows on the CPU (where the sums are) from content K/V [layers, batch, heads,
+        tokens, head_dim] of any dtype and device: the model's dtype (bfloat16, float16) is cast before any sum."""
+        both = torch.stack([content.keys, content.values])[..., positions.to(content.keys.device), :]
+        rows = both.permute(2, 4, 0, 1, 3, 5).reshape(-1, self.width)  # [2, L, B, H, t, D] → [B·t, width]
+        return rows.to("cpu").to(torch.float64)
 
 
 def require_finite_content(side: str, content: ContentKV) -> None:
@@ -77,14 +93,19 @@ def require_finite_content(side: str, content: ContentKV) -> None:
 
 
 class CalibrationStats:
-    """Sums of x, y, xxᵀ, xyᵀ and yyᵀ over calibration tokens, in float64."""
+    """Sums of x, y, xxᵀ, xyᵀ and yyᵀ over calibration tokens, in float64.
 
-    def __init__(self, source: FeatureLayout, target: FeatureLayout):
+    source_sums=False: x and xxᵀ are not summed (empty until `adopt_source_sums` takes them from another pass over
+    the same tokens): a pass over a further block of target layers needs only the sums that involve y."""
+
+    def __init__(self, source: FeatureLayout, target: FeatureLayout, source_sums: bool = True):
         self.source, self.target = source, target
         self.count = 0
-        self.sum_x = torch.zeros(source.width, dtype=torch.float64)
+        self.source_sums = source_sums
+        width = source.width if source_sums else 0
+        self.sum_x = torch.zeros(width, dtype=torch.float64)
         self.sum_y = torch.zeros(target.width, dtype=torch.float64)
-        self.sum_xx = torch.zeros(source.width, source.width, dtype=torch.float64)
+        self.sum_xx = torch.zeros(width, width, dtype=torch.float64)
         self.sum_xy = torch.zeros(source.width, target.width, dtype=torch.float64)
         self.sum_yy = torch.zeros(target.width, target.width, dtype=torch.float64)
 
@@ -106,9 +127,10 @@ class CalibrationStats:
         x = self.source.flatten(source, positions)
         y = self.target.flatten(target, positions)
         self.count += x.shape[0]
-        self.sum_x += x.sum(0)
+        if self.source_sums:
+            self.sum_x += x.sum(0)
+            self.sum_xx.addmm_(x.T, x)
         self.sum_y += y.sum(0)
-        self.sum_xx.addmm_(x.T, x)
         self.sum_xy.addmm_(x.T, y)
         self.sum_yy.addmm_(y.T, y)
         return x, y
@@ -117,15 +139,46 @@ class CalibrationStats:
         """Statistics of the union of both token sets (shards of one calibration run add up exactly)."""
         if (self.source, self.target) != (other.source, other.target):
             raise StatisticsError("cannot merge statistics collected for different model pairs / geometries")
+        if not (self.source_sums and other.source_sums):
+            raise StatisticsError("cannot merge statistics whose source sums were not collected")
         merged = CalibrationStats(self.source, self.target)
         merged.count = self.count + other.count
         for name in _TENSORS:
             setattr(merged, name, getattr(self, name) + getattr(other, name))
         return merged
 
+    def for_target_layers(self, layers: range) -> CalibrationStats:
+        """These statistics with the target restricted to `layers` (consecutive): what a pass that accumulates
+        only that block of target layers collects (copies of the sums it needs)."""
+        block = CalibrationStats.__new__(CalibrationStats)
+        columns = self.target.block_indices(layers)
+        block.source, block.target, block.count = self.source, self.target.block(layers), self.count
+        block.source_sums = self.source_sums
+        block.sum_x, block.sum_xx = self.sum_x.clone(), self.sum_xx.clone()
+        block.sum_y, block.sum_xy = self.sum_y[columns], self.sum_xy[:, columns]
+        block.sum_yy = self.sum_yy[columns][:, columns]
+        return block
+
+    def source_only(self) -> CalibrationStats:
+        """The source sums (x, xxᵀ; shared, no copy) and token count alone, with a target of no layers: what
+        later passes over further target layers adopt (`adopt_source_sums`)."""
+        part = CalibrationStats(self.source, FeatureLayout(0, self.target.num_kv_heads, self.target.head_dim),
+                                source_sums=False)
+        part.count = self.count
+        part.adopt_source_sums(self)
+        return part
+
     def sums(self) -> list[torch.Tensor]:
-        """The float64 sum tensors themselves (x, y, xxᵀ, xyᵀ, yyᵀ), e.g. for a collective to add up in place."""
-        return [getattr(self, name) for name in _TENSORS]
+        """The float64 sum tensors themselves (x, y, xxᵀ, xyᵀ, yyᵀ; without x and xxᵀ when they are not summed
+        here), e.g. for a collective to add up in place."""
+        return [getattr(self, name) for name in _TENSORS if self.source_sums or name not in ("sum_x", "sum_xx")]
+
+    def adopt_source_sums(self, other: CalibrationStats) -> None:
+        """Take x and xxᵀ (no copy) from `other`, a pass over the same tokens that summed them."""
+        if not other.source_sums or other.source != self.source or other.count != self.count:
+            raise StatisticsError(f"the source sums must come from a pass over the same tokens and source model "
+                                  f"({other.count} vs {self.count} tokens)")
+        self.sum_x, self.sum_xx, self.source_sums = other.sum_x, other.sum_xx, True
 
     @classmethod
     def from_rows(cls, source: FeatureLayout, target: FeatureLayout, x: torch.Tensor, y: torch.Tensor):
@@ -164,8 +217,8 @@ class CalibrationStats:
 
     def cov_xx(self, idx) -> torch.Tensor:
         mx = self.mean_x(idx)
-        block = self.sum_xx[idx][:, idx] if isinstance(idx, torch.Tensor) else self.sum_xx[idx, idx]
-        return block / self.count - torch.outer(mx, mx)
+        block = self.sum_xx[idx][:, idx] if isinstance(idx, torch.Tensor) else self.sum_xx[idx, idx].clone()
+        return block.div_(self.count).sub_(torch.outer(mx, mx))  # in place: big pairs' blocks are GBs
 
     def cov_xy(self, idx_x, idx_y) -> torch.Tensor:
         rows = self.sum_xy[idx_x]
@@ -179,7 +232,10 @@ class CalibrationStats:
     def reversed(self) -> CalibrationStats:
         """The same statistics with source and target swapped (for fitting the opposite direction)."""
         flipped = CalibrationStats.__new__(CalibrationStats)
+        if not self.source_sums:
+            raise StatisticsError("statistics without their source sums cannot be reversed")
         flipped.source, flipped.target, flipped.count = self.target, self.source, self.count
+        flipped.source_sums = True
         flipped.sum_x, flipped.sum_y = self.sum_y, self.sum_x
         flipped.sum_xx, flipped.sum_yy = self.sum_yy, self.sum_xx
         flipped.sum_xy = self.sum_xy.T
@@ -189,6 +245,8 @@ class CalibrationStats:
     def save(self, path: str | Path, info: dict | None = None) -> None:
         """Write the sums atomically; `info` (JSON) is stored in the same file, so it always describes these sums
         (`read_info`)."""
+        if not self.source_sums:
+            raise StatisticsError("statistics without their source sums are not saved")
         layouts = {"source": self.source.__dict__, "target": self.target.__dict__, "count": self.count}
         metadata = {"kvhandoff_stats": json.dumps(layouts)}
         if info is not None:

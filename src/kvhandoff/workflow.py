@@ -18,13 +18,21 @@ from pathlib import Path
 import torch
 
 from kvhandoff.assets import ModelPair, load_pair
+from kvhandoff.cache import model_device
 from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig, kvhandoff_home
 from kvhandoff.corpus import calibration_batches, pack_texts
-from kvhandoff.distributed import Ranks, dismiss, follow, lead_collection
+from kvhandoff.distributed import Ranks, dismiss, follow, lead_collection, local_gpus
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.features import FeatureShardWriter, features_complete
 from kvhandoff.files import atomic_write_json, sha256_json
-from kvhandoff.fit import collect_statistics, feature_layout, fit_mapper, mapper_from_statistics
+from kvhandoff.fit import (
+    blocked_metrics,
+    collect_statistics,
+    feature_layout,
+    fit_in_blocks,
+    fit_mapper,
+    mapper_from_statistics,
+)
 from kvhandoff.geometry import PAIRING_KEYS, check_pair, model_fingerprint
 from kvhandoff.heldout import fit_heldout_mapper
 from kvhandoff.mapper import Mapper
@@ -93,19 +101,22 @@ class NamedPair:
         return self.source.config.max_position_embeddings, self.target.config.max_position_embeddings
 
 
-def load_named_pair(source: str, target: str, dtype: torch.dtype = torch.float32, progress: bool = True,
-                    ranks: Ranks | None = None) -> NamedPair:
+def load_named_pair(source: str, target: str, dtype: torch.dtype | str = torch.float32, progress: bool = True,
+                    ranks: Ranks | None = None, device_map: str | None = None) -> NamedPair:
     """`assets.load_pair` (which refuses pairs whose tokenizers differ), with the names and cache identities.
 
-    ranks (a distributed run): rank 0 loads first (converting registry models once), then the other ranks; every
-    rank must end up with the same two models (`DistributedError` otherwise)."""
+    dtype, device_map: see `assets.load_model` and `config.ModelPlacement`. ranks (a distributed run): rank 0
+    loads first (converting registry models once), then the other ranks; every rank must end up with the same two
+    models (`DistributedError` otherwise); a planned device map spreads each rank's models over its own share of
+    the node's GPUs (`distributed.local_gpus`)."""
     if ranks is None or not ranks.distributed:
-        return NamedPair.of(source, target, load_pair(source, target, dtype=dtype, progress=progress))
-    pair = NamedPair.of(source, target, load_pair(source, target, dtype=dtype, progress=progress)) \
+        return NamedPair.of(source, target, load_pair(source, target, dtype, progress, device_map))
+    gpus = local_gpus() or None
+    pair = NamedPair.of(source, target, load_pair(source, target, dtype, progress, device_map, gpus)) \
         if ranks.is_root else None
     ranks.barrier("waiting for rank 0 to load the models")
     if pair is None:
-        pair = NamedPair.of(source, target, load_pair(source, target, dtype=dtype, progress=False))
+        pair = NamedPair.of(source, target, load_pair(source, target, dtype, False, device_map, gpus))
     ranks.require_same((pair.source_identity, pair.target_identity), "models (source and target identities)")
     return pair
 
@@ -196,6 +207,11 @@ def _cached_statistics(pair: NamedPair, config, calibration, features: bool, pro
                     **_identities(pair), "reused_reverse_pass": True}
         return stats, info
     return None
+
+
+def _statistics_on_disk(pair: NamedPair, config, calibration) -> bool:
+    """Whether statistics of `calibration`'s windows are cached for the pair, in either direction (not read)."""
+    return any(statistics_path(candidate, config, calibration).is_file() for candidate in (pair, pair.reversed()))
 
 
 def _split_mix(calibration: CalibrationSpec, leading: int) -> tuple[CalibrationSpec, CalibrationSpec] | None:
@@ -312,6 +328,16 @@ def _save_statistics(path: Path, stats: CalibrationStats, info: dict) -> None:
     atomic_write_json(path.with_suffix(".json"), info)
 
 
+def on_source_device(mapper: Mapper | None, source_model) -> Mapper | None:
+    """`mapper` moved (in place) to where `source_model` takes its inputs (`cache.model_device`) when that is not
+    the CPU: a handoff maps the source's cache where it is (a model spread over several devices is not handed
+    over yet: its cache layers sit on several devices)."""
+    device = model_device(source_model)
+    if mapper is not None and device.type != "cpu" and mapper.device != device:
+        mapper.to(device)
+    return mapper
+
+
 def load_pair_mapper(folder: str | Path, pair: NamedPair) -> Mapper:
     """A saved mapper, checked against both models and each one's own tokenizer."""
     return Mapper.load(folder, pair.source, pair.target, pair.models.source_tokenizer, pair.models.target_tokenizer)
@@ -342,12 +368,15 @@ def obtain_mapper(
     refit: bool = False,
     mlp: MLPConfig | None = None,
     ranks: Ranks | None = None,
+    layer_block: int | None = None,
 ) -> tuple[Mapper, Path, bool]:
     """Return (mapper, its folder, whether it was reused from the cache): the ridge mapper of `config`, or with
     `mlp` an `MLPMapper` around it. Settings that need the calibration rows (top_k="heldout", the MLP) make the
     pass keep them, running it again when a cached pass kept none (`obtain_statistics`).
     ranks (rank 0 of a distributed run): a pass needed is shared with the other ranks (`serve_calibration`), which
-    are dismissed once the statistics are there; only rank 0 solves and saves."""
+    are dismissed once the statistics are there; only rank 0 solves and saves.
+    layer_block: without cached statistics of the pair, fit the target layers in blocks of this many
+    (`fit_in_layer_blocks`; the mapper is cached, the statistics are not)."""
     folder = (mapper_dir(pair, config, calibration) if mlp is None
               else mlp_mapper_dir(pair, config, calibration, mlp))
     expected = {"config": config.to_dict(), **({} if mlp is None else {"mlp_config": mlp.to_dict()})}
@@ -356,6 +385,10 @@ def obtain_mapper(
         _dismiss(ranks)
         return cached, folder, True
     check_pair(pair.source, pair.target, pair.models.source_tokenizer, pair.models.target_tokenizer)
+    if layer_block is not None and mlp is None and not _statistics_on_disk(pair, config, calibration):
+        mapper = fit_in_layer_blocks(pair, config, calibration, layer_block, progress, ranks)
+        mapper.save(folder)
+        return mapper, folder, False
     stats, info = obtain_statistics(pair, config, calibration, progress,
                                     features=mlp is not None or config.top_k == "heldout", ranks=ranks)
     _dismiss(ranks)
@@ -366,6 +399,45 @@ def obtain_mapper(
         mapper = fit_mlp_mapper(mapper, features["folder"], r2, mlp, reverse=features["reverse"], progress=progress)
     mapper.save(folder)
     return mapper, folder, False
+
+
+def fit_in_layer_blocks(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec, layer_block: int,
+                        progress: bool = True, ranks: Ranks | None = None) -> Mapper:
+    """The ridge mapper of `config` from one pass over `calibration`'s windows per block of `layer_block` target
+    layers (`fit.fit_in_blocks`): the statistics held at once are one block's, and none are kept on disk.
+    ranks (rank 0 of a distributed run): every pass is shared with the ranks in `serve_calibration` (no checkpoint).
+    """
+    return _blocked_mapper(pair, _corpus(pair.tokenizer, calibration), config, layer_block, progress, ranks)
+
+
+def _blocked_mapper(pair: NamedPair, corpus, config: FitConfig, layer_block: int, progress: bool = True,
+                    ranks: Ranks | None = None) -> Mapper:
+    """`fit_in_layer_blocks` over the windows of `corpus` (`corpus.CalibrationBatches`)."""
+    if config.top_k == "heldout":
+        raise ConfigError("top_k='heldout' needs the calibration rows of the whole target: fit it without layer "
+                          "blocks")
+    records: list[dict] = []
+
+    def collect(layers: range, source_sums: bool) -> CalibrationStats:
+        if ranks is None or not ranks.distributed:
+            return collect_statistics(pair.source, pair.target, corpus, config, progress, target_layers=layers,
+                                      source_sums=source_sums)
+        stats, record = lead_collection(ranks, pair.source, pair.target, corpus.input_ids, config,
+                                        corpus.batch_size, None, progress, layers, source_sums)
+        records.append(record)
+        return stats
+
+    started = time.perf_counter()
+    try:
+        fitted = fit_in_blocks(collect, feature_layout(pair.source), feature_layout(pair.target), config,
+                               layer_block)
+    finally:
+        _dismiss(ranks)
+    seconds = time.perf_counter() - started - fitted.solve_seconds
+    info = {**_pass_info(pair, corpus, seconds),
+            **(records[0] if records else _one_process_record(corpus.num_sequences))}
+    return fitted.mapper(config, *pair.fingerprints(), info, pair.max_positions(),
+                         blocked_metrics(fitted.target, layer_block))
 
 
 def _dismiss(ranks: Ranks | None) -> None:
@@ -387,14 +459,18 @@ def _ridge_mapper(stats, info: dict, config: FitConfig, pair: NamedPair, r2_matr
 
 
 def fit_on_texts(pair: NamedPair, texts: Path, config: FitConfig, sequences: int, seq_len: int,
-                 seed: int = 0, ranks: Ranks | None = None) -> Mapper:
+                 seed: int = 0, ranks: Ranks | None = None, layer_block: int | None = None) -> Mapper:
     """A ridge mapper calibrated on a UTF-8 text file (paragraphs split on blank lines), not cached.
+    layer_block: the target layers in blocks (`fit_in_layer_blocks`).
     ranks (rank 0 of a distributed run): the pass is shared with the ranks in `serve_calibration` (no checkpoint:
     nothing of a text-file fit is cached)."""
     if config.top_k == "heldout":
         raise ConfigError("top_k='heldout' calibrates on the built-in corpus (its rows are cached per pair)")
     paragraphs = [p.strip() for p in texts.read_text(encoding="utf-8").split("\n\n") if p.strip()]
     corpus = pack_texts(pair.tokenizer, paragraphs, sequences, seq_len, seed=seed, name=str(texts))
+    if layer_block is not None:
+        check_pair(pair.source, pair.target, pair.models.source_tokenizer, pair.models.target_tokenizer)
+        return _blocked_mapper(pair, corpus, config, layer_block, ranks=ranks)
     if ranks is not None and ranks.distributed:
         check_pair(pair.source, pair.target, pair.models.source_tokenizer, pair.models.target_tokenizer)
         started = time.perf_counter()

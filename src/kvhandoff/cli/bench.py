@@ -10,8 +10,11 @@ import typer
 
 from kvhandoff.bench import DEFAULT_LENGTHS, bench_mapper, run_bench
 from kvhandoff.cli.options import (
+    DEFAULT_DTYPE,
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
+    DeviceMap,
+    Dtype,
     Recompute,
     SavedMapper,
     Source,
@@ -22,7 +25,7 @@ from kvhandoff.cli.options import (
     positive_int,
     positive_ints,
 )
-from kvhandoff.workflow import load_named_pair
+from kvhandoff.workflow import load_named_pair, on_source_device
 
 
 def bench(
@@ -53,13 +56,16 @@ def bench(
     resident: Annotated[bool, typer.Option(help="copy the models' weights out of their file-backed memory maps "
                                                 "first, so that memory pressure cannot send a timed forward to the "
                                                 "disk")] = True,
+    dtype: Dtype = DEFAULT_DTYPE,
+    device_map: DeviceMap = None,
 ) -> None:
     """Latency of handoff (transfer + one target forward: the exact prefix and the new turn) vs the target's
     re-prefill, per context length, with peak tensor memory and the FLOP bound."""
     if threads is not None:
         torch.set_num_threads(threads)
-    pair = load_named_pair(source, target)
+    pair = load_named_pair(source, target, dtype, device_map=device_map)
     the_mapper, note = bench_mapper(pair, mapper, synthetic, k)
+    on_source_device(the_mapper, pair.source)
     typer.echo(note)
     result = run_bench(pair.source, pair.target, the_mapper, lengths, repeats=repeats, warmup=warmup, out_dir=out,
                        time_budget_s=budget, measure_memory=memory, source_name=source, target_name=target,

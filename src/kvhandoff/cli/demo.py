@@ -8,12 +8,15 @@ from typing import Annotated
 import typer
 
 from kvhandoff.cli.options import (
+    DEFAULT_DTYPE,
     DEFAULT_MIX,
     DEFAULT_SEQ_LEN,
     DEFAULT_SEQUENCES,
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
     DEFAULT_TOP_K,
+    DeviceMap,
+    Dtype,
     JsonOut,
     Mix,
     Recompute,
@@ -26,7 +29,7 @@ from kvhandoff.cli.options import (
     option_errors,
     positive_int,
 )
-from kvhandoff.config import CalibrationSpec, FitConfig
+from kvhandoff.config import CalibrationSpec, FitConfig, ModelPlacement
 from kvhandoff.demo import render_demo, run_demo
 from kvhandoff.evaluation.scoring import MAPPED_PARTS
 from kvhandoff.files import atomic_write_json
@@ -51,6 +54,8 @@ def demo(
     mapper: Annotated[Path | None, typer.Option(help="show this saved mapper (fitted for SOURCE → TARGET, e.g. "
                                                      "from `kvhandoff refine`) instead of the pair's default")] = None,
     recompute: Recompute = None,
+    dtype: Dtype = DEFAULT_DTYPE,
+    device_map: DeviceMap = None,
 ) -> None:
     """Fit (or reuse) the pair's mapper, hand a long CoQA context over, compare with the target's re-prefill."""
     if reverse:
@@ -58,7 +63,8 @@ def demo(
     with option_errors("--sequences", "--mix"):
         calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, mix=groups)
     result = run_demo(source, target, FitConfig(top_k=k), calibration, max_new_tokens=max_new_tokens,
-                      repeats=repeats, refit=refit, mapped=mapped, mapper_path=mapper, recompute=recompute)
+                      repeats=repeats, refit=refit, mapped=mapped, mapper_path=mapper, recompute=recompute,
+                      placement=ModelPlacement(dtype, device_map))
     render_demo(result)
     if json_out:
         atomic_write_json(json_out, result)

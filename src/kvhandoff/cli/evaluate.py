@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 
 from kvhandoff.cli.options import (
+    DEFAULT_DTYPE,
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
+    DeviceMap,
+    Dtype,
     Progress,
     Recompute,
     Source,
@@ -28,9 +30,7 @@ from kvhandoff.evaluation.pipeline import MapperSource, evaluate_directions, for
 from kvhandoff.evaluation.report import render_results
 from kvhandoff.evaluation.scoring import MAPPED_PARTS
 from kvhandoff.evaluation.tasks import parse_tasks
-from kvhandoff.workflow import load_named_pair
-
-DTYPES = ("float32", "bfloat16", "float16")
+from kvhandoff.workflow import load_named_pair, on_source_device
 
 
 def tasks_list(value) -> str:
@@ -85,8 +85,8 @@ def eval_command(
     continuation_len: Annotated[int, typer.Option(parser=positive_int, help="Scored tokens for "
                                                                             "'perplexity'.")] = 1024,
     coqa_conversations: Annotated[int, typer.Option(parser=positive_int, help="Conversations for 'coqa'.")] = 20,
-    dtype: Annotated[str, typer.Option(parser=one_of(DTYPES), help="Model dtype: float32, bfloat16 or float16.")]
-    = "float32",
+    dtype: Dtype = DEFAULT_DTYPE,
+    device_map: DeviceMap = None,
     progress: Progress = True,
     recompute: Recompute = None,
 ) -> None:
@@ -101,11 +101,12 @@ def eval_command(
     options = EvalOptions(tasks, limit, seed, mapped, exact_prefix, recompute)
     scoring = ScoringOptions(max_new_tokens, n_resamples, perplexity_docs=perplexity_docs, prefix_len=prefix_len,
                              continuation_len=continuation_len, coqa_conversations=coqa_conversations)
-    pair = load_named_pair(source, target, dtype=getattr(torch, dtype), progress=progress)
+    pair = load_named_pair(source, target, dtype, progress, device_map=device_map)
     forward, sweep = forward_mapper(pair, mappers, options, out, progress)
+    on_source_device(forward, pair.source)
     if sweep is not None:
         typer.echo(f"k sweep: best k = {sweep['best_k']} (mean dev score per k: {sweep['scores']})")
-    backward = reverse_mapper(pair, mappers, progress)
+    backward = on_source_device(reverse_mapper(pair, mappers, progress), pair.target)
     md, png = evaluate_directions(pair, forward, backward, options, scoring, out, progress)
     typer.echo(md.read_text(encoding="utf-8"))
     typer.echo(f"wrote {md} and {png}")

@@ -9,16 +9,20 @@ import typer
 
 from kvhandoff.assets import prepare_model
 from kvhandoff.cli.options import (
+    DEFAULT_DTYPE,
     DEFAULT_MIX,
     DEFAULT_SEQ_LEN,
     DEFAULT_SEQUENCES,
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
+    DeviceMap,
+    Dtype,
     Mix,
     SeqLen,
     Sequences,
     Source,
     Target,
+    byte_size,
     non_negative_int,
     one_of,
     option_errors,
@@ -29,6 +33,7 @@ from kvhandoff.cli.options import (
 )
 from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig
 from kvhandoff.distributed import DEFAULT_CHECKPOINT_EVERY, dismiss, launched, requested_world_size
+from kvhandoff.fit import estimate_memory, feature_layout, layer_block_for_budget
 from kvhandoff.workflow import (
     describe_fit,
     fit_on_texts,
@@ -84,6 +89,14 @@ def fit(
     dist_timeout: Annotated[float | None, typer.Option(parser=positive_float, metavar="SECONDS", help=(
         "under torchrun: how long a collective waits for the other ranks (default $KVHANDOFF_DIST_TIMEOUT "
         "or 1800)"))] = None,
+    dtype: Dtype = DEFAULT_DTYPE,
+    device_map: DeviceMap = None,
+    layer_block: Annotated[int | None, typer.Option(parser=positive_int, metavar="N", help=(
+        "fit the target layers N at a time, one pass over the calibration windows each, so the statistics held "
+        "at once are one block's (for pairs whose statistics do not fit; the mapper is the same)"))] = None,
+    stats_memory: Annotated[int | None, typer.Option(parser=byte_size, metavar="SIZE", help=(
+        "choose --layer-block as the largest block whose statistics, solve and maps fit in SIZE per process "
+        "(e.g. 480GiB; the models not counted)"))] = None,
 ) -> None:
     """Fit a mapper from SOURCE's KV cache to TARGET's and save it to OUT.
 
@@ -103,11 +116,17 @@ def fit(
         with option_errors("--sequences", "--seq-len", "--mix"):
             calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed, mix=groups)
     mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed) if method == "mlp" else None
+    if (layer_block or stats_memory) and (method == "mlp" or k == "heldout"):
+        raise typer.BadParameter("--method mlp and --top-k heldout need the rows of the whole target: drop "
+                                 "--layer-block / --stats-memory", param_hint="--layer-block / --stats-memory")
+    if layer_block and stats_memory:
+        raise typer.BadParameter("give one of them: --stats-memory chooses the block", param_hint="--layer-block / "
+                                                                                                 "--stats-memory")
     if requested_world_size() > 1 and (method == "mlp" or k == "heldout"):
         raise typer.BadParameter("--method mlp and --top-k heldout need the calibration rows, which a distributed "
                                  "run does not collect: run them without torchrun", param_hint="--method / --top-k")
     with launched(dist_timeout, checkpoint_every) as ranks:
-        pair = load_named_pair(source, target, progress=ranks.is_root, ranks=ranks)
+        pair = load_named_pair(source, target, dtype, progress=ranks.is_root, ranks=ranks, device_map=device_map)
         if not ranks.is_root:
             records = serve_calibration(pair, ranks)
             windows = sum(len(record["windows_per_rank"][ranks.rank]) for record in records)
@@ -115,14 +134,29 @@ def fit(
                        "rank 0", err=True)
             return
         try:
+            if stats_memory is not None:
+                layer_block = block_for_memory(pair, config, stats_memory)
             if calibration is not None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
-                mapper = obtain_mapper(pair, config, calibration, mlp=mlp, ranks=ranks)[0]
+                mapper = obtain_mapper(pair, config, calibration, mlp=mlp, ranks=ranks, layer_block=layer_block)[0]
             else:
-                mapper = fit_on_texts(pair, texts, config, sequences, seq_len, seed, ranks=ranks)
+                mapper = fit_on_texts(pair, texts, config, sequences, seq_len, seed, ranks=ranks,
+                                      layer_block=layer_block)
         finally:
             dismiss(ranks)  # a failure before any pass must not leave the other ranks waiting
         mapper.save(out)
     typer.echo(f"saved {out} ({mapper.num_parameters():,} parameters); {describe_fit(mapper)}")
+
+
+def block_for_memory(pair, config: FitConfig, budget: int) -> int | None:
+    """--layer-block for a --stats-memory budget (`fit.layer_block_for_budget`), said on the console."""
+    source, target = feature_layout(pair.source), feature_layout(pair.target)
+    with option_errors("--stats-memory"):
+        block = layer_block_for_budget(source, target, budget, config)
+    estimate = estimate_memory(source, target, config, block)
+    passes = "one pass" if block is None else f"--layer-block {block}: {-(-target.num_layers // block)} passes"
+    typer.echo(f"statistics memory: {passes}, about {estimate.peak_bytes / 2**30:.1f} GiB per process "
+               f"(sums {estimate.statistics_bytes / 2**30:.1f} GiB)")
+    return block
 
 
 def refine(

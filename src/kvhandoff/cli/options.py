@@ -19,9 +19,12 @@ from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.config import (
     CALIBRATION_GROUPS,
     DEFAULT_CALIBRATION_MIX,
+    MODEL_DTYPES,
+    PLANNED_DEVICE_MAPS,
     RECOMPUTE_RULES,
     CalibrationSpec,
     FitConfig,
+    ModelPlacement,
     RecomputePolicy,
     require_positive,
 )
@@ -48,6 +51,40 @@ def recompute_spec(value) -> str:
         return RecomputePolicy.parse(value).spec
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+def model_dtype(value) -> str:
+    """A model dtype (`config.MODEL_DTYPES`: fp32, bf16, fp16 or their torch names), as its torch name."""
+    try:
+        return ModelPlacement(dtype=value).dtype
+    except ConfigError:
+        raise typer.BadParameter(f"give one of {', '.join(MODEL_DTYPES)}, got {value!r}") from None
+
+
+def device_map(value) -> str:
+    """A device map (`config.ModelPlacement`): 'auto' and accelerate's other plans, or one device."""
+    try:
+        return str(ModelPlacement(device_map=value).device_map)
+    except ConfigError:
+        raise typer.BadParameter(f"give one of {', '.join(PLANNED_DEVICE_MAPS)} or a device such as 'cpu' or "
+                                 f"'cuda:0', got {value!r}") from None
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def byte_size(value) -> int:
+    """A number of bytes, with an optional unit: 512GB, 480GiB, 2T, 1e11."""
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    try:
+        size = float(number) * _SIZE_UNITS[text[len(number):]]
+    except (ValueError, KeyError):
+        size = 0.0
+    if not size >= 1:
+        raise typer.BadParameter(f"give a size in bytes such as 480GiB, 512GB or 2T, got {value!r}")
+    return int(size)
 
 
 def non_negative_int(value) -> int:
@@ -187,6 +224,15 @@ Recompute = Annotated[str | None, typer.Option(
     help=f"selective recompute after the handoff: the target recomputes BUDGET (a fraction or a percentage) of the "
          f"mapped positions itself, chosen by RULE ({', '.join(RECOMPUTE_RULES)}; 'mix(sinks=0.2,...)' for other "
          f"shares), e.g. deviation:10%; default: the mapper's setting (none unless fitted with one)")]
+#: the models' placement for their forwards (`config.ModelPlacement`), on every command that loads a pair
+Dtype = Annotated[str, typer.Option("--dtype", parser=model_dtype, metavar="DTYPE", help=(
+    "dtype of the model forwards: fp32, bf16 or fp16 (or float32, bfloat16, float16); calibration statistics are "
+    "summed in float64 whatever it is"))]
+DeviceMap = Annotated[str | None, typer.Option("--device-map", parser=device_map, metavar="MAP", help=(
+    "where the models' layers go: 'auto' (accelerate spreads them over the visible GPUs, then the CPU; under "
+    "torchrun over each rank's share of the node's GPUs), 'balanced', 'sequential', or one device ('cuda:0'); "
+    "default: the CPU"))]
+DEFAULT_DTYPE = ModelPlacement().dtype
 Progress = Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")]
 
 DEFAULT_SEQUENCES = CalibrationSpec().num_sequences

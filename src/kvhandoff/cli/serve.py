@@ -7,8 +7,11 @@ from typing import Annotated
 import typer
 
 from kvhandoff.cli.options import (
+    DEFAULT_DTYPE,
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
+    DeviceMap,
+    Dtype,
     Recompute,
     non_negative_int,
     one_of,
@@ -63,6 +66,8 @@ def serve(
         "tokens a conversation may reach (default: the hosted models' smallest max_position_embeddings)"))] = None,
     recompute: Recompute = None,
     log_level: Annotated[str, typer.Option(parser=one_of(LOG_LEVELS), help="uvicorn's log level")] = "info",
+    dtype: Dtype = DEFAULT_DTYPE,
+    device_map: DeviceMap = None,
 ) -> None:
     """Serve a model family behind an OpenAI-compatible API; a conversation that switches models is handed over."""
     with option_errors("--host", "--port", "--guard-threshold", "--max-context"):
@@ -70,5 +75,5 @@ def serve(
                              guard_threshold=guard_threshold, max_sessions=max_sessions, session_ttl_s=session_ttl,
                              cache_memory_bytes=cache_memory, max_context=max_context, recompute=recompute,
                              log_level=log_level)
-    run_server(*load_family(*family_specs(models, mapper)), config)
+    run_server(*load_family(*family_specs(models, mapper), dtype=dtype, device_map=device_map), config)
 

@@ -17,7 +17,7 @@ from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, ModelPair, load_mod
 from kvhandoff.errors import ConfigError
 from kvhandoff.geometry import check_pair
 from kvhandoff.mapper import Mapper
-from kvhandoff.workflow import NamedPair, obtain_mapper
+from kvhandoff.workflow import NamedPair, obtain_mapper, on_source_device
 
 
 def parse_model_specs(items: Iterable[str]) -> dict[str, str]:
@@ -53,11 +53,11 @@ def parse_mapper_dirs(items: Iterable[str], names: Iterable[str]) -> dict[tuple[
 
 
 def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str, str], Path] | None = None,
-                dtype: torch.dtype = torch.float32, progress: bool = True):
+                dtype: torch.dtype | str = torch.float32, progress: bool = True, device_map: str | None = None):
     """(models, mappers) to serve: models name → (model, tokenizer), mappers (from, to) → `Mapper` for every ordered
     pair. ``specs`` None: the embedded default pair under its registry names. A pair in ``mapper_dirs`` is loaded
     (and checked against its models); any other is the cached default mapper of that direction (fitted and cached
-    on first use, which takes long: see README)."""
+    on first use, which takes long: see README). dtype, device_map: the models' placement (`assets.load_model`)."""
     specs = dict(specs) if specs else {DEFAULT_SOURCE: DEFAULT_SOURCE, DEFAULT_TARGET: DEFAULT_TARGET}
     mapper_dirs = dict(mapper_dirs or {})
     names = list(specs)
@@ -65,10 +65,10 @@ def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str
         if pair[0] not in specs or pair[1] not in specs:
             raise ConfigError(f"mappers: {pair[0]} → {pair[1]} names a model that is not hosted ({', '.join(names)})")
     if len(names) == 2:
-        pair = load_pair(specs[names[0]], specs[names[1]], dtype=dtype, progress=progress)
+        pair = load_pair(specs[names[0]], specs[names[1]], dtype, progress, device_map)
         models = {names[0]: (pair.source, pair.source_tokenizer), names[1]: (pair.target, pair.target_tokenizer)}
     else:
-        models = {name: load_model(spec, dtype=dtype, progress=progress) for name, spec in specs.items()}
+        models = {name: load_model(spec, dtype, progress, device_map) for name, spec in specs.items()}
         first_model, first_tokenizer = models[names[0]]
         for model, tokenizer in list(models.values())[1:]:
             check_pair(first_model, model, first_tokenizer, tokenizer)
@@ -85,4 +85,6 @@ def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str
                 pair = NamedPair.of(specs[source], specs[target],
                                     ModelPair(source_model, target_model, tokenizer, target_tokenizer))
                 mappers[source, target] = obtain_mapper(pair, progress=progress)[0]
+    for (source, _), mapper in mappers.items():
+        on_source_device(mapper, models[source][0])
     return models, mappers
