@@ -56,6 +56,7 @@ from kvhandoff.evaluation.tasks import (
     encode,
     get_task,
     mc_item_metrics,
+    parse_tasks,
 )
 from kvhandoff.files import sha256_json
 from kvhandoff.geometry import model_fingerprint
@@ -584,3 +585,14 @@ def run_switch_direction(source, target, mapper, tokenizer, tok_id: str, setting
         if settings.ttft_repeats:
             summary["ttft"] = task_ttft(source, target, mapper, histories, items, settings)
     return tasks
+
+
+def switch_tasks(spec) -> list[str]:
+    """The multiple-choice tasks of a task spec (`tasks.parse_tasks`): groups leave GSM8K (generation) out, naming
+    it is refused."""
+    names = parse_tasks(spec)
+    named = {p.strip().lower().replace("-", "_") for p in (spec.split(",") if isinstance(spec, str) else spec)}
+    for name in names:
+        if get_task(name).kind != LOGLIKELIHOOD and name in named:
+            _check_task(name)
+    return [name for name in names if get_task(name).kind == LOGLIKELIHOOD]
