@@ -2,8 +2,8 @@ import json
 import time
 
 import pytest
-from _eval_support import IdentityMapper, NoisyMapper
 
+from _eval_support import IdentityMapper, NoisyMapper
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation import switchbench as B
 from kvhandoff.evaluation.switch import SwitchSettings

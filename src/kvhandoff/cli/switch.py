@@ -72,6 +72,11 @@ def length_list(value) -> tuple[int, ...]:
     return lengths
 
 
+def pool_option(value) -> str | None:
+    """'report', 'dev', or nothing (the command's default: report, dev for --sweep-recompute)."""
+    return one_of(("report", "dev"), "pool")(value) if value else None
+
+
 def switch_tasks_option(value) -> str:
     with option_errors("--tasks"):
         switch_tasks(value)
@@ -92,7 +97,7 @@ def eval_switch(
         "out of groups)."))] = "core",
     limit: Annotated[int, typer.Option(parser=positive_int, help="Items per task (seeded draw from the pool).")]
     = 100,
-    pool: Annotated[str | None, typer.Option(parser=one_of(("report", "dev")), help=(
+    pool: Annotated[str | None, typer.Option(parser=pool_option, help=(
         "Item pool: 'report' for the benchmark, 'dev' to choose a policy (default of --sweep-recompute); the "
         "histories' exemplars come from the other pool."))] = "",
     seed: Annotated[int, typer.Option(help="Item, history and bootstrap seed.")] = 0,
