@@ -279,7 +279,7 @@ def test_eval_switch_benchmark_and_recompute_sweep(fake_models, tmp_path):
     assert set(saved["directions"]) == {"forward", "reverse"}
     assert "### small → large" in result.output and "### large → small" in result.output
     result = CliRunner().invoke(app, [*SWITCH_BASE, "--out", str(out), "--sweep-recompute", "recent,sinks",
-                                      "--budgets", "0,20", "--ttft-lengths", "64", "--round-size", "1"])
+                                      "--budgets", "0,20", "--ttft-lengths", "64"])
     assert result.exit_code == 0, result.output
     sweep = json.loads((out / "sweep_recompute.json").read_text())
     assert sweep["settings"]["pool"] == "dev" and sweep["policies"] == ["none", "recent:20%", "sinks:20%"]

@@ -36,11 +36,11 @@ def fresh_scores(model, item) -> list[float]:
     return scores
 
 
-def test_histories_are_long_disjoint_and_drawn_from_the_other_pool():
+def test_histories_are_long_distinct_and_drawn_from_the_other_pool():
     histories, items = items_of("arc_challenge", limit=6, histories=3)
     assert len(histories) == 3 and all(len(h.ids) >= HISTORY_TOKENS for h in histories)
+    assert len({h.ids for h in histories}) == 3
     used = [e for h in histories for e in h.exemplars]
-    assert len(used) == len(set(used))
     assert all(pool_of("arc_challenge", e) == "report" for e in used)
     assert all(pool_of("arc_challenge", item.id) == "dev" for item in items)
     assert [item.history.key for item in items] == [f"arc_challenge-h{i % 3}" for i in range(6)]
@@ -48,6 +48,8 @@ def test_histories_are_long_disjoint_and_drawn_from_the_other_pool():
     assert TOK.decode(mmlu.ids).startswith(W.HISTORY_HEADERS["mmlu"])
     with pytest.raises(ConfigError, match="generates"):
         W.build_histories("gsm8k", TOK)
+    with pytest.raises(ConfigError, match="fewer than"):
+        W.build_histories("arc_challenge", TOK, 1, 10**6)
 
 
 def test_new_turns_are_the_items_without_their_own_fewshot_prefix():

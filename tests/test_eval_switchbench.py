@@ -4,7 +4,6 @@ import time
 import pytest
 
 from _eval_support import IdentityMapper, NoisyMapper
-from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation import switchbench as B
 from kvhandoff.evaluation.switch import SwitchSettings
 
@@ -31,22 +30,25 @@ def test_recompute_points_put_none_first_once():
         "none", "recent:5%", "recent:20%", "sinks:5%", "sinks:20%")
 
 
-def test_sweep_rounds_grow_to_the_limit():
-    assert B.sweep_rounds(25, 10) == [10, 20, 25]
-    assert B.sweep_rounds(5, 10) == [5]
-    with pytest.raises(ConfigError):
-        B.sweep_rounds(0, 10)
-
-
 def test_pareto_front_keeps_the_undominated_points():
     points = [{"policy": p, "mean_retention": r, "speedup": {"1024": {"mean": s}}}
               for p, r, s in (("none", 0.8, 10.0), ("a:5%", 0.9, 5.0), ("b:5%", 0.85, 4.0), ("c:50%", 1.0, 1.5))]
     assert B.pareto_front(points, "1024") == ["none", "a:5%", "c:50%"]
 
 
-def test_benchmark_writes_both_directions_with_retention_and_ttft(directions, tmp_path):
+def test_benchmark_writes_both_directions_with_retention_and_ttft(directions, tmp_path, monkeypatch):
+    made = []
+
+    class Counted(B.HistoryPrefills):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(B, "HistoryPrefills", Counted)
     result = B.run_switch_benchmark(directions, TOK, "bytes", settings(policies=("recent:10%",)), tmp_path)
-    assert result["complete"]
+    assert result["complete"] and result["histories_done"] == 2
+    # 2 tasks × 2 histories, each prefilled once by each of the two models for both directions
+    assert len(made) == 1 and made[0].prefills == 8
     saved = json.loads((tmp_path / "switch.json").read_text())
     assert set(saved["directions"]) == {"forward", "reverse"}
     task = saved["directions"]["forward"]["tasks"]["winogrande"]
@@ -67,9 +69,8 @@ def test_identity_switch_retains_everything(tmp_path):
 
 def test_sweep_writes_table_plot_and_resumes(directions, tmp_path):
     points = B.recompute_points(("recent", "deviation"), (0.0, 0.2))
-    swept = B.run_recompute_sweep(directions, TOK, "bytes", settings(policies=points), tmp_path, lengths=(64, 128),
-                                  round_size=2)
-    assert swept["complete"] and swept["items_per_task"] == 4
+    swept = B.run_recompute_sweep(directions, TOK, "bytes", settings(policies=points), tmp_path, lengths=(64, 128))
+    assert swept["complete"] and swept["items_per_task"] == 4 and swept["histories_done"] == 2
     assert [p["policy"] for p in swept["points"]] == list(points)
     point = swept["points"][1]
     assert set(point["speedup"]) == {"64", "128"} and set(point["speedup"]["64"]) == {"forward", "reverse", "mean"}
@@ -77,9 +78,8 @@ def test_sweep_writes_table_plot_and_resumes(directions, tmp_path):
     for suffix in ("json", "md", "png"):
         assert (tmp_path / f"sweep_recompute.{suffix}").stat().st_size > 0
     assert "| recent:20% |" in (tmp_path / "sweep_recompute.md").read_text()
-    # a larger item count under a past deadline: the finished round stays the result, marked incomplete
+    # more items under a past deadline: the first round stops at its first new item and is kept, as it is
     more = B.run_recompute_sweep(directions, TOK, "bytes", settings(policies=points, limit=6), tmp_path,
-                                 lengths=(64,), round_size=2, deadline=time.monotonic() - 1)
-    assert not more["complete"] and more["items_per_task"] == 4
-    assert [p["mean_retention"] for p in more["points"]] == pytest.approx(
-        [p["mean_retention"] for p in swept["points"]], nan_ok=True)
+                                 lengths=(64,), deadline=time.monotonic() - 1)
+    assert not more["complete"] and more["histories_done"] == 1 and more["items_per_task"] == 2
+    assert json.loads((tmp_path / "sweep_recompute.json").read_text())["items_per_task"] == 2

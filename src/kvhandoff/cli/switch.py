@@ -121,11 +121,9 @@ def eval_switch(
     = ",".join(f"{b * 100:g}" for b in DEFAULT_SWEEP_BUDGETS),
     ttft_lengths: Annotated[tuple, typer.Option(parser=length_list, metavar="TOKENS", help=(
         "History lengths of the sweep's TTFT measurement."))] = ",".join(map(str, DEFAULT_TTFT_LENGTHS)),
-    round_size: Annotated[int, typer.Option(parser=positive_int, help="Items per task added per sweep round.")]
-    = 10,
     time_limit: Annotated[float | None, typer.Option(help=(
-        "Minutes after which no new item is started; what is done is summarised (and resumed by the next run "
-        "with the same --out)."))] = None,
+        "Minutes after which no new item is started; the last finished history round is the result (the next "
+        "run with the same --out resumes)."))] = None,
     out: Annotated[Path, typer.Option(help="Output folder (item store, results).")] = Path("kvhandoff-switch"),
     threads: Annotated[int | None, typer.Option(parser=positive_int, help="torch CPU threads.")] = None,
     progress: Progress = True,
@@ -155,7 +153,7 @@ def eval_switch(
     tok_id = tokenizer_hash(pair.tokenizer)
     if sweep:
         result = run_recompute_sweep(directions, pair.tokenizer, tok_id, settings, out, ttft_lengths, ttft_repeats,
-                                     round_size, progress, deadline)
+                                     progress, deadline)
         typer.echo(sweep_markdown(result))
         typer.echo(f"wrote {out / 'sweep_recompute.json'}, .md and .png")
         return

@@ -25,6 +25,7 @@ the repeats; the source's prefill of the history is not counted (at a switch the
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -127,24 +128,29 @@ def _check_task(task: str) -> None:
 
 def build_histories(task: str, tokenizer, count: int = DEFAULT_HISTORIES, min_tokens: int = DEFAULT_HISTORY_TOKENS,
                     pool: str = "dev", seed: int = 0) -> list[History]:
-    """``count`` histories of at least ``min_tokens`` tokens each: the task's header and solved exemplars drawn,
-    without repeats, from the pool other than ``pool`` (the one evaluated) in a seeded order."""
+    """``count`` histories of at least ``min_tokens`` tokens each: the task's header and solved exemplars of the
+    pool other than ``pool`` (the one evaluated), each history in its own seeded order (a small pool's histories
+    may share exemplars; no two are the same)."""
     _check_task(task)
     if count < 1 or min_tokens < 1:
         raise ConfigError(f"need count >= 1 and min_tokens >= 1, got {count} and {min_tokens}")
-    exemplars = iter(select_items(task, None, seed + 1, OTHER_POOL[pool]))
+    candidates = select_items(task, None, seed, OTHER_POOL[pool])
     header = HISTORY_HEADERS.get(task, "")
     histories = []
     for index in range(count):
+        order = list(candidates)
+        random.Random(f"{seed}/{task}/history-{index}").shuffle(order)
         text, used = header, []
         ids = encode(tokenizer, text)
-        while len(ids) < min_tokens:
-            item = next(exemplars, None)
-            if item is None:
-                raise ConfigError(f"{task}: too few exemplars for {count} histories of {min_tokens} tokens")
+        for item in order:
+            if len(ids) >= min_tokens:
+                break
             text += exemplar_text(item)
             used.append(item.id)
             ids = encode(tokenizer, text)
+        if len(ids) < min_tokens:
+            raise ConfigError(f"{task}: the {OTHER_POOL[pool]} pool's exemplars make {len(ids)} tokens, fewer than "
+                              f"the {min_tokens} of a history")
         histories.append(History(f"{task}-h{index}", tuple(ids), tuple(used)))
     return histories
 
@@ -335,10 +341,10 @@ def switch_name(policy) -> str:
 
 
 def switch_conditions(source, target, mapper, policies: Sequence[str] = ("none",), exact_prefix: int | None = None,
-                      all_mapped: bool = True) -> dict[str, SwitchCondition]:
+                      all_mapped: bool = True, prefills: HistoryPrefills | None = None) -> dict[str, SwitchCondition]:
     """target, source, one switch per recompute policy and (all_mapped) the paper's condition, sharing one
-    `HistoryPrefills`."""
-    prefills = HistoryPrefills()
+    `HistoryPrefills` (``prefills``: one shared with other directions, whose prefills of a model it reuses)."""
+    prefills = HistoryPrefills() if prefills is None else prefills
     conditions: dict[str, SwitchCondition] = {
         "target": AloneOnHistory("target", target, prefills),
         "source": AloneOnHistory("source", source, prefills),
@@ -369,7 +375,7 @@ def switch_runs(conditions: Mapping[str, SwitchCondition], source, target, mappe
         if name in ("target", "source"):
             model = condition.reader
             header = {**base, "condition": "standalone", "model": model_fingerprint(model)}
-            key = f"model-{slug(display_name(model, name))}"
+            key = f"model-{slug(display_name(model, 'model'))}"
         else:
             header = {**base, "condition": name.split(":")[0], "source": model_fingerprint(source),
                       "target": model_fingerprint(target), "mapper": mapper_identity(mapper),
@@ -535,13 +541,17 @@ def stored_records(store_name: str, items: Sequence[SwitchItem], runs: Sequence[
 
 def run_switch_task(source, target, mapper, tokenizer, tok_id: str, task: str, settings: SwitchSettings,
                     conditions: Mapping[str, SwitchCondition], store_dir=None, progress: bool = False,
-                    deadline: float | None = None) -> tuple[dict, list[History], list[SwitchItem]]:
+                    deadline: float | None = None, histories_used: int | None = None
+                    ) -> tuple[dict, list[History], list[SwitchItem]]:
     """One task's summary (``complete`` False when the time limit stopped it: the items done so far), its
-    histories and items."""
+    histories and items; ``histories_used``: only the items of the first that many histories."""
     histories = build_histories(task, tokenizer, settings.histories, settings.history_tokens, settings.pool,
                                 settings.seed)
     items = switch_items(task, tokenizer, histories, settings.limit, settings.seed, settings.pool)
     runs = switch_runs(conditions, source, target, mapper, tok_id, task, histories, settings.exact_prefix)
+    if histories_used is not None:
+        histories = histories[:histories_used]
+        items = [item for item in items if item.history in histories]
     store_name = f"switch-{task}"
     try:
         records = run_records(store_name, items, [_bounded(r, deadline) for r in runs], store_dir, progress)
@@ -567,22 +577,24 @@ def task_ttft(source, target, mapper, histories: Sequence[History], items: Seque
 
 
 def run_switch_direction(source, target, mapper, tokenizer, tok_id: str, settings: SwitchSettings,
-                         store_dir=None, progress: bool = False, deadline: float | None = None) -> dict:
+                         store_dir=None, progress: bool = False, deadline: float | None = None,
+                         histories_used: int | None = None, prefills: HistoryPrefills | None = None) -> dict:
     """Per task: the summary of every condition (records resumable under ``store_dir``) and, with
     ``settings.ttft_repeats``, the TTFT on each history. Past ``deadline`` (time.monotonic()) the task under way
-    is summarised over its finished items and the tasks after it are left out."""
+    is summarised over its finished items and the tasks after it are left out. ``histories_used``: only the
+    items of each task's first that many histories; ``prefills``: history prefills shared with other directions."""
     if settings.exact_prefix is None:
         settings = replace(settings, exact_prefix=getattr(mapper, "exact_prefix", 0))
     conditions = switch_conditions(source, target, mapper, settings.policies, settings.exact_prefix,
-                                   settings.all_mapped)
+                                   settings.all_mapped, prefills)
     tasks = {}
     for task in settings.tasks:
         summary, histories, items = run_switch_task(source, target, mapper, tokenizer, tok_id, task, settings,
-                                                    conditions, store_dir, progress, deadline)
+                                                    conditions, store_dir, progress, deadline, histories_used)
         tasks[task] = summary
         if not summary["complete"]:
             break
-        if settings.ttft_repeats:
+        if settings.ttft_repeats and histories_used in (None, settings.histories):
             summary["ttft"] = task_ttft(source, target, mapper, histories, items, settings)
     return tasks
 

@@ -1,13 +1,14 @@
 """The switch benchmark in both directions, the recompute sweep (rule × budget), and their tables and plot.
 
-`run_switch_benchmark` runs `switch.run_switch_direction` for each direction (report pool by default) and writes
-``<out>/switch.{json,md}``. `run_recompute_sweep` is the Pareto trade-off of selective recompute on the dev pool:
-the time to first token of every (rule, budget) point against re-prefill on one history per length (1K and 2K
-tokens by default, both directions, interleaved), then the retention of every point on the core tasks, in
-rounds of growing item counts (each round extends the last, records are resumed from the item store), until the
-item count or the time limit is reached; after each finished round ``<out>/sweep_recompute.{json,md,png}`` is
-written, so a stopped sweep leaves its last finished round. Choose a policy on the dev pool, report it with
-`run_switch_benchmark` on the report pool.
+Both run in *history rounds* (`run_in_history_rounds`): round r adds the items of every task's r-th history in
+every direction, so each history is prefilled and handed over once, and a run stopped by its time limit leaves a
+result balanced over tasks and directions (the last finished round; records are resumed from the item store).
+
+`run_switch_benchmark` (report pool by default) writes ``<out>/switch.{json,md}``. `run_recompute_sweep` is the
+Pareto trade-off of selective recompute on the dev pool: the time to first token of every (rule, budget) point
+against re-prefill on one history per length (1K and 2K tokens by default, both directions, interleaved), then the
+retention of every point on the core tasks; ``<out>/sweep_recompute.{json,md,png}``. Choose a policy on the dev
+pool, report it with `run_switch_benchmark` on the report pool.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.config import RecomputePolicy
-from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.metrics import mean
 from kvhandoff.evaluation.runner import mapper_identity
 from kvhandoff.evaluation.switch import (
     History,
+    HistoryPrefills,
     SwitchSettings,
     build_histories,
     mean_retention,
@@ -76,25 +77,45 @@ def _settings_record(settings: SwitchSettings) -> dict:
 # -- the benchmark -----------------------------------------------------------------------------------------------
 
 
+def run_in_history_rounds(directions: Sequence[Direction], tokenizer, tok_id: str, settings: SwitchSettings,
+                          store_dir: Path | None, progress: bool, deadline: float | None, on_round) -> None:
+    """Round r adds the items of every task's r-th history, in every direction; ``on_round(r, directions' tasks,
+    finished)`` after each round. Each history is prefilled and handed over once (its items are in one round),
+    each model's prefill of it serves both directions; past ``deadline`` the round under way is the last."""
+    prefills = HistoryPrefills(entries=len(settings.tasks))
+    for used in range(1, settings.histories + 1):
+        done = {d.name: {**_direction_header(d), "tasks": run_switch_direction(
+            d.source, d.target, d.mapper, tokenizer, tok_id, settings, store_dir, progress, deadline, used, prefills)}
+            for d in directions}
+        finished = all(len(d["tasks"]) == len(settings.tasks) and all(t["complete"] for t in d["tasks"].values())
+                       for d in done.values())
+        on_round(used, done, finished)
+        if not finished:
+            return
+
+
 def run_switch_benchmark(directions: Sequence[Direction], tokenizer, tok_id: str, settings: SwitchSettings,
                          out_dir: Path | None = None, progress: bool = False, deadline: float | None = None) -> dict:
     """Every direction's per-task summaries and TTFT, with the mean retention of each switch condition over the
-    core and held-out tasks; written to ``<out_dir>/switch.{json,md}``."""
+    core and held-out tasks; written to ``<out_dir>/switch.{json,md}`` after each history round
+    (`run_in_history_rounds`)."""
     store = None if out_dir is None else Path(out_dir) / "items"
-    result: dict = {"format": SWITCH_FORMAT, "settings": _settings_record(settings), "directions": {}}
-    for direction in directions:
-        tasks = run_switch_direction(direction.source, direction.target, direction.mapper, tokenizer, tok_id,
-                                     settings, store, progress, deadline)
-        conditions = sorted({name for task in tasks.values() for name in task["transfers"]})
-        summary = {name: {group: mean_retention(tasks, name, group) for group in ("core", "heldout", "all")}
-                   for name in conditions}
-        result["directions"][direction.name] = {**_direction_header(direction), "tasks": tasks,
-                                                "summary": summary}
-    result["complete"] = all(t["complete"] and len(d["tasks"]) == len(settings.tasks)
-                             for d in result["directions"].values() for t in d["tasks"].values())
-    if out_dir is not None:
-        atomic_write_json(Path(out_dir) / "switch.json", result)
-        atomic_write_text(Path(out_dir) / "switch.md", switch_markdown(result))
+    result: dict = {"format": SWITCH_FORMAT, "settings": _settings_record(settings), "directions": {},
+                    "histories_done": 0, "complete": False}
+
+    def keep(used: int, done: dict, finished: bool) -> None:
+        if not (finished or not result["directions"]):
+            return
+        for entry in done.values():
+            conditions = sorted({name for task in entry["tasks"].values() for name in task["transfers"]})
+            entry["summary"] = {name: {group: mean_retention(entry["tasks"], name, group)
+                                       for group in ("core", "heldout", "all")} for name in conditions}
+        result.update(directions=done, histories_done=used, complete=finished and used == settings.histories)
+        if out_dir is not None:
+            atomic_write_json(Path(out_dir) / "switch.json", result)
+            atomic_write_text(Path(out_dir) / "switch.md", switch_markdown(result))
+
+    run_in_history_rounds(directions, tokenizer, tok_id, settings, store, progress, deadline, keep)
     return result
 
 
@@ -173,13 +194,6 @@ def sweep_ttft(directions: Sequence[Direction], tokenizer, settings: SwitchSetti
     return out
 
 
-def sweep_rounds(limit: int, round_size: int) -> list[int]:
-    """Item counts per task of the sweep's rounds: round_size, 2·round_size, … up to limit."""
-    if limit < 1 or round_size < 1:
-        raise ConfigError(f"limit and round_size must be >= 1, got {limit} and {round_size}")
-    return [*range(round_size, limit, round_size), limit]
-
-
 def sweep_points(result: dict) -> list[dict]:
     """Per policy: mean retention over the core tasks per direction and both, and the TTFT speed-ups."""
     points = []
@@ -215,32 +229,28 @@ def pareto_front(points: Sequence[dict], length: str) -> list[str]:
 
 def run_recompute_sweep(directions: Sequence[Direction], tokenizer, tok_id: str, settings: SwitchSettings,
                         out_dir: Path, lengths: Sequence[int] = DEFAULT_TTFT_LENGTHS, ttft_repeats: int = 1,
-                        round_size: int = 10, progress: bool = False, deadline: float | None = None) -> dict:
-    """TTFT of every policy (``settings.policies``) at each history length, then retention per round of items;
-    ``<out_dir>/sweep_recompute.{json,md,png}`` after each finished round (see the module docstring)."""
+                        progress: bool = False, deadline: float | None = None) -> dict:
+    """TTFT of every policy (``settings.policies``) at each history length, then retention per history round
+    (`run_in_history_rounds`); ``<out_dir>/sweep_recompute.{json,md,png}`` after each finished round (see the
+    module docstring)."""
     out_dir = Path(out_dir)
     settings = replace(settings, ttft_repeats=0, all_mapped=False)
     result: dict = {"format": SWEEP_FORMAT, "settings": _settings_record(settings),
                     "policies": list(settings.policies), "ttft_lengths": [str(n) for n in lengths],
                     "ttft": sweep_ttft(directions, tokenizer, settings, lengths, ttft_repeats),
-                    "directions": {}, "items_per_task": 0, "complete": False}
-    for limit in sweep_rounds(settings.limit or 1, round_size):
-        round_settings = replace(settings, limit=limit)
-        directions_done = {}
-        for direction in directions:
-            tasks = run_switch_direction(direction.source, direction.target, direction.mapper, tokenizer, tok_id,
-                                         round_settings, out_dir / "items", progress, deadline)
-            directions_done[direction.name] = {**_direction_header(direction), "tasks": tasks}
-        finished = all(t["complete"] for d in directions_done.values() for t in d["tasks"].values()) and all(
-            len(d["tasks"]) == len(settings.tasks) for d in directions_done.values())
-        if finished or not result["directions"]:
-            result.update(directions=directions_done, items_per_task=limit,
-                          complete=finished and limit == settings.limit)
-            result["points"] = sweep_points(result)
-            result["pareto"] = {length: pareto_front(result["points"], length) for length in result["ttft_lengths"]}
-            write_sweep(result, out_dir)
-        if not finished:
-            break
+                    "directions": {}, "histories_done": 0, "items_per_task": 0, "complete": False}
+
+    def keep(used: int, done: dict, finished: bool) -> None:
+        if not (finished or not result["directions"]):
+            return
+        counts = [t["n"] for d in done.values() for t in d["tasks"].values()]
+        result.update(directions=done, histories_done=used, items_per_task=min(counts, default=0),
+                      complete=finished and used == settings.histories)
+        result["points"] = sweep_points(result)
+        result["pareto"] = {length: pareto_front(result["points"], length) for length in result["ttft_lengths"]}
+        write_sweep(result, out_dir)
+
+    run_in_history_rounds(directions, tokenizer, tok_id, settings, out_dir / "items", progress, deadline, keep)
     return result
 
 
