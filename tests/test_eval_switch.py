@@ -160,9 +160,13 @@ def test_mean_retention_over_a_group():
         "c": {"group": "heldout", "transfers": {"switch": {"retention": {"value": 0.0},
                                                            "floor_normalised_retention": {"value": 0.0}}}},
     }
-    assert W.mean_retention(tasks, "switch") == {"tasks": 2, "mean_retention": 0.75,
-                                                 "mean_floor_normalised_retention": 0.5}
+    assert W.mean_retention(tasks, "switch") == {"tasks": 2, "mean_retention": 0.75, "retention_tasks": 2,
+                                                 "mean_floor_normalised_retention": 0.5,
+                                                 "floor_normalised_retention_tasks": 2}
     assert W.mean_retention(tasks, "switch", "all")["tasks"] == 3
+    tasks["c"]["transfers"]["switch"]["retention"]["value"] = float("nan")  # the target alone scored 0
+    summary = W.mean_retention(tasks, "switch", "all")
+    assert summary["mean_retention"] == 0.75 and summary["retention_tasks"] == 2 and summary["tasks"] == 3
 
 
 def test_settings_are_validated():

@@ -78,6 +78,9 @@ def test_sweep_writes_table_plot_and_resumes(directions, tmp_path):
     for suffix in ("json", "md", "png"):
         assert (tmp_path / f"sweep_recompute.{suffix}").stat().st_size > 0
     assert "| recent:20% |" in (tmp_path / "sweep_recompute.md").read_text()
+    (tmp_path / "sweep_recompute.md").unlink()
+    assert B.rewrite_sweep(tmp_path)["points"] == json.loads(json.dumps(swept["points"]))
+    assert (tmp_path / "sweep_recompute.md").is_file()
     # more items under a past deadline: the first round stops at its first new item and is kept, as it is
     more = B.run_recompute_sweep(directions, TOK, "bytes", settings(policies=points, limit=6), tmp_path,
                                  lengths=(64,), deadline=time.monotonic() - 1)

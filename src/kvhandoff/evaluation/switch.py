@@ -25,6 +25,7 @@ the repeats; the source's prefill of the history is not counted (at a switch the
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -428,13 +429,16 @@ def _group(task: str) -> str:
 
 def mean_retention(tasks: Mapping[str, dict], condition: str, group: str = "core") -> dict:
     """Mean retention and floor-normalised retention of ``condition`` over the tasks of ``group`` ("all": every
-    task)."""
+    task), each mean over the tasks where it is defined (retention is not where the target alone scores 0; the
+    counts say over how many)."""
     members = [t["transfers"][condition] for t in tasks.values()
                if condition in t["transfers"] and (group == "all" or t["group"] == group)]
-    return {"tasks": len(members),
-            "mean_retention": mean([m["retention"]["value"] for m in members]) if members else float("nan"),
-            "mean_floor_normalised_retention":
-                mean([m["floor_normalised_retention"]["value"] for m in members]) if members else float("nan")}
+    out = {"tasks": len(members)}
+    for key in ("retention", "floor_normalised_retention"):
+        values = [m[key]["value"] for m in members if math.isfinite(m[key]["value"])]
+        out[f"mean_{key}"] = mean(values) if values else float("nan")
+        out[f"{key}_tasks"] = len(values)
+    return out
 
 
 # -- time to first token -----------------------------------------------------------------------------------------

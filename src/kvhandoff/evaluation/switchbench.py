@@ -13,6 +13,7 @@ pool, report it with `run_switch_benchmark` on the report pool.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -255,6 +256,16 @@ def run_recompute_sweep(directions: Sequence[Direction], tokenizer, tok_id: str,
 
 
 # -- sweep rendering ---------------------------------------------------------------------------------------------
+
+
+def rewrite_sweep(out_dir: Path) -> dict:
+    """Recompute the points and the Pareto front of ``<out_dir>/sweep_recompute.json`` from its per-task summaries
+    and write the json, table and plot again (no models)."""
+    result = json.loads((Path(out_dir) / "sweep_recompute.json").read_text(encoding="utf-8"))
+    result["points"] = sweep_points(result)
+    result["pareto"] = {length: pareto_front(result["points"], length) for length in result["ttft_lengths"]}
+    write_sweep(result, Path(out_dir))
+    return result
 
 
 def write_sweep(result: dict, out_dir: Path) -> None:
