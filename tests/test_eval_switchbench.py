@@ -34,6 +34,8 @@ def test_pareto_front_keeps_the_undominated_points():
     points = [{"policy": p, "mean_retention": r, "speedup": {"1024": {"mean": s}}}
               for p, r, s in (("none", 0.8, 10.0), ("a:5%", 0.9, 5.0), ("b:5%", 0.85, 4.0), ("c:50%", 1.0, 1.5))]
     assert B.pareto_front(points, "1024") == ["none", "a:5%", "c:50%"]
+    points.append({"policy": "d:1%", "mean_retention": float("nan"), "speedup": {"1024": {"mean": 20.0}}})
+    assert B.pareto_front(points, "1024") == ["none", "a:5%", "c:50%"]
 
 
 def test_benchmark_writes_both_directions_with_retention_and_ttft(directions, tmp_path, monkeypatch):

@@ -216,10 +216,12 @@ def sweep_points(result: dict) -> list[dict]:
 
 
 def pareto_front(points: Sequence[dict], length: str) -> list[str]:
-    """The policies no other point beats on both mean retention and mean speed-up at ``length``."""
+    """The policies no other point beats on both mean retention and mean speed-up at ``length`` (points without a
+    mean retention, e.g. of a run stopped early, are left out)."""
     def key(p):
         return p["mean_retention"], p["speedup"][length]["mean"]
 
+    points = [p for p in points if math.isfinite(p["mean_retention"])]
     front = []
     for p in points:
         r, s = key(p)
