@@ -296,6 +296,36 @@ def test_eval_argument_errors_exit_2_naming_the_option(fake_models, tmp_path):
     assert fake_models == []  # refused before any model loads
 
 
+SWITCH_BASE = ["eval-switch", "--source", "small", "--target", "large", "--mapper", "m", "--reverse-mapper", "r",
+               "--tasks", "winogrande", "--limit", "2", "--histories", "1", "--history-tokens", "100",
+               "--exact-prefix", "0", "--no-progress"]
+
+
+def test_eval_switch_benchmark_and_recompute_sweep(fake_models, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [*SWITCH_BASE, "--out", str(out), "--recompute", "recent:10%"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "switch.json").read_text())
+    assert saved["settings"]["pool"] == "report" and saved["settings"]["policies"] == ["recent:10%"]
+    assert set(saved["directions"]) == {"forward", "reverse"}
+    assert "### small → large" in result.output and "### large → small" in result.output
+    result = CliRunner().invoke(app, [*SWITCH_BASE, "--out", str(out), "--sweep-recompute", "recent,sinks",
+                                      "--budgets", "0,20", "--ttft-lengths", "64"])
+    assert result.exit_code == 0, result.output
+    sweep = json.loads((out / "sweep_recompute.json").read_text())
+    assert sweep["settings"]["pool"] == "dev" and sweep["policies"] == ["none", "recent:20%", "sinks:20%"]
+    assert sweep["complete"] and (out / "sweep_recompute.png").is_file()
+
+
+def test_eval_switch_argument_errors_exit_2_naming_the_option(fake_models, tmp_path):
+    for extra, named in ((["--tasks", "gsm8k"], "--tasks"), (["--sweep-recompute", "loudest"], "loudest"),
+                         (["--budgets", "5,200"], "--budgets"), (["--pool", "train"], "--pool"),
+                         (["--ttft-lengths", "1"], "--ttft-lengths")):
+        result = CliRunner().invoke(app, [*SWITCH_BASE, "--out", str(tmp_path), *extra])
+        assert result.exit_code == 2 and named in result.output, (extra, result.output)
+    assert fake_models == []
+
+
 def test_tokenizers_must_agree(fake_models, tmp_path):
     from kvhandoff.assets import load_pair
 

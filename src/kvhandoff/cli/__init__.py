@@ -1,5 +1,5 @@
-"""`kvhandoff` command line: prepare, fit, refine, demo, tune, eval, eval-render, bench, analyze, serve, bench-serve,
-load-test, guard-eval.
+"""`kvhandoff` command line: prepare, fit, refine, demo, tune, eval, eval-render, eval-switch, bench, analyze, serve,
+bench-serve, load-test, guard-eval.
 
 One module per command group; the options several commands share, and the parsers of command-line values,
 live in `kvhandoff.cli.options`; failures are reported on one line (`kvhandoff.cli.group`). Each command
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from kvhandoff.cli import analyze, bench, demo, evaluate, measure, models, serve, tune
+from kvhandoff.cli import analyze, bench, demo, evaluate, measure, models, serve, switch, tune
 from kvhandoff.cli.group import CommandGroup
 
 app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
@@ -21,6 +21,7 @@ app.command()(demo.demo)
 app.command()(tune.tune)
 app.command("eval")(evaluate.eval_command)
 app.command("eval-render")(evaluate.render_command)
+app.command("eval-switch")(switch.eval_switch)
 app.command()(bench.bench)
 app.command()(analyze.analyze)
 app.command()(serve.serve)

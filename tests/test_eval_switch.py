@@ -1,0 +1,177 @@
+import time
+
+import pytest
+import torch
+
+from _eval_support import IdentityMapper, NoisyMapper, full_sequence_logprob
+from kvhandoff import FitConfig, fit_mapper
+from kvhandoff.cache import prefill
+from kvhandoff.errors import ConfigError
+from kvhandoff.evaluation import switch as W
+from kvhandoff.evaluation.tasks import pool_of
+from kvhandoff.handoff import handoff_cache
+
+from conftest import BYTE_MODEL, ByteTokenizer, exactly_related, random_batches, tiny_model
+
+TOK = ByteTokenizer()
+HISTORY_TOKENS = 160  # short histories keep the byte-level tests fast
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_model(seed=0, **BYTE_MODEL), tiny_model(seed=1, **BYTE_MODEL)
+
+
+def items_of(task: str, limit: int = 4, histories: int = 2):
+    hist = W.build_histories(task, TOK, histories, HISTORY_TOKENS, pool="dev")
+    return hist, W.switch_items(task, TOK, hist, limit, pool="dev")
+
+
+def fresh_scores(model, item) -> list[float]:
+    """Reference: each choice from a full forward over history + turn, nothing shared."""
+    scores = []
+    for turn, count in zip(item.turns, item.continuation_lengths, strict=True):
+        context = list(item.history.ids) + list(turn[:-count])
+        scores.append(full_sequence_logprob(model, context, list(turn[-count:])))
+    return scores
+
+
+def test_histories_are_long_distinct_and_drawn_from_the_other_pool():
+    histories, items = items_of("arc_challenge", limit=6, histories=3)
+    assert len(histories) == 3 and all(len(h.ids) >= HISTORY_TOKENS for h in histories)
+    assert len({h.ids for h in histories}) == 3
+    used = [e for h in histories for e in h.exemplars]
+    assert all(pool_of("arc_challenge", e) == "report" for e in used)
+    assert all(pool_of("arc_challenge", item.id) == "dev" for item in items)
+    assert [item.history.key for item in items] == [f"arc_challenge-h{i % 3}" for i in range(6)]
+    mmlu = W.build_histories("mmlu", TOK, 1, HISTORY_TOKENS)[0]
+    assert TOK.decode(mmlu.ids).startswith(W.HISTORY_HEADERS["mmlu"])
+    with pytest.raises(ConfigError, match="generates"):
+        W.build_histories("gsm8k", TOK)
+    with pytest.raises(ConfigError, match="fewer than"):
+        W.build_histories("arc_challenge", TOK, 1, 10**6)
+
+
+def test_new_turns_are_the_items_without_their_own_fewshot_prefix():
+    _, (item,) = items_of("mmlu", limit=1, histories=1)
+    text = TOK.decode(item.turns[0])
+    assert text.startswith(TOK.decode(item.question)) and not text.startswith("The following")
+    assert item.continuation_lengths == (2, 2, 2, 2)  # " A" … " D" in bytes
+    assert W.shared_length(item.turns, item.continuation_lengths) == len(item.turns[0]) - 2
+
+
+@pytest.mark.parametrize("task", ["arc_challenge", "winogrande", "mmlu"])
+def test_batched_choices_equal_one_at_a_time_and_a_full_forward(models, task):
+    model = models[0]
+    _, items = items_of(task, limit=2)
+    for item in items:
+        cache = prefill(model, torch.tensor([list(item.history.ids)]))[0]
+        batched = W.score_turns(model, cache, item.turns, item.continuation_lengths)
+        assert cache.get_seq_length() == len(item.history.ids)  # restored
+        single = [W.score_turns(model, cache, [turn], [count])[0]
+                  for turn, count in zip(item.turns, item.continuation_lengths, strict=True)]
+        assert batched == pytest.approx(single, abs=1e-5)
+        assert batched == pytest.approx(fresh_scores(model, item), abs=1e-4)
+
+
+def test_turns_without_a_shared_first_token_are_refused():
+    with pytest.raises(ConfigError, match="share no leading token"):
+        W.shared_length([(1, 2, 3), (2, 2, 3)], (1, 1))
+
+
+def test_history_sharing_gives_the_scores_of_unshared_prefills(models):
+    source, target = models
+    mapper = NoisyMapper(scale=0.3)
+    _, items = items_of("arc_challenge", limit=4)
+    conditions = W.switch_conditions(source, target, mapper, ("none", "recent:20%"), exact_prefix=2)
+    for item in sorted(items, key=lambda item: item.history.key):  # the runner's order
+        ids = torch.tensor([list(item.history.ids)])
+        unshared = {
+            "target": prefill(target, ids)[0],
+            "source": prefill(source, ids)[0],
+            "switch": handoff_cache(source, target, mapper, ids, 2, recompute="none"),
+            "switch:recent:20%": handoff_cache(source, target, mapper, ids, 2, recompute="recent:20%"),
+        }
+        for name, cache in unshared.items():
+            reader = source if name == "source" else target
+            expected = W.score_turns(reader, cache, item.turns, item.continuation_lengths)
+            assert conditions[name].score(item) == pytest.approx(expected, abs=1e-6), name
+    assert conditions["target"].prefills.prefills == 4  # two histories, two models: one prefill each
+    assert W.switch_name("recent:20%") == "switch:recent:20%" and W.switch_name("none") == "switch"
+
+
+def test_all_mapped_with_an_identity_handover_is_the_target_alone(models):
+    target = models[1]
+    _, items = items_of("winogrande", limit=2)
+    conditions = W.switch_conditions(target, target, IdentityMapper(), exact_prefix=0)
+    for item in items:
+        own = conditions["target"].score(item)
+        assert conditions["all_mapped"].score(item) == pytest.approx(own, abs=1e-5)
+        assert conditions["switch"].score(item) == pytest.approx(own, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def related():
+    source = tiny_model(layers=3, **BYTE_MODEL)
+    target = exactly_related(source)
+    config = FitConfig(top_k="all", ridge_lambda=1e-10, token_stride=1)
+    return source, target, fit_mapper(source, target, random_batches(), config, progress=False)
+
+
+def test_switch_with_an_exactly_related_pair_equals_the_target_alone(related):
+    source, target, mapper = related
+    _, items = items_of("arc_challenge", limit=3)
+    conditions = W.switch_conditions(source, target, mapper, ("none", "deviation:10%"), exact_prefix=0)
+    for item in items:
+        own = conditions["target"].score(item)
+        for name in ("switch", "switch:deviation:10%", "all_mapped"):
+            assert conditions[name].score(item) == pytest.approx(own, abs=1e-3), name
+
+
+def test_direction_summary_resumes_from_the_store_and_stops_at_the_time_limit(models, tmp_path):
+    source, target = models
+    settings = W.SwitchSettings(tasks=("arc_challenge",), limit=4, pool="dev", histories=2,
+                                history_tokens=HISTORY_TOKENS, policies=("none", "sinks:5%"), exact_prefix=0,
+                                ttft_repeats=1, n_resamples=50)
+    mapper = NoisyMapper(scale=0.3)
+    tasks = W.run_switch_direction(source, target, mapper, TOK, "bytes", settings, tmp_path)
+    task = tasks["arc_challenge"]
+    assert task["complete"] and task["n"] == 4
+    assert set(task["transfers"]) == {"switch", "switch:sinks:5%", "all_mapped"}
+    assert set(task["accuracy"]) == {"target", "source"}
+    assert set(task["ttft"]["mean"]["speedup"]) == {"switch", "switch:sinks:5%"}
+    assert len(task["ttft"]["per_history"]) == 2
+    again = W.run_switch_direction(source, target, mapper, TOK, "bytes", settings.__class__(
+        **{**settings.__dict__, "ttft_repeats": 0}), tmp_path, deadline=time.monotonic() - 1)
+    assert again["arc_challenge"]["complete"]  # all stored: nothing to compute, the past deadline never bites
+    assert str(again["arc_challenge"]["transfers"]) == str(task["transfers"])  # NaN retention: compare text
+    more = W.SwitchSettings(**{**settings.__dict__, "limit": 6, "ttft_repeats": 0})
+    partial = W.run_switch_direction(source, target, mapper, TOK, "bytes", more, tmp_path,
+                                     deadline=time.monotonic() - 1)
+    assert not partial["arc_challenge"]["complete"] and partial["arc_challenge"]["n"] == 4
+
+
+def test_mean_retention_over_a_group():
+    tasks = {
+        "a": {"group": "core", "transfers": {"switch": {"retention": {"value": 1.0},
+                                                        "floor_normalised_retention": {"value": 1.0}}}},
+        "b": {"group": "core", "transfers": {"switch": {"retention": {"value": 0.5},
+                                                        "floor_normalised_retention": {"value": 0.0}}}},
+        "c": {"group": "heldout", "transfers": {"switch": {"retention": {"value": 0.0},
+                                                           "floor_normalised_retention": {"value": 0.0}}}},
+    }
+    assert W.mean_retention(tasks, "switch") == {"tasks": 2, "mean_retention": 0.75, "retention_tasks": 2,
+                                                 "mean_floor_normalised_retention": 0.5,
+                                                 "floor_normalised_retention_tasks": 2}
+    assert W.mean_retention(tasks, "switch", "all")["tasks"] == 3
+    tasks["c"]["transfers"]["switch"]["retention"]["value"] = float("nan")  # the target alone scored 0
+    summary = W.mean_retention(tasks, "switch", "all")
+    assert summary["mean_retention"] == 0.75 and summary["retention_tasks"] == 2 and summary["tasks"] == 3
+
+
+def test_settings_are_validated():
+    with pytest.raises(ConfigError):
+        W.SwitchSettings(pool="train")
+    with pytest.raises(ConfigError):
+        W.SwitchSettings(tasks=("gsm8k",))
+    assert W.SwitchSettings(policies=("recent:0.05",)).policies == ("recent:5%",)

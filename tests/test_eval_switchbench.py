@@ -1,0 +1,90 @@
+import json
+import time
+
+import pytest
+
+from _eval_support import IdentityMapper, NoisyMapper
+from kvhandoff.evaluation import switchbench as B
+from kvhandoff.evaluation.switch import SwitchSettings
+
+from conftest import BYTE_MODEL, ByteTokenizer, tiny_model
+
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def directions():
+    small, large = tiny_model(seed=0, **BYTE_MODEL), tiny_model(seed=1, **BYTE_MODEL)  # NoisyMapper keeps the geometry
+    return [B.Direction("forward", small, large, NoisyMapper(0.3), "small", "large"),
+            B.Direction("reverse", large, small, NoisyMapper(0.3, seed=1), "large", "small")]
+
+
+def settings(**changes):
+    base = dict(tasks=("arc_challenge", "winogrande"), limit=4, pool="dev", histories=2, history_tokens=120,
+                exact_prefix=0, ttft_repeats=1, n_resamples=50)
+    return SwitchSettings(**{**base, **changes})
+
+
+def test_recompute_points_put_none_first_once():
+    assert B.recompute_points(("recent", "sinks"), (0.0, 0.05, 0.2)) == (
+        "none", "recent:5%", "recent:20%", "sinks:5%", "sinks:20%")
+
+
+def test_pareto_front_keeps_the_undominated_points():
+    points = [{"policy": p, "mean_retention": r, "speedup": {"1024": {"mean": s}}}
+              for p, r, s in (("none", 0.8, 10.0), ("a:5%", 0.9, 5.0), ("b:5%", 0.85, 4.0), ("c:50%", 1.0, 1.5))]
+    assert B.pareto_front(points, "1024") == ["none", "a:5%", "c:50%"]
+    points.append({"policy": "d:1%", "mean_retention": float("nan"), "speedup": {"1024": {"mean": 20.0}}})
+    assert B.pareto_front(points, "1024") == ["none", "a:5%", "c:50%"]
+
+
+def test_benchmark_writes_both_directions_with_retention_and_ttft(directions, tmp_path, monkeypatch):
+    made = []
+
+    class Counted(B.HistoryPrefills):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(B, "HistoryPrefills", Counted)
+    result = B.run_switch_benchmark(directions, TOK, "bytes", settings(policies=("recent:10%",)), tmp_path)
+    assert result["complete"] and result["histories_done"] == 2
+    # 2 tasks × 2 histories, each prefilled once by each of the two models for both directions
+    assert len(made) == 1 and made[0].prefills == 8
+    saved = json.loads((tmp_path / "switch.json").read_text())
+    assert set(saved["directions"]) == {"forward", "reverse"}
+    task = saved["directions"]["forward"]["tasks"]["winogrande"]
+    assert set(task["transfers"]) == {"switch:recent:10%", "all_mapped"} and task["n"] == 4
+    assert task["ttft"]["mean"]["speedup"]["switch:recent:10%"] > 0
+    assert saved["directions"]["reverse"]["summary"]["switch:recent:10%"]["core"]["tasks"] == 2
+    table = (tmp_path / "switch.md").read_text()
+    assert "### small → large" in table and "| WinoGrande (recent:10%) | 4 |" in table
+
+
+def test_identity_switch_retains_everything(tmp_path):
+    model = tiny_model(seed=0, **BYTE_MODEL)
+    direction = B.Direction("forward", model, model, IdentityMapper(), "m", "m")
+    result = B.run_switch_benchmark([direction], TOK, "bytes", settings(ttft_repeats=0, tasks=("arc_challenge",)))
+    task = result["directions"]["forward"]["tasks"]["arc_challenge"]
+    assert task["transfers"]["switch"]["accuracy"]["value"] == task["accuracy"]["target"]["value"]
+
+
+def test_sweep_writes_table_plot_and_resumes(directions, tmp_path):
+    points = B.recompute_points(("recent", "deviation"), (0.0, 0.2))
+    swept = B.run_recompute_sweep(directions, TOK, "bytes", settings(policies=points), tmp_path, lengths=(64, 128))
+    assert swept["complete"] and swept["items_per_task"] == 4 and swept["histories_done"] == 2
+    assert [p["policy"] for p in swept["points"]] == list(points)
+    point = swept["points"][1]
+    assert set(point["speedup"]) == {"64", "128"} and set(point["speedup"]["64"]) == {"forward", "reverse", "mean"}
+    assert point["retention"]["forward"]["tasks"] == 2
+    for suffix in ("json", "md", "png"):
+        assert (tmp_path / f"sweep_recompute.{suffix}").stat().st_size > 0
+    assert "| recent:20% |" in (tmp_path / "sweep_recompute.md").read_text()
+    (tmp_path / "sweep_recompute.md").unlink()
+    assert B.rewrite_sweep(tmp_path)["points"] == json.loads(json.dumps(swept["points"]))
+    assert (tmp_path / "sweep_recompute.md").is_file()
+    # more items under a past deadline: the first round stops at its first new item and is kept, as it is
+    more = B.run_recompute_sweep(directions, TOK, "bytes", settings(policies=points, limit=6), tmp_path,
+                                 lengths=(64,), deadline=time.monotonic() - 1)
+    assert not more["complete"] and more["histories_done"] == 1 and more["items_per_task"] == 2
+    assert json.loads((tmp_path / "sweep_recompute.json").read_text())["items_per_task"] == 2
