@@ -10,8 +10,11 @@ import torch
 import typer
 
 from kvhandoff.cli.options import (
+    DEFAULT_DTYPE,
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
+    DeviceMap,
+    Dtype,
     Progress,
     Recompute,
     Source,
@@ -36,7 +39,7 @@ from kvhandoff.evaluation.switchbench import (
     switch_markdown,
 )
 from kvhandoff.geometry import tokenizer_hash
-from kvhandoff.workflow import load_named_pair
+from kvhandoff.workflow import load_named_pair, on_source_device
 
 
 def _comma_list(value: str, parse, what: str) -> tuple:
@@ -126,6 +129,8 @@ def eval_switch(
         "run with the same --out resumes)."))] = None,
     out: Annotated[Path, typer.Option(help="Output folder (item store, results).")] = Path("kvhandoff-switch"),
     threads: Annotated[int | None, typer.Option(parser=positive_int, help="torch CPU threads.")] = None,
+    dtype: Dtype = DEFAULT_DTYPE,
+    device_map: DeviceMap = None,
     progress: Progress = True,
 ) -> None:
     """The switch benchmark: each item's history (k solved exemplars, at least --history-tokens tokens) is
@@ -142,11 +147,12 @@ def eval_switch(
     with option_errors("--tasks", "--recompute"):
         settings = SwitchSettings(tuple(switch_tasks(tasks)), limit, pool or ("dev" if sweep else "report"), seed,
                                   histories, history_tokens, policies, exact_prefix, all_mapped, ttft_repeats)
-    pair = load_named_pair(source, target, progress=progress)
+    pair = load_named_pair(source, target, dtype, progress, device_map=device_map)
     mappers = MapperSource(mapper, reverse_mapper=reverse, both_directions=both_directions)
     forward, _ = forward_mapper(pair, mappers, EvalOptions(), out, progress)
+    on_source_device(forward, pair.source)
     directions = [Direction("forward", pair.source, pair.target, forward, pair.source_spec, pair.target_spec)]
-    backward = reverse_mapper(pair, mappers, progress)
+    backward = on_source_device(reverse_mapper(pair, mappers, progress), pair.target)
     if backward is not None:
         directions.append(Direction("reverse", pair.target, pair.source, backward, pair.target_spec,
                                     pair.source_spec))
