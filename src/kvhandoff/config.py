@@ -181,7 +181,11 @@ class FitConfig:
             raise ConfigError(f"projection must be one of {', '.join(PROJECTIONS)}, got {self.projection!r}")
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {self.storage_dtype!r}")
-        if self.rank and (self.top_k != "all" or self.heads != "all" or self.k_tolerance or self.source_inputs != "own"):
+        if self.compact and isinstance(self.ridge_lambda, str):
+            raise ConfigError(f"compact mappers (heads, k_tolerance, rank) take one fixed ridge λ, got "
+                              f"ridge_lambda={self.ridge_lambda!r}")
+        shared = self.top_k == "all" and self.heads == "all" and not self.k_tolerance and self.source_inputs == "own"
+        if self.rank and not shared:
             raise ConfigError(
                 "rank > 0 shares one projection of all source layers between the target layers: it needs "
                 f"top_k='all', heads='all', k_tolerance=0 and source_inputs='own' (got top_k={self.top_k!r}, "

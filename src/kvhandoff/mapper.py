@@ -442,9 +442,9 @@ class Mapper:
         return getattr(self, name)
 
     def _materialise(self) -> None:
-        tensor_path = self.__dict__.pop("_pending")
         verified = self._verified
-        built = type(self).from_tensors(_read_tensors(tensor_path, self.manifest), self.manifest)
+        built = type(self).from_tensors(_read_tensors(self.__dict__["_pending"], self.manifest), self.manifest)
+        del self.__dict__["_pending"]  # only now: a damaged file keeps raising MapperFormatError at every use
         self.__dict__.update(built.__dict__)
         self._verified = verified  # the models already checked stay checked
 
