@@ -19,6 +19,7 @@ from kvhandoff.cli.options import (
     Sequences,
     Source,
     Target,
+    non_negative_float,
     non_negative_int,
     one_of,
     option_errors,
@@ -27,10 +28,19 @@ from kvhandoff.cli.options import (
     ridge_lambda,
     top_k,
 )
-from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig
+from kvhandoff.config import (
+    HEAD_CHOICES,
+    PROJECTIONS,
+    STORAGE_DTYPES,
+    CalibrationSpec,
+    FitConfig,
+    MLPConfig,
+    RefineConfig,
+)
 from kvhandoff.distributed import DEFAULT_CHECKPOINT_EVERY, dismiss, launched, requested_world_size
 from kvhandoff.workflow import (
     describe_fit,
+    describe_size,
     fit_on_texts,
     load_named_pair,
     obtain_mapper,
@@ -78,6 +88,20 @@ def fit(
     mlp_inputs: Annotated[int, typer.Option(parser=positive_int, help=(
         "mlp: source layers (K and V) read by each target layer's MLP"))] = MLPConfig().input_layers,
     epochs: Annotated[int, typer.Option(parser=positive_int, help="mlp: training epochs")] = MLPConfig().epochs,
+    heads: Annotated[str, typer.Option(parser=one_of(HEAD_CHOICES, "heads"), help=(
+        "compact: 'aligned' = target KV head h reads only its group of source KV heads (head h when the counts "
+        "are equal)"))] = FitConfig().heads,
+    k_tolerance: Annotated[float, typer.Option(parser=non_negative_float, help=(
+        "compact: each target layer reads the fewest source layers whose in-sample R² is within this of "
+        "--top-k's (0: off)"))] = FitConfig().k_tolerance,
+    rank: Annotated[int, typer.Option(parser=non_negative_int, help=(
+        "compact: every target layer's K (V) map reads one shared rank-R projection of all source layers' K (V) "
+        "(0: off)"))] = FitConfig().rank,
+    projection: Annotated[str, typer.Option(parser=one_of(PROJECTIONS, "projection"), help=(
+        "compact, with --rank: 'rrr' (reduced-rank ridge) or 'pca' (top eigenvectors of the source Gram)"))]
+    = FitConfig().projection,
+    storage: Annotated[str, typer.Option(parser=one_of(STORAGE_DTYPES, "storage dtype"), help=(
+        "dtype of the saved weights (the map computes in float32)"))] = FitConfig().storage_dtype,
     checkpoint_every: Annotated[int, typer.Option(parser=positive_int, help=(
         "under torchrun: windows each rank reads between two reductions; rank 0 checkpoints every reduction, so "
         "a re-run resumes"))] = DEFAULT_CHECKPOINT_EVERY,
@@ -95,9 +119,13 @@ def fit(
     if texts is not None and (method == "mlp" or k == "heldout"):
         raise typer.BadParameter("--method mlp and --top-k heldout calibrate on the built-in corpus (its rows "
                                  "are cached per pair); drop --texts", param_hint="--texts")
-    with option_errors("--top-k", "--lambda", "--inputs"):
+    with option_errors("--top-k", "--lambda", "--inputs", "--heads", "--k-tolerance", "--rank", "--storage"):
         config = FitConfig(top_k=k, ridge_lambda="heldout" if k == "heldout" else lam, token_stride=stride,
-                           exact_prefix=exact_prefix, source_inputs=inputs)
+                           exact_prefix=exact_prefix, source_inputs=inputs, heads=heads, k_tolerance=k_tolerance,
+                           rank=rank, projection=projection, storage_dtype=storage)
+    if method == "mlp" and config.compact:
+        raise typer.BadParameter("the MLP corrects the full ridge map: drop --heads, --k-tolerance and --rank",
+                                 param_hint="--method")
     calibration = None  # --texts packs the file's text; otherwise the built-in corpus
     if texts is None:
         with option_errors("--sequences", "--seq-len", "--mix"):
@@ -122,7 +150,7 @@ def fit(
         finally:
             dismiss(ranks)  # a failure before any pass must not leave the other ranks waiting
         mapper.save(out)
-    typer.echo(f"saved {out} ({mapper.num_parameters():,} parameters); {describe_fit(mapper)}")
+    typer.echo(f"saved {out} ({describe_size(mapper)}); {describe_fit(mapper)}")
 
 
 def refine(
