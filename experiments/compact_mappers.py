@@ -124,11 +124,13 @@ def main() -> None:
             mappers[name] = mapper
             print(f"solved {name}: {rows[name]['parameters']:,} parameters in {solve_seconds:.0f} s", flush=True)
     del stats
+    write(args, {"rows": list(rows.values()), "partial": "solved"}, started)
     documents = heldout_documents(pair.tokenizer, args.docs, min_tokens=640, source="lambada-heldout")
     text = torch.cat([torch.as_tensor(doc) for doc in documents])[: args.transfer_tokens]
     source_cache, _ = prefill(pair.source, text[None])
     for name, seconds in time_transfers(mappers, source_cache, args.rounds).items():
         rows[name]["transfer_seconds"] = round(seconds, 4)
+    write(args, {"rows": list(rows.values()), "partial": "timed"}, started)
     x, y = dev_rows(pair, documents, 512)
     divergence = HandoffDivergence(pair.source, pair.target, documents, 512, 128)
     for name, mapper in mappers.items():
@@ -140,11 +142,16 @@ def main() -> None:
               "dev": {"kind": "lambada-heldout", "documents": args.docs, "prefix_len": 512, "continuation_len": 128,
                       "exact_prefix": EXACT_PREFIX, "dev_r2_rows": int(x.shape[0])},
               "transfer_tokens": args.transfer_tokens, "timing_rounds": args.rounds, "torch_threads": 2,
-              "source_reference": divergence.source_reference(), "rows": list(rows.values()),
-              "wall_seconds": round(time.perf_counter() - started, 1)}
+              "source_reference": divergence.source_reference(), "rows": list(rows.values())}
+    write(args, result, started)
+
+
+def write(args, result: dict, started: float) -> None:
+    """The JSON so far (rewritten after each phase, so an interrupted run leaves what it measured)."""
+    result = {**result, "wall_seconds": round(time.perf_counter() - started, 1)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out} ({result['wall_seconds']:.0f} s)")
+    print(f"wrote {args.out} ({result['wall_seconds']:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":
