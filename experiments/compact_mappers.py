@@ -138,6 +138,7 @@ def main() -> None:
         rows[name].update(divergence.score(mapper, EXACT_PREFIX))
         print(json.dumps({k: rows[name][k] for k in ("variant", "parameters", "dev_r2_k", "dev_r2_v", "mean_kl",
                                                       "top1_agreement")}), flush=True)
+        write(args, {"rows": list(rows.values()), "partial": f"scored up to {name}"}, started)
     result = {"source": args.source, "target": args.target, "calibration": dataclasses.asdict(CalibrationSpec()),
               "dev": {"kind": "lambada-heldout", "documents": args.docs, "prefix_len": 512, "continuation_len": 128,
                       "exact_prefix": EXACT_PREFIX, "dev_r2_rows": int(x.shape[0])},
