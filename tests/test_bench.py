@@ -35,18 +35,21 @@ def test_bench_writes_documented_fields_json_and_png(pair, tmp_path):
                        progress=False)
     assert [r["tokens"] for r in result["results"]] == [12, 24]
     for row in result["results"]:
-        for path in ("handoff", "transfer", "new_turn", "reprefill"):
+        for path in ("handoff", "transfer", "select", "target_forward", "two_step", "reprefill"):
             stats = row[path]
             assert len(stats["samples"]) == 2 and stats["min"] <= stats["median"] <= stats["max"]
             assert stats["min"] <= stats["q1"] <= stats["q3"] <= stats["max"]
         assert row["speedup"] == pytest.approx(row["reprefill"]["median"] / row["handoff"]["median"])
         assert row["flop_bound"] > 0 and row["flops"]["mapper_per_token"] == mapper_flops_per_token(mapper)
+        assert set(row["peak_memory_bytes"]) == {"handoff", "two_step", "reprefill"}
         assert all(isinstance(v, int) and v > 0 for v in row["peak_memory_bytes"].values())
         assert row["top1_agree"]  # exactly related pair: the handoff reproduces the target's own next token
+        assert row["fused_equals_two_step"] <= 1e-5  # one target forward, the same logits as two
+        assert row["speedup_two_step"] == pytest.approx(row["reprefill"]["median"] / row["two_step"]["median"])
     assert result["mapper"]["parameters"] == mapper.num_parameters()
     assert result["mapper"]["disk_bytes"] > mapper.nbytes() and result["mapper"]["memory_bytes"] >= mapper.nbytes()
     saved = json.loads((tmp_path / "bench.json").read_text())
-    assert saved["format"] == "kvhandoff-bench/2" and len(saved["results"]) == 2
+    assert saved["format"] == "kvhandoff-bench/3" and len(saved["results"]) == 2
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert bench_table(result).row_count == 2
 
@@ -119,17 +122,31 @@ def test_a_new_turn_read_by_the_target(pair):
 def test_bench_times_the_recompute_as_part_of_the_handoff(pair):
     source, target, mapper = pair
     result = run_bench(source, target, mapper, lengths=(12, 24), repeats=1, warmup=0, progress=False,
-                       measure_memory=False, recompute="recent:50%")
+                       recompute="recent:50%")
     assert result["settings"]["recompute"] == "recent:50%"
     # mapped: T − 1 positions, of which the exact prefix (4) is never counted; half of the rest, rounded half up
     assert [row["recompute_tokens"] for row in result["results"]] == [4, 10]
     for row in result["results"]:
-        assert len(row["recompute"]["samples"]) == 1 and row["recompute"]["median"] > 0
+        assert len(row["select"]["samples"]) == 1 and row["select"]["median"] > 0
         assert row["flops"]["recompute"] > 0 and row["top1_agree"]
-        parts = row["transfer"]["median"] + row["recompute"]["median"] + row["new_turn"]["median"]
+        assert row["fused_equals_two_step"] <= 1e-5
+        assert all(v > 0 for v in row["peak_memory_bytes"].values())  # no warm-up: an extra profiled run
+        parts = row["transfer"]["median"] + row["select"]["median"] + row["target_forward"]["median"]
         assert parts <= row["handoff"]["median"]
     plain = run_bench(source, target, mapper, lengths=(12,), repeats=1, warmup=0, progress=False,
-                      measure_memory=False)
+                      measure_memory=False, two_step=False)
+    assert "two_step" not in plain["results"][0] and not plain["settings"]["two_step"]
     assert plain["settings"]["recompute"] == "none" and plain["results"][0]["recompute_tokens"] == 0
     assert plain["results"][0]["flops"]["recompute"] == 0
     assert bench_table(result).row_count == 2
+
+
+def test_resident_weights_are_copies_with_the_same_values():
+    model = tiny_model("qwen2", layers=1)
+    before = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
+    from kvhandoff.bench import keep_resident
+
+    keep_resident(model)
+    for name, parameter in model.named_parameters():
+        pointer, values = before[name]
+        assert parameter.data_ptr() != pointer and torch.equal(parameter, values)

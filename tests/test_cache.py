@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kvhandoff.cache import cache_of, cache_view, feed, kl_divergence, model_device, prefill, rollback
+from kvhandoff.cache import cache_copy, cache_of, cache_view, feed, kl_divergence, model_device, prefill, rollback
 
 from conftest import tiny_model
 
@@ -21,6 +21,18 @@ def test_cache_of_holds_the_given_tensors_without_copies():
     for layer, (keys, values) in zip(cache.layers, layers, strict=True):
         assert layer.keys is keys and layer.values is values and layer.is_initialized
     assert cache.layers[1].keys[1, 2, 4, 3] == 100 + (1 * 3 * 5 * 4 + 2 * 5 * 4 + 4 * 4 + 3)
+
+
+def test_cache_copy_owns_its_tensors():
+    layers = _layers(tokens=6)
+    cache = cache_of(layers)
+    copied = cache_copy(cache)
+    assert copied.get_seq_length() == 6
+    for mine, (keys, values) in zip(copied.layers, layers, strict=True):
+        assert torch.equal(mine.keys, keys) and torch.equal(mine.values, values) and mine.keys is not keys
+    copied.layers[0].keys[0, 0, 0, 0] = -7.0
+    rollback(copied, 2)
+    assert layers[0][0][0, 0, 0, 0] == 0.0 and cache.get_seq_length() == 6  # the original is as it was
 
 
 def test_cache_view_is_a_view_of_the_positions():

@@ -440,3 +440,29 @@ def test_transfer_with_a_recompute_policy(models):
     assert EvalOptions(recompute="recent:0.1").recompute == "recent:10%" and EvalOptions().recompute is None
     with pytest.raises(ConfigError):
         EvalOptions(recompute="recent")
+
+
+@pytest.mark.parametrize("recompute", [None, "recent:30%"])
+def test_a_transfer_reads_the_last_context_token_in_the_forward_that_recomputes(models, recompute):
+    """The transfer condition's target recomputes the exact prefix (and the policy's picks) in the forward that
+    reads the last context token: one forward, the log-probs of the handoff that recomputes first."""
+    target, _ = models
+    condition = S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=4, prefix_entries=0,
+                           recompute=recompute)
+    context = torch.tensor([TOK.encode("Question: which colour is the sky? Answer:")])
+    calls = []
+    handle = target.model.register_forward_pre_hook(lambda module, args: calls.append(args))
+    try:
+        with torch.inference_mode():
+            cache, fused = condition.read_context(context)
+            reads = len(calls)
+            reference_cache, reference = S.Condition.read_context(condition, context)
+    finally:
+        handle.remove()
+    assert reads == 2  # the source's prefill and one target forward (the two-step path: three)
+    assert len(calls) - reads == 3
+    assert cache.get_seq_length() == reference_cache.get_seq_length() == context.shape[1]
+    assert (fused - reference).abs().max() <= 1e-5
+    noisy, _ = S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=0, prefix_entries=0,
+                          recompute=recompute).read_context(context)
+    assert (noisy.layers[0].values[:, :, :4] - cache.layers[0].values[:, :, :4]).abs().max() > 1e-3

@@ -361,3 +361,90 @@ def test_catch_up_checks_the_pair_the_target_cache_and_the_window(unrelated_pair
         catch_up(own, long_source, mapper, source, target)
     assert own.get_seq_length() == 10
     assert catch_up(own, source_cache, mapper, source, target).get_seq_length() == 30
+
+
+# -- the fused first forward: exact prefix + recompute + the target's reading of the new tokens, in one forward --------
+
+
+def _two_step(source, target, mapper, ids, new_tokens, exact_prefix, recompute):
+    """The reference: map, recompute the exact prefix by its own prefill, the policy's picks by a sparse prefill,
+    then the target reads the new tokens (three forwards)."""
+    from kvhandoff.handoff import patch_exact_prefix
+    from kvhandoff.recompute import SelectionInfo, apply_policy
+
+    history, new = ids[:, :-new_tokens], ids[:, -new_tokens:]
+    source_cache, _ = prefill(source, history)
+    cache = mapper.transfer(source_cache, dtype=target.dtype)
+    patch_exact_prefix(cache, target, history, exact_prefix)
+    apply_policy(recompute, target, cache, history, SelectionInfo(start=min(exact_prefix, history.shape[1])),
+                 source, source_cache)
+    logits = target(input_ids=new, cache=cache, use_cache=True, logits_to_keep=new_tokens).logits
+    return cache, logits
+
+
+UNRELATED = {  # (source settings, target settings): unrelated models of one family, several geometries
+    "llama": ({"layers": 2}, {"layers": 3, "head_dim": 32, "seed": 1}),
+    "qwen2": ({"layers": 2}, {"layers": 3, "kv_heads": 4, "heads": 8, "seed": 1}),
+    "qwen3": ({"layers": 3}, {"layers": 2, "seed": 1}),
+    "mistral": ({"layers": 2, "kv_heads": 1}, {"layers": 2, "seed": 1, "attn_implementation": "sdpa"}),
+}
+
+
+@pytest.fixture(scope="module")
+def unrelated_pairs():
+    pairs = {}
+    for family, (source_settings, target_settings) in UNRELATED.items():
+        source, target = tiny_model(family, **source_settings), tiny_model(family, **target_settings)
+        pairs[family] = (source, target, fit_mapper(source, target, random_batches(2), FitConfig(top_k=1),
+                                                    progress=False))
+    return pairs
+
+
+@pytest.mark.parametrize("family", sorted(UNRELATED))
+@pytest.mark.parametrize(("new_tokens", "exact_prefix", "recompute"), [
+    (1, 4, "none"), (6, 4, "none"), (1, 0, "none"), (3, 4, "deviation:25%"), (1, 2, "sinks:10%"),
+    (2, 4, "source_attention:20%"), (1, 0, "mix:30%"),
+])
+def test_the_fused_first_forward_equals_the_two_step_handoff(unrelated_pairs, family, new_tokens, exact_prefix,
+                                                             recompute):
+    """`handoff_read` (one target forward) = the exact-prefix prefill, the recompute and the read in turn: the same
+    logits and the same cache, on a mapped cache far from the target's own (so every recomputed position matters)."""
+    from kvhandoff.handoff import handoff_read
+
+    source, target, mapper = unrelated_pairs[family]
+    ids = torch.randint(0, 128, (2, 41), generator=torch.Generator().manual_seed(7))
+    reference_cache, reference = _two_step(source, target, mapper, ids, new_tokens, exact_prefix, recompute)
+    cache, logits = handoff_read(source, target, mapper, ids, new_tokens, exact_prefix, recompute=recompute,
+                                 logits_to_keep=new_tokens)
+    assert logits.shape == reference.shape == (2, new_tokens, 128)
+    assert (logits - reference).abs().max() <= 1e-5
+    assert cache.get_seq_length() == 41
+    for a, b in zip(cache.layers, reference_cache.layers, strict=True):
+        assert (a.keys - b.keys).abs().max() <= 1e-5 and (a.values - b.values).abs().max() <= 1e-5
+    unpatched, _ = handoff_read(source, target, mapper, ids, new_tokens, 0, recompute="none")
+    if exact_prefix:  # what is compared is not the mapped cache itself
+        assert (unpatched.layers[-1].values[:, :, :exact_prefix]
+                - cache.layers[-1].values[:, :, :exact_prefix]).abs().max() > 1e-3
+
+
+def test_a_mapped_cache_recomputes_its_pending_positions_at_the_first_forward(unrelated_pairs):
+    """`map_for_target` leaves the exact prefix pending; `read` and `settle` both empty it; handoff_cache with a tail
+    is the fused read; the prefix alone (`settle`) then the read gives the same logits."""
+    from kvhandoff.handoff import map_for_target
+
+    source, target, mapper = unrelated_pairs["qwen2"]
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(8))
+    fused = map_for_target(source, target, mapper, ids[:, :-3])
+    assert fused.pending.tolist() == [[0, 1, 2, 3]]
+    logits = fused.read(target, ids[:, -3:], logits_to_keep=2)
+    assert fused.pending.numel() == 0 and fused.cache.get_seq_length() == 30
+    settled = map_for_target(source, target, mapper, ids[:, :-3])
+    cache = settled.settle(target)
+    assert settled.pending.numel() == 0 and settled.settle(target) is cache
+    reference = target(input_ids=ids[:, -3:], cache=cache, use_cache=True, logits_to_keep=2).logits
+    assert (logits - reference).abs().max() <= 1e-5
+    tail = handoff_cache(source, target, mapper, ids, target_tail=3)
+    for a, b in zip(tail.layers, cache.layers, strict=True):
+        assert (a.keys - b.keys).abs().max() <= 1e-5 and (a.values - b.values).abs().max() <= 1e-5
+    with pytest.raises(ConfigError, match="logits_to_keep"):
+        map_for_target(source, target, mapper, ids[:, :-3]).read(target, ids[:, -3:], logits_to_keep=4)

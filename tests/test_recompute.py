@@ -18,6 +18,7 @@ from kvhandoff.recompute import (
     layer0_kv,
     mix,
     recent,
+    recompute_and_read,
     recompute_positions,
     record_queries,
     select,
@@ -129,6 +130,29 @@ def test_a_recomputed_prefix_is_exact_at_every_layer_and_rows_may_differ():
         recompute_positions(target, cache, ids, torch.tensor([24]))
     with pytest.raises(ConfigError):
         recompute_positions(target, cache, ids[:, :10], torch.tensor([1]))
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_recompute_and_read_is_the_recompute_then_the_read_in_one_forward(family, attention):
+    """Rows may recompute different positions; the new tokens see the recomputed K/V; the cache grows by them."""
+    target = tiny_model(family, layers=3, attn_implementation=attention)
+    ids = ids_of(batch=2, tokens=30)
+    context, new = ids[:, :26], ids[:, 26:]
+    junk = junk_like(prefill(target, context)[0])
+    positions = torch.tensor([[0, 1, 2, 3, 17], [5, 0, 1, 2, 3]])
+    reference = junk_like(junk)
+    recompute_positions(target, reference, context, positions)
+    expected = next_logits(target, reference, new)[:, -2:]
+    logits = recompute_and_read(target, junk, context, positions, new, logits_to_keep=2)
+    assert (logits - expected).abs().max() <= 1e-5
+    prefill(target, new, reference)
+    assert junk.get_seq_length() == 30 and max_kv_diff(junk, reference) <= 1e-5
+    plain = junk_like(reference)  # nothing to recompute: the plain read
+    assert (recompute_and_read(target, plain, ids, torch.empty(0, dtype=torch.long), ids[:, :1])
+            - next_logits(target, junk_like(reference), ids[:, :1])[:, -1:]).abs().max() <= 1e-5
+    with pytest.raises(ConfigError, match="new_ids"):
+        recompute_and_read(target, junk_like(reference), ids, positions, ids[:, :0])
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -359,3 +383,29 @@ def test_a_session_recomputes_at_every_handover_and_knows_the_turns(inexact):
     assert changed == [0, 12]  # 10% of 21 positions: the two turn starts
     with pytest.raises(ConfigError):
         SwitchingSession({"small": source}, {}, recompute="fast:1")
+
+
+def test_stacked_query_attention_is_sdpa_without_copying_the_cache():
+    """The query heads of each KV head stacked along the query axis: transformers' sdpa (which copies every key and
+    value once per query head) to float32 precision; a model's attention setting is restored after a sparse
+    forward."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvhandoff.recompute import stacked_query_attention
+
+    gen = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(shape, generator=gen) for shape in ((2, 12, 5, 16), (2, 2, 40, 16),
+                                                                         (2, 2, 40, 16)))
+    visible = torch.rand(2, 1, 5, 40, generator=gen) > 0.3
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, torch.finfo(torch.float32).min)
+    module = SimpleNamespace(num_key_value_groups=6, is_causal=True)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    stacked, _ = stacked_query_attention(module, query, key, value, mask, scaling=0.3)
+    assert stacked.shape == expected.shape == (2, 5, 12, 16)
+    assert (stacked - expected).abs().max() <= 1e-6
+    target = tiny_model("qwen2", layers=2, attn_implementation="sdpa")
+    ids = ids_of(tokens=12)
+    recompute_and_read(target, junk_like(prefill(target, ids[:, :10])[0]), ids[:, :10], torch.arange(4), ids[:, 10:])
+    assert target.config._attn_implementation == "sdpa"

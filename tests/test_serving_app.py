@@ -183,7 +183,7 @@ def test_per_request_reprefill_override_re_prefills_at_a_switch_and_says_so(serv
 
 
 def test_guard_forced_to_fall_back_re_prefills():
-    with running(guard=True, guard_threshold=-1e9) as server:
+    with running(guard=True, guard_signal="logloss", guard_threshold=-1e9) as server:
         client = client_of(server)
         messages = [{"role": "user", "content": USER_TURNS[0]}]
         first = chat(client, "small", messages, session="g")[0]
@@ -202,6 +202,14 @@ def test_guard_forced_to_fall_back_re_prefills():
                      {"role": "user", "content": USER_TURNS[1]}]
         text, headers, handoff, _ = chat(client, "large", messages, session="g")
         assert headers["x-kv-handoff"] == "applied" and 0 <= handoff["guard"]["score"] < 1e-3
+        assert text == expected("large", messages)
+    with running(guard=True, guard_signal="mapped_share", guard_threshold=0.5) as server:  # no reference pass
+        client = client_of(server)
+        messages = [{"role": "user", "content": USER_TURNS[0]}]
+        messages += [{"role": "assistant", "content": chat(client, "small", messages, session="g")[0]},
+                     {"role": "user", "content": USER_TURNS[1]}]
+        text, headers, handoff, _ = chat(client, "large", messages, session="g")
+        assert headers["x-kv-handoff"] == "fallback" and handoff["guard"]["score"] == 1.0  # all of it mapped
         assert text == expected("large", messages)
 
 

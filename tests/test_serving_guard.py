@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -15,8 +16,10 @@ from kvhandoff.serving.guard import (
     GuardRecord,
     auroc,
     choose_threshold,
+    guard_records_by_signal,
     guard_score,
     measure_guard,
+    needs_reference,
     reference_logprobs,
     summarize_guard,
 )
@@ -45,6 +48,28 @@ def test_signals_are_zero_on_equal_distributions_and_grow_with_a_worse_one():
     assert guard_score("logloss", worse[:1], reference[:1], ids[:1]) is None  # nothing predicted inside the turn
     with pytest.raises(ConfigError, match="guard signal"):
         guard_score("vibes", worse, reference, ids)
+
+
+def test_the_answer_entropy_and_mapped_share_signals():
+    gen = torch.Generator().manual_seed(1)
+    reference = torch.randn(4, 7, generator=gen).log_softmax(-1)
+    served = torch.randn(4, 7, generator=gen).log_softmax(-1)
+    ids = [1, 2, 3, 4]
+    # kl_answer: the KL of the last position only (the distribution of the answer's first token)
+    last = (reference[-1].exp() * (reference[-1] - served[-1])).sum().item()
+    assert guard_score("kl_answer", served, reference, ids) == pytest.approx(last, rel=1e-5)
+    # entropy: the served model's mean entropy, with or without a reference
+    entropy = (-(served.exp() * served).sum(-1)).mean().item()
+    assert guard_score("entropy", served, None, ids) == pytest.approx(entropy, rel=1e-5)
+    uniform = torch.full((4, 7), 1 / 7).log()
+    assert guard_score("entropy", uniform, None, ids) == pytest.approx(math.log(7), rel=1e-5)
+    assert guard_score("mapped_share", served, None, ids, mapped_share=0.25) == 0.25
+    assert [needs_reference(s) for s in ("logloss", "kl", "kl_answer", "entropy", "mapped_share")] == [
+        True, True, True, False, False]
+    with pytest.raises(ConfigError, match="reference"):
+        guard_score("kl", served, None, ids)
+    with pytest.raises(ConfigError, match="share of positions"):
+        guard_score("mapped_share", served, None, ids)
 
 
 def test_auroc_and_threshold_choice():
@@ -125,3 +150,18 @@ def test_measured_guard_separates_an_exact_mapper_from_a_noisy_one(confident_pai
     summary = summarize_guard(exact + degraded, signal)
     assert summary.auroc > 0.9 and summary.catch_rate == 1.0 and summary.false_fallback_rate <= 0.2
     assert max(r.score for r in exact) <= summary.threshold < min(r.score for r in degraded if r.differs)
+
+
+def test_records_carry_both_answers_and_an_escalated_one(confident_pair):
+    models, mappers, conversations = confident_pair
+    bad = {pair: noisy(mapper, 1.0, seed=i) for i, (pair, mapper) in enumerate(mappers.items())}
+    records = guard_records_by_signal(models, bad, conversations[:2], ("entropy", "mapped_share"),
+                                      max_new_tokens=6, escalate="recent:100%")
+    assert len(records["entropy"]) == len(records["mapped_share"]) == 4
+    for record in records["mapped_share"]:
+        assert record.differs == (record.handed != record.own) and record.first_kl >= 0
+        assert record.escalated == record.own  # everything recomputed: the target's own cache
+        assert 0 < record.score <= 1
+    first, second = records["mapped_share"][:2]
+    assert first.score == 1.0 and second.score < 1.0  # the second switch maps only the turn the model missed
+    assert sum(r.differs for r in records["entropy"]) >= 2

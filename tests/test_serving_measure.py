@@ -12,10 +12,11 @@ from typer.testing import CliRunner
 
 from _serving_support import chat_ids, tiny_family
 from kvhandoff.cli import app
+from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.client import require_loopback
-from kvhandoff.serving.guard import guard_records, guard_records_by_signal
-from kvhandoff.serving.guard_eval import chat_turns, resummarize, switching_schedule
+from kvhandoff.serving.guard import GuardRecord, auroc, guard_records, guard_records_by_signal
+from kvhandoff.serving.guard_eval import WithinTime, auroc_interval, chat_turns, resummarize, switching_schedule
 from kvhandoff.serving.loadtest import load_over_http, percentile, schedule
 from kvhandoff.serving.workload import coqa_dialogues, document
 
@@ -39,7 +40,8 @@ def tiny_cli(monkeypatch):
 
 def test_bench_serve_times_both_paths_per_length_and_direction(tiny_cli, tmp_path):
     out, plot = tmp_path / "serve_bench.json", tmp_path / "serve_bench.png"
-    result = CliRunner().invoke(app, ["bench-serve", "--guard", "on", "--lengths", "24,48", "--repeats", "2",
+    result = CliRunner().invoke(app, ["bench-serve", "--guard", "on", "--guard-signal", "logloss",
+                                      "--guard-threshold", "1.0", "--lengths", "24,48", "--repeats", "2",
                                       "--max-tokens", "3", "--out", str(out), "--plot", str(plot)])
     assert result.exit_code == 0, result.output
     assert plot.stat().st_size > 0 and "ratio" in result.output
@@ -98,24 +100,34 @@ def test_load_test_runs_switching_conversations_without_errors(tiny_cli, tmp_pat
 def test_guard_eval_splits_dev_and_heldout_and_reports_each_signal(tiny_cli, tmp_path):
     out = tmp_path / "serve_guard.json"
     result = CliRunner().invoke(app, ["guard-eval", "--conversations", "4", "--turns", "3", "--max-new-tokens", "3",
-                                      "--story-chars", "40", "--out", str(out)])
+                                      "--story-chars", "40", "--escalate", "recent:50%", "--out", str(out)])
     assert result.exit_code == 0, result.output
     guard = json.loads(out.read_text())
     assert guard["n"] == {"conversations_run": 4, "conversations_dev": 2, "conversations_heldout": 2,
                           "handoffs": 8, "changed": 0}  # switching every turn: two handoffs per conversation
-    assert set(guard["signals"]) == {"logloss", "kl"}
-    for row in guard["signals"].values():
+    assert set(guard["signals"]) == {"logloss", "kl", "kl_answer", "entropy", "mapped_share"}
+    assert set(guard["labels"]) == {"answer_changed", "answer_f1_below_0.5", "first_token_kl_above_0.5"}
+    assert guard["labels"]["answer_changed"] == guard["signals"] and guard["settings"]["escalate"] == "recent:50%"
+    for signal, row in guard["signals"].items():
         assert row["dev"]["handoffs"] == row["heldout"]["handoffs"] == 4
         assert row["auroc_dev"] is None  # an exact mapper never changes an answer: one class only
         assert row["heldout"]["catch_rate"] is None and row["heldout"]["false_fallback_rate"] is not None
-        assert row["served_threshold"] == {"threshold": 1.0, "catch_rate": None, "false_fallback_rate": 0.0,
-                                           "fallback_rate": 0.0}
+        assert signal == "entropy" or row["served_threshold"] == {  # a random tiny model's entropy is above 1
+            "threshold": ServeConfig().guard_threshold, "catch_rate": None, "false_fallback_rate": 0.0,
+            "fallback_rate": 0.0}
         assert {d: v["handoffs"] for d, v in row["by_direction"].items()} == {"large → small": 4, "small → large": 4}
-    assert resummarize(guard)["signals"] == guard["signals"]  # the stored records give the same numbers again
+    again = resummarize(guard)  # the stored records give the same numbers again
+    assert (again["signals"], again["labels"], again["escalation"]) == (guard["signals"], guard["labels"],
+                                                                      guard["escalation"])
+    for row in guard["escalation"].values():  # an exact mapper: every strategy serves the re-prefilled answer
+        assert row["switches"] == 8
+        for strategy in ("none", "fallback", "escalate", "escalate_all"):
+            assert row[strategy] == {"mean_f1": 1.0, "changed": 0.0}
     records = guard["records"]
     assert {r["split"] for r in records if r["conversation"] % 2} == {"heldout"}
     assert {(r["from"], r["to"]) for r in records} == {("small", "large"), ("large", "small")}
-    assert all(abs(r["scores"]["kl"]) < 1e-3 for r in records)
+    assert all(abs(r["scores"]["kl"]) < 1e-3 and r["first_kl"] < 1e-3 and r["answer_f1"] == 1.0 for r in records)
+    assert all(r["handed"] == r["own"] == r["escalated"] for r in records)
     result = CliRunner().invoke(app, ["guard-eval", "--heldout-every", "1", "--out", str(out)])
     assert result.exit_code == 2 and "--heldout-every" in result.output
     result = CliRunner().invoke(app, ["guard-eval", "--signals", "vibes", "--out", str(out)])
@@ -166,3 +178,20 @@ def test_schedules_documents_percentiles_and_loopback_only():
             require_loopback(url)
     with pytest.raises(ConfigError, match="this machine only"):
         asyncio.run(load_over_http("http://192.168.1.2:8000", names))
+
+
+def test_within_time_counts_what_started_and_stops_when_time_is_up(monkeypatch):
+    timed = WithinTime(["a", "b", "c"], None)
+    assert list(timed) == ["a", "b", "c"] and timed.started == 3
+    clock = iter([0.0, 1.0, 5.0])  # begun at 0; checked at 1 (within 4 s), then at 5 (past it)
+    monkeypatch.setattr("kvhandoff.serving.guard_eval.time.monotonic", lambda: next(clock))
+    timed = WithinTime(["a", "b", "c"], 4.0)
+    assert list(timed) == ["a"] and timed.started == 1
+
+
+def test_auroc_interval_brackets_the_auroc_and_needs_both_classes():
+    records = [GuardRecord(i, 1, "a", "b", 5, score, bad) for i, (score, bad) in
+               enumerate([(0.1, False), (0.2, False), (0.35, True), (0.3, False), (0.8, True), (0.9, True)])]
+    low, high = auroc_interval(records, n_resamples=300)
+    assert 0.5 < low <= auroc([r.score for r in records], [r.differs for r in records]) <= high <= 1.0
+    assert auroc_interval([r for r in records if r.differs]) is None

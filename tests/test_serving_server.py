@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_serve_config_validates_every_field_by_name():
     config = ServeConfig()
-    assert not config.guard and config.max_context is None and config.host == "127.0.0.1"
+    assert config.guard and config.guard_signal == "entropy"
+    assert config.max_context is None and config.host == "127.0.0.1"
     for field, bad in (("port", -1), ("max_sessions", 0), ("session_ttl_s", 0), ("cache_memory_bytes", 0),
                        ("max_context", 1), ("default_max_tokens", 0), ("max_queue", 0), ("guard", "on"),
                        ("guard_signal", "vibes"), ("guard_threshold", "high"), ("guard_window", 0),

@@ -59,3 +59,59 @@ def test_a_turn_past_the_window_is_refused_before_any_work(trio):
     assert session.cache("b") is None  # nothing was handed over
     session.read("b", list(range(14)))  # up to the window is fine
     assert len(session.tokens) == 64 and session.cache("b").get_seq_length() == 64
+
+
+def _count_forwards(model):
+    """A list that grows by one per forward of ``model``'s decoder body (hook handle second)."""
+    calls = []
+    handle = model.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize(("handover", "recompute"), [("all", None), ("incremental", None),
+                                                     ("incremental", "sinks:30%"), ("all", "deviation:20%")])
+def test_a_switch_is_one_forward_of_the_receiving_model_with_the_two_step_logits(trio, handover, recompute):
+    """At a handover the receiving model recomputes the exact prefix (and the policy's picks) in the forward that
+    reads the turn: one forward, not two, and the log-probs of the handover that recomputes first."""
+    from kvhandoff.cache import prefill
+
+    a, b, _, mapper = trio
+    back = fit_mapper(b, a, random_batches(2, tokens=32), FitConfig(), progress=False)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper, ("b", "a"): back}, handover=handover,
+                               recompute=recompute)
+    reference = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper, ("b", "a"): back}, handover=handover,
+                                 recompute=recompute)
+    for who, turn in (("a", ids[:12]), ("b", ids[12:20]), ("a", ids[20:28]), ("b", ids[28:])):
+        calls, handle = _count_forwards(session.models[who])
+        fused = session.read(who, turn)
+        handle.remove()
+        assert len(calls) == 1  # the recompute and the read in one forward, at a switch too
+        cache = reference.switch_to(who)  # the two-step handover: recompute first, then the read
+        model = reference.models[who]
+        if cache is None:  # the conversation's first turn
+            cache, logits = prefill(model, torch.tensor([turn]))
+        else:
+            _, logits = prefill(model, torch.tensor([turn]), cache)
+        reference._caches[who] = cache
+        reference.tokens += turn
+        assert (fused - logits[0].float().log_softmax(-1)).abs().max() <= 1e-5
+    assert session.cache("b").get_seq_length() == 40
+
+
+def test_a_fork_hands_over_and_reads_without_touching_the_session(trio):
+    a, b, _, mapper = trio
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, exact_prefix=0)
+    ids = torch.randint(0, 128, (40,)).tolist()
+    session.read("a", ids[:30])
+    before = (list(session.tokens), session.owner, session.cache("a").layers[0].keys.clone())
+    twin = session.fork()
+    twin.recompute = "recent:50%"
+    forked = twin.read("b", ids[30:])
+    twin.read("b", ids[:3])  # the fork goes on; the session does not
+    assert (list(session.tokens), session.owner) == before[:2] and session.cache("b") is None
+    assert session.cache("a").get_seq_length() == 30 and torch.equal(session.cache("a").layers[0].keys, before[2])
+    assert twin.cache("b").get_seq_length() == 43 and len(twin.tokens) == 43
+    # the session itself hands over the same way as the fork did
+    session.recompute = "recent:50%"
+    torch.testing.assert_close(session.read("b", ids[30:]), forked)

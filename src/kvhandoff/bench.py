@@ -3,36 +3,38 @@
 For each context length T a random-but-fixed token context `ids` [1, T] is drawn (seeded). Its last N tokens
 (`new_turn`, default 1) are the new turn that no model has read yet; the source prefills the other T − N
 (the history) once, untimed: a handoff starts from a cache the source already has. Then, in one process and
-interleaved (handoff, re-prefill, handoff, re-prefill, ...) so that both paths share the machine's noise, each
+interleaved (handoff, two-step handoff, re-prefill, handoff, ...) so that the paths share the machine's noise, each
 path is run `warmup` times untimed and `repeats` times timed:
 
 - handoff   = `mapper.transfer(source_cache)` (strip source RoPE, map, apply target RoPE, build the target's
-  DynamicCache) + the target recomputing the mapper's `exact_prefix` leading tokens (counted in the
-  transfer time) + the selective recompute of the `recompute` policy (`kvhandoff.recompute`; timed apart as
-  "recompute", part of the handoff) + the target reading the N new tokens on top of the mapped cache up to the
-  logits of the
-  last (`new_turn` = 1: the issue's all-mapped handoff; N > 1: a switch at a turn boundary, as
-  `kvhandoff eval --mapped history` and `SwitchingSession` do);
+  DynamicCache; timed apart as "transfer") + choosing the positions the target recomputes (the mapper's
+  `exact_prefix` leading ones and the picks of the `recompute` policy, `kvhandoff.recompute`; "select") + ONE
+  target forward ("target_forward", `handoff.MappedCache.read`) that recomputes those positions in place and reads
+  the N new tokens on top of the mapped cache, up to the logits of the last (`new_turn` = 1: the all-mapped
+  handoff; N > 1: a switch at a turn boundary, as `kvhandoff eval --mapped history` and `SwitchingSession` do);
+- two-step handoff ("two_step", with `two_step`) = the same, but the target recomputes the exact prefix by a
+  prefill of it and the policy's picks by a sparse prefill before it reads the new tokens: two or three forwards,
+  each reading all of the target's weights. The row's `fused_equals_two_step` is the largest difference between
+  the two paths' logits;
 - re-prefill = the target's own prefill of all T tokens up to the logits of the last position
   (`kvhandoff.cache.prefill`, logits_to_keep=1).
 
-Both end in the same thing: the target's next-token logits after the T-token context. Timings are wall clock
+All end in the same thing: the target's next-token logits after the T-token context. Timings are wall clock
 (`time.perf_counter`) under `torch.inference_mode`; reported as median, min/max and quartiles, and the
-speed-up = median re-prefill ÷ median handoff. The transfer and the target's reading of the new turn are also
-timed apart.
+speed-up = median re-prefill ÷ median handoff.
 
-Memory (`peak_memory_bytes`): the peak of live bytes allocated through torch's CPU allocator during one
-untimed run of each path, above what was allocated when it started (model weights, the source cache and
-the mapper are not counted; what the path returns, e.g. the new cache, is). It is read from the
-allocation/free events of `torch.profiler` (profile_memory=True), so it sees every tensor the path creates
-but not BLAS/oneDNN scratch space nor Python objects. RSS is not used: the allocator keeps freed memory
+Memory (`peak_memory_bytes`): the peak of live bytes allocated through torch's CPU allocator during the first
+(warm-up; without warm-up, an extra untimed) run of each path, above what was allocated when it started (model
+weights, the source cache and the mapper are not counted; what the path returns, e.g. the new cache, is). It is
+read from the allocation/free events of `torch.profiler` (profile_memory=True), so it sees every tensor the path
+creates but not BLAS/oneDNN scratch space nor Python objects. RSS is not used: the allocator keeps freed memory
 mapped, so RSS deltas of repeated runs are mostly zero.
 
 FLOPs (multiply-add = 2 FLOPs; norms, activations and softmax ignored):
 - mapper per token = 2 · weight params (+ bias adds); the weight is [2, Lt, k·Fs, Ft], so k is accounted for;
 - target prefill of T tokens = 2 · body params · T + attention 2·2·layers·q_width·T(T+1)/2
   (QKᵀ and AV over the causal prefix; q_width = heads · head_dim) + 2 · vocab · hidden once (logits_to_keep=1);
-- handoff = mapper · (T−N) + the target's prefill of the mapper's exact_prefix tokens + the recompute of n
+- handoff = mapper · (T−N) + the mapper's exact_prefix tokens read by the target (no LM head) + the recompute of n
   positions (counted as n tokens read at the end of the history: an upper bound) + the target reading the
   N new tokens at positions T−N … T−1 (2 · body params · N + attention over the keys before each + LM head).
 `flop_bound` = prefill FLOPs ÷ handoff FLOPs is the speed-up the arithmetic alone would allow, printed next to
@@ -56,24 +58,24 @@ from kvhandoff.config import MAPPER_FORMAT_VERSION, FitConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json, save_figure
 from kvhandoff.geometry import model_fingerprint, read_geometry
-from kvhandoff.handoff import patch_exact_prefix, recompute_policy
+from kvhandoff.handoff import defer_recompute, patch_exact_prefix, recompute_policy
 from kvhandoff.mapper import Mapper
 from kvhandoff.recompute import SelectionInfo, apply_policy, budget_count
 from kvhandoff.selection import resolve_k
 from kvhandoff.statistics import FeatureLayout
 from kvhandoff.workflow import NamedPair, load_pair_mapper, obtain_mapper
 
-BENCH_FORMAT = "kvhandoff-bench/2"  # /2: "last_token" became "new_turn"
-DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
+BENCH_FORMAT = "kvhandoff-bench/3"  # /3: one fused target forward ("target_forward", "select", "two_step")
+DEFAULT_LENGTHS = (64, 256, 1024, 2048, 4096, 8192)
 MEMORY_NOTE = (
-    "peak live bytes allocated through torch's CPU allocator during one untimed run of the path, above the "
+    "peak live bytes allocated through torch's CPU allocator during the first (warm-up) run of the path, above the "
     "level at its start (torch.profiler profile_memory allocation events); excludes model weights, the source "
     "cache and the mapper; excludes BLAS/oneDNN scratch and Python objects"
 )
 FLOPS_NOTE = (
     "2 FLOPs per multiply-add; mapper/token = 2·weight params + bias; prefill = 2·body params·T + "
-    "2·2·layers·q_width·T(T+1)/2 + 2·vocab·hidden; handoff = mapper·(T−N) + exact prefix + the target reading "
-    "the N new-turn tokens at positions T−N…T−1"
+    "2·2·layers·q_width·T(T+1)/2 + 2·vocab·hidden; handoff = mapper·(T−N) + exact prefix (no LM head) + the "
+    "recompute + the target reading the N new-turn tokens at positions T−N…T−1"
 )
 
 
@@ -110,6 +112,17 @@ def peak_tensor_memory(fn):
         live += event.nbytes()
         peak = max(peak, live)
     return result, int(peak)
+
+
+@torch.no_grad()
+def keep_resident(*models) -> None:
+    """Copy every parameter and buffer of ``models`` into memory of the process's own. Weights loaded from
+    safetensors are file-backed memory maps that the kernel may drop under memory pressure and read from disk
+    again at the next forward: a timing would then measure the disk. A machine without swap cannot drop the copies.
+    """
+    for model in models:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
 
 
 def mapper_footprint(mapper: Mapper) -> dict:
@@ -217,9 +230,10 @@ def _vocab_size(source_model, target_model) -> int:
 
 # -- the benchmark ------------------------------------------------------------------------------------------
 def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, repeats: int, warmup: int,
-                 measure_memory: bool = True, new_turn: int = 1, recompute=None) -> dict:
-    """Time handoff and re-prefill for one context `ids` [1, T] whose last `new_turn` tokens are the new turn
-    (see the module docstring; ``recompute``: the selective-recompute policy, None = the mapper's default)."""
+                 measure_memory: bool = True, new_turn: int = 1, recompute=None, two_step: bool = True) -> dict:
+    """Time handoff and re-prefill (and the two-step handoff, with ``two_step``) for one context `ids` [1, T] whose
+    last `new_turn` tokens are the new turn (see the module docstring; ``recompute``: the selective-recompute
+    policy, None = the mapper's default)."""
     tokens = ids.shape[1]
     if not 1 <= new_turn < tokens:
         raise ConfigError(f"new_turn must be at least 1 and shorter than the context ({tokens}), got {new_turn}")
@@ -227,31 +241,26 @@ def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, 
         started = time.perf_counter()
         source_cache, _ = prefill(source_model, ids[:, :-new_turn])
         source_seconds = time.perf_counter() - started
-        handoff, reprefill = _paths(target_model, mapper, source_cache, ids, new_turn, recompute, source_model)
-        timings, handoff_logits, reprefill_logits = _time_interleaved(handoff, reprefill, repeats, warmup)
-        memory = {"handoff": None, "reprefill": None}
-        if measure_memory:
-            _, memory["handoff"] = peak_tensor_memory(handoff)
-            _, memory["reprefill"] = peak_tensor_memory(reprefill)
-    handoff_stats, reprefill_stats = summarize(timings["handoff"]), summarize(timings["reprefill"])
-    transfer_stats = summarize(timings["transfer"])
-    return {
+        paths = _paths(target_model, mapper, source_cache, ids, new_turn, recompute, source_model, two_step)
+        timings, logits, memory = _time_interleaved(paths, repeats, warmup, measure_memory)
+    stats = {name: summarize(samples) for name, samples in timings.items()}
+    row = {
         "tokens": tokens,
         "new_turn_tokens": new_turn,
         "source_prefill_seconds": source_seconds,
-        "handoff": handoff_stats,
-        "transfer": transfer_stats,
-        "new_turn": summarize(timings["new_turn"]),
-        "recompute": summarize(timings["recompute"]),
+        **stats,
         "recompute_tokens": recomputed_tokens(mapper, recompute, tokens - new_turn),
-        "reprefill": reprefill_stats,
-        "speedup": reprefill_stats["median"] / handoff_stats["median"],
-        "speedup_transfer_only": reprefill_stats["median"] / transfer_stats["median"],
+        "speedup": stats["reprefill"]["median"] / stats["handoff"]["median"],
+        "speedup_transfer_only": stats["reprefill"]["median"] / stats["transfer"]["median"],
         "peak_memory_bytes": memory,
         # does the handoff's next token equal the re-prefill's? (meaningless for a synthetic mapper)
         "top1_agree": None if mapper.manifest.get("method") == "synthetic"
-        else bool((handoff_logits.argmax(-1) == reprefill_logits.argmax(-1)).all()),
+        else bool((logits["handoff"].argmax(-1) == logits["reprefill"].argmax(-1)).all()),
     }
+    if two_step:
+        row["speedup_two_step"] = stats["reprefill"]["median"] / stats["two_step"]["median"]
+        row["fused_equals_two_step"] = float((logits["handoff"] - logits["two_step"]).abs().max())
+    return row
 
 
 def recomputed_tokens(mapper, recompute, mapped: int) -> int:
@@ -262,9 +271,11 @@ def recomputed_tokens(mapper, recompute, mapped: int) -> int:
 
 
 def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_turn: int, recompute=None,
-           source_model=None):
-    """The two timed paths to the target's next-token logits: handoff() → (logits, transfer s, recompute s,
-    new-turn s) and reprefill() → logits."""
+           source_model=None, two_step: bool = True) -> dict:
+    """The timed paths to the target's next-token logits, each a function () → (logits, {part: seconds}):
+    "handoff" (transfer, select, one target forward), "two_step" (transfer, the exact prefix's prefill and the
+    recompute, then the target's read: the handoff before the first forward was fused; with ``two_step``) and
+    "reprefill"."""
     target_dtype = next(target_model.parameters()).dtype
     history, turn = ids[:, :-new_turn], ids[:, -new_turn:]
     policy = recompute_policy(mapper, recompute)
@@ -273,43 +284,54 @@ def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_tu
     def handoff():
         t0 = time.perf_counter()
         cache = mapper.transfer(source_cache, dtype=target_dtype)
-        patch_exact_prefix(cache, target_model, history, mapper.exact_prefix)
         t1 = time.perf_counter()
+        mapped = defer_recompute(cache, target_model, history, mapper, recompute=policy, source_model=source_model,
+                                 source_cache=source_cache)
+        t2 = time.perf_counter()
+        logits = mapped.read(target_model, turn)[:, -1]
+        t3 = time.perf_counter()
+        return logits, {"transfer": t1 - t0, "select": t2 - t1, "target_forward": t3 - t2}
+
+    def two_step_handoff():
+        cache = mapper.transfer(source_cache, dtype=target_dtype)
+        patch_exact_prefix(cache, target_model, history, mapper.exact_prefix)
         if policy.active and prefix < history.shape[1]:
             apply_policy(policy, target_model, cache, history, SelectionInfo(start=prefix), source_model,
                          source_cache)
-        t2 = time.perf_counter()
-        out = target_model(input_ids=turn, cache=cache, use_cache=True, logits_to_keep=1)
-        t3 = time.perf_counter()
-        return out.logits[:, -1], t1 - t0, t2 - t1, t3 - t2
+        return target_model(input_ids=turn, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1], {}
 
     def reprefill():
-        return prefill(target_model, ids)[1]
+        return prefill(target_model, ids)[1], {}
 
-    return handoff, reprefill
+    paths = {"handoff": handoff, "two_step": two_step_handoff, "reprefill": reprefill}
+    if not two_step:
+        del paths["two_step"]
+    return paths
 
 
-def _time_interleaved(handoff, reprefill, repeats: int, warmup: int):
-    """Run both paths `warmup` + `repeats` times, alternating; ({path: seconds of the timed runs}, the last
-    handoff logits, the last re-prefill logits)."""
-    timings: dict[str, list[float]] = {"transfer": [], "recompute": [], "new_turn": [], "handoff": [],
-                                       "reprefill": []}
-    handoff_logits = reprefill_logits = None
+def _time_interleaved(paths: dict, repeats: int, warmup: int, measure_memory: bool):
+    """Run every path `warmup` + `repeats` times, alternating; ({path or part: seconds of the timed runs}, {path:
+    its last logits}, {path: peak tensor bytes or None}). With ``measure_memory`` each path's first run is watched
+    by the profiler (`peak_tensor_memory`): a warm-up run when there is one, else an extra untimed run."""
+    timings: dict[str, list[float]] = {}
+    logits: dict[str, torch.Tensor] = {}
+    memory: dict[str, int | None] = dict.fromkeys(paths)
+    if measure_memory and warmup == 0:
+        for name, path in paths.items():
+            _, memory[name] = peak_tensor_memory(path)
     for run in range(warmup + repeats):
-        started = time.perf_counter()
-        handoff_logits, transfer_t, recompute_t, step_t = handoff()
-        elapsed = time.perf_counter() - started
-        if run >= warmup:
-            timings["transfer"].append(transfer_t)
-            timings["recompute"].append(recompute_t)
-            timings["new_turn"].append(step_t)
-            timings["handoff"].append(elapsed)
-        started = time.perf_counter()
-        reprefill_logits = reprefill()
-        elapsed = time.perf_counter() - started
-        if run >= warmup:
-            timings["reprefill"].append(elapsed)
-    return timings, handoff_logits, reprefill_logits
+        for name, path in paths.items():
+            started = time.perf_counter()
+            if measure_memory and run == 0 and warmup > 0:
+                (logits[name], parts), memory[name] = peak_tensor_memory(path)
+            else:
+                logits[name], parts = path()
+            elapsed = time.perf_counter() - started
+            if run >= warmup:
+                timings.setdefault(name, []).append(elapsed)
+                for part, seconds in parts.items():
+                    timings.setdefault(part, []).append(seconds)
+    return timings, logits, memory
 
 
 def run_bench(
@@ -328,6 +350,8 @@ def run_bench(
     target_name: str | None = None,
     new_turn: int = 1,
     recompute=None,
+    two_step: bool = True,
+    resident: bool = False,
 ) -> dict:
     """Handoff vs re-prefill latency for each context length; returns the result dict (and writes
     bench.json + bench.png into `out_dir` when given).
@@ -335,27 +359,33 @@ def run_bench(
     lengths: context lengths T > new_turn (the caller picks how far memory and time allow);
     new_turn: tokens at the end of each context that the target reads itself (1: the all-mapped handoff);
     recompute: the selective-recompute policy of the handoff (a `RecomputePolicy` or spec, e.g. "deviation:10%";
-    None = the mapper's default), timed as part of the handoff and apart ("recompute");
+    None = the mapper's default), run in the handoff's one target forward (its selection timed apart: "select");
+    two_step: also time the handoff with the recompute in forwards of its own before the target's read
+    ("two_step"); resident: first copy both models' weights out of their file-backed memory maps
+    (`keep_resident`);
     time_budget_s: stop before a new length once this much wall time has passed (remaining lengths are
     listed under "skipped"); a length that runs out of memory is recorded under "failed" and ends the run.
     Result fields: format, source, target, mapper (parameters, parameter_bytes, memory_bytes, disk_bytes,
     top_k, method, flops_per_token), settings, notes, and per length (`results`): tokens, new_turn_tokens,
-    handoff / transfer / recompute / new_turn / reprefill timing summaries (median, min, max, q1, q3, mean,
-    samples; seconds), recompute_tokens, speedup, speedup_transfer_only, peak_memory_bytes {handoff,
-    reprefill}, flops {...}, flop_bound, top1_agree.
+    handoff / transfer / select / target_forward / two_step / reprefill timing summaries (median, min, max, q1, q3,
+    mean, samples; seconds), recompute_tokens, speedup, speedup_two_step, speedup_transfer_only,
+    fused_equals_two_step (max |logit difference|), peak_memory_bytes {handoff, two_step, reprefill}, flops {...},
+    flop_bound, top1_agree.
     """
     lengths = _checked_lengths(source_model, target_model, lengths, new_turn, repeats, warmup)
     policy = recompute_policy(mapper, recompute)
     result = _bench_header(source_model, target_model, mapper, source_name, target_name,
                            {"repeats": repeats, "warmup": warmup, "new_turn": new_turn, "seed": seed,
-                            "recompute": policy.spec})
+                            "recompute": policy.spec, "two_step": two_step, "resident_weights": resident})
+    if resident:
+        keep_resident(source_model, target_model)
     vocab = _vocab_size(source_model, target_model)
     gen = torch.Generator().manual_seed(seed)
     context = torch.randint(0, vocab, (1, lengths[-1]), generator=gen)  # every length is a prefix of it
     console = _console() if progress else None
     started = time.perf_counter()
     _measure_lengths(result, source_model, target_model, mapper, context, lengths, repeats, warmup, measure_memory,
-                     new_turn, time_budget_s, console, policy)
+                     new_turn, time_budget_s, console, policy, two_step)
     result["wall_seconds"] = time.perf_counter() - started
     if out_dir is not None:
         render_bench(result, out_dir)
@@ -366,7 +396,7 @@ def run_bench(
 
 def _measure_lengths(result: dict, source_model, target_model, mapper: Mapper, context: torch.Tensor,
                      lengths: list[int], repeats: int, warmup: int, measure_memory: bool, new_turn: int,
-                     time_budget_s: float | None, console, recompute=None) -> None:
+                     time_budget_s: float | None, console, recompute=None, two_step: bool = True) -> None:
     """Append a row per length to result["results"] (a prefix of `context` each), until the time budget is
     spent (the rest under "skipped") or a length runs out of memory ("failed")."""
     started = time.perf_counter()
@@ -376,7 +406,7 @@ def _measure_lengths(result: dict, source_model, target_model, mapper: Mapper, c
             return
         try:
             row = bench_length(source_model, target_model, mapper, context[:, :tokens], repeats, warmup,
-                               measure_memory, new_turn, recompute)
+                               measure_memory, new_turn, recompute, two_step)
         except (MemoryError, RuntimeError) as exc:  # allocator failures surface as RuntimeError in torch
             if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower():
                 raise
@@ -387,11 +417,12 @@ def _measure_lengths(result: dict, source_model, target_model, mapper: Mapper, c
                              new_turn, mapper.exact_prefix, row["recompute_tokens"]))
         result["results"].append(row)
         if console is not None:
+            two = f", two-step {_ms(row['two_step']['median'])}" if "two_step" in row else ""
             console.print(
                 f"T={tokens:>6}: handoff {_ms(row['handoff']['median'])} (transfer "
-                f"{_ms(row['transfer']['median'])}, recompute {_ms(row['recompute']['median'])} of "
-                f"{row['recompute_tokens']} tokens), re-prefill {_ms(row['reprefill']['median'])}: "
-                f"×{row['speedup']:.1f} (FLOP bound ×{row['flop_bound']:.1f})"
+                f"{_ms(row['transfer']['median'])}, target forward {_ms(row['target_forward']['median'])} with "
+                f"{row['recompute_tokens']} recomputed tokens){two}, re-prefill {_ms(row['reprefill']['median'])}: "
+                f"×{row['speedup']:.1f} (FLOP bound ×{row['flop_bound']:.1f})", highlight=False,
             )
 
 
@@ -443,7 +474,9 @@ def row_flops(target_constants: dict, mapper_per_token: int, tokens: int, new_tu
     prefill_total = prefill_flops(target_constants, tokens)
     mapped = tokens - new_turn
     exact_prefix = min(exact_prefix, mapped)
-    prefix_total = prefill_flops(target_constants, exact_prefix) if exact_prefix else 0.0
+    prefix_total = 0.0  # read in the target's one forward: no logits for it
+    if exact_prefix:
+        prefix_total = prefill_flops(target_constants, exact_prefix) - 2 * target_constants["lm_head"]
     recompute_total = 0.0
     if recompute_tokens:  # n tokens read at the end of the history, without the LM head: an upper bound
         recompute_total = continuation_flops(target_constants, mapped - recompute_tokens, recompute_tokens) - \
@@ -511,8 +544,8 @@ def bench_table(result: dict):
         ),
         caption="latency: median (min–max); peak MiB: torch tensor allocations of each path",
     )
-    for column in ("tokens", "handoff", "transfer", "recompute", "new turn", "re-prefill", "speed-up", "FLOP bound",
-                   "peak MiB h / r", "top-1"):
+    for column in ("tokens", "handoff", "transfer", "target forward", "two-step", "re-prefill", "speed-up",
+                   "two-step speed-up", "FLOP bound", "peak MiB h / r", "top-1"):
         table.add_column(column, justify="right")
     for row in result["results"]:
         def cell(stats):
@@ -520,10 +553,12 @@ def bench_table(result: dict):
 
         memory = row["peak_memory_bytes"]
         agree = row.get("top1_agree")
+        two_step = row.get("two_step")
         table.add_row(
             str(row["tokens"]), cell(row["handoff"]), _ms(row["transfer"]["median"]),
-            _ms(row.get("recompute", {}).get("median")), _ms(row["new_turn"]["median"]), cell(row["reprefill"]),
-            f"×{row['speedup']:.2f}",
+            _ms(row["target_forward"]["median"]), "-" if two_step is None else _ms(two_step["median"]),
+            cell(row["reprefill"]), f"×{row['speedup']:.2f}",
+            "-" if two_step is None else f"×{row['speedup_two_step']:.2f}",
             f"×{row['flop_bound']:.1f}", f"{_mib(memory['handoff'])} / {_mib(memory['reprefill'])}",
             "-" if agree is None else ("same" if agree else "differs"),
         )
@@ -548,22 +583,22 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["results"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(17, 4.8))
+    tokens = [r["tokens"] for r in rows]
     if rows:
-        tokens = [r["tokens"] for r in rows]
-        for key, label, style in (
-            ("reprefill", "target re-prefill", "o-"),
-            ("handoff", "handoff (transfer + new turn)", "s-"),
-            ("transfer", "mapper transfer alone", "^--"),
-        ):
-            median = [r[key]["median"] for r in rows]
-            spread = [[m - r[key]["min"] for m, r in zip(median, rows, strict=True)],
-                      [r[key]["max"] - m for m, r in zip(median, rows, strict=True)]]
-            left.errorbar(tokens, median, yerr=spread, fmt=style, capsize=3, label=label, markersize=4)
+        _plot_latencies(left, rows, tokens)
         right.plot(tokens, [r["speedup"] for r in rows], "o-", label="measured: re-prefill ÷ handoff")
+        if "two_step" in rows[0]:
+            right.plot(tokens, [r["speedup_two_step"] for r in rows], "x--", label="measured, two-step handoff")
         right.plot(tokens, [r["flop_bound"] for r in rows], "k:", label="FLOP bound: prefill ÷ handoff FLOPs")
         right.axhline(1.0, color="grey", linewidth=0.8)
-    for axis in (left, right):
+        for key, label, style in (("handoff", "handoff", "s-"), ("reprefill", "re-prefill", "o-")):
+            measured = [(r["tokens"], r["peak_memory_bytes"][key]) for r in rows
+                        if r["peak_memory_bytes"][key] is not None]
+            if measured:
+                middle.plot([t for t, _ in measured], [p / 2**20 for _, p in measured], style, label=label,
+                            markersize=4)
+    for axis in (left, middle, right):
         axis.set_xscale("log")
         axis.set_yscale("log")
         if rows:
@@ -571,13 +606,30 @@ def _plot(result: dict, path: Path) -> None:
             axis.minorticks_off()
         axis.set_xlabel("context length (tokens)")
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
     left.set_ylabel("seconds to the target's next-token logits (median, min–max)")
+    middle.set_ylabel("peak tensor MiB of the path (torch allocator)")
     right.set_ylabel("speed-up (×)")
     fig.suptitle(f"{result['source']['name']} → {result['target']['name']}: KV handoff vs re-prefill "
                  f"({result['settings']['torch_threads']} CPU threads)", fontsize=10)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
+
+
+def _plot_latencies(axis, rows: list[dict], tokens: list[int]) -> None:
+    for key, label, style in (
+        ("reprefill", "target re-prefill", "o-"),
+        ("handoff", "handoff (transfer + one target forward)", "s-"),
+        ("two_step", "two-step handoff (prefix, then the read)", "x--"),
+        ("transfer", "mapper transfer alone", "^--"),
+    ):
+        if key not in rows[0]:
+            continue
+        median = [r[key]["median"] for r in rows]
+        spread = [[m - r[key]["min"] for m, r in zip(median, rows, strict=True)],
+                  [r[key]["max"] - m for m, r in zip(median, rows, strict=True)]]
+        axis.errorbar(tokens, median, yerr=spread, fmt=style, capsize=3, label=label, markersize=4)
 
 
 # -- command-line values ------------------------------------------------------------------------------------

@@ -52,6 +52,11 @@ def cache_of(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCach
     return cache
 
 
+def cache_copy(cache) -> DynamicCache:
+    """A `DynamicCache` with copies of ``cache``'s keys and values (changing one leaves the other as it was)."""
+    return cache_of((layer.keys.clone(), layer.values.clone()) for layer in cache.layers)
+
+
 def cache_view(cache, start: int, end: int | None = None) -> DynamicCache:
     """A `DynamicCache` of the positions ``start``..``end`` (exclusive; None: to the end) of ``cache`` (views,
     no copy)."""

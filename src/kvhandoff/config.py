@@ -476,8 +476,12 @@ class RefineConfig:
 #: signals the serving quality guard can score a mapped cache with (`kvhandoff.serving.guard`): "logloss" — the
 #: receiving model's mean log-loss on the new turn over the mapped history minus the previous model's on the same
 #: tokens over its own cache; "kl" — the mean KL(previous model ‖ receiving model) of the next-token distributions
-#: at the new turn's positions
-GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl")
+#: at the new turn's positions; "kl_answer" — that KL at the last position only (the answer's first token);
+#: "entropy" — the receiving model's mean next-token entropy at those positions; "mapped_share" — the share of the
+#: conversation's positions before the new turn that this switch maps
+GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer", "entropy", "mapped_share")
+#: the signals that need the previous model's reference pass over the new turn
+REFERENCE_GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer")
 
 
 @dataclass(frozen=True)
@@ -503,9 +507,11 @@ class ServeConfig:
     max_context: int | None = None
     default_max_tokens: int = 512
     max_queue: int = 64
-    guard: bool = False  # no signal predicts a bad handoff on the default pair yet (docs/SERVING.md)
-    guard_signal: str = "logloss"
-    guard_threshold: float = 1.0
+    guard: bool = True
+    # chosen on dev conversations of the default pair (`kvhandoff guard-eval`, docs/SERVING.md); another family
+    # should measure its own
+    guard_signal: str = "entropy"
+    guard_threshold: float = 1.79
     guard_window: int = 64
     handover: str = "incremental"
     exact_prefix: int | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -12,10 +12,13 @@ from kvhandoff.errors import ConfigError, ContextTooLongError, MapperMismatchErr
 from kvhandoff.mapper import Mapper
 from kvhandoff.recompute import (
     SelectionInfo,
-    apply_policy,
     attention_from_queries,
     needs_source_attention,
+    policy_positions,
+    recompute_and_read,
+    recompute_positions,
     record_queries,
+    takes_custom_mask,
 )
 
 
@@ -74,22 +77,124 @@ def patch_exact_prefix(mapped_cache, target_model, input_ids: torch.Tensor, exac
     return mapped_cache
 
 
+@dataclass
+class MappedCache:
+    """A freshly mapped target cache of ``input_ids`` [batch, T] whose ``pending`` positions [batch, n] (sorted rows:
+    the exact prefix, then what the recompute policy picked) still hold mapped K/V that the target recomputes.
+
+    The recompute is left to the target's next forward: `read` recomputes them and reads the new tokens in one
+    forward (the target's weights are read once, not twice); `settle` recomputes them alone, for a caller that
+    hands the cache on (e.g. to `generate`). Either empties ``pending``."""
+
+    cache: object
+    input_ids: torch.Tensor
+    pending: torch.Tensor
+
+    def read(self, target_model, new_ids: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
+        """The target recomputes the pending positions and reads ``new_ids`` [batch, N] on top (the cache grows to
+        T + N), in one forward; the logits of the last ``logits_to_keep`` new tokens [batch, keep, vocab]."""
+        if not self.pending.numel():  # nothing pending: the plain read
+            out = target_model(input_ids=new_ids, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+            return out.logits
+        logits = recompute_and_read(target_model, self.cache, self.input_ids, self.pending, new_ids, logits_to_keep)
+        self.pending = self.pending[:, :0]
+        return logits
+
+    def settle(self, target_model):
+        """The target recomputes the pending positions alone (one forward; none when nothing is pending); returns
+        the cache."""
+        if self.pending.numel():
+            recompute_positions(target_model, self.cache, self.input_ids, self.pending)
+            self.pending = self.pending[:, :0]
+        return self.cache
+
+
+def pending_positions(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
+                      recompute=None, recompute_info: SelectionInfo | None = None, source_model=None,
+                      source_cache=None) -> torch.Tensor:
+    """The positions [batch, n] the target recomputes in a freshly mapped cache of ``input_ids`` [batch, T]: the first
+    `exact_prefix` (None = the mapper's setting; causal attention makes them exact from those tokens alone: they
+    act as attention sinks, so an error there reaches every later token), then the ones the recompute policy picks
+    among the rest (`recompute.policy_positions`; None = the mapper's default)."""
+    batch, total = input_ids.shape
+    own = _prefix_length(mapper, exact_prefix, total)
+    device = cache.layers[0].keys.device
+    positions = torch.arange(own, device=device).expand(batch, -1)
+    policy = recompute_policy(mapper, recompute)
+    if policy.active and own < total:
+        info = replace(recompute_info or SelectionInfo(), start=own)
+        picked = policy_positions(policy, target_model, cache, input_ids, info, source_model, source_cache)
+        positions = torch.cat([positions, picked.to(device)], dim=1)
+    return positions
+
+
+def _prefix_length(mapper, exact_prefix: int | None, total: int) -> int:
+    prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
+    return min(max(prefix or 0, 0), total)
+
+
 def patch_mapped_cache(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
                        recompute=None, recompute_info: SelectionInfo | None = None, source_model=None,
                        source_cache=None):
-    """What the target does to a freshly mapped cache of ``input_ids`` [batch, T] before it reads on: recompute
-    the first `exact_prefix` positions (`patch_exact_prefix`; None = the mapper's setting), then the positions the
-    recompute policy picks among the rest (`recompute.apply_policy`; None = the mapper's default). Both in place;
-    returns ``cache``. ``source_model``/``source_cache`` serve rule "source_attention" when ``recompute_info``
-    carries no scores."""
-    prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
-    cache = patch_exact_prefix(cache, target_model, input_ids, prefix)
+    """What the target does to a freshly mapped cache of ``input_ids`` [batch, T] before it reads on: recompute the
+    `pending_positions` (the exact prefix and the recompute policy's picks), in place, in one forward; returns
+    ``cache``. ``source_model``/``source_cache`` serve rule "source_attention" when ``recompute_info`` carries no
+    scores. A target whose attention takes no custom mask recomputes the exact prefix by a prefill of it (and
+    cannot run a recompute policy)."""
+    return defer_recompute(cache, target_model, input_ids, mapper, exact_prefix, recompute, recompute_info,
+                           source_model, source_cache).settle(target_model)
+
+
+def defer_recompute(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
+                    recompute=None, recompute_info: SelectionInfo | None = None, source_model=None,
+                    source_cache=None) -> MappedCache:
+    """A freshly mapped ``cache`` of ``input_ids`` as a `MappedCache` whose `pending_positions` the target recomputes
+    at its next forward. A target whose attention takes no custom mask recomputes the exact prefix now, by a prefill
+    of it (and cannot run a recompute policy): nothing is left pending."""
+    input_ids = input_ids.to(cache.layers[0].keys.device)
+    positions = pending_positions(cache, target_model, input_ids, mapper, exact_prefix, recompute, recompute_info,
+                                  source_model, source_cache)
+    if not takes_custom_mask(target_model):  # no sparse forward: the prefix by a prefill; a policy is refused
+        own = _prefix_length(mapper, exact_prefix, input_ids.shape[1])
+        patch_exact_prefix(cache, target_model, input_ids, own)
+        recompute_positions(target_model, cache, input_ids, positions[:, own:])
+        return MappedCache(cache, input_ids, positions[:, :0])
+    return MappedCache(cache, input_ids, positions)
+
+
+def map_for_target(
+    source_model,
+    target_model,
+    mapper: Mapper,
+    input_ids: torch.Tensor,
+    exact_prefix: int | None = None,
+    source_cache=None,
+    recompute=None,
+    recompute_info: SelectionInfo | None = None,
+) -> MappedCache:
+    """The mapped target cache of all of ``input_ids`` [batch, T], built from the source's prefill, with the
+    positions the target recomputes still pending (`MappedCache`: `read` does them with the target's next tokens in
+    one forward). Arguments as in `handoff_cache`; refused, before any work, as there."""
+    _check_ids(input_ids, 1)
+    verify_mapper(mapper, source_model, target_model)
+    check_context(input_ids.shape[1], target_model, mapper)
     policy = recompute_policy(mapper, recompute)
-    own = min(max(prefix or 0, 0), input_ids.shape[1])
-    if policy.active and own < input_ids.shape[1]:
-        info = replace(recompute_info or SelectionInfo(), start=own)
-        apply_policy(policy, target_model, cache, input_ids, info, source_model, source_cache)
-    return cache
+    info = recompute_info or SelectionInfo()
+    if source_cache is None:
+        if needs_source_attention(policy):
+            with record_queries(source_model, policy.window) as queries:
+                source_cache, _ = prefill(source_model, input_ids.to(source_model.device))
+            info = replace(info, source_attention=attention_from_queries(source_model, queries, source_cache))
+        else:
+            source_cache, _ = prefill(source_model, input_ids.to(source_model.device))
+    elif source_cache.get_seq_length() != input_ids.shape[1]:
+        raise ConfigError(
+            f"source_cache holds {source_cache.get_seq_length()} tokens, the mapped part of input_ids "
+            f"{input_ids.shape[1]}"
+        )
+    mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
+    return defer_recompute(mapped, target_model, input_ids, mapper, exact_prefix, policy, info, source_model,
+                           source_cache)
 
 
 def handoff_cache(
@@ -112,39 +217,45 @@ def handoff_cache(
     target_tail: the last `target_tail` tokens are not mapped but prefilled by the target itself on top of
     the mapped cache — what a switch looks like when the new turn has not been read by any model yet. It
     costs a target prefill of that many tokens (independent of the context length) and keeps the positions
-    the next token attends to most exact.
+    the next token attends to most exact. The target recomputes the exact prefix (and the recompute policy's
+    picks) in the same forward (`handoff_read`); without a tail, in one forward of its own.
 
     Refused before any work: a mapper fitted for another pair (MapperMismatchError; checked once per mapper and
     model) and a context longer than the target's window (ContextTooLongError).
     """
     _check_ids(input_ids, 1)
-    verify_mapper(mapper, source_model, target_model)
-    check_context(input_ids.shape[1], target_model, mapper)
     if not 0 <= target_tail < input_ids.shape[1]:
         raise ConfigError(
             f"target_tail must be in 0..{input_ids.shape[1] - 1} (at least one token is mapped), got {target_tail}"
         )
-    policy = recompute_policy(mapper, recompute)
-    mapped_ids = input_ids[:, : input_ids.shape[1] - target_tail]
-    info = recompute_info or SelectionInfo()
-    if source_cache is None:
-        if needs_source_attention(policy):
-            with record_queries(source_model, policy.window) as queries:
-                source_cache, _ = prefill(source_model, mapped_ids.to(source_model.device))
-            info = replace(info, source_attention=attention_from_queries(source_model, queries, source_cache))
-        else:
-            source_cache, _ = prefill(source_model, mapped_ids.to(source_model.device))
-    elif source_cache.get_seq_length() != mapped_ids.shape[1]:
-        raise ConfigError(
-            f"source_cache holds {source_cache.get_seq_length()} tokens, the mapped part of input_ids "
-            f"{mapped_ids.shape[1]}"
-        )
-    mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
-    cache = patch_mapped_cache(mapped, target_model, mapped_ids.to(target_model.device), mapper, exact_prefix,
-                               policy, info, source_model, source_cache)
     if target_tail:
-        prefill(target_model, input_ids[:, mapped_ids.shape[1] :].to(target_model.device), cache)
-    return cache
+        return handoff_read(source_model, target_model, mapper, input_ids, target_tail, exact_prefix, source_cache,
+                            recompute, recompute_info)[0]
+    mapped = map_for_target(source_model, target_model, mapper, input_ids, exact_prefix, source_cache, recompute,
+                            recompute_info)
+    return mapped.settle(target_model)
+
+
+@torch.inference_mode()
+def handoff_read(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor, new_tokens: int = 1,
+                 exact_prefix: int | None = None, source_cache=None, recompute=None,
+                 recompute_info: SelectionInfo | None = None, logits_to_keep: int = 1):
+    """A handoff up to the target's next-token logits: all but the last ``new_tokens`` of ``input_ids`` [batch, T]
+    are mapped (as `handoff_cache`; ``source_cache``: the source's cache of exactly that part), and the target reads
+    the last ``new_tokens`` itself in one forward that also recomputes the exact prefix and the recompute policy's
+    picks (`MappedCache.read`). Returns (the target's cache of all T tokens, the logits of the last
+    ``logits_to_keep`` tokens [batch, keep, vocab])."""
+    _check_ids(input_ids, 2)
+    if not 1 <= new_tokens < input_ids.shape[1]:
+        raise ConfigError(f"new_tokens must be in 1..{input_ids.shape[1] - 1} (at least one token is mapped), "
+                          f"got {new_tokens}")
+    verify_mapper(mapper, source_model, target_model)
+    check_context(input_ids.shape[1], target_model, mapper)
+    cut = input_ids.shape[1] - new_tokens
+    mapped = map_for_target(source_model, target_model, mapper, input_ids[:, :cut], exact_prefix, source_cache,
+                            recompute, recompute_info)
+    logits = mapped.read(target_model, input_ids[:, cut:].to(mapped.input_ids.device), logits_to_keep)
+    return mapped.cache, logits
 
 
 @torch.inference_mode()
@@ -159,20 +270,32 @@ def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, targ
 
     recompute: as in `handoff_cache` (None = the mapper's default); only the newly mapped positions m..T−1 are
     candidates, and the budget is a fraction of them. An active policy needs ``target_model`` and ``input_ids``
-    (the conversation's T token ids, [batch, T]).
+    (the conversation's T token ids, [batch, T]). `catch_up_mapped` leaves that recompute to the target's next
+    forward.
 
     Refused before any work: a target cache of another geometry than the mapper's target, models (when given)
     the mapper was not fitted for (checked once per mapper and model), a context past the target's window.
     """
+    return catch_up_mapped(target_cache, source_cache, mapper, source_model, target_model, input_ids, recompute,
+                           recompute_info).settle(target_model)
+
+
+@torch.inference_mode()
+def catch_up_mapped(target_cache, source_cache, mapper: Mapper, source_model=None, target_model=None,
+                    input_ids=None, recompute=None, recompute_info: SelectionInfo | None = None) -> MappedCache:
+    """`catch_up`, with the recompute policy's picks left pending (`MappedCache`: the target recomputes them in
+    the forward that reads its next tokens)."""
     verify_mapper(mapper, source_model, target_model)
     _check_target_cache(target_cache, mapper)
     have, total = target_cache.get_seq_length(), source_cache.get_seq_length()
     check_context(total, target_model, mapper)
     if have > total:
         raise ConfigError(f"the target's cache holds {have} tokens, more than the source's {total}")
-    if have == total:
-        return target_cache
+    device = target_cache.layers[0].keys.device
+    nothing = torch.empty(1 if input_ids is None else input_ids.shape[0], 0, dtype=torch.long, device=device)
     policy = recompute_policy(mapper, recompute)
+    if have == total:
+        return MappedCache(target_cache, input_ids, nothing)
     if policy.active and (target_model is None or input_ids is None or input_ids.shape[-1] != total):
         raise ConfigError(f"recompute {policy.spec!r} at a catch-up needs the target model and the conversation's "
                           f"{total} token ids (input_ids)")
@@ -182,11 +305,12 @@ def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, targ
     for own, new in zip(target_cache.layers, mapped.layers, strict=True):
         own.keys = torch.cat([own.keys, new.keys.to(own.keys.device)], dim=-2)
         own.values = torch.cat([own.values, new.values.to(own.values.device)], dim=-2)
-    if policy.active:
-        info = replace(recompute_info or SelectionInfo(), start=have)
-        apply_policy(policy, target_model, target_cache, input_ids.to(target_cache.layers[0].keys.device), info,
-                     source_model, source_cache)
-    return target_cache
+    if not policy.active:
+        return MappedCache(target_cache, input_ids, nothing)
+    input_ids = input_ids.to(device)
+    info = replace(recompute_info or SelectionInfo(), start=have)
+    picked = policy_positions(policy, target_model, target_cache, input_ids, info, source_model, source_cache)
+    return MappedCache(target_cache, input_ids, picked.to(device))
 
 
 def _check_target_cache(cache, mapper) -> None:

@@ -18,7 +18,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvhandoff.cache import cache_view, prefill
 from kvhandoff.capture import projection_hooks
@@ -33,6 +35,43 @@ TURN_MARKERS: tuple[str, ...] = (
 )
 #: attention implementations whose masks a custom 4D additive mask replaces
 MASKED_ATTENTION = ("eager", "sdpa")
+#: the attention a sparse forward of an "sdpa" model runs (`stacked_query_attention`)
+STACKED_SDPA = "kvhandoff_stacked_sdpa"
+
+
+def stacked_query_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """sdpa for grouped-query attention under a mask that every head shares ([batch, 1, q, kv]): the query heads of
+    each KV head are stacked along the query axis (the mask tiled to match) and attend to that KV head as it is,
+    instead of every key and value being copied once per query head (transformers' `repeat_kv` for q > 1). The
+    copies cost ∝ the cache length per layer — at 8K cached tokens more than the rest of a few-token forward — the
+    stacking ∝ the queries. Same arithmetic; anything else goes to transformers' sdpa."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    batch, heads, length, dim = query.shape
+    stacked = query.reshape(batch, key.shape[1], groups * length, dim)
+    mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(attention_mask.shape[0], 1,
+                                                                             groups * length, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, length, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(STACKED_SDPA, stacked_query_attention)
+
+
+@contextmanager
+def _stacked_attention(model):
+    """While active, an "sdpa" ``model`` attends through `stacked_query_attention` (a sparse forward's mask is shared
+    by the heads). The model's forwards run one at a time (one worker per model), so switching its config is safe."""
+    config = model.config
+    previous = getattr(config, "_attn_implementation", None)
+    if previous == "sdpa":
+        config._attn_implementation = STACKED_SDPA
+    try:
+        yield
+    finally:
+        if previous == "sdpa":
+            config._attn_implementation = previous
 
 
 @dataclass(frozen=True)
@@ -69,18 +108,23 @@ def budget_count(budget: float, candidates: int) -> int:
 
 
 class _ScatterLayer(DynamicLayer):
-    """A cache layer whose `update` writes the new K/V at given positions of the existing tensors (in place) and
-    returns the whole of them, so the queries attend to everything cached."""
+    """A view of a cache layer for one forward whose first ``n`` tokens recompute given positions: `update` writes
+    their K/V at those positions of the existing tensors (in place), appends the K/V of the tokens after them (new
+    tokens read on top of the cache) and returns the whole, so the queries attend to everything cached."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+    def __init__(self, layer: DynamicLayer, positions: torch.Tensor) -> None:
         super().__init__()
-        self.keys, self.values, self.device, self.is_initialized = keys, values, keys.device, True
+        self.keys, self.values, self.device, self.is_initialized = layer.keys, layer.values, layer.keys.device, True
         self._positions = positions[:, None, :, None]  # [batch, 1, n, 1]
 
     def update(self, key_states, value_states, *args, **kwargs):
+        n = self._positions.shape[2]
         index = self._positions.expand(-1, key_states.shape[1], -1, key_states.shape[-1])
-        self.keys.scatter_(2, index, key_states.to(self.keys.dtype))
-        self.values.scatter_(2, index, value_states.to(self.values.dtype))
+        self.keys.scatter_(2, index, key_states[:, :, :n].to(self.keys.dtype))
+        self.values.scatter_(2, index, value_states[:, :, :n].to(self.values.dtype))
+        if key_states.shape[2] > n:
+            self.keys = torch.cat([self.keys, key_states[:, :, n:].to(self.keys.dtype)], dim=-2)
+            self.values = torch.cat([self.values, value_states[:, :, n:].to(self.values.dtype)], dim=-2)
         return self.keys, self.values
 
 
@@ -93,6 +137,55 @@ def _as_positions(positions, batch: int, device) -> torch.Tensor:
     return positions
 
 
+def takes_custom_mask(model) -> bool:
+    """Whether ``model``'s attention takes a custom 4D additive mask (`MASKED_ATTENTION`), which a sparse prefill
+    (`recompute_positions`, `recompute_and_read`) needs."""
+    return (getattr(model.config, "_attn_implementation", None) or "eager") in MASKED_ATTENTION
+
+
+def _checked_positions(target_model, cache, input_ids: torch.Tensor, positions) -> torch.Tensor:
+    """``positions`` as [batch, n] sorted rows on the cache's device, checked against the cache of ``input_ids``."""
+    layers = cache.layers
+    batch, total = input_ids.shape
+    if not layers or cache.get_seq_length() != total:
+        raise ConfigError(f"the cache holds {cache.get_seq_length()} positions, input_ids {total}")
+    positions = _as_positions(positions, batch, layers[0].keys.device)
+    if not positions.numel():
+        return positions
+    if int(positions.min()) < 0 or int(positions.max()) >= total:
+        raise ConfigError(f"positions must lie in 0..{total - 1}")
+    if not takes_custom_mask(target_model):
+        implementation = getattr(target_model.config, "_attn_implementation", None)
+        raise ConfigError(f"selective recompute needs attention that takes a 4D mask ({', '.join(MASKED_ATTENTION)}), "
+                          f"the target uses {implementation!r}: load it with attn_implementation='sdpa'")
+    return positions.sort(dim=1).values
+
+
+def _sparse_forward(target_model, cache, input_ids: torch.Tensor, positions: torch.Tensor, new_ids: torch.Tensor,
+                    logits_to_keep: int):
+    """One forward of the tokens at ``positions`` [batch, n] (recomputed in place, each at its own position) then
+    ``new_ids`` [batch, N] (appended at T..T+N−1); each query attends to cached positions up to its own. Returns
+    the model's output (``logits_to_keep`` 0: the body alone, no logits)."""
+    layers = cache.layers
+    device, dtype = layers[0].keys.device, layers[0].keys.dtype
+    batch, total = input_ids.shape
+    new = new_ids.shape[1]
+    at = torch.cat([positions, torch.arange(total, total + new, device=device).expand(batch, -1)], dim=1)
+    visible = torch.arange(total + new, device=device)[None, None, :] <= at[:, :, None]  # [batch, n + N, T + N]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
+    tokens = torch.cat([input_ids.to(device).gather(1, positions), new_ids.to(device)], dim=1)
+    scatter = DynamicCache()
+    scatter.layers.extend(_ScatterLayer(layer, positions) for layer in layers)
+    model = target_model if logits_to_keep else getattr(target_model, "model", target_model)
+    extra = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+    with _stacked_attention(target_model):
+        out = model(input_ids=tokens, position_ids=at, attention_mask=mask[:, None], cache=scatter, use_cache=True,
+                    **extra)
+    for layer, written in zip(layers, scatter.layers, strict=True):  # appended tokens made new tensors
+        layer.keys, layer.values = written.keys, written.values
+    return out
+
+
 @torch.inference_mode()
 def recompute_positions(target_model, cache, input_ids: torch.Tensor, positions) -> DynamicCache:
     """The target recomputes the K/V of the tokens at ``positions`` ([n] or [batch, n], each row distinct) of the
@@ -102,30 +195,32 @@ def recompute_positions(target_model, cache, input_ids: torch.Tensor, positions)
     layer their fresh K/V are written into the cache first, and each attends to cached positions ≤ its own (a 4D
     additive mask, for eager and sdpa attention). The cache length does not change.
     """
-    layers = cache.layers
-    batch, total = input_ids.shape
-    if not layers or cache.get_seq_length() != total:
-        raise ConfigError(f"the cache holds {cache.get_seq_length()} positions, input_ids {total}")
-    device = layers[0].keys.device
-    positions = _as_positions(positions, batch, device)
-    if positions.numel() == 0:
-        return cache
-    if int(positions.min()) < 0 or int(positions.max()) >= total:
-        raise ConfigError(f"positions must lie in 0..{total - 1}")
-    implementation = getattr(target_model.config, "_attn_implementation", None) or "eager"
-    if implementation not in MASKED_ATTENTION:
-        raise ConfigError(f"selective recompute needs attention that takes a 4D mask ({', '.join(MASKED_ATTENTION)}), "
-                          f"the target uses {implementation!r}: load it with attn_implementation='sdpa'")
-    positions, _ = positions.sort(dim=1)
-    scatter = DynamicCache()
-    scatter.layers.extend(_ScatterLayer(layer.keys, layer.values, positions) for layer in layers)
-    dtype = layers[0].keys.dtype
-    visible = torch.arange(total, device=device)[None, None, :] <= positions[:, :, None]  # [batch, n, T]
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
-    body = getattr(target_model, "model", target_model)
-    tokens = input_ids.to(device).gather(1, positions)
-    body(input_ids=tokens, position_ids=positions, attention_mask=mask[:, None], cache=scatter, use_cache=True)
+    positions = _checked_positions(target_model, cache, input_ids, positions)
+    if positions.numel():
+        empty = torch.empty(input_ids.shape[0], 0, dtype=torch.long, device=positions.device)
+        _sparse_forward(target_model, cache, input_ids, positions, empty, 0)
     return cache
+
+
+@torch.inference_mode()
+def recompute_and_read(target_model, cache, input_ids: torch.Tensor, positions, new_ids: torch.Tensor,
+                       logits_to_keep: int = 1) -> torch.Tensor:
+    """`recompute_positions` and the target's reading of ``new_ids`` [batch, N ≥ 1] on top of the cache, in one
+    forward: the same arithmetic as the two forwards in turn, but the target's weights are read once.
+
+    The recomputed tokens attend to cached positions up to their own (never to the new tokens); the new tokens,
+    at positions T..T+N−1, attend to the whole cache with the recomputed K/V written in (each layer writes them
+    before it attends) and to the new tokens before them. The cache grows to T + N. Returns the logits of the
+    last ``logits_to_keep`` new tokens [batch, keep, vocab]."""
+    if new_ids.dim() != 2 or new_ids.shape[1] < 1 or new_ids.shape[0] != input_ids.shape[0]:
+        raise ConfigError(f"new_ids must be [batch={input_ids.shape[0]}, N ≥ 1], got {tuple(new_ids.shape)}")
+    if not 1 <= logits_to_keep <= new_ids.shape[1]:
+        raise ConfigError(f"logits_to_keep must be in 1..{new_ids.shape[1]} (the new tokens), got {logits_to_keep}")
+    positions = _checked_positions(target_model, cache, input_ids, positions)
+    if not positions.numel():  # nothing to recompute: the plain read (any attention implementation)
+        return target_model(input_ids=new_ids.to(positions.device), cache=cache, use_cache=True,
+                            logits_to_keep=logits_to_keep).logits
+    return _sparse_forward(target_model, cache, input_ids, positions, new_ids, logits_to_keep).logits
 
 
 # -- rankings: every candidate position (start..T−1), most wanted first, [batch, T − start] ------------------------
@@ -357,21 +452,29 @@ def needs_source_attention(policy: RecomputePolicy) -> bool:
     return policy.active and "source_attention" in policy.rules
 
 
-def apply_policy(policy, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
-                 source_model=None, source_cache=None) -> torch.Tensor:
-    """Run a `RecomputePolicy` (or spec) on ``cache`` (of ``input_ids`` [batch, T]; positions before
-    ``info.start`` are the target's own): select the positions, recompute them in place. Returns the positions
-    [batch, n]. For "source_attention" without ``info.source_attention`` the scores come from ``source_model`` and
-    ``source_cache`` (`source_attention_scores`)."""
+def policy_positions(policy, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
+                     source_model=None, source_cache=None) -> torch.Tensor:
+    """The positions [batch, n] a `RecomputePolicy` (or spec) picks on ``cache`` (of ``input_ids`` [batch, T];
+    positions before ``info.start`` are the target's own), recomputing nothing. For "source_attention" without
+    ``info.source_attention`` the scores come from ``source_model`` and ``source_cache``
+    (`source_attention_scores`)."""
     policy = RecomputePolicy.parse(policy)
     info = info or SelectionInfo()
     if not policy.active:
-        return torch.empty(input_ids.shape[0], 0, dtype=torch.long)
+        return torch.empty(input_ids.shape[0], 0, dtype=torch.long, device=input_ids.device)
     if needs_source_attention(policy) and info.source_attention is None:
         if source_model is None or source_cache is None:
             raise ConfigError("recompute rule 'source_attention' needs the source model and its cache")
         scores = source_attention_scores(source_model, source_cache, input_ids, policy.window)
         info = replace(info, source_attention=scores)
-    positions = select(policy.rule, target_model, cache, input_ids, policy.budget, info, mix=policy.mix)
-    recompute_positions(target_model, cache, input_ids, positions)
+    return select(policy.rule, target_model, cache, input_ids, policy.budget, info, mix=policy.mix)
+
+
+def apply_policy(policy, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
+                 source_model=None, source_cache=None) -> torch.Tensor:
+    """Run a `RecomputePolicy` (or spec) on ``cache``: select the positions (`policy_positions`), recompute them in
+    place. Returns the positions [batch, n]."""
+    positions = policy_positions(policy, target_model, cache, input_ids, info, source_model, source_cache)
+    if positions.numel():
+        recompute_positions(target_model, cache, input_ids, positions)
     return positions

@@ -3,12 +3,21 @@ cache (`handoff`), never by re-prefilling it."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import DynamicCache
 
-from kvhandoff.cache import prefill, rollback
+from kvhandoff.cache import cache_copy, prefill, rollback
 from kvhandoff.errors import ConfigError
-from kvhandoff.handoff import catch_up, check_context, handoff_cache, recompute_policy, verify_mapper
+from kvhandoff.handoff import (
+    MappedCache,
+    catch_up_mapped,
+    check_context,
+    map_for_target,
+    recompute_policy,
+    verify_mapper,
+)
 from kvhandoff.recompute import SelectionInfo
 
 #: how a conversation is handed over at a switch: "all" — the current server's whole cache is mapped for the new
@@ -65,7 +74,14 @@ class SwitchingSession:
         return self._caches.get(server)
 
     def switch_to(self, server: str):
-        """Make ``server`` the owner; returns its cache of `tokens` (mapped as `handover` says)."""
+        """Make ``server`` the owner; returns its cache of `tokens` (mapped as `handover` says, the positions the
+        model recomputes after a handover already recomputed)."""
+        mapped = self._switch(server)
+        return mapped.settle(self.models[server]) if mapped is not None else self._caches.get(server)
+
+    def _switch(self, server: str) -> MappedCache | None:
+        """Make ``server`` the owner; at a handover, its cache of `tokens` as a `MappedCache` whose recompute (the
+        exact prefix, the policy's picks) is left to the model's next forward (`MappedCache.read`); else None."""
         self.require_model(server)
         owner = self.owner
         for name in (owner, server):
@@ -79,14 +95,28 @@ class SwitchingSession:
             ids = torch.tensor([self.tokens], device=current.layers[0].keys.device)
             info = SelectionInfo(turn_starts=tuple(p for p in self._turn_starts if p < len(self.tokens)))
             if server in self._caches:
-                catch_up(self._caches[server], current, mapper, self.models[owner], self.models[server], ids,
-                         self.recompute, info)
+                mapped = catch_up_mapped(self._caches[server], current, mapper, self.models[owner],
+                                         self.models[server], ids, self.recompute, info)
             else:
-                self._caches[server] = handoff_cache(self.models[owner], self.models[server], mapper, ids,
-                                                     self.exact_prefix, source_cache=current,
-                                                     recompute=self.recompute, recompute_info=info)
+                mapped = map_for_target(self.models[owner], self.models[server], mapper, ids, self.exact_prefix,
+                                        source_cache=current, recompute=self.recompute, recompute_info=info)
+                self._caches[server] = mapped.cache
+            self.owner = server
+            return mapped
         self.owner = server
-        return self._caches.get(server)
+        return None
+
+    def _read_on(self, server: str, ids: list[int], keep: int) -> torch.Tensor:
+        """``server`` reads ``ids`` on its cache of the conversation, switching to it first (at a handover the
+        recompute and the read are one forward); logits of the last ``keep`` of them [1, keep, vocab]."""
+        mapped = self._switch(server)
+        model = self.models[server]
+        input_ids = torch.tensor([ids], device=model.device)
+        if mapped is not None:
+            return mapped.read(model, input_ids, keep)
+        out = model(input_ids=input_ids, cache=self._caches.get(server), use_cache=True, logits_to_keep=keep)
+        self._caches[server] = out.cache
+        return out.logits
 
     @torch.inference_mode()
     def read(self, server: str, ids) -> torch.Tensor:
@@ -95,14 +125,10 @@ class SwitchingSession:
         if not ids:
             raise ConfigError("read needs at least one token")
         self._check_length(server, len(ids))
-        cache = self.switch_to(server)
-        model = self.models[server]
-        input_ids = torch.tensor([ids], device=model.device)
-        cache, logits = prefill(model, input_ids, cache)
-        self._caches[server] = cache
+        logits = self._read_on(server, ids, 1)
         self._mark_turns(len(self.tokens))
         self.tokens += ids
-        return logits[0].float().log_softmax(-1)
+        return logits[0, -1].float().log_softmax(-1)
 
     @torch.inference_mode()
     def generate(self, server: str, ids, **generate_kwargs) -> list[int]:
@@ -171,13 +197,9 @@ class SwitchingSession:
             raise ConfigError("read_logprobs needs at least one token")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be a positive integer, got {keep!r}")
-        cache = self.switch_to(server)
-        model = self.models[server]
-        input_ids = torch.tensor([ids], device=model.device)
-        out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=min(keep, len(ids)))
-        self._caches[server] = out.cache
+        logits = self._read_on(server, ids, min(keep, len(ids)))
         self.tokens += ids
-        return out.logits[0].float().log_softmax(-1)
+        return logits[0].float().log_softmax(-1)
 
     @torch.inference_mode()
     def reprefill(self, server: str) -> torch.Tensor:
@@ -193,6 +215,14 @@ class SwitchingSession:
         self._caches[server] = cache
         self.owner = server
         return logits[0].float().log_softmax(-1)
+
+    def fork(self) -> SwitchingSession:
+        """A copy of the conversation that shares the models and mappers but owns copies of the caches: what the
+        fork reads, generates or hands over leaves this session as it was (e.g. to try a switch another way)."""
+        twin = copy.copy(self)
+        twin.tokens, twin._turn_starts = list(self.tokens), list(self._turn_starts)
+        twin._caches = {name: cache_copy(cache) for name, cache in self._caches.items()}
+        return twin
 
     def cache_bytes(self) -> int:
         """Bytes of memory the session's caches hold (storage shared by several views counted once)."""

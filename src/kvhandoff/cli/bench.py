@@ -48,9 +48,14 @@ def bench(
         "tokens at the end of each context the target reads itself (1: all mapped; more: a switch at a turn "
         "boundary)"))] = 1,
     recompute: Recompute = None,
+    two_step: Annotated[bool, typer.Option(help="also time the handoff whose target recomputes the exact prefix in "
+                                                "a forward of its own before it reads the new turn")] = True,
+    resident: Annotated[bool, typer.Option(help="copy the models' weights out of their file-backed memory maps "
+                                                "first, so that memory pressure cannot send a timed forward to the "
+                                                "disk")] = True,
 ) -> None:
-    """Latency of handoff (transfer + the target reading the new turn) vs the target's re-prefill, per context
-    length."""
+    """Latency of handoff (transfer + one target forward: the exact prefix and the new turn) vs the target's
+    re-prefill, per context length, with peak tensor memory and the FLOP bound."""
     if threads is not None:
         torch.set_num_threads(threads)
     pair = load_named_pair(source, target)
@@ -58,7 +63,7 @@ def bench(
     typer.echo(note)
     result = run_bench(pair.source, pair.target, the_mapper, lengths, repeats=repeats, warmup=warmup, out_dir=out,
                        time_budget_s=budget, measure_memory=memory, source_name=source, target_name=target,
-                       new_turn=new_turn, recompute=recompute)
+                       new_turn=new_turn, recompute=recompute, two_step=two_step, resident=resident)
     typer.echo(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     if result["failed"] or result["skipped"]:
         typer.echo(f"not measured: skipped {result['skipped']}, failed {[f['tokens'] for f in result['failed']]}")

@@ -9,7 +9,15 @@ from typing import Annotated
 
 import typer
 
-from kvhandoff.cli.options import list_of, one_of, option_errors, positive_float, positive_int, positive_ints
+from kvhandoff.cli.options import (
+    list_of,
+    one_of,
+    option_errors,
+    positive_float,
+    positive_int,
+    positive_ints,
+    recompute_spec,
+)
 from kvhandoff.cli.serve import GuardSignal, GuardSwitch, GuardThreshold, Mappers, Models, family_specs
 from kvhandoff.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.bench import DEFAULT_SERVE_LENGTHS, DIRECTIONS, run_serve_bench, serve_bench_table
@@ -45,8 +53,8 @@ def bench_serve(
     max_tokens: Annotated[int, typer.Option(parser=positive_int, help="answer length of each request")] = 8,
     warmup: Annotated[bool, typer.Option(help="one untimed short switch per path and direction first")] = True,
     guard: GuardSwitch = "off",
-    guard_signal: GuardSignal = "logloss",
-    guard_threshold: GuardThreshold = 1.0,
+    guard_signal: GuardSignal = ServeConfig.guard_signal,
+    guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
     time_limit: TimeLimit = None,
     out: Annotated[Path, typer.Option(help="the result (JSON)")] = Path("runs/serve_bench.json"),
     plot: Annotated[Path | None, typer.Option(help="also draw the times here (PNG)")] = None,
@@ -75,8 +83,8 @@ def load_test(
     story_chars: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "cut each story to this many characters (default: whole stories)"))] = None,
     guard: GuardSwitch = "off",
-    guard_signal: GuardSignal = "logloss",
-    guard_threshold: GuardThreshold = 1.0,
+    guard_signal: GuardSignal = ServeConfig.guard_signal,
+    guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
     out: Annotated[Path, typer.Option(help="the report (JSON)")] = Path("runs/serve_load.json"),
 ) -> None:
     """Concurrent conversations switching models every 2–3 turns against a server on a free loopback port:
@@ -110,6 +118,9 @@ def guard_eval(
     time_limit: TimeLimit = None,
     story_chars: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "cut each story to this many characters (default: whole stories)"))] = None,
+    escalate: Annotated[str | None, typer.Option(parser=recompute_spec, metavar="RULE:BUDGET", help=(
+        "also hand every switch over with this recompute policy (e.g. recent:50%) and compare escalating with "
+        "falling back"))] = None,
     out: Annotated[Path, typer.Option(help="the result (JSON)")] = Path("runs/serve_guard.json"),
 ) -> None:
     """The quality guard on CoQA conversations switching models: AUROC per signal, a threshold chosen on dev
@@ -120,6 +131,6 @@ def guard_eval(
     result = run_guard_eval(*family, conversations=conversations, turns=turns, switch_every=switch_every,
                             signals=signals, max_new_tokens=max_new_tokens, window=window,
                             heldout_every=heldout_every, max_false_fallback=max_false_fallback,
-                            time_limit_s=time_limit, story_chars=story_chars, out=out)
+                            time_limit_s=time_limit, story_chars=story_chars, escalate=escalate, out=out)
     _print(guard_table(result))
     typer.echo(f"wrote {out}")

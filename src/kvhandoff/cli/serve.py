@@ -51,9 +51,9 @@ def serve(
     mapper: Mappers = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(parser=non_negative_int, help="port to listen on")] = 8000,
-    guard: GuardSwitch = "off",
-    guard_signal: GuardSignal = "logloss",
-    guard_threshold: GuardThreshold = 1.0,
+    guard: GuardSwitch = "on",
+    guard_signal: GuardSignal = ServeConfig.guard_signal,
+    guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
     max_sessions: Annotated[int, typer.Option(parser=positive_int, help="live sessions at once")] = 256,
     session_ttl: Annotated[float, typer.Option(parser=positive_float, help="seconds an idle session is kept")]
     = 1800.0,

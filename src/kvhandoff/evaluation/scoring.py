@@ -33,7 +33,7 @@ from kvhandoff.assets import end_of_text_ids
 from kvhandoff.cache import feed, model_device, prefill, rollback
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.tasks import GenItem, MCItem, cut_at_stop, encode, encode_pair
-from kvhandoff.handoff import handoff_cache, recompute_policy
+from kvhandoff.handoff import handoff_cache, handoff_read, recompute_policy
 
 #: prefilled few-shot prefixes kept per condition (MMLU has 57 subject prefixes, GSM8K one)
 PREFIX_CACHE_ENTRIES = 4
@@ -108,6 +108,18 @@ class Condition:
         are a shared prefix whose prefill may come from ``prefixes`` (only passed when ``prefixes`` is set)."""
         raise NotImplementedError
 
+    def read_context(self, context_ids: torch.Tensor, prefix_len: int = 0):
+        """(cache of all of ``context_ids`` [1, T], float32 log-probs of the token after it [V]): `prefill` of all
+        but the last token, then ``reader`` reads the last."""
+        input_ids = context_ids[:, :-1]
+        cache = self.prefill(input_ids, prefix_len) if prefix_len else self.prefill(input_ids)
+        if cache.get_seq_length() != input_ids.shape[1]:
+            raise RuntimeError(
+                f"condition {self.name!r} returned a cache of {cache.get_seq_length()} tokens for a "
+                f"{input_ids.shape[1]}-token prefill"
+            )
+        return cache, feed(self.reader, cache, context_ids[0, -1:].tolist())[-1]
+
 
 class Standalone(Condition):
     """A model on its own: it prefills the context and reads on.
@@ -163,6 +175,16 @@ class Transfer(Condition):
         return handoff_cache(self.source, self.reader, self.mapper, input_ids, self.exact_prefix, source_cache,
                              recompute=self.recompute)
 
+    def read_context(self, context_ids: torch.Tensor, prefix_len: int = 0):
+        """All but the last token mapped; the target recomputes the exact prefix (and the recompute policy's picks)
+        in the forward that reads the last token (`handoff_read`): one target forward."""
+        source_cache = None
+        if prefix_len and self.prefixes is not None:
+            source_cache = self.prefixes.prefill(self.source, context_ids[:, :-1], prefix_len)
+        cache, logits = handoff_read(self.source, self.reader, self.mapper, context_ids, 1, self.exact_prefix,
+                                     source_cache, self.recompute)
+        return cache, logits[0, -1].float().log_softmax(-1)
+
 
 class TransferHistory(Transfer):
     """The mapped cache holds the item's few-shot history (its shared prefix) only; the target prefills the rest
@@ -178,6 +200,10 @@ class TransferHistory(Transfer):
                  prefix_entries: int = PREFIX_CACHE_ENTRIES, recompute=None) -> None:
         super().__init__(name, source_model, target_model, mapper, exact_prefix, prefix_entries, recompute)
         self.prefixes = PrefixCache(prefix_entries)  # the history boundary is needed even without reuse
+
+    # the history's patched cache is kept and copied for every item sharing it, so its exact prefix is recomputed
+    # once per history; the item's own tokens and its last token are read as by a standalone model
+    read_context = Condition.read_context
 
     def prefill(self, input_ids: torch.Tensor, prefix_len: int = 0):
 
@@ -267,14 +293,7 @@ def open_context(
     if prefix_ids and prefixes is not None and not prefix_len:
         prefixes.mismatches += 1
     with torch.inference_mode():
-        input_ids = torch.tensor([list(context_ids[:-1])], dtype=torch.long)
-        cache = condition.prefill(input_ids, prefix_len) if prefix_len else condition.prefill(input_ids)
-        if cache.get_seq_length() != len(context_ids) - 1:
-            raise RuntimeError(
-                f"condition {condition.name!r} returned a cache of {cache.get_seq_length()} tokens for a "
-                f"{len(context_ids) - 1}-token prefill"
-            )
-        logprobs = feed(condition.reader, cache, context_ids[-1:])[-1]
+        cache, logprobs = condition.read_context(torch.tensor([list(context_ids)], dtype=torch.long), prefix_len)
     return OpenContext(condition.reader, cache, len(context_ids), logprobs)
 
 

@@ -97,12 +97,9 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """The FastAPI application serving ``engine`` (routes: POST /v1/chat/completions, POST /v1/completions,
-    GET /v1/models, GET /health, GET /metrics)."""
-    app = FastAPI(title="kvhandoff", version=kvhandoff.__version__)
-    app.state.engine = engine
-    requests = engine.metrics.requests
+def install_error_handlers(app: FastAPI, requests) -> None:
+    """Every failure as an OpenAI-style error object: invalid bodies 400 naming the field, the engine's refusals
+    with their status (`ERROR_STATUS`), unknown routes 404, anything else 500 — counted in ``requests``."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
@@ -130,6 +127,85 @@ def create_app(engine: Engine) -> FastAPI:
     async def internal(request: Request, exc: Exception):
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error", None, "internal")
 
+
+async def respond(engine: Engine, request: GenerationRequest, body: SamplingRequest, chat: bool):
+    """Run ``request`` on ``engine`` and answer it: a JSON completion, or with ``body.stream`` server-sent events;
+    the handoff status and session in the headers either way."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    requests = engine.metrics.requests
+    generation = await engine.start(request)
+    headers = {HANDOFF_HEADER: generation.report.status}
+    if request.session_id:
+        headers[SESSION_HEADER] = request.session_id
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if body.stream:
+        requests.labels(path, "200").inc()
+        return StreamingResponse(stream_events(generation, request, body, chat, ident, created),
+                                 media_type="text/event-stream", headers=headers)
+    try:
+        text = await generation.text()
+    except asyncio.CancelledError:
+        generation.cancel()
+        raise
+    usage, info = usage_of(generation), handoff_info(generation)
+    if chat:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=generation.finish_reason)
+        result = ChatCompletion(id=ident, created=created, model=request.model, choices=[choice], usage=usage,
+                                kv_handoff=info)
+    else:
+        choice = CompletionChoice(text=text, finish_reason=generation.finish_reason)
+        result = Completion(id=ident, created=created, model=request.model, choices=[choice], usage=usage,
+                            kv_handoff=info)
+    requests.labels(path, "200").inc()
+    return JSONResponse(dump(result), headers=headers)
+
+
+async def stream_events(generation: Generation, request: GenerationRequest, body: SamplingRequest, chat: bool,
+                        ident: str, created: int):
+    """The answer as OpenAI chunks (the handoff report in the first), optionally a usage chunk, then [DONE]; an
+    error mid-stream as an error object. A client that goes away cancels the generation."""
+    info = handoff_info(generation)
+
+    def chunk(content: str | None, finish: str | None = None, first: bool = False) -> str:
+        if chat:
+            delta = Delta(role="assistant", content="") if first else Delta(content=content)
+            return sse(dump(ChatCompletionChunk(
+                id=ident, created=created, model=request.model, kv_handoff=info if first else None,
+                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])))
+        return sse(dump(Completion(id=ident, created=created, model=request.model,
+                                   kv_handoff=info if first else None,
+                                   choices=[CompletionChoice(text=content or "", finish_reason=finish)])))
+
+    try:
+        if chat:
+            yield chunk(None, first=True)
+        first = not chat
+        async for piece in generation.deltas():
+            yield chunk(piece, first=first)
+            first = False
+        yield chunk(None if chat else "", generation.finish_reason, first=first)
+        if body.include_usage():
+            kind = ChatCompletionChunk if chat else Completion
+            yield sse(dump(kind(id=ident, created=created, model=request.model, choices=[],
+                                usage=usage_of(generation))))
+        yield sse("[DONE]")
+    except RequestError as exc:
+        kind = ERROR_STATUS[exc.kind][1]
+        yield sse(dump(ErrorResponse(error=ErrorBody(message=exc.message, type=kind, param=exc.param,
+                                                     code=exc.code))))
+        yield sse("[DONE]")
+    finally:
+        generation.cancel()  # a no-op once the answer is complete; otherwise the client went away
+
+
+def create_app(engine: Engine) -> FastAPI:
+    """The FastAPI application serving ``engine`` (routes: POST /v1/chat/completions, POST /v1/completions,
+    GET /v1/models, GET /health, GET /metrics)."""
+    app = FastAPI(title="kvhandoff", version=kvhandoff.__version__)
+    app.state.engine = engine
+    install_error_handlers(app, engine.metrics.requests)
+
     @app.get("/health")
     async def health():
         return engine.health()
@@ -151,7 +227,7 @@ def create_app(engine: Engine) -> FastAPI:
             max_tokens=body.answer_limit(), temperature=body.temperature, top_p=body.top_p, seed=body.seed,
             stop=body.stop_strings(), session_id=session_of(x_session_id, body), handoff_mode=body.handoff_mode(),
         )
-        return await respond(request, body, chat=True)
+        return await respond(engine, request, body, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest,
@@ -162,70 +238,6 @@ def create_app(engine: Engine) -> FastAPI:
             top_p=body.top_p, seed=body.seed, stop=body.stop_strings(), session_id=session_of(x_session_id, body),
             handoff_mode=body.handoff_mode(),
         )
-        return await respond(request, body, chat=False)
-
-    async def respond(request: GenerationRequest, body: SamplingRequest, chat: bool):
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        generation = await engine.start(request)
-        headers = {HANDOFF_HEADER: generation.report.status}
-        if request.session_id:
-            headers[SESSION_HEADER] = request.session_id
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        if body.stream:
-            requests.labels(path, "200").inc()
-            return StreamingResponse(stream(generation, request, body, chat, ident, created),
-                                     media_type="text/event-stream", headers=headers)
-        try:
-            text = await generation.text()
-        except asyncio.CancelledError:
-            generation.cancel()
-            raise
-        usage, info = usage_of(generation), handoff_info(generation)
-        if chat:
-            choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=generation.finish_reason)
-            result = ChatCompletion(id=ident, created=created, model=request.model, choices=[choice], usage=usage,
-                                    kv_handoff=info)
-        else:
-            choice = CompletionChoice(text=text, finish_reason=generation.finish_reason)
-            result = Completion(id=ident, created=created, model=request.model, choices=[choice], usage=usage,
-                                kv_handoff=info)
-        requests.labels(path, "200").inc()
-        return JSONResponse(dump(result), headers=headers)
-
-    async def stream(generation: Generation, request: GenerationRequest, body: SamplingRequest, chat: bool,
-                     ident: str, created: int):
-        info = handoff_info(generation)
-
-        def chunk(content: str | None, finish: str | None = None, first: bool = False) -> str:
-            if chat:
-                delta = Delta(role="assistant", content="") if first else Delta(content=content)
-                return sse(dump(ChatCompletionChunk(
-                    id=ident, created=created, model=request.model, kv_handoff=info if first else None,
-                    choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])))
-            return sse(dump(Completion(id=ident, created=created, model=request.model,
-                                       kv_handoff=info if first else None,
-                                       choices=[CompletionChoice(text=content or "", finish_reason=finish)])))
-
-        try:
-            if chat:
-                yield chunk(None, first=True)
-            first = not chat
-            async for piece in generation.deltas():
-                yield chunk(piece, first=first)
-                first = False
-            yield chunk(None if chat else "", generation.finish_reason, first=first)
-            if body.include_usage():
-                kind = ChatCompletionChunk if chat else Completion
-                yield sse(dump(kind(id=ident, created=created, model=request.model, choices=[],
-                                    usage=usage_of(generation))))
-            yield sse("[DONE]")
-        except RequestError as exc:
-            kind = ERROR_STATUS[exc.kind][1]
-            yield sse(dump(ErrorResponse(error=ErrorBody(message=exc.message, type=kind, param=exc.param,
-                                                         code=exc.code))))
-            yield sse("[DONE]")
-        finally:
-            generation.cancel()  # a no-op once the answer is complete; otherwise the client went away
+        return await respond(engine, request, body, chat=False)
 
     return app

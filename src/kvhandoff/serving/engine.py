@@ -31,7 +31,7 @@ import torch
 from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.serving.decoding import choose_token, end_ids, held_back, make_generator, stop_index
-from kvhandoff.serving.guard import guard_score, reference_logprobs
+from kvhandoff.serving.guard import guard_score, needs_reference, reference_logprobs
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.protocol import HANDOFF_MODES
 from kvhandoff.session import SwitchingSession
@@ -422,10 +422,12 @@ class Engine:
             keep, reference = 1, None
             if config.guard:
                 keep = config.guard_window
-                reference = reference_logprobs(self._models[previous].model, session.cache(previous), new, keep)
+                if needs_reference(config.guard_signal):
+                    reference = reference_logprobs(self._models[previous].model, session.cache(previous), new,
+                                                   keep)
             logprobs = session.read_logprobs(server, new, keep)
-            if reference is not None:
-                score = guard_score(config.guard_signal, logprobs, reference, new)
+            if config.guard:
+                score = guard_score(config.guard_signal, logprobs, reference, new, mapped / common)
                 guard = {"signal": config.guard_signal, "score": score, "threshold": float(config.guard_threshold)}
                 if score is not None and score > config.guard_threshold:
                     status = "fallback"

@@ -2,27 +2,33 @@
 says the mapping is degraded; and the measurement of the guard on dev conversations (AUROC, threshold).
 
 At a switch the receiving model reads the new turn anyway (on top of the mapped history), so its next-token
-distributions at the new turn's positions come for free; the previous model reads the same tokens over its own
+distributions at the new turn's positions come for free; the previous model can read the same tokens over its own
 cache (a forward pass of the new turn only, then rolled back) for a reference. Signals (`config.GUARD_SIGNALS`):
 
 - "logloss": the receiving model's mean log-loss on the new turn's tokens minus the previous model's;
-- "kl": the mean KL(previous model ‖ receiving model) of the next-token distributions at those positions.
+- "kl": the mean KL(previous model ‖ receiving model) of the next-token distributions at those positions;
+- "kl_answer": that KL at the new turn's last position (the distribution of the answer's first token);
+- "entropy": the receiving model's mean next-token entropy at those positions (no reference needed);
+- "mapped_share": the share of the conversation's positions before the new turn that this switch maps (no model
+  output needed).
 
-Both cost a forward pass of the new turn's tokens through the previous model, next to a re-prefill of the whole
-conversation by the receiving model. A score above the threshold means: re-prefill.
+The reference signals (`config.REFERENCE_GUARD_SIGNALS`) cost a forward pass of the new turn's tokens through the
+previous model, next to a re-prefill of the whole conversation by the receiving model; the others cost nothing. A
+score above the threshold means: re-prefill.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from kvhandoff.cache import kl_divergence, rollback
-from kvhandoff.config import GUARD_SIGNALS
+from kvhandoff.config import GUARD_SIGNALS, REFERENCE_GUARD_SIGNALS
 from kvhandoff.errors import ConfigError
+from kvhandoff.handoff import recompute_policy
 from kvhandoff.serving.decoding import greedy_answer
 from kvhandoff.session import SwitchingSession
 
@@ -39,18 +45,41 @@ def reference_logprobs(model, cache, ids: Sequence[int], keep: int) -> torch.Ten
     return out.logits[0].float().log_softmax(-1)
 
 
-def guard_score(signal: str, served: torch.Tensor, reference: torch.Tensor, ids: Sequence[int]) -> float | None:
+def check_signal(signal: str) -> str:
+    """``signal`` if it is one of `GUARD_SIGNALS`, else a ConfigError naming them."""
+    if signal not in GUARD_SIGNALS:
+        raise ConfigError(f"guard signal must be one of {', '.join(GUARD_SIGNALS)}, got {signal!r}")
+    return signal
+
+
+def needs_reference(signal: str) -> bool:
+    """Whether ``signal`` scores against the previous model's reference pass over the new turn."""
+    return check_signal(signal) in REFERENCE_GUARD_SIGNALS
+
+
+def guard_score(signal: str, served: torch.Tensor, reference: torch.Tensor | None, ids: Sequence[int],
+                mapped_share: float | None = None) -> float | None:
     """The guard's score of a mapped cache (higher: more degraded).
 
     served / reference: log-probs [k, vocab] of the last k positions of the new turn ``ids`` from the receiving
-    model over the mapped history and from the previous model over its own cache. None when the signal has nothing
-    to score ("logloss" needs two positions: k − 1 tokens are predicted inside the turn).
+    model over the mapped history and from the previous model over its own cache (None for a signal that needs no
+    reference); mapped_share: the share of the positions before the new turn that were mapped ("mapped_share"
+    only). None when the signal has nothing to score ("logloss" needs two positions: k − 1 tokens are predicted
+    inside the turn).
     """
-    if signal not in GUARD_SIGNALS:
-        raise ConfigError(f"guard signal must be one of {', '.join(GUARD_SIGNALS)}, got {signal!r}")
+    if needs_reference(signal) and reference is None:
+        raise ConfigError(f"guard signal {signal!r} needs the previous model's reference log-probs")
+    if signal == "mapped_share":
+        if mapped_share is None:
+            raise ConfigError("guard signal 'mapped_share' needs the share of positions mapped")
+        return float(mapped_share)
+    if signal == "entropy":
+        return float(-(served.exp() * served).sum(-1).mean())
     reference = reference.to(served.device)
     if signal == "kl":
         return float(kl_divergence(reference, served).mean())
+    if signal == "kl_answer":
+        return float(kl_divergence(reference[-1:], served[-1:]).mean())
     k = served.shape[0]
     if k < 2:
         return None
@@ -64,7 +93,11 @@ def guard_score(signal: str, served: torch.Tensor, reference: torch.Tensor, ids:
 @dataclass(frozen=True)
 class GuardRecord:
     """One handoff of a dev conversation: the guard's score, and whether the receiving model's greedy answer
-    after the handoff differs from its answer after re-prefilling the conversation itself."""
+    after the handoff differs from its answer after re-prefilling the conversation itself.
+
+    first_kl: KL(re-prefilled ‖ handed-over) of the distribution of the answer's first token; handed / own: the
+    greedy answers (token ids) after the handoff and after the re-prefill; escalated: the answer after the same
+    handoff with a larger recompute budget (None when not measured)."""
 
     conversation: int
     turn: int
@@ -73,6 +106,10 @@ class GuardRecord:
     mapped_tokens: int
     score: float | None
     differs: bool
+    first_kl: float | None = None
+    handed: tuple[int, ...] = field(default=())
+    own: tuple[int, ...] = field(default=())
+    escalated: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -156,18 +193,39 @@ def guard_records(models, mappers, conversations, signal: str = "logloss", max_n
                                    handover, exact_prefix, recompute)[signal]
 
 
+@dataclass(frozen=True)
+class _Answering:
+    """How every model of a guard measurement answers (greedy, bounded, stopping before any of ``stop_ids``)."""
+
+    max_new_tokens: int
+    stop_ids: frozenset
+
+    def answer(self, session, server: str, logprobs: torch.Tensor, feed_last: bool = False) -> tuple[int, ...]:
+        return tuple(greedy_answer(session, server, logprobs, self.max_new_tokens, self.stop_ids, feed_last))
+
+
+def _escalated_answer(session: SwitchingSession, server: str, ids: list[int], escalate,
+                      answering: _Answering) -> tuple[int, ...]:
+    """The answer after the same switch handed over with the ``escalate`` recompute policy, on a fork of the
+    session (the session itself is left as it was)."""
+    twin = session.fork()
+    twin.recompute = escalate
+    return answering.answer(twin, server, twin.read_logprobs(server, ids)[-1])
+
+
 @torch.inference_mode()
 def guard_records_by_signal(models, mappers, conversations, signals: Sequence[str] = GUARD_SIGNALS,
                             max_new_tokens: int = 16, window: int = 64, stop_ids=(), handover: str = "incremental",
                             exact_prefix: int | None = None, recompute=None,
-                            time_limit_s: float | None = None) -> dict[str, list[GuardRecord]]:
+                            time_limit_s: float | None = None, escalate=None) -> dict[str, list[GuardRecord]]:
     """`guard_records` for several signals in one pass (the answers do not depend on the signal): signal → records.
-    With ``time_limit_s`` no conversation starts after that many seconds (the records of those that ran)."""
-    signals = tuple(signals)
-    for signal in signals:
-        if signal not in GUARD_SIGNALS:
-            raise ConfigError(f"guard signal must be one of {', '.join(GUARD_SIGNALS)}, got {signal!r}")
-    stop_ids = frozenset(stop_ids)
+    With ``time_limit_s`` no conversation starts after that many seconds (the records of those that ran). With
+    ``escalate`` (a recompute policy or spec, e.g. "recent:50%") every switch is also handed over with that policy
+    and its answer recorded (`GuardRecord.escalated`): what a guard raising the recompute budget would serve."""
+    signals = tuple(check_signal(signal) for signal in signals)
+    reference_needed = any(needs_reference(signal) for signal in signals)
+    answering = _Answering(max_new_tokens, frozenset(stop_ids))
+    escalate = None if escalate is None else recompute_policy(None, escalate)
     records: dict[str, list[GuardRecord]] = {signal: [] for signal in signals}
     started = time.monotonic()
     for c, turns in enumerate(conversations):
@@ -178,22 +236,26 @@ def guard_records_by_signal(models, mappers, conversations, signals: Sequence[st
             ids = list(ids)
             previous = session.owner
             if previous is None or previous == server:
-                logprobs = session.read_logprobs(server, ids)[-1]
-                greedy_answer(session, server, logprobs, max_new_tokens, stop_ids, feed_last=True)
+                answering.answer(session, server, session.read_logprobs(server, ids)[-1], feed_last=True)
                 continue
             cached = session.cache(server)
-            mapped_tokens = len(session.tokens) - (cached.get_seq_length() if cached is not None else 0)
-            reference = reference_logprobs(models[previous], session.cache(previous), ids, window)
+            before = len(session.tokens)
+            mapped_tokens = before - (cached.get_seq_length() if cached is not None else 0)
+            escalated = None if escalate is None else _escalated_answer(session, server, ids, escalate, answering)
+            reference = (reference_logprobs(models[previous], session.cache(previous), ids, window)
+                         if reference_needed else None)
             served = session.read_logprobs(server, ids, window)
-            scores = {signal: guard_score(signal, served, reference, ids) for signal in signals}
+            scores = {signal: guard_score(signal, served, reference, ids, mapped_tokens / before)
+                      for signal in signals}
             length = len(session.tokens)
-            handed = greedy_answer(session, server, served[-1], max_new_tokens, stop_ids)
+            handed = answering.answer(session, server, served[-1])
             session.truncate(length)
-            own = greedy_answer(session, server, session.reprefill(server), max_new_tokens, stop_ids,
-                                feed_last=True)
+            own_logprobs = session.reprefill(server)
+            first_kl = float(kl_divergence(own_logprobs[None], served[-1:]).mean())
+            own = answering.answer(session, server, own_logprobs, feed_last=True)
             for signal in signals:
                 records[signal].append(GuardRecord(c, t, previous, server, mapped_tokens, scores[signal],
-                                                   handed != own))
+                                                   handed != own, first_kl, handed, own, escalated))
     return records
 
 
