@@ -470,3 +470,26 @@ def test_serve_refuses_bad_values_before_loading_models(monkeypatch, args, optio
     result = CliRunner().invoke(app, ["serve", *args])
     assert result.exit_code == 2, result.output
     assert option in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_fit_compact_options_write_a_compact_mapper_and_say_its_size(pair, tmp_path):
+    small, large = pair
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+                                      "--sequences", "3", "--seq-len", "48", "--rank", "4", "--storage", "float16"])
+    assert result.exit_code == 0, result.output
+    mapper = Mapper.load(tmp_path / "m")
+    assert mapper.manifest.method == "lowrank" and mapper.manifest.config.rank == 4
+    storage = mapper.manifest.storage
+    assert storage["weight_dtype"] == "float16"
+    assert f"{storage['parameters']:,} parameters, {storage['file_bytes'] / 1e6:.1f} MB on disk" in result.output
+    assert "MFLOP per token" in result.output
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "h"),
+                                      "--sequences", "3", "--seq-len", "48", "--heads", "aligned",
+                                      "--k-tolerance", "0.05"])
+    assert result.exit_code == 0, result.output
+    assert Mapper.load(tmp_path / "h").manifest.method == "blocks" and "k per target layer" in result.output
+    for options, message in ((["--rank", "4", "--top-k", "2"], "needs top_k='all'"),
+                             (["--heads", "some"], "unknown heads"), (["--k-tolerance", "-1"], "number >= 0"),
+                             (["--method", "mlp", "--rank", "4"], "full ridge map")):
+        bad = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, *options])
+        assert bad.exit_code == 2 and message in bad.output, bad.output

@@ -299,3 +299,33 @@ def test_models_are_fingerprinted_once_per_mapper(fitted, monkeypatch):
     with pytest.raises(MapperMismatchError, match="different target model"):
         fresh.check_models(target_model=source)  # a refused model is not remembered as verified
     assert calls == [source, target, source, source]
+
+
+def test_a_lazy_load_reads_the_tensors_at_first_use_and_then_is_the_eager_mapper(fitted, tmp_path):
+    source, target, mapper = fitted
+    folder = mapper.save(tmp_path / "m")
+    lazy = Mapper.load(folder, source_model=source, target_model=target, lazy=True)
+    assert lazy.pending and lazy.nbytes() == 0
+    assert lazy.num_parameters() == mapper.num_parameters() == lazy.manifest.storage["parameters"]
+    assert lazy.manifest.storage["file_bytes"] == (folder / "mapper.safetensors").stat().st_size
+    cache, _ = prefill(source, torch.randint(0, 128, (1, 12)))
+    got, want = lazy.transfer(cache), mapper.transfer(cache)
+    assert not lazy.pending and lazy.nbytes() == mapper.nbytes()
+    for a, b in zip(got.layers, want.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_lazy_load_checks_the_file_size_at_once_and_its_checksum_at_first_use(fitted, tmp_path):
+    _, _, mapper = fitted
+    folder = mapper.save(tmp_path / "m")
+    tensors = folder / "mapper.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[-5] ^= 0xFF  # same size, other bytes: only the checksum can tell
+    tensors.write_bytes(bytes(data))
+    lazy = Mapper.load(folder, lazy=True)
+    for _ in range(2):  # and again at the next use
+        with pytest.raises(MapperFormatError, match="does not match the checksum"):
+            lazy.map_feature_rows(torch.zeros(1, mapper.source.width))
+    tensors.write_bytes(bytes(data[:-9]))
+    with pytest.raises(MapperFormatError, match="truncated or was edited"):
+        Mapper.load(folder, lazy=True)

@@ -46,6 +46,7 @@ def test_load_family_from_local_folders_and_saved_mappers(tmp_path):
     dirs = parse_mapper_dirs([f"small:large={tmp_path / 'up'}", f"large:small={tmp_path / 'down'}"], specs)
     models, mappers = load_family(specs, dirs, progress=False)
     assert set(models) == {"small", "large"} and set(mappers) == {("small", "large"), ("large", "small")}
+    assert all(mapper.pending for mapper in mappers.values())  # tensors are read at each mapper's first handoff
     Engine(models, mappers, ServeConfig()).close()
     swapped = {("small", "large"): tmp_path / "down", ("large", "small"): tmp_path / "up"}
     with pytest.raises(KVHandoffError):  # a mapper fitted for another pair is refused

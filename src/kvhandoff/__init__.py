@@ -1,6 +1,6 @@
 """kvhandoff: cross-model KV-cache transfer with a closed-form linear mapper."""
 
-from kvhandoff import mlp  # noqa: F401 - registers the "mlp" mapper method with `Mapper.load`
+from kvhandoff import compact, mlp  # noqa: F401 - register the "blocks", "lowrank", "mlp" methods with `Mapper.load`
 from kvhandoff.cache import prefill
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import KVHandoffError

@@ -178,7 +178,7 @@ def continuation_flops(constants: dict, start: int, tokens: int) -> float:
 
 
 def mapper_flops_per_token(mapper: Mapper) -> int:
-    return 2 * mapper.weight.numel() + mapper.bias.numel()
+    return mapper.flops_per_token()
 
 
 def synthetic_mapper(source_model, target_model, top_k: int | str = "all", seed: int = 0) -> Mapper:

@@ -49,6 +49,15 @@ END_OF_TEXT_TOKENS: tuple[str, ...] = (
     "<|endoftext|>", "<|im_end|>", "<|end_of_text|>", "<|eot_id|>", "<|end|>", "</s>",
 )
 
+#: `FitConfig.heads`, `FitConfig.projection` and `FitConfig.storage_dtype` choices (see FitConfig)
+HEAD_CHOICES: tuple[str, ...] = ("all", "aligned")
+PROJECTIONS: tuple[str, ...] = ("rrr", "pca")
+STORAGE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+#: the k each target layer may take with `FitConfig.k_tolerance` (up to top_k; "all" always a candidate)
+LAYER_KS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
+#: compact-mapper settings at their defaults (the full ridge map): left out of manifests and cache keys
+_COMPACT_DEFAULTS = {"heads": "all", "k_tolerance": 0.0, "rank": 0, "projection": "rrr", "storage_dtype": "float32"}
+
 #: the one mapper format this kvhandoff reads and writes (every method: the manifest's `method` says which
 #: mapper class reads the tensors; see `manifest.py`). Mappers written in an earlier format are refused: re-fit.
 MAPPER_FORMAT_VERSION = 4
@@ -142,6 +151,20 @@ class FitConfig:
         (`kvhandoff.recompute`). This is the one place the default lives; recorded in the manifest's config
         (left out while "none", so cache keys and manifests of mappers fitted before it stay the same). "none"
         until measured.
+    Compact mappers (`kvhandoff.compact`; solved from the same statistics, recorded in the manifest; each left out
+    of manifests and cache keys while at its default, the full ridge map):
+    heads: "all" (every target KV head reads every KV head of the selected source layers) or "aligned" (target KV
+        head h reads only its group of source KV heads: head h when the counts are equal; h·Hs/Ht … when the
+        source has a multiple of the target's heads; h·Hs // Ht when the target has a multiple of the source's).
+    k_tolerance: 0 (off) or, each target layer reads the fewest source layers (from LAYER_KS up to top_k) whose
+        in-sample R² (mean of K and V) is within this much of top_k's.
+    rank: 0 (off) or r > 0: every target layer's K (V) map reads one shared rank-r projection of all source
+        layers' K (V) (needs top_k="all", heads="all", source_inputs="own", k_tolerance 0).
+    projection: the rank-r basis: "rrr" (reduced-rank ridge: the r directions of the full ridge fit that explain
+        the most target variance, each target layer weighted equally) or "pca" (the top r eigenvectors of the
+        source Gram, then ridge on them).
+    storage_dtype: dtype of the saved weight tensors ("float32", "float16", "bfloat16"); biases stay float32 and
+        the map computes in float32 (the fitted mapper's weights are rounded to it, so it equals the saved one).
     """
 
     top_k: int | str = "all"
@@ -151,6 +174,11 @@ class FitConfig:
     exact_prefix: int = 4
     source_inputs: str = "own"
     recompute: str = "none"
+    heads: str = "all"
+    k_tolerance: float = 0.0
+    rank: int = 0
+    projection: str = "rrr"
+    storage_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if isinstance(self.top_k, str):
@@ -178,6 +206,46 @@ class FitConfig:
         if not isinstance(self.recompute, str):
             raise ConfigError(f"recompute must be a policy spec such as 'deviation:10%', got {self.recompute!r}")
         object.__setattr__(self, "recompute", RecomputePolicy.parse(self.recompute).spec)
+        self._check_compact()
+
+    def _check_compact(self) -> None:
+        if self.heads not in HEAD_CHOICES:
+            raise ConfigError(f"heads must be one of {', '.join(HEAD_CHOICES)}, got {self.heads!r}")
+        require_positive("k_tolerance", self.k_tolerance, float, minimum=0)
+        if self.k_tolerance >= 1:
+            raise ConfigError(f"k_tolerance is an R² margin in [0, 1), got {self.k_tolerance!r}")
+        if self.k_tolerance and self.top_k == "heldout":
+            raise ConfigError("k_tolerance chooses k per target layer from the statistics; top_k='heldout' chooses "
+                              "it on held-out windows: use one of them")
+        require_positive("rank", self.rank, minimum=0)
+        if self.projection not in PROJECTIONS:
+            raise ConfigError(f"projection must be one of {', '.join(PROJECTIONS)}, got {self.projection!r}")
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ConfigError(f"storage_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {self.storage_dtype!r}")
+        if self.compact and isinstance(self.ridge_lambda, str):
+            raise ConfigError(f"compact mappers (heads, k_tolerance, rank) take one fixed ridge λ, got "
+                              f"ridge_lambda={self.ridge_lambda!r}")
+        shared = self.top_k == "all" and self.heads == "all" and not self.k_tolerance and self.source_inputs == "own"
+        if self.rank and not shared:
+            raise ConfigError(
+                "rank > 0 shares one projection of all source layers between the target layers: it needs "
+                f"top_k='all', heads='all', k_tolerance=0 and source_inputs='own' (got top_k={self.top_k!r}, "
+                f"heads={self.heads!r}, k_tolerance={self.k_tolerance!r}, source_inputs={self.source_inputs!r})"
+            )
+
+    @property
+    def compact(self) -> bool:
+        """Whether the map has a compact structure (head-aligned, k per layer or low-rank), not the full ridge."""
+        return self.heads != "all" or bool(self.k_tolerance) or bool(self.rank)
+
+    def key_dict(self) -> dict:
+        """The config as cache keys see it: every field, less the compact-mapper settings at their defaults (so keys
+        of mappers cached before they existed stay the same)."""
+        data = asdict(self)
+        for name, default in _COMPACT_DEFAULTS.items():
+            if data[name] == default:
+                del data[name]
+        return data
 
     def input_modalities(self, modality: int) -> tuple[int, ...]:
         """Source modalities (0 = K, 1 = V) the map of target `modality` reads, in the order of its input columns."""
@@ -196,6 +264,9 @@ class FitConfig:
             del data["source_inputs"]
         if self.recompute == "none":
             del data["recompute"]
+        for name, default in _COMPACT_DEFAULTS.items():
+            if data[name] == default:
+                del data[name]
         return data
 
     @property

@@ -18,11 +18,12 @@ import torch
 from tqdm.auto import tqdm
 
 from kvhandoff.capture import capture_content_kv, nonfinite_layers
+from kvhandoff.compact import solve_compact
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import ConfigError, StatisticsError
 from kvhandoff.geometry import check_pair, model_fingerprint, read_geometry
 from kvhandoff.manifest import MapperManifest
-from kvhandoff.mapper import Mapper
+from kvhandoff.mapper import Mapper, mapper_class
 from kvhandoff.selection import layer_r2_matrix, resolve_k, select_layers
 from kvhandoff.solve import solve_layers
 from kvhandoff.statistics import MODALITIES, CalibrationStats, FeatureLayout
@@ -122,6 +123,11 @@ def mapper_from_statistics(
     started = time.perf_counter()
     if r2_matrix is None:
         r2_matrix = layer_r2_matrix(stats, config.probe_lambda)
+    if config.compact:
+        if plan is not None:
+            raise ConfigError("a compact mapper chooses its own layers; it takes no LayerPlan")
+        return compact_mapper(stats, config, (source_fingerprint, target_fingerprint), calibration,
+                              max_position_embeddings, r2_matrix, started)
     if plan is None:
         plan = default_plan(r2_matrix, config)
     selected = plan.padded(r2_matrix)
@@ -163,17 +169,46 @@ class FittedMaps:
             source_layers_per_target_layer=plan.source_layers if plan.is_ragged() else None,
             calibration={**(calibration or {}), "tokens_in_statistics": self.count},
             fit_metrics={
-                "r2_k_per_target_layer": r2[0].mean(-1).tolist(),
-                "r2_v_per_target_layer": r2[1].mean(-1).tolist(),
-                "r2_k_mean": float(r2[0].mean()),
-                "r2_v_mean": float(r2[1].mean()),
-                "r2_per_head": {"K": r2[0].tolist(), "V": r2[1].tolist()},
+                **r2_metrics(r2),
                 "ridge_lambda_per_target_layer": {"K": solution.lambdas[0], "V": solution.lambdas[1]},
                 "solve_seconds": round(self.solve_seconds, 3),
                 **(extra_metrics or {}),
             },
         )
-        return Mapper(solution.weight, solution.bias, self.selected, manifest)
+        return Mapper(solution.weight, solution.bias, self.selected, manifest).stored()
+
+
+def r2_metrics(r2: torch.Tensor) -> dict:
+    """The manifest's in-sample R² entries from R² [K|V, target layer, KV head]."""
+    return {
+        "r2_k_per_target_layer": r2[0].mean(-1).tolist(),
+        "r2_v_per_target_layer": r2[1].mean(-1).tolist(),
+        "r2_k_mean": float(r2[0].mean()),
+        "r2_v_mean": float(r2[1].mean()),
+        "r2_per_head": {"K": r2[0].tolist(), "V": r2[1].tolist()},
+    }
+
+
+def compact_mapper(stats: CalibrationStats, config: FitConfig, fingerprints: tuple[dict, dict],
+                   calibration: dict | None, max_position_embeddings: tuple[int, int], r2_matrix: torch.Tensor,
+                   started: float) -> Mapper:
+    """The compact mapper of `config` (`compact.solve_compact`), with its manifest."""
+    solution = solve_compact(stats, config, r2_matrix)
+    ragged = len({len(layers) for layers in solution.source_layers}) > 1
+    manifest = MapperManifest(
+        method=solution.method, config=config, source_fingerprint=fingerprints[0],
+        target_fingerprint=fingerprints[1], source_max_position_embeddings=max_position_embeddings[0],
+        target_max_position_embeddings=max_position_embeddings[1], source_layout=stats.source,
+        target_layout=stats.target, selected_layers=solution.selected.tolist(),
+        source_layers_per_target_layer=solution.source_layers if ragged else None,
+        calibration={**(calibration or {}), "tokens_in_statistics": stats.count},
+        fit_metrics={**r2_metrics(solution.r2), "compact": solution.record,
+                     "ridge_lambda_per_target_layer": {m: [float(config.ridge_lambda)] * stats.target.num_layers
+                                                       for m in MODALITIES},
+                     "solve_seconds": round(time.perf_counter() - started, 3)},
+    )
+    tensors = {**solution.tensors, "selected": solution.selected}
+    return mapper_class(solution.method).from_tensors(tensors, manifest).stored()
 
 
 def default_plan(r2_matrix: torch.Tensor, config: FitConfig) -> LayerPlan:

@@ -60,6 +60,8 @@ class MapperManifest(Mapping):
     when target layers read different numbers of source layers. refinement: `refine.refine_mapper`'s record.
     mlp_config, mlp_input_layers, mlp_features: the MLP mapper's settings, inputs and rows.
     tensor_sha256: the tensor file's hash (set on save).
+    storage: what the saved tensors take (set on save): {"parameters", "tensor_bytes", "file_bytes",
+        "weight_dtype"} — read without loading the tensors (`Mapper.load(lazy=True)`).
     """
 
     method: str
@@ -79,6 +81,7 @@ class MapperManifest(Mapping):
     mlp_input_layers: tuple[tuple[int, ...], ...] | None = None
     mlp_features: dict | None = None
     tensor_sha256: str | None = None
+    storage: dict | None = None
     format_version: int = MAPPER_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -101,6 +104,7 @@ class MapperManifest(Mapping):
             "source_fingerprint": dict, "target_fingerprint": dict, "calibration": dict, "fit_metrics": dict,
             "refinement": (dict, type(None)), "mlp_config": (MLPConfig, type(None)),
             "mlp_features": (dict, type(None)), "tensor_sha256": (str, type(None)),
+            "storage": (dict, type(None)),
         }
         for name, kind in expected.items():
             if not isinstance(getattr(self, name), kind):

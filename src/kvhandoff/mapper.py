@@ -48,10 +48,7 @@ class Mapper:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, selected: torch.Tensor,
                  manifest: MapperManifest | Mapping):
-        if not isinstance(manifest, MapperManifest):
-            manifest = MapperManifest.from_dict(manifest)
-        self.manifest = manifest
-        self.source, self.target = manifest.source_layout, manifest.target_layout
+        manifest = self._adopt_manifest(manifest)
         self.selected = selected.long()
         if self.selected.tolist() != [list(row) for row in manifest.selected_layers]:
             raise MapperFormatError(
@@ -66,7 +63,16 @@ class Mapper:
                 "the file does not match its manifest; re-fit the mapper"
             )
         self._lay_out(weight.float(), bias.float())
+
+    def _adopt_manifest(self, manifest: MapperManifest | Mapping) -> MapperManifest:
+        """Take the (validated) manifest and what follows from it alone; every mapper class starts here."""
+        if not isinstance(manifest, MapperManifest):
+            manifest = MapperManifest.from_dict(manifest)
+        self.manifest = manifest
+        self.source, self.target = manifest.source_layout, manifest.target_layout
         self._verified: dict[str, weakref.WeakSet] = {"source": weakref.WeakSet(), "target": weakref.WeakSet()}
+        self._rope_tables: dict = {}
+        return manifest
 
     def _weight_shape(self) -> tuple[int, int, int, int]:
         return (
@@ -135,10 +141,20 @@ class Mapper:
         return self.manifest.config.recompute
 
     def num_parameters(self) -> int:
+        """Parameters of the map (a lazily loaded mapper answers from its manifest's `storage` record)."""
+        if self.pending and self.manifest.storage:
+            return int(self.manifest.storage["parameters"])
         return self.weight.numel() + self.bias.numel()
 
     def nbytes(self) -> int:
+        """Bytes the map's tensors take in memory (a lazily loaded mapper: 0 until its first use)."""
+        if self.pending:
+            return 0
         return self.weight.numel() * self.weight.element_size() + self.bias.numel() * self.bias.element_size()
+
+    def flops_per_token(self) -> int:
+        """Floating-point operations of mapping one token's K/V (multiply-adds of the GEMMs ×2, plus the bias)."""
+        return 2 * self.weight.numel() + self.bias.numel()
 
     def map_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The (weight, bias) tensors the map reads, in their applied layout. `weight` and `bias` share their
@@ -323,29 +339,53 @@ class Mapper:
         return self._rope_config_cache
 
     # -- persistence ------------------------------------------------------------------------------
+    def saved_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors `save` writes (a subclass with another layout overrides this and `from_tensors`)."""
+        return {"weight": self.weight, "bias": self.bias, "selected": self.selected, **self.extra_tensors()}
+
+    def stored(self) -> Mapper:
+        """This mapper as its saved file will hold it: weight tensors rounded to the fit config's storage dtype
+        (itself when that is float32), so a fitted mapper behaves exactly like the one loaded back."""
+        dtype = storage_dtype(self.manifest)
+        if dtype == torch.float32:
+            return self
+        tensors = {name: _to_storage(name, tensor.detach().cpu(), dtype).to(tensor.device)
+                   for name, tensor in self.saved_tensors().items()}
+        return type(self).from_tensors(tensors, self.manifest)
+
     def save(self, path: str | Path) -> Path:
         """Write `mapper.safetensors` + `manifest.json` into directory `path`, atomically.
 
         The new mapper is written beside the old one and swapped in by rename (`files.atomic_folder`), so an
-        interrupted save never leaves a half-written mapper where a good one was, nor loses the old one. The
-        manifest records the tensor file's sha256 and a checksum over itself. A mapper with NaN/Inf weights is
-        refused (nothing is written).
+        interrupted save never leaves a half-written mapper where a good one was, nor loses the old one. Weight
+        tensors are written in the fit config's `storage_dtype` (biases and indices as they are). The manifest
+        records the tensor file's sha256, what the tensors take (`storage`: parameters, bytes) and a checksum
+        over itself. A mapper with NaN/Inf weights (or weights past the storage dtype's range) is refused
+        (nothing is written).
         """
         path = Path(path)
-        tensors = {"weight": self.weight, "bias": self.bias, "selected": self.selected, **self.extra_tensors()}
+        dtype = storage_dtype(self.manifest)
+        tensors = {name: _to_storage(name, tensor.detach().to("cpu"), dtype).contiguous()
+                   for name, tensor in self.saved_tensors().items()}
         for name, tensor in tensors.items():
             if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
                 # the linear map is [K|V, target layer, ...]; a subclass's tensors are [target layer, ...]
                 axis = 1 if name in ("weight", "bias") else 0
                 where = f"target layer(s) {nonfinite_layers(tensor, dim=axis)}" if tensor.dim() > 2 else name
                 raise NonFiniteError(
-                    f"the mapper's {name} holds NaN/Inf ({where}): it is not saved; re-fit it (check the "
-                    "calibration data for NaN/Inf, or raise ridge_lambda)"
+                    f"the mapper's {name} holds NaN/Inf ({where}) as {tensor.dtype}: it is not saved; re-fit "
+                    "it (check the calibration data for NaN/Inf, raise ridge_lambda; float16 storage overflows past "
+                    "65504: store bfloat16 or float32)"
                 )
-        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
+        floats = [t for t in tensors.values() if t.is_floating_point()]
         with atomic_folder(path) as staging:
             save_file(tensors, str(staging / TENSOR_FILE))
-            manifest = dataclasses.replace(self.manifest, tensor_sha256=sha256_file(staging / TENSOR_FILE))
+            storage = {"parameters": sum(t.numel() for t in floats),
+                       "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                       "file_bytes": (staging / TENSOR_FILE).stat().st_size,
+                       "weight_dtype": str(dtype).removeprefix("torch.")}
+            manifest = dataclasses.replace(self.manifest, tensor_sha256=sha256_file(staging / TENSOR_FILE),
+                                           storage=storage)
             (staging / MANIFEST_FILE).write_text(dumps(manifest))
         self.manifest = manifest
         return path
@@ -358,10 +398,15 @@ class Mapper:
         target_model=None,
         source_tokenizer=None,
         target_tokenizer=None,
+        lazy: bool = False,
     ) -> Mapper:
         """Load a saved mapper; with models given, verify it was fitted for exactly this pair. Never runs code.
 
-        An interrupted save is finished first (`files.recover_folder`): the good copy is what loads.
+        An interrupted save is finished first (`files.recover_folder`): the good copy is what loads. The manifest
+        (and its checksum) is always read and checked here. lazy: the tensors are read only at the mapper's first
+        use (a router holding several mappers pays for the ones it uses); the tensor file's size is checked now
+        against the manifest's `storage` record and its sha256 at that first use, before any tensor is read —
+        a damaged file then raises MapperFormatError from the first transfer instead of from `load`.
         """
         path = Path(path)
         recover_folder(path)
@@ -372,16 +417,36 @@ class Mapper:
                 "fit one with `kvhandoff fit --source ... --target ... --out DIR`"
             )
         manifest = loads(manifest_path.read_text(), str(manifest_path))
-        if sha256_file(tensor_path) != manifest.tensor_sha256:
-            raise MapperFormatError(
-                f"{tensor_path} does not match the checksum in its manifest: the file is truncated or was "
-                "edited; re-fit the mapper or restore it from a backup"
-            )
-        with safe_open(str(tensor_path), framework="pt") as handle:
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-        mapper = mapper_class(manifest.method, str(path)).from_tensors(tensors, manifest)
+        kind = mapper_class(manifest.method, str(path))
+        if lazy:
+            mapper = kind.__new__(kind)
+            mapper._adopt_manifest(manifest)
+            _check_file_size(tensor_path, manifest)
+            mapper._pending = tensor_path
+        else:
+            mapper = kind.from_tensors(_read_tensors(tensor_path, manifest), manifest)
         mapper.verify_pair(source_model, target_model, source_tokenizer, target_tokenizer)
         return mapper
+
+    @property
+    def pending(self) -> bool:
+        """Whether this (lazily loaded) mapper has not read its tensors yet."""
+        return "_pending" in self.__dict__
+
+    def __getattr__(self, name: str):
+        # only reached for attributes the instance lacks: a lazily loaded mapper reads its tensors at the first
+        # use of any of them, then is exactly the mapper an eager load would have built
+        if name.startswith("__") or "_pending" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self._materialise()
+        return getattr(self, name)
+
+    def _materialise(self) -> None:
+        verified = self._verified
+        built = type(self).from_tensors(_read_tensors(self.__dict__["_pending"], self.manifest), self.manifest)
+        del self.__dict__["_pending"]  # only now: a damaged file keeps raising MapperFormatError at every use
+        self.__dict__.update(built.__dict__)
+        self._verified = verified  # the models already checked stay checked
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], manifest: MapperManifest) -> Mapper:
@@ -466,6 +531,39 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
         out[..., :half] -= x2 * sin[..., :half]
         out[..., half:] += x1 * sin[..., half:]
     return out
+
+
+def storage_dtype(manifest: MapperManifest) -> torch.dtype:
+    """The dtype a mapper's weight tensors are saved in (its fit config's `storage_dtype`)."""
+    return getattr(torch, manifest.config.storage_dtype)
+
+
+def _to_storage(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Weight tensors (named ``weight`` or ``….weight``, ``projection``) in ``dtype``; everything else as is."""
+    if tensor.is_floating_point() and name.rsplit(".", 1)[-1] in ("weight", "projection"):
+        return tensor.to(dtype)
+    return tensor
+
+
+def _check_file_size(tensor_path: Path, manifest: MapperManifest) -> None:
+    recorded = (manifest.storage or {}).get("file_bytes")
+    if recorded is not None and tensor_path.stat().st_size != recorded:
+        raise MapperFormatError(
+            f"{tensor_path} does not match its manifest ({tensor_path.stat().st_size} bytes, the manifest records "
+            f"{recorded}): the file is truncated or was edited; re-fit the mapper or restore it from a backup"
+        )
+
+
+def _read_tensors(tensor_path: Path, manifest: MapperManifest) -> dict[str, torch.Tensor]:
+    """The saved tensors, after checking the file against the manifest's size and sha256."""
+    _check_file_size(tensor_path, manifest)
+    if sha256_file(tensor_path) != manifest.tensor_sha256:
+        raise MapperFormatError(
+            f"{tensor_path} does not match the checksum in its manifest: the file is truncated or was "
+            "edited; re-fit the mapper or restore it from a backup"
+        )
+    with safe_open(str(tensor_path), framework="pt") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
 
 
 def _short(value) -> str:

@@ -159,11 +159,11 @@ def features_dir(pair: NamedPair, config: FitConfig, calibration: CalibrationSpe
 
 
 def mapper_dir(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec) -> Path:
-    return pair_dir(pair) / f"mapper-{_key(pair, asdict(config), asdict(calibration))}"
+    return pair_dir(pair) / f"mapper-{_key(pair, config.key_dict(), asdict(calibration))}"
 
 
 def mlp_mapper_dir(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec, mlp: MLPConfig) -> Path:
-    return pair_dir(pair) / f"mlp-{_key(pair, asdict(config), asdict(calibration), asdict(mlp))}"
+    return pair_dir(pair) / f"mlp-{_key(pair, config.key_dict(), asdict(calibration), asdict(mlp))}"
 
 
 def _identities(pair: NamedPair) -> dict:
@@ -377,6 +377,11 @@ def obtain_mapper(
     are dismissed once the statistics are there; only rank 0 solves and saves.
     layer_block: without cached statistics of the pair, fit the target layers in blocks of this many
     (`fit_in_layer_blocks`; the mapper is cached, the statistics are not)."""
+    if mlp is not None and config.compact:
+        raise ConfigError("the MLP corrects the full ridge map; fit it without heads, k_tolerance or rank")
+    if layer_block is not None and config.compact:
+        raise ConfigError("a compact mapper is solved from the whole statistics; fit it without --layer-block "
+                          "(or --stats-memory)")
     folder = (mapper_dir(pair, config, calibration) if mlp is None
               else mlp_mapper_dir(pair, config, calibration, mlp))
     expected = {"config": config.to_dict(), **({} if mlp is None else {"mlp_config": mlp.to_dict()})}
@@ -500,7 +505,17 @@ def describe_fit(mapper: Mapper) -> str:
     note = f"R² K {metrics['r2_k_mean']:.3f}, V {metrics['r2_v_mean']:.3f}"
     if "heldout_choice" in metrics:
         note += f"; k per target layer {metrics['heldout_choice']['k_per_target_layer']}"
+    if "k_per_target_layer" in metrics.get("compact", {}):
+        note += f"; k per target layer {metrics['compact']['k_per_target_layer']}"
     return note
+
+
+def describe_size(mapper: Mapper) -> str:
+    """Parameters, bytes on disk (once saved) and FLOPs per mapped token of a mapper."""
+    storage = mapper.manifest.storage
+    disk = "" if storage is None else (f", {storage['file_bytes'] / 1e6:.1f} MB on disk "
+                                       f"({storage['weight_dtype']} weights)")
+    return f"{mapper.num_parameters():,} parameters{disk}, {mapper.flops_per_token() / 1e6:.1f} MFLOP per token"
 
 
 def refine_saved_mapper(pair: NamedPair, mapper_path: Path, config: RefineConfig, windows: int, seq_len: int,

@@ -23,6 +23,7 @@ from kvhandoff.cli.options import (
     Source,
     Target,
     byte_size,
+    non_negative_float,
     non_negative_int,
     one_of,
     option_errors,
@@ -31,11 +32,20 @@ from kvhandoff.cli.options import (
     ridge_lambda,
     top_k,
 )
-from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig
+from kvhandoff.config import (
+    HEAD_CHOICES,
+    PROJECTIONS,
+    STORAGE_DTYPES,
+    CalibrationSpec,
+    FitConfig,
+    MLPConfig,
+    RefineConfig,
+)
 from kvhandoff.distributed import DEFAULT_CHECKPOINT_EVERY, dismiss, launched, requested_world_size
 from kvhandoff.fit import estimate_memory, feature_layout, layer_block_for_budget
 from kvhandoff.workflow import (
     describe_fit,
+    describe_size,
     fit_on_texts,
     load_named_pair,
     obtain_mapper,
@@ -83,6 +93,20 @@ def fit(
     mlp_inputs: Annotated[int, typer.Option(parser=positive_int, help=(
         "mlp: source layers (K and V) read by each target layer's MLP"))] = MLPConfig().input_layers,
     epochs: Annotated[int, typer.Option(parser=positive_int, help="mlp: training epochs")] = MLPConfig().epochs,
+    heads: Annotated[str, typer.Option(parser=one_of(HEAD_CHOICES, "heads"), help=(
+        "compact: 'aligned' = target KV head h reads only its group of source KV heads (head h when the counts "
+        "are equal)"))] = FitConfig().heads,
+    k_tolerance: Annotated[float, typer.Option(parser=non_negative_float, help=(
+        "compact: each target layer reads the fewest source layers whose in-sample R² is within this of "
+        "--top-k's (0: off)"))] = FitConfig().k_tolerance,
+    rank: Annotated[int, typer.Option(parser=non_negative_int, help=(
+        "compact: every target layer's K (V) map reads one shared rank-R projection of all source layers' K (V) "
+        "(0: off)"))] = FitConfig().rank,
+    projection: Annotated[str, typer.Option(parser=one_of(PROJECTIONS, "projection"), help=(
+        "compact, with --rank: 'rrr' (reduced-rank ridge) or 'pca' (top eigenvectors of the source Gram)"))]
+    = FitConfig().projection,
+    storage: Annotated[str, typer.Option(parser=one_of(STORAGE_DTYPES, "storage dtype"), help=(
+        "dtype of the saved weights (the map computes in float32)"))] = FitConfig().storage_dtype,
     checkpoint_every: Annotated[int, typer.Option(parser=positive_int, help=(
         "under torchrun: windows each rank reads between two reductions; rank 0 checkpoints every reduction, so "
         "a re-run resumes"))] = DEFAULT_CHECKPOINT_EVERY,
@@ -108,17 +132,22 @@ def fit(
     if texts is not None and (method == "mlp" or k == "heldout"):
         raise typer.BadParameter("--method mlp and --top-k heldout calibrate on the built-in corpus (its rows "
                                  "are cached per pair); drop --texts", param_hint="--texts")
-    with option_errors("--top-k", "--lambda", "--inputs"):
+    with option_errors("--top-k", "--lambda", "--inputs", "--heads", "--k-tolerance", "--rank", "--storage"):
         config = FitConfig(top_k=k, ridge_lambda="heldout" if k == "heldout" else lam, token_stride=stride,
-                           exact_prefix=exact_prefix, source_inputs=inputs)
+                           exact_prefix=exact_prefix, source_inputs=inputs, heads=heads, k_tolerance=k_tolerance,
+                           rank=rank, projection=projection, storage_dtype=storage)
+    if method == "mlp" and config.compact:
+        raise typer.BadParameter("the MLP corrects the full ridge map: drop --heads, --k-tolerance and --rank",
+                                 param_hint="--method")
     calibration = None  # --texts packs the file's text; otherwise the built-in corpus
     if texts is None:
         with option_errors("--sequences", "--seq-len", "--mix"):
             calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed, mix=groups)
     mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed) if method == "mlp" else None
-    if (layer_block or stats_memory) and (method == "mlp" or k == "heldout"):
-        raise typer.BadParameter("--method mlp and --top-k heldout need the rows of the whole target: drop "
-                                 "--layer-block / --stats-memory", param_hint="--layer-block / --stats-memory")
+    if (layer_block or stats_memory) and (method == "mlp" or k == "heldout" or config.compact):
+        raise typer.BadParameter("--method mlp, --top-k heldout and the compact mappers need the statistics of the "
+                                 "whole target: drop --layer-block / --stats-memory",
+                                 param_hint="--layer-block / --stats-memory")
     if layer_block and stats_memory:
         raise typer.BadParameter("give one of them: --stats-memory chooses the block", param_hint="--layer-block / "
                                                                                                  "--stats-memory")
@@ -144,7 +173,7 @@ def fit(
         finally:
             dismiss(ranks)  # a failure before any pass must not leave the other ranks waiting
         mapper.save(out)
-    typer.echo(f"saved {out} ({mapper.num_parameters():,} parameters); {describe_fit(mapper)}")
+    typer.echo(f"saved {out} ({describe_size(mapper)}); {describe_fit(mapper)}")
 
 
 def block_for_memory(pair, config: FitConfig, budget: int) -> int | None:

@@ -8,6 +8,7 @@ the option (``error: Invalid value for '--top-k': …``) with exit code 2.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -104,6 +105,16 @@ def positive_float(value) -> float:
         number = 0.0
     if not number > 0:
         raise typer.BadParameter(f"give a number > 0, got {value!r}")
+    return number
+
+
+def non_negative_float(value) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not (number >= 0 and math.isfinite(number)):
+        raise typer.BadParameter(f"give a number >= 0, got {value!r}")
     return number
 
 

@@ -79,8 +79,9 @@ def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str
                 continue
             (source_model, tokenizer), (target_model, target_tokenizer) = models[source], models[target]
             if (source, target) in mapper_dirs:
+                # lazy: a mapper's tensors are read (and their checksum checked) at its first handoff
                 mappers[source, target] = Mapper.load(mapper_dirs[source, target], source_model, target_model,
-                                                      tokenizer, target_tokenizer)
+                                                      tokenizer, target_tokenizer, lazy=True)
             else:
                 pair = NamedPair.of(specs[source], specs[target],
                                     ModelPair(source_model, target_model, tokenizer, target_tokenizer))
