@@ -91,7 +91,8 @@ def test_offline_mmlu_task_prints_kvhandoffs_prompts():
 
     from kvhandoff.lmeval import TASKS_DIR
 
-    task = TaskManager(include_path=str(TASKS_DIR)).load("kvhandoff_mmlu")["tasks"]["kvhandoff_mmlu"]
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    task = manager.load("kvhandoff_mmlu")["tasks"]["kvhandoff_mmlu"]
     docs = list(task.eval_docs)
     items = load_items("mmlu")
     assert len(docs) == len(items)

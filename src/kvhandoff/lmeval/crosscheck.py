@@ -165,7 +165,8 @@ def lm_eval_run(model, task: str, ids: Sequence[str], model_args: str | None = N
     lm_task = LM_EVAL_TASKS[task]
     output = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[lm_task],
                                      samples={lm_task: doc_indices(task, ids)}, log_samples=True,
-                                     task_manager=TaskManager(include_path=str(TASKS_DIR)), bootstrap_iters=0,
+                                     task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
+                                     bootstrap_iters=0,
                                      device="cuda" if torch.cuda.is_available() else "cpu", batch_size=1)
     metrics = {key.split(",")[0]: float(value) for key, value in output["results"][lm_task].items()
                if key.endswith(",none") and "stderr" not in key}
