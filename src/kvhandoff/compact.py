@@ -24,7 +24,7 @@ import torch
 from kvhandoff.config import LAYER_KS, FitConfig
 from kvhandoff.errors import ConfigError, MapperFormatError
 from kvhandoff.manifest import MapperManifest
-from kvhandoff.mapper import Mapper, register_method
+from kvhandoff.mapper import Mapper, check_mapper_dtype, register_method
 from kvhandoff.selection import select_layers
 from kvhandoff.solve import residual_variance, ridge_from_covariance
 from kvhandoff.statistics import MODALITIES, CalibrationStats, FeatureLayout
@@ -73,8 +73,7 @@ class BlockMapper(Mapper):
         return self.weights[0].dtype
 
     def to(self, device=None, dtype=None) -> BlockMapper:
-        if dtype is not None and not dtype.is_floating_point:
-            raise ConfigError(f"a mapper's dtype must be a floating dtype, got {dtype}")
+        check_mapper_dtype(dtype)
         self.weights = [w.to(device=device, dtype=dtype) for w in self.weights]
         self.biases = [b.to(device=device, dtype=dtype) for b in self.biases]
         self.inputs = [i.to(device) for i in self.inputs]
@@ -157,8 +156,7 @@ class LowRankMapper(Mapper):
         return int(self.projection.shape[-1])
 
     def to(self, device=None, dtype=None) -> LowRankMapper:
-        if dtype is not None and not dtype.is_floating_point:
-            raise ConfigError(f"a mapper's dtype must be a floating dtype, got {dtype}")
+        check_mapper_dtype(dtype)
         self.projection = self.projection.to(device=device, dtype=dtype)
         self.weight = self.weight.to(device=device, dtype=dtype)
         self.bias = self.bias.to(device=device, dtype=dtype)

@@ -36,6 +36,12 @@ TENSOR_FILE = "mapper.safetensors"
 MANIFEST_FILE = "manifest.json"
 
 
+
+def check_mapper_dtype(dtype: torch.dtype | None) -> None:
+    """ConfigError unless ``dtype`` (what a mapper's `to` casts to) is None or a floating dtype."""
+    if dtype is not None and not dtype.is_floating_point:
+        raise ConfigError(f"a mapper's dtype must be a floating dtype, got {dtype}")
+
 class Mapper:
     """A linear content-space map from a source model's KV cache to a target model's.
 
@@ -120,8 +126,7 @@ class Mapper:
         """Move the mapper's tensors to ``device`` and/or cast them to the floating ``dtype`` (in place; returns
         the mapper). `transfer` then runs its GEMM in that dtype on that device; RoPE is stripped and applied
         in float32 whatever the dtype."""
-        if dtype is not None and not dtype.is_floating_point:
-            raise ConfigError(f"a mapper's dtype must be a floating dtype, got {dtype}")
+        check_mapper_dtype(dtype)
         self._lay_out(self.weight.to(device=device, dtype=dtype), self.bias.to(device=device, dtype=dtype))
         return self
 
