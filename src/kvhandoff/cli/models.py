@@ -127,33 +127,16 @@ def fit(
     Under torchrun (WORLD_SIZE > 1) the calibration windows are shared out between the ranks and their float64
     sums added up on rank 0, which solves and saves; `torchrun --nproc-per-node N -m kvhandoff.cli fit ...`.
     """
-    if texts is not None and not texts.is_file():
-        raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")
-    if texts is not None and (method == "mlp" or k == "heldout"):
-        raise typer.BadParameter("--method mlp and --top-k heldout calibrate on the built-in corpus (its rows "
-                                 "are cached per pair); drop --texts", param_hint="--texts")
     with option_errors("--top-k", "--lambda", "--inputs", "--heads", "--k-tolerance", "--rank", "--storage"):
         config = FitConfig(top_k=k, ridge_lambda="heldout" if k == "heldout" else lam, token_stride=stride,
                            exact_prefix=exact_prefix, source_inputs=inputs, heads=heads, k_tolerance=k_tolerance,
                            rank=rank, projection=projection, storage_dtype=storage)
-    if method == "mlp" and config.compact:
-        raise typer.BadParameter("the MLP corrects the full ridge map: drop --heads, --k-tolerance and --rank",
-                                 param_hint="--method")
+    refuse_conflicting_fit_options(config, method, texts, layer_block, stats_memory)
     calibration = None  # --texts packs the file's text; otherwise the built-in corpus
     if texts is None:
         with option_errors("--sequences", "--seq-len", "--mix"):
             calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, seed=seed, mix=groups)
     mlp = MLPConfig(hidden=hidden, input_layers=mlp_inputs, epochs=epochs, seed=seed) if method == "mlp" else None
-    if (layer_block or stats_memory) and (method == "mlp" or k == "heldout" or config.compact):
-        raise typer.BadParameter("--method mlp, --top-k heldout and the compact mappers need the statistics of the "
-                                 "whole target: drop --layer-block / --stats-memory",
-                                 param_hint="--layer-block / --stats-memory")
-    if layer_block and stats_memory:
-        raise typer.BadParameter("give one of them: --stats-memory chooses the block", param_hint="--layer-block / "
-                                                                                                 "--stats-memory")
-    if requested_world_size() > 1 and (method == "mlp" or k == "heldout"):
-        raise typer.BadParameter("--method mlp and --top-k heldout need the calibration rows, which a distributed "
-                                 "run does not collect: run them without torchrun", param_hint="--method / --top-k")
     with launched(dist_timeout, checkpoint_every) as ranks:
         pair = load_named_pair(source, target, dtype, progress=ranks.is_root, ranks=ranks, device_map=device_map)
         if not ranks.is_root:
@@ -174,6 +157,30 @@ def fit(
             dismiss(ranks)  # a failure before any pass must not leave the other ranks waiting
         mapper.save(out)
     typer.echo(f"saved {out} ({describe_size(mapper)}); {describe_fit(mapper)}")
+
+
+def refuse_conflicting_fit_options(config: FitConfig, method: str, texts: Path | None, layer_block: int | None,
+                                   stats_memory: int | None) -> None:
+    """BadParameter for options of `fit` that cannot go together, naming them."""
+    needs_rows = method == "mlp" or config.top_k == "heldout"
+    if texts is not None and not texts.is_file():
+        raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")
+    if texts is not None and needs_rows:
+        raise typer.BadParameter("--method mlp and --top-k heldout calibrate on the built-in corpus (its rows "
+                                 "are cached per pair); drop --texts", param_hint="--texts")
+    if method == "mlp" and config.compact:
+        raise typer.BadParameter("the MLP corrects the full ridge map: drop --heads, --k-tolerance and --rank",
+                                 param_hint="--method")
+    if (layer_block or stats_memory) and (needs_rows or config.compact):
+        raise typer.BadParameter("--method mlp, --top-k heldout and the compact mappers need the statistics of the "
+                                 "whole target: drop --layer-block / --stats-memory",
+                                 param_hint="--layer-block / --stats-memory")
+    if layer_block and stats_memory:
+        raise typer.BadParameter("give one of them: --stats-memory chooses the block", param_hint="--layer-block / "
+                                                                                                 "--stats-memory")
+    if requested_world_size() > 1 and needs_rows:
+        raise typer.BadParameter("--method mlp and --top-k heldout need the calibration rows, which a distributed "
+                                 "run does not collect: run them without torchrun", param_hint="--method / --top-k")
 
 
 def block_for_memory(pair, config: FitConfig, budget: int) -> int | None:
