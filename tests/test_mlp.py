@@ -98,6 +98,12 @@ def test_save_load_round_trip_and_refusals(tmp_path):
     mapper.save(tmp_path / "m")
     loaded = Mapper.load(tmp_path / "m", source_model=source, target_model=target)
     assert isinstance(loaded, MLPMapper) and loaded.num_parameters() > base.num_parameters()
+    lazy = Mapper.load(tmp_path / "m", lazy=True)  # answers from the manifest, then from its tensors: the same
+    assert lazy.num_parameters() == loaded.num_parameters() == mapper.num_parameters()
+    assert lazy.pending and lazy.nbytes() == 0
+    lazy.input_layers  # noqa: B018 - the first use reads the tensors
+    assert not lazy.pending and lazy.num_parameters() == mapper.num_parameters()
+    assert lazy.nbytes() == mapper.nbytes() > base.nbytes()
     cache, _ = prefill(source, torch.randint(0, 128, (1, 19)))
     a, b = mapper.transfer(cache), loaded.transfer(cache)
     for la, lb in zip(a.layers, b.layers, strict=True):

@@ -82,16 +82,11 @@ class BlockMapper(Mapper):
         self._rope_tables = {}
         return self
 
-    def num_parameters(self) -> int:
-        if self.pending and self.manifest.storage:
-            return int(self.manifest.storage["parameters"])
-        return sum(w.numel() + b.numel() for w, b in zip(self.weights, self.biases, strict=True))
+    def parameter_tensors(self) -> list[torch.Tensor]:
+        return [*self.weights, *self.biases]
 
-    def nbytes(self) -> int:
-        if self.pending:
-            return 0
-        tensors = [*self.weights, *self.biases, *self.inputs, *self.outputs]
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def index_tensors(self) -> list[torch.Tensor]:
+        return [*self.inputs, *self.outputs]
 
     def flops_per_token(self) -> int:
         return sum(2 * w.numel() + b.numel() for w, b in zip(self.weights, self.biases, strict=True))
@@ -164,15 +159,8 @@ class LowRankMapper(Mapper):
         self._rope_tables = {}
         return self
 
-    def num_parameters(self) -> int:
-        if self.pending and self.manifest.storage:
-            return int(self.manifest.storage["parameters"])
-        return self.projection.numel() + self.weight.numel() + self.bias.numel()
-
-    def nbytes(self) -> int:
-        if self.pending:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (self.projection, self.weight, self.bias))
+    def parameter_tensors(self) -> list[torch.Tensor]:
+        return [self.projection, self.weight, self.bias]
 
     def flops_per_token(self) -> int:
         return 2 * (self.projection.numel() + self.weight.numel()) + self.bias.numel()

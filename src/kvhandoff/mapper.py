@@ -145,17 +145,25 @@ class Mapper:
         """The handoffs' default selective-recompute policy spec (the fit config's recompute; "none" unless set)."""
         return self.manifest.config.recompute
 
+    def parameter_tensors(self) -> list[torch.Tensor]:
+        """The map's fitted tensors (what `num_parameters` counts; a subclass with another layout overrides it)."""
+        return [self.weight, self.bias]
+
+    def index_tensors(self) -> list[torch.Tensor]:
+        """Integer tensors the map reads beside its parameters (counted by `nbytes`, not `num_parameters`)."""
+        return []
+
     def num_parameters(self) -> int:
         """Parameters of the map (a lazily loaded mapper answers from its manifest's `storage` record)."""
         if self.pending and self.manifest.storage:
             return int(self.manifest.storage["parameters"])
-        return self.weight.numel() + self.bias.numel()
+        return sum(t.numel() for t in self.parameter_tensors())
 
     def nbytes(self) -> int:
         """Bytes the map's tensors take in memory (a lazily loaded mapper: 0 until its first use)."""
         if self.pending:
             return 0
-        return self.weight.numel() * self.weight.element_size() + self.bias.numel() * self.bias.element_size()
+        return sum(t.numel() * t.element_size() for t in [*self.parameter_tensors(), *self.index_tensors()])
 
     def flops_per_token(self) -> int:
         """Floating-point operations of mapping one token's K/V (multiply-adds of the GEMMs ×2, plus the bias)."""

@@ -71,9 +71,6 @@ class ResidualMLP(torch.nn.Module):
                 getattr(model, name).copy_(tensors[name])
         return model.eval().requires_grad_(False)
 
-    def num_parameters(self) -> int:
-        return sum(t.numel() for t in self.tensors().values())
-
 
 def input_columns(layout: FeatureLayout, input_layers: torch.Tensor) -> torch.Tensor:
     """[target layers, 2·m·Fs] columns of a source feature row read by each target layer's MLP: K of its m
@@ -120,11 +117,8 @@ class MLPMapper(Mapper):
         )
         return y
 
-    def num_parameters(self) -> int:
-        return super().num_parameters() + self.mlp.num_parameters()
-
-    def nbytes(self) -> int:
-        return super().nbytes() + sum(t.numel() * t.element_size() for t in self.mlp.tensors().values())
+    def parameter_tensors(self) -> list[torch.Tensor]:
+        return [*super().parameter_tensors(), *self.mlp.tensors().values()]
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> MLPMapper:
         super().to(device, dtype)
