@@ -14,6 +14,7 @@ from kvhandoff import fit_mapper
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.guard import (
     GuardRecord,
+    WithinTime,
     auroc,
     choose_threshold,
     guard_records_by_signal,
@@ -165,3 +166,12 @@ def test_records_carry_both_answers_and_an_escalated_one(confident_pair):
     first, second = records["mapped_share"][:2]
     assert first.score == 1.0 and second.score < 1.0  # the second switch maps only the turn the model missed
     assert sum(r.differs for r in records["entropy"]) >= 2
+
+
+def test_within_time_counts_what_started_and_stops_when_time_is_up(monkeypatch):
+    timed = WithinTime(["a", "b", "c"], None)
+    assert list(timed) == ["a", "b", "c"] and timed.started == 3
+    clock = iter([0.0, 1.0, 5.0])  # begun at 0; checked at 1 (within 4 s), then at 5 (past it)
+    monkeypatch.setattr("kvhandoff.serving.guard.time.monotonic", lambda: next(clock))
+    timed = WithinTime(["a", "b", "c"], 4.0)
+    assert list(timed) == ["a"] and timed.started == 1

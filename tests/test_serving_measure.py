@@ -16,7 +16,7 @@ from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.client import require_loopback
 from kvhandoff.serving.guard import GuardRecord, auroc, guard_records, guard_records_by_signal
-from kvhandoff.serving.guard_eval import WithinTime, auroc_interval, chat_turns, resummarize, switching_schedule
+from kvhandoff.serving.guard_eval import auroc_interval, chat_turns, resummarize, switching_schedule
 from kvhandoff.serving.loadtest import load_over_http, percentile, schedule
 from kvhandoff.serving.workload import coqa_dialogues, document
 
@@ -178,15 +178,6 @@ def test_schedules_documents_percentiles_and_loopback_only():
             require_loopback(url)
     with pytest.raises(ConfigError, match="this machine only"):
         asyncio.run(load_over_http("http://192.168.1.2:8000", names))
-
-
-def test_within_time_counts_what_started_and_stops_when_time_is_up(monkeypatch):
-    timed = WithinTime(["a", "b", "c"], None)
-    assert list(timed) == ["a", "b", "c"] and timed.started == 3
-    clock = iter([0.0, 1.0, 5.0])  # begun at 0; checked at 1 (within 4 s), then at 5 (past it)
-    monkeypatch.setattr("kvhandoff.serving.guard_eval.time.monotonic", lambda: next(clock))
-    timed = WithinTime(["a", "b", "c"], 4.0)
-    assert list(timed) == ["a"] and timed.started == 1
 
 
 def test_auroc_interval_brackets_the_auroc_and_needs_both_classes():

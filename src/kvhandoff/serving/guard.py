@@ -213,6 +213,21 @@ def _escalated_answer(session: SwitchingSession, server: str, ids: list[int], es
     return answering.answer(twin, server, twin.read_logprobs(server, ids)[-1])
 
 
+class WithinTime:
+    """The items of a sequence in order while time is left (checked as each one starts, counted in `started`)."""
+
+    def __init__(self, items, time_limit_s: float | None) -> None:
+        self.items, self.time_limit_s, self.started = items, time_limit_s, 0
+
+    def __iter__(self):
+        begun = time.monotonic()
+        for item in self.items:
+            if self.time_limit_s is not None and time.monotonic() - begun > self.time_limit_s:
+                return
+            self.started += 1
+            yield item
+
+
 @torch.inference_mode()
 def guard_records_by_signal(models, mappers, conversations, signals: Sequence[str] = GUARD_SIGNALS,
                             max_new_tokens: int = 16, window: int = 64, stop_ids=(), handover: str = "incremental",
@@ -227,10 +242,7 @@ def guard_records_by_signal(models, mappers, conversations, signals: Sequence[st
     answering = _Answering(max_new_tokens, frozenset(stop_ids))
     escalate = None if escalate is None else recompute_policy(None, escalate)
     records: dict[str, list[GuardRecord]] = {signal: [] for signal in signals}
-    started = time.monotonic()
-    for c, turns in enumerate(conversations):
-        if time_limit_s is not None and time.monotonic() - started > time_limit_s:
-            break
+    for c, turns in enumerate(WithinTime(conversations, time_limit_s)):
         session = SwitchingSession(models, mappers, handover, exact_prefix, recompute)
         for t, (server, ids) in enumerate(turns):
             ids = list(ids)

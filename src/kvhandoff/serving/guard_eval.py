@@ -36,7 +36,7 @@ from kvhandoff.evaluation.metrics import paired_bootstrap, token_f1
 from kvhandoff.files import atomic_write_json
 from kvhandoff.serving.decoding import end_ids
 from kvhandoff.serving.engine import CHATML_TEMPLATE
-from kvhandoff.serving.guard import GuardRecord, auroc, guard_records_by_signal, summarize_guard
+from kvhandoff.serving.guard import GuardRecord, WithinTime, auroc, guard_records_by_signal, summarize_guard
 from kvhandoff.serving.workload import coqa_dialogues
 
 GUARD_EVAL_FORMAT = "kvhandoff-serve-guard/1"
@@ -227,21 +227,6 @@ def _record_json(record: GuardRecord, scores: dict, dialogue_id: str, split: str
         escalated = decode(record.escalated)
         row.update(escalated=escalated, escalated_f1=token_f1(escalated, own))
     return row
-
-
-class WithinTime:
-    """The items of a sequence in order while time is left (checked as each one starts, counted in `started`)."""
-
-    def __init__(self, items, time_limit_s: float | None) -> None:
-        self.items, self.time_limit_s, self.started = items, time_limit_s, 0
-
-    def __iter__(self):
-        begun = time.monotonic()
-        for item in self.items:
-            if self.time_limit_s is not None and time.monotonic() - begun > self.time_limit_s:
-                return
-            self.started += 1
-            yield item
 
 
 def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, switch_every: int = 1,
