@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 
-from kvhandoff.cache import cache_of, cache_view, kl_divergence
+from kvhandoff.cache import cache_copy, cache_of, cache_view, kl_divergence
 from kvhandoff.capture import cache_positions, capture_content_kv
 from kvhandoff.config import RefineConfig
 from kvhandoff.errors import ConfigError
@@ -58,9 +58,7 @@ def teacher_window(source, target, input_ids: torch.Tensor, exact_prefix: int) -
     own = getattr(target, "model", target)(input_ids=input_ids, use_cache=True)
     prefix = None
     if exact_prefix:  # copies, so the window does not keep the whole own cache alive
-        prefix = cache_view(own.cache, 0, exact_prefix)
-        for layer in prefix.layers:
-            layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+        prefix = cache_copy(cache_view(own.cache, 0, exact_prefix))
     return TeacherWindow(input_ids, rows, own.last_hidden_state[0].clone(), prefix)
 
 
