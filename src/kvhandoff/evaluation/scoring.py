@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,6 +297,32 @@ def open_context(
     return OpenContext(condition.reader, cache, len(context_ids), logprobs)
 
 
+@torch.inference_mode()
+def continuation_rows(
+    condition: Condition,
+    context_ids: Sequence[int],
+    continuations: Sequence[Sequence[int]],
+    prefix_ids: Sequence[int] | None = None,
+) -> Iterator[torch.Tensor]:
+    """For each continuation in turn, the reader's float32 log-probs at its positions [len(cont), vocab] (row i:
+    the distribution of its token i given the context and the tokens before), from one prefill of the context."""
+    state = open_context(condition, context_ids, prefix_ids)
+    exact = _crop_is_exact(state.cache)
+    for cont in continuations:
+        rows = state.next_logprobs.unsqueeze(0)
+        if len(cont) > 1:
+            cache = state.cache if exact else copy.deepcopy(state.cache)
+            rows = torch.cat([rows, feed(state.reader, cache, cont[:-1]).to(rows.device)])
+            if exact:
+                rollback(state.cache, state.length)
+        yield rows
+
+
+def picked(rows: torch.Tensor, cont: Sequence[int]) -> torch.Tensor:
+    """The log-probs of ``cont``'s own tokens in its `continuation_rows` [len(cont)]."""
+    return rows[torch.arange(len(cont), device=rows.device), torch.tensor(list(cont), device=rows.device)]
+
+
 def continuation_logprobs(
     condition: Condition,
     context_ids: Sequence[int],
@@ -306,22 +332,8 @@ def continuation_logprobs(
     """Per-token log-probs of each continuation given the context, from one prefill of the context."""
     if any(len(c) == 0 for c in continuations):
         raise ConfigError("every continuation needs at least one token")
-    state = open_context(condition, context_ids, prefix_ids)
-    exact = _crop_is_exact(state.cache)
-    results = []
-    with torch.inference_mode():
-        for cont in continuations:
-            first = state.next_logprobs[cont[0]].reshape(1)
-            if len(cont) == 1:
-                results.append(first)
-                continue
-            cache = state.cache if exact else copy.deepcopy(state.cache)
-            logprobs = feed(state.reader, cache, cont[:-1])
-            rest = logprobs[torch.arange(len(cont) - 1), torch.tensor(list(cont[1:]))]
-            results.append(torch.cat([first, rest.to(first.device)]))
-            if exact:
-                rollback(state.cache, state.length)
-    return results
+    rows = continuation_rows(condition, context_ids, continuations, prefix_ids)
+    return [picked(row, cont) for row, cont in zip(rows, continuations, strict=True)]
 
 
 def score_continuations(

@@ -28,7 +28,6 @@ the shipped test split, one task over all subjects, the few-shot task on which `
 
 from __future__ import annotations
 
-import copy
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +40,6 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
-from kvhandoff.cache import feed, rollback
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.data import hf_rows, mmlu_subjects
 from kvhandoff.evaluation.scoring import (
@@ -49,8 +47,10 @@ from kvhandoff.evaluation.scoring import (
     Standalone,
     Transfer,
     TransferHistory,
+    continuation_rows,
     greedy_from,
     open_context,
+    picked,
 )
 from kvhandoff.evaluation.tasks import encode, encode_pair, mmlu_prefix
 from kvhandoff.mapper import Mapper
@@ -71,30 +71,15 @@ def history_of(context: str, delimiter: str = "\n\n") -> str | None:
     return None if end < 0 else context[: end + len(delimiter)]
 
 
-def _crop_is_exact(cache) -> bool:
-    from transformers.cache_utils import DynamicLayer
-
-    return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None]))
-
-
 def score_with_greedy(condition: Condition, context_ids: Sequence[int], continuations: Sequence[Sequence[int]],
                       prefix_ids: Sequence[int] | None = None) -> list[tuple[float, bool]]:
     """(summed log-likelihood, whether every continuation token is the reader's argmax) of each continuation, from
     one prefill of the context — the numbers of `scoring.score_continuations`, plus lm-eval's `is_greedy`."""
-    state = open_context(condition, context_ids, prefix_ids)
-    exact = _crop_is_exact(state.cache)
     results = []
-    with torch.inference_mode():
-        for cont in continuations:
-            rows = state.next_logprobs.unsqueeze(0)
-            if len(cont) > 1:
-                cache = state.cache if exact else copy.deepcopy(state.cache)
-                rows = torch.cat([rows, feed(state.reader, cache, cont[:-1]).to(rows.device)])
-                if exact:
-                    rollback(state.cache, state.length)
-            tokens = torch.tensor(list(cont), device=rows.device)
-            picked = rows[torch.arange(len(cont), device=rows.device), tokens]
-            results.append((float(picked.double().sum()), bool((rows.argmax(-1) == tokens).all())))
+    for rows, cont in zip(continuation_rows(condition, context_ids, continuations, prefix_ids), continuations,
+                          strict=True):
+        tokens = torch.tensor(list(cont), device=rows.device)
+        results.append((float(picked(rows, cont).double().sum()), bool((rows.argmax(-1) == tokens).all())))
     return results
 
 
