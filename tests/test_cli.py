@@ -309,16 +309,17 @@ def test_eval_switch_benchmark_and_recompute_sweep(fake_models, tmp_path):
     assert saved["settings"]["pool"] == "report" and saved["settings"]["policies"] == ["recent:10%"]
     assert set(saved["directions"]) == {"forward", "reverse"}
     assert "### small → large" in result.output and "### large → small" in result.output
-    result = CliRunner().invoke(app, [*SWITCH_BASE, "--out", str(out), "--sweep-recompute", "recent,sinks",
+    result = CliRunner().invoke(app, [*SWITCH_BASE, "--out", str(out), "--sweep-recompute", "recent,mix",
                                       "--budgets", "0,20", "--ttft-lengths", "64"])
     assert result.exit_code == 0, result.output
     sweep = json.loads((out / "sweep_recompute.json").read_text())
-    assert sweep["settings"]["pool"] == "dev" and sweep["policies"] == ["none", "recent:20%", "sinks:20%"]
+    assert sweep["settings"]["pool"] == "dev" and sweep["policies"] == ["none", "recent:20%", "mix:20%"]
     assert sweep["complete"] and (out / "sweep_recompute.png").is_file()
 
 
 def test_eval_switch_argument_errors_exit_2_naming_the_option(fake_models, tmp_path):
     for extra, named in ((["--tasks", "gsm8k"], "--tasks"), (["--sweep-recompute", "loudest"], "loudest"),
+                         (["--sweep-recompute", "none"], "none"),
                          (["--budgets", "5,200"], "--budgets"), (["--pool", "train"], "--pool"),
                          (["--ttft-lengths", "1"], "--ttft-lengths")):
         result = CliRunner().invoke(app, [*SWITCH_BASE, "--out", str(tmp_path), *extra])

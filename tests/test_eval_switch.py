@@ -1,5 +1,6 @@
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,9 +161,12 @@ def test_mean_retention_over_a_group():
         "c": {"group": "heldout", "transfers": {"switch": {"retention": {"value": 0.0},
                                                            "floor_normalised_retention": {"value": 0.0}}}},
     }
-    assert W.mean_retention(tasks, "switch") == {"tasks": 2, "mean_retention": 0.75, "retention_tasks": 2,
-                                                 "mean_floor_normalised_retention": 0.5,
-                                                 "floor_normalised_retention_tasks": 2}
+    summary = W.mean_retention(tasks, "switch")
+    assert {k: summary[k] for k in ("tasks", "mean_retention", "retention_tasks", "mean_floor_normalised_retention",
+                                    "floor_normalised_retention_tasks")} == {
+        "tasks": 2, "mean_retention": 0.75, "retention_tasks": 2, "mean_floor_normalised_retention": 0.5,
+        "floor_normalised_retention_tasks": 2}
+    assert summary["agreement_tasks"] == 0  # summaries without agreement (older runs) leave it undefined
     assert W.mean_retention(tasks, "switch", "all")["tasks"] == 3
     tasks["c"]["transfers"]["switch"]["retention"]["value"] = float("nan")  # the target alone scored 0
     summary = W.mean_retention(tasks, "switch", "all")
@@ -175,3 +179,18 @@ def test_settings_are_validated():
     with pytest.raises(ConfigError):
         W.SwitchSettings(tasks=("gsm8k",))
     assert W.SwitchSettings(policies=("recent:0.05",)).policies == ("recent:5%",)
+
+
+def test_agreement_with_target_counts_same_answers_and_choice_kl():
+    target = {"a": {"loglikelihoods": [-1.0, -2.0], "norm_lengths": [1, 1], "gold": 0},
+              "b": {"loglikelihoods": [-3.0, -1.0], "norm_lengths": [1, 1], "gold": 0}}
+    same = W.agreement_with_target("arc_easy", target, target, ["a", "b"], n_resamples=20)
+    assert same["agreement"]["value"] == 1.0 and same["choice_kl"]["value"] == pytest.approx(0.0)
+    flipped = {k: {**v, "loglikelihoods": v["loglikelihoods"][::-1]} for k, v in target.items()}
+    other = W.agreement_with_target("arc_easy", target, flipped, ["a", "b"], n_resamples=20)
+    p = np.exp([-1.0, -2.0]) / np.exp([-1.0, -2.0]).sum()
+    kl_a = float(np.sum(p * np.log(p / p[::-1])))
+    p = np.exp([-3.0, -1.0]) / np.exp([-3.0, -1.0]).sum()
+    kl_b = float(np.sum(p * np.log(p / p[::-1])))
+    assert other["agreement"]["value"] == 0.0
+    assert other["choice_kl"]["value"] == pytest.approx((kl_a + kl_b) / 2)

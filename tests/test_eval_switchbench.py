@@ -80,6 +80,7 @@ def test_sweep_writes_table_plot_and_resumes(directions, tmp_path):
     for suffix in ("json", "md", "png"):
         assert (tmp_path / f"sweep_recompute.{suffix}").stat().st_size > 0
     assert "| recent:20% |" in (tmp_path / "sweep_recompute.md").read_text()
+    assert 0 <= point["mean_agreement"] <= 1 and point["mean_choice_kl"] >= 0
     (tmp_path / "sweep_recompute.md").unlink()
     assert B.rewrite_sweep(tmp_path)["points"] == json.loads(json.dumps(swept["points"]))
     assert (tmp_path / "sweep_recompute.md").is_file()
@@ -88,3 +89,23 @@ def test_sweep_writes_table_plot_and_resumes(directions, tmp_path):
                                  lengths=(64,), deadline=time.monotonic() - 1)
     assert not more["complete"] and more["histories_done"] == 1 and more["items_per_task"] == 2
     assert json.loads((tmp_path / "sweep_recompute.json").read_text())["items_per_task"] == 2
+
+
+def test_resumed_sweep_reuses_its_ttft_unless_the_sweep_changed(directions, tmp_path, monkeypatch):
+    small = settings(policies=B.recompute_points(("recent",), (0.0, 0.2)), tasks=("arc_challenge",), histories=1,
+                     limit=2)
+    first = B.run_recompute_sweep(directions, TOK, "bytes", small, tmp_path, lengths=(64,))
+
+    class Timed(Exception):
+        pass
+
+    def timing(*args, **kwargs):
+        raise Timed
+
+    monkeypatch.setattr(B, "sweep_ttft", timing)
+    again = B.run_recompute_sweep(directions, TOK, "bytes", small, tmp_path, lengths=(64,))
+    assert again["ttft"] == json.loads(json.dumps(first["ttft"]))
+    with pytest.raises(Timed):  # other lengths: timed again
+        B.run_recompute_sweep(directions, TOK, "bytes", small, tmp_path, lengths=(64, 96))
+    with pytest.raises(Timed):  # other repeats
+        B.run_recompute_sweep(directions, TOK, "bytes", small, tmp_path, lengths=(64,), ttft_repeats=2)

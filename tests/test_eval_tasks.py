@@ -135,6 +135,9 @@ def test_mc_metrics_acc_and_length_normalised():
     # choice 0 has the best raw log-likelihood, choice 1 the best per character
     record = {"loglikelihoods": [-10.0, -12.0, -30.0], "norm_lengths": [5, 20, 10], "gold": 1}
     assert T.mc_item_metrics(record) == {"acc": 0.0, "acc_norm": 1.0}
+    assert T.mc_choice_scores(record, "acc_norm").tolist() == [-2.0, -0.6, -3.0]
+    with pytest.raises(ConfigError, match="acc_norm"):
+        T.mc_choice_scores(record, "f1")
     spec = T.TASKS["boolq"]
     assert T.item_metrics(spec, record) == {"acc": 0.0}
 

@@ -54,9 +54,9 @@ def _comma_list(value: str, parse, what: str) -> tuple:
 
 def rule_list(value) -> tuple[str, ...]:
     rules = _comma_list(value, str, "rules")
-    bad = [r for r in rules if r not in RECOMPUTE_RULES or r in ("none", "mix")]
+    bad = [r for r in rules if r not in RECOMPUTE_RULES or r == "none"]
     if bad:
-        raise typer.BadParameter(f"unknown recompute rule(s) {', '.join(bad)}; use {', '.join(RECOMPUTE_RULES[1:-1])}")
+        raise typer.BadParameter(f"unknown recompute rule(s) {', '.join(bad)}; use {', '.join(RECOMPUTE_RULES[1:])}")
     return rules
 
 

@@ -39,7 +39,7 @@ import torch
 from kvhandoff.cache import cache_of, cache_view, model_device, prefill, rollback
 from kvhandoff.config import RecomputePolicy
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.metrics import mean, summarise_conditions
+from kvhandoff.evaluation.metrics import mean, paired_bootstrap, summarise_conditions
 from kvhandoff.evaluation.runner import (
     RECORD_VERSION,
     ItemStore,
@@ -57,6 +57,7 @@ from kvhandoff.evaluation.tasks import (
     MCItem,
     encode,
     get_task,
+    mc_choice_scores,
     mc_item_metrics,
     parse_tasks,
 )
@@ -399,10 +400,36 @@ def accuracy_per_item(spec_name: str, records: Mapping[str, dict], ids: Sequence
     return [mc_item_metrics(records[i])[metric] for i in ids]
 
 
+def choice_softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = np.exp(scores - scores.max())
+    return shifted / shifted.sum()
+
+
+def agreement_with_target(task: str, target: Mapping[str, dict], transfer: Mapping[str, dict], ids: Sequence[str],
+                          n_resamples: int = 1000, seed: int = 0) -> dict:
+    """How closely a transfer condition follows the target alone, item by item: the share of items where it
+    chooses the target's answer, and the mean KL (nats) from the target's to the transfer's distribution over the
+    choices (softmax of the task metric's choice scores, `tasks.mc_choice_scores`), with bootstrap intervals.
+    Paired and graded, they separate policies at item counts where accuracy cannot."""
+    metric = get_task(task).primary_metric
+    agree, kl = [], []
+    for item_id in ids:
+        reference = mc_choice_scores(target[item_id], metric)
+        scores = mc_choice_scores(transfer[item_id], metric)
+        p, q = choice_softmax(reference), choice_softmax(scores)
+        agree.append(float(np.argmax(reference) == np.argmax(scores)))
+        kl.append(float(np.sum(p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300))))))
+    out = {}
+    for i, (name, values) in enumerate((("agreement", agree), ("choice_kl", kl))):
+        ci = paired_bootstrap({"x": values}, lambda s: float(s["x"].mean()), n_resamples, seed + i)
+        out[name] = {"value": mean(values), "ci": list(ci)}
+    return out
+
+
 def switch_task_summary(task: str, items: Sequence[SwitchItem], records: Mapping[str, Mapping[str, dict]],
                         n_resamples: int = 1000, seed: int = 0) -> dict:
     """Accuracy per condition; retention and floor-normalised retention (paired bootstrap) of every switch and of
-    all_mapped against the target alone."""
+    all_mapped against the target alone, and their agreement with it (`agreement_with_target`)."""
     ids = [item.id for item in items]
     chance = [item.chance for item in items]
     per_item = {name: accuracy_per_item(task, recs, ids) for name, recs in records.items()}
@@ -414,7 +441,8 @@ def switch_task_summary(task: str, items: Sequence[SwitchItem], records: Mapping
             continue
         paired = summarise_conditions({"target": per_item["target"], "transfer": scores}, chance, n_resamples, seed)
         transfers[name] = {"accuracy": paired["accuracy"]["transfer"], "retention": paired["retention"],
-                           "floor_normalised_retention": paired["floor_normalised_retention"]}
+                           "floor_normalised_retention": paired["floor_normalised_retention"],
+                           **agreement_with_target(task, records["target"], records[name], ids, n_resamples, seed)}
     spec = get_task(task)
     return {"display": spec.display, "group": _group(task), "primary_metric": spec.primary_metric, "n": len(items),
             "chance": base["chance"], "accuracy": base["accuracy"], "transfers": transfers,
@@ -428,14 +456,14 @@ def _group(task: str) -> str:
 
 
 def mean_retention(tasks: Mapping[str, dict], condition: str, group: str = "core") -> dict:
-    """Mean retention and floor-normalised retention of ``condition`` over the tasks of ``group`` ("all": every
-    task), each mean over the tasks where it is defined (retention is not where the target alone scores 0; the
-    counts say over how many)."""
+    """Mean retention, floor-normalised retention, agreement with the target and choice KL of ``condition`` over
+    the tasks of ``group`` ("all": every task), each mean over the tasks where it is defined (retention is not where
+    the target alone scores 0; the counts say over how many)."""
     members = [t["transfers"][condition] for t in tasks.values()
                if condition in t["transfers"] and (group == "all" or t["group"] == group)]
     out = {"tasks": len(members)}
-    for key in ("retention", "floor_normalised_retention"):
-        values = [m[key]["value"] for m in members if math.isfinite(m[key]["value"])]
+    for key in ("retention", "floor_normalised_retention", "agreement", "choice_kl"):
+        values = [m[key]["value"] for m in members if key in m and math.isfinite(m[key]["value"])]
         out[f"mean_{key}"] = mean(values) if values else float("nan")
         out[f"{key}_tasks"] = len(values)
     return out

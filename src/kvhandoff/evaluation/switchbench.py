@@ -135,14 +135,14 @@ def _ci(entry: dict | None) -> str:
 
 def switch_markdown(result: dict) -> str:
     """One table per direction: accuracy per condition, retention of the switch and of the all-mapped condition,
-    and the time to first token of the switch against re-prefill."""
+    the switch's agreement with the target alone, and the time to first token of the switch against re-prefill."""
     lines = []
     for direction in result["directions"].values():
         lines += [f"### {direction['source']} → {direction['target']}", "",
                   "| Task | n | History tokens | Question tokens | Source | Target | Switch | All mapped "
-                  "| Retention, switch [95% CI] | Floor-normalised, switch | Retention, all mapped "
-                  "| TTFT re-prefill | TTFT switch | Speed-up |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|"]
+                  "| Retention, switch [95% CI] | Floor-normalised, switch | Agreement with target, switch "
+                  "| Retention, all mapped | TTFT re-prefill | TTFT switch | Speed-up |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|"]
         for task in direction["tasks"].values():
             lines += [_task_row(task, name) for name in task["transfers"] if name != "all_mapped"]
         lines.append("")
@@ -151,7 +151,7 @@ def switch_markdown(result: dict) -> str:
 
 def _task_row(task: dict, switch: str) -> str:
     if not task.get("n"):
-        return f"| {task['display']} | 0 | | | | | | | | | | | | |"
+        return f"| {task['display']} | 0 | | | | | | | | | | | | | |"
     acc, transfers = task["accuracy"], task["transfers"]
     ttft = task.get("ttft", {}).get("mean", {})
     seconds = ttft.get("seconds", {})
@@ -162,6 +162,7 @@ def _task_row(task: dict, switch: str) -> str:
             f"| {_fmt(transfers[switch]['accuracy']['value'])} "
             f"| {_fmt(transfers.get('all_mapped', {}).get('accuracy', {}).get('value'))} "
             f"| {_ci(transfers[switch]['retention'])} | {_ci(transfers[switch]['floor_normalised_retention'])} "
+            f"| {_ci(transfers[switch].get('agreement'))} "
             f"| {_ci(transfers.get('all_mapped', {}).get('retention'))} "
             f"| {_fmt(seconds.get('reprefill'), 2)} s | {_fmt(seconds.get(switch), 2)} s "
             f"| {_fmt(ttft.get('speedup', {}).get(switch), 1)}× |")
@@ -210,6 +211,8 @@ def sweep_points(result: dict) -> list[dict]:
             "mean_retention": mean([r["mean_retention"] for r in per_direction.values()]),
             "mean_floor_normalised_retention": mean([r["mean_floor_normalised_retention"]
                                                      for r in per_direction.values()]),
+            "mean_agreement": mean([r.get("mean_agreement", math.nan) for r in per_direction.values()]),
+            "mean_choice_kl": mean([r.get("mean_choice_kl", math.nan) for r in per_direction.values()]),
             "speedup": {length: {**by_dir, "mean": mean(list(by_dir.values()))} for length, by_dir in speedups.items()},
         })
     return points
@@ -240,8 +243,11 @@ def run_recompute_sweep(directions: Sequence[Direction], tokenizer, tok_id: str,
     settings = replace(settings, ttft_repeats=0, all_mapped=False)
     result: dict = {"format": SWEEP_FORMAT, "settings": _settings_record(settings),
                     "policies": list(settings.policies), "ttft_lengths": [str(n) for n in lengths],
-                    "ttft": sweep_ttft(directions, tokenizer, settings, lengths, ttft_repeats),
-                    "directions": {}, "histories_done": 0, "items_per_task": 0, "complete": False}
+                    "ttft_repeats": ttft_repeats,
+                    "mappers": {d.name: mapper_identity(d.mapper) for d in directions}}
+    ttft = stored_ttft(out_dir, result)
+    result.update(ttft=ttft if ttft is not None else sweep_ttft(directions, tokenizer, settings, lengths, ttft_repeats),
+                  directions={}, histories_done=0, items_per_task=0, complete=False)
 
     def keep(used: int, done: dict, finished: bool) -> None:
         if not (finished or not result["directions"]):
@@ -255,6 +261,21 @@ def run_recompute_sweep(directions: Sequence[Direction], tokenizer, tok_id: str,
 
     run_in_history_rounds(directions, tokenizer, tok_id, settings, out_dir / "items", progress, deadline, keep)
     return result
+
+
+def stored_ttft(out_dir: Path, header: dict) -> dict | None:
+    """The TTFT of an earlier run of the same sweep in ``out_dir`` (same settings, policies, lengths, repeats and
+    mappers), so a resumed sweep does not time it again; None when there is none or it differs."""
+    path = Path(out_dir) / "sweep_recompute.json"
+    if not path.is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if stored.get("format") != SWEEP_FORMAT or any(stored.get(key) != value for key, value in header.items()):
+        return None
+    return stored.get("ttft")
 
 
 # -- sweep rendering ---------------------------------------------------------------------------------------------
@@ -281,6 +302,7 @@ def sweep_markdown(result: dict) -> str:
     lengths = result["ttft_lengths"]
     directions = list(result["directions"])
     head = ["Policy"] + [f"Retention {d}" for d in directions] + ["Mean retention", "Mean floor-normalised"]
+    head += [f"Agreement {d}" for d in directions] + [f"Choice KL {d}" for d in directions]
     head += [f"Speed-up {n} {d}" for n in lengths for d in directions]
     lines = [f"Items per core task and direction: {result['items_per_task']} (dev pool); complete: "
              f"{result['complete']}. Pareto front (mean retention vs mean speed-up): "
@@ -289,6 +311,8 @@ def sweep_markdown(result: dict) -> str:
     for point in result.get("points", []):
         cells = [point["policy"]] + [_fmt(point["retention"][d]["mean_retention"]) for d in directions]
         cells += [_fmt(point["mean_retention"]), _fmt(point["mean_floor_normalised_retention"])]
+        cells += [_fmt(point["retention"][d].get(f"mean_{key}")) for key in ("agreement", "choice_kl")
+                  for d in directions]
         cells += [_fmt(point["speedup"][n][d], 1) + "×" for n in lengths for d in directions]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

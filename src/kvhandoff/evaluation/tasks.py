@@ -293,12 +293,21 @@ def gsm8k_exact_match(prediction: str, gold: str) -> float:
 # -- per-item metrics -----------------------------------------------------------------------------------------
 
 
+def mc_choice_scores(record: dict[str, Any], metric: str) -> np.ndarray:
+    """The per-choice scores whose argmax is the prediction under ``metric``: the loglikelihoods ("acc") or the
+    loglikelihoods per normalisation unit ("acc_norm")."""
+    lls = np.asarray(record["loglikelihoods"], dtype=np.float64)
+    if metric == "acc":
+        return lls
+    if metric == "acc_norm":
+        return lls / np.maximum(np.asarray(record["norm_lengths"], dtype=np.float64), 1.0)
+    raise ConfigError(f"a multiple-choice metric is 'acc' or 'acc_norm', got {metric!r}")
+
+
 def mc_item_metrics(record: dict[str, Any]) -> dict[str, float]:
     """acc and acc_norm of one stored loglikelihood record (``loglikelihoods``, ``norm_lengths``, ``gold``)."""
-    lls = np.asarray(record["loglikelihoods"], dtype=np.float64)
-    lengths = np.maximum(np.asarray(record["norm_lengths"], dtype=np.float64), 1.0)
     gold = int(record["gold"])
-    return {"acc": float(int(np.argmax(lls)) == gold), "acc_norm": float(int(np.argmax(lls / lengths)) == gold)}
+    return {metric: float(int(np.argmax(mc_choice_scores(record, metric))) == gold) for metric in ("acc", "acc_norm")}
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
