@@ -86,6 +86,18 @@ def switch_tasks_option(value) -> str:
     return value
 
 
+def pair_directions(pair, mappers: MapperSource, out: Path, progress: bool) -> list[Direction]:
+    """The forward direction with its mapper (fitted or reused), and the reverse one where ``mappers`` asks."""
+    forward, _ = forward_mapper(pair, mappers, EvalOptions(), out, progress)
+    on_source_device(forward, pair.source)
+    directions = [Direction("forward", pair.source, pair.target, forward, pair.source_spec, pair.target_spec)]
+    backward = on_source_device(reverse_mapper(pair, mappers, progress), pair.target)
+    if backward is not None:
+        directions.append(Direction("reverse", pair.target, pair.source, backward, pair.target_spec,
+                                    pair.source_spec))
+    return directions
+
+
 def eval_switch(
     source: Source = DEFAULT_SOURCE,
     target: Target = DEFAULT_TARGET,
@@ -148,14 +160,8 @@ def eval_switch(
         settings = SwitchSettings(tuple(switch_tasks(tasks)), limit, pool or ("dev" if sweep else "report"), seed,
                                   histories, history_tokens, policies, exact_prefix, all_mapped, ttft_repeats)
     pair = load_named_pair(source, target, dtype, progress, device_map=device_map)
-    mappers = MapperSource(mapper, reverse_mapper=reverse, both_directions=both_directions)
-    forward, _ = forward_mapper(pair, mappers, EvalOptions(), out, progress)
-    on_source_device(forward, pair.source)
-    directions = [Direction("forward", pair.source, pair.target, forward, pair.source_spec, pair.target_spec)]
-    backward = on_source_device(reverse_mapper(pair, mappers, progress), pair.target)
-    if backward is not None:
-        directions.append(Direction("reverse", pair.target, pair.source, backward, pair.target_spec,
-                                    pair.source_spec))
+    directions = pair_directions(pair, MapperSource(mapper, reverse_mapper=reverse, both_directions=both_directions),
+                                 out, progress)
     tok_id = tokenizer_hash(pair.tokenizer)
     if sweep:
         result = run_recompute_sweep(directions, pair.tokenizer, tok_id, settings, out, ttft_lengths, ttft_repeats,
