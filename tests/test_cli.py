@@ -29,6 +29,29 @@ def test_fit_writes_a_loadable_mapper(pair, tmp_path):
     assert mapper.manifest["calibration"]["num_tokens"] == 3 * 48
 
 
+def test_fit_for_both_directions_leaves_the_reverse_fit_no_pass_to_run(pair, tmp_path):
+    small, large = pair
+    common = ["--sequences", "3", "--seq-len", "48", "--top-k", "1"]
+    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+                                      "--both-directions", *common])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(app, ["fit", "--source", large, "--target", small, "--out", str(tmp_path / "r"),
+                                      *common])
+    assert result.exit_code == 0, result.output
+    assert Mapper.load(tmp_path / "r").manifest["calibration"]["reused_reverse_pass"] is True
+
+
+def test_bench_fit_measures_the_fit_next_to_the_forwards(pair, tmp_path):
+    small, large = pair
+    result = CliRunner().invoke(app, ["bench-fit", "--source", small, "--target", large, "--windows", "3",
+                                      "--seq-len", "40", "--out", str(tmp_path / "b"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "time ÷ forward-only" in result.output and "peak memory above the loaded models" in result.output
+    written = json.loads((tmp_path / "b" / "bench-fit.json").read_text())
+    assert len(written["windows"]) == 3 and written["description"]["calibration"]["num_sequences"] == 3
+    assert written["settings"]["tokens_per_window"] == 40
+
+
 def test_fit_in_bf16_on_an_auto_device_map_in_layer_blocks(pair, tmp_path):
     small, large = pair
     result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
@@ -414,6 +437,10 @@ def test_every_entry_point_refuses_a_pair_whose_tokenizers_differ(command, tmp_p
     (["fit", "--rank", "64", "--layer-block", "2"], "--layer-block"),
     (["fit", "--method", "mlp", "--heads", "aligned"], "--method"),
     (["fit", "--layer-block", "2", "--method", "mlp"], "--layer-block"),
+    (["fit", "--both-directions", "--layer-block", "2"], "--both-directions"),
+    (["fit", "--both-directions", "--texts", "README.md"], "--both-directions"),
+    (["bench-fit", "--windows", "0"], "--windows"),
+    (["bench-fit", "--top-k", "heldout"], "--top-k"),
     (["demo", "--dtype", "int4"], "--dtype"),
     (["bench", "--device-map", "everywhere"], "--device-map"),
     (["eval", "--device-map", "cuda:x"], "--device-map"),

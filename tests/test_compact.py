@@ -36,7 +36,8 @@ def _head_aligned_rows(src: FeatureLayout, tgt: FeatureLayout, cross: bool = Fal
 
 
 def _fit(x, y, config: FitConfig, src=SRC, tgt=TGT) -> Mapper:
-    return mapper_from_statistics(CalibrationStats.from_rows(src, tgt, x, y), config, {}, {})
+    stats = CalibrationStats.from_rows(src, tgt, x, y, kv_cross=config.joint_inputs)
+    return mapper_from_statistics(stats, config, {}, {})
 
 
 def _close(mapper: Mapper, x, y, tolerance: float = 1e-3) -> bool:

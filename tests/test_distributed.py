@@ -71,11 +71,14 @@ def test_without_torchrun_it_is_one_process(monkeypatch):
         pass
 
 
-def test_one_process_pass_equals_collect_statistics(models, windows):
+@pytest.mark.parametrize("target_gram", [False, True])
+def test_one_process_pass_equals_collect_statistics(models, windows, target_gram):
     source, target = models
     stats, record = collect_shared(source, target, windows, FitConfig(), Ranks(checkpoint_every=4), batch_size=2,
-                                   progress=False)
-    expected = collect_statistics(source, target, list(windows.split(2)), FitConfig(), progress=False)
+                                   progress=False, target_gram=target_gram)
+    expected = collect_statistics(source, target, list(windows.split(2)), FitConfig(), progress=False,
+                                  target_gram=target_gram)
+    assert stats.names() == expected.names()
     assert_same_statistics(stats, expected)
     assert record == {"world_size": 1, "windows_per_rank": [list(range(WINDOWS))]}
 
@@ -116,6 +119,20 @@ def test_an_interrupted_pass_resumes_from_its_checkpoint(models, windows, tmp_pa
     assert "starting the pass from the first window" in capsys.readouterr().out
     assert "resumed_from_checkpoint" not in record
     assert_same_statistics(stats, collect_statistics(source, target, list(other.split(1)), progress=False))
+
+
+def test_a_checkpoint_resumes_a_pass_only_when_it_holds_what_the_pass_sums(models, windows, tmp_path, capsys):
+    source, target = models
+    checkpoint = tmp_path / "partial.safetensors"
+    collect_shared(source, target, windows, FitConfig(), Ranks(checkpoint_every=2), checkpoint=checkpoint,
+                   progress=False)
+    stats, record = collect_shared(source, target, windows, FitConfig(), Ranks(checkpoint_every=2),
+                                   checkpoint=checkpoint, target_gram=True)  # the checkpoint has no Gram
+    assert "starting the pass from the first window" in capsys.readouterr().out and stats.target_gram
+    stats, record = collect_shared(source, target, windows, FitConfig(), Ranks(checkpoint_every=2),
+                                   checkpoint=checkpoint)  # rewritten by the pass with the Gram: it serves
+    assert record["resumed_from_checkpoint"]["windows"] == list(range(WINDOWS)) and not stats.target_gram
+    assert_same_statistics(stats, collect_statistics(source, target, list(windows.split(1)), progress=False))
 
 
 def _spawn_ranks(port, windows, checkpoint, die_on_call, result):

@@ -5,13 +5,17 @@ from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.config import MAPPER_FORMAT_VERSION
 from kvhandoff.errors import ConfigError, IncompatiblePairError, StatisticsError
 from kvhandoff.fit import (
+    FittedMaps,
     collect_statistics,
+    default_plan,
     estimate_memory,
     feature_layout,
     layer_block_for_budget,
     mapper_from_statistics,
+    solve_plan,
 )
 from kvhandoff.geometry import check_pair, model_fingerprint
+from kvhandoff.selection import layer_r2_matrix
 from kvhandoff.statistics import FeatureLayout
 
 from conftest import exactly_related, random_batches, tiny_model
@@ -71,7 +75,7 @@ def _cross_modal_stats(source, target, rows: int = 600, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, src.width, generator=gen, dtype=torch.float64)
     y = x @ torch.randn(src.width, tgt.width, generator=gen, dtype=torch.float64) / src.width**0.5 + 0.3
-    return CalibrationStats.from_rows(src, tgt, x, y), x, y
+    return CalibrationStats.from_rows(src, tgt, x, y, kv_cross=True), x, y
 
 
 @pytest.mark.parametrize("top_k", [1, "all"])
@@ -105,7 +109,7 @@ def test_nan_solved_weights_are_refused_naming_the_map():
     stats = collect_statistics(source, target, random_batches(2), progress=False)
     mapper_from_statistics(stats, FitConfig(), {}, {})  # the clean statistics solve
     columns = stats.target.layer_slice(1, 2)  # V of target layer 2
-    stats.sum_xy[:, columns.start] = float("nan")
+    stats.block("xy", 1, 1)[:, columns.start - stats.target.modality_width] = float("nan")
     with pytest.raises(StatisticsError, match="NaN/Inf weights for V of target layer 2"):
         mapper_from_statistics(stats, FitConfig(), {}, {})
 
@@ -141,13 +145,17 @@ def test_a_fit_in_layer_blocks_needs_batches_it_can_read_again():
         fit_mapper(source, target, random_batches(2), progress=False, layer_block=0)
 
 
-def test_the_statistics_estimate_is_the_bytes_a_pass_allocates():
+@pytest.mark.parametrize("target_gram", [False, True])
+@pytest.mark.parametrize("inputs", ["own", "kv"])
+def test_the_statistics_estimate_is_the_bytes_a_pass_allocates(target_gram, inputs):
     source, target = tiny_model("qwen2", layers=3), tiny_model("llama", layers=5, head_dim=8, seed=4)
-    batches = random_batches(1)
+    batches, config = random_batches(1), FitConfig(source_inputs=inputs)
     for layers, layer_block in ((range(5), None), (range(0, 2), 2)):
-        stats = collect_statistics(source, target, batches, progress=False, target_layers=layers)
+        stats = collect_statistics(source, target, batches, config, progress=False, target_layers=layers,
+                                   target_gram=target_gram)
+        assert stats.kv_cross == (inputs == "kv")  # a pass sums the cross moments its config's maps read
         held = sum(t.numel() * t.element_size() for t in stats.sums())
-        estimate = estimate_memory(stats.source, feature_layout(target), FitConfig(), layer_block)
+        estimate = estimate_memory(stats.source, feature_layout(target), config, layer_block, target_gram)
         assert estimate.statistics_bytes == held
 
 
@@ -156,12 +164,36 @@ def test_the_estimate_of_a_big_pair_by_hand():
     source, target = FeatureLayout(40, 8, 128), FeatureLayout(64, 8, 128)
     whole = estimate_memory(source, target, FitConfig(top_k=4))
     ws, wt = 2 * 40 * 1024, 2 * 64 * 1024
-    assert whole.statistics_bytes == 8 * (ws + wt + ws * ws + ws * wt + wt * wt)  # ≈ 277 GB
+    # x, y, Σy², then xxᵀ and xyᵀ of K with K and V with V: half of each whole matrix
+    assert whole.statistics_bytes == 8 * (ws + 2 * wt + (ws * ws + ws * wt) // 2)  # ≈ 70 GB
+    both = estimate_memory(source, target, FitConfig(top_k=4), target_gram=True)
+    assert both.statistics_bytes == whole.statistics_bytes + 8 * wt * wt // 2  # the Gram's K·K and V·V blocks
+    joint = estimate_memory(source, target, FitConfig(top_k=4, source_inputs="kv"), target_gram=True)
+    # and the cross blocks: K·V of the symmetric ones, K·V and V·K of xyᵀ
+    assert joint.statistics_bytes == both.statistics_bytes + 8 * (ws * ws // 4 + ws * wt // 2 + wt * wt // 4)
+    inputs = 4 * 1024
+    assert whole.solve_bytes == 8 * (2 * inputs * inputs + 6 * inputs * 1024)
     blocked = estimate_memory(source, target, FitConfig(top_k=4), layer_block=8)
     wb = 2 * 8 * 1024
-    assert blocked.statistics_bytes == 8 * (ws + wb + ws * ws + ws * wb + wb * wb)
-    assert blocked.mapper_bytes == whole.mapper_bytes == 4 * 2 * 64 * (4 * 1024 + 1) * 1024
+    assert blocked.statistics_bytes == 8 * (ws + 2 * wb + (ws * ws + ws * wb) // 2)
+    assert blocked.mapper_bytes == whole.mapper_bytes == 4 * 2 * 64 * (inputs + 1) * 1024
     assert blocked.peak_bytes < whole.peak_bytes
+
+
+@pytest.mark.parametrize("inputs", ["own", "kv"])
+def test_a_fit_of_every_source_layer_hands_its_maps_to_the_mapper_without_a_copy(inputs):
+    source, target = tiny_model("qwen2", layers=3), tiny_model("llama", layers=2, head_dim=8, seed=4)
+    config = FitConfig(source_inputs=inputs)
+    stats = collect_statistics(source, target, random_batches(2), config, progress=False)
+    r2_matrix = layer_r2_matrix(stats, config.probe_lambda)
+    plan = default_plan(r2_matrix, config)
+    selected = plan.padded(r2_matrix)
+    solution = solve_plan(stats, config, plan, selected)
+    fitted = FittedMaps(stats.source, stats.target, stats.count, plan, selected, solution)
+    mapper = fitted.mapper(config, {}, {}, None, (4096, 4096))
+    assert mapper.weight.untyped_storage().data_ptr() == solution.weight.untyped_storage().data_ptr()
+    expected = mapper_from_statistics(stats, config, {}, {})
+    assert torch.equal(mapper.weight, expected.weight)
 
 
 def test_the_block_for_a_memory_budget_is_the_largest_that_fits():

@@ -126,7 +126,8 @@ def test_save_load_round_trip_and_refusals(tmp_path):
 def test_reverse_direction_trains_from_the_forward_rows(tmp_path):
     source, target = tiny_model("llama", layers=2), tiny_model("llama", layers=3, seed=5)
     writer = FeatureShardWriter(tmp_path / "rows", feature_layout(source), feature_layout(target))
-    stats = collect_statistics(source, target, random_batches(3), progress=False, feature_writer=writer).reversed()
+    stats = collect_statistics(source, target, random_batches(3), progress=False, feature_writer=writer,
+                               target_gram=True).reversed()
     writer.close()
     base = mapper_from_statistics(stats, FitConfig(), {}, {})
     mapper = fit_mlp_mapper(base, tmp_path / "rows", layer_r2_matrix(stats), MLPConfig(hidden=8, epochs=1),

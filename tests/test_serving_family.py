@@ -65,14 +65,19 @@ def test_load_family_obtains_the_cached_default_mapper_of_each_missing_direction
     fit_mapper(small, large, random_batches(2), FitConfig(top_k=1), tokenizer, tokenizer, progress=False).save(saved)
     asked = []
 
-    def fake_obtain_mapper(pair, progress=True):  # workflow.obtain_mapper's signature: a NamedPair first
-        asked.append((pair.source_spec, pair.target_spec, pair.source_identity != pair.target_identity))
+    def fake_obtain_mapper(pair, progress=True, both_directions=False):  # workflow.obtain_mapper's: a NamedPair
+        asked.append((pair.source_spec, pair.target_spec, pair.source_identity != pair.target_identity,
+                      both_directions))
         return fit_mapper(pair.source, pair.target, random_batches(2), FitConfig(top_k=1), pair.tokenizer,
                           pair.models.target_tokenizer, progress=False), tmp_path / "cached", True
 
     monkeypatch.setattr(family, "obtain_mapper", fake_obtain_mapper)
     specs = parse_model_specs([f"small={small_path}", f"large={large_path}"])
     models, mappers = load_family(specs, {("small", "large"): saved}, progress=False)
-    assert asked == [(large_path, small_path, True)]  # only the direction without a folder
+    # only the direction without a folder; its pass need not serve the other, which has one
+    assert asked == [(large_path, small_path, True, False)]
     assert set(mappers) == {("small", "large"), ("large", "small")}
     Engine(models, mappers, ServeConfig()).close()
+    asked.clear()
+    load_family(specs, {}, progress=False)  # both directions fitted: the first pass serves the second
+    assert [entry[3] for entry in asked] == [True, True]

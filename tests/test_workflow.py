@@ -3,6 +3,8 @@ import torch
 
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.config import CalibrationSpec
+from kvhandoff.corpus import calibration_batches
+from kvhandoff.statistics import CalibrationStats
 from kvhandoff.workflow import load_named_pair, mapper_dir, obtain_mapper, on_source_device, statistics_path
 
 from conftest import random_batches, save_tiny_pair, tiny_model
@@ -28,12 +30,30 @@ def test_mapper_is_fitted_once_then_reused(pair):
 
 
 def test_reverse_direction_reuses_the_forward_statistics(pair):
-    obtain_mapper(pair, calibration=CALIBRATION, progress=False)
+    obtain_mapper(pair, calibration=CALIBRATION, progress=False, both_directions=True)
+    assert CalibrationStats.saved_content(statistics_path(pair, FitConfig(), CALIBRATION)).target_gram
     reverse, _, reused = obtain_mapper(pair.reversed(), calibration=CALIBRATION,
                                        progress=False)
     assert not reused and reverse.manifest["calibration"]["reused_reverse_pass"] is True
     assert not statistics_path(pair.reversed(), FitConfig(), CALIBRATION).exists()
     assert reverse.selected.shape[0] == 2  # the small model is now the target
+    # the same mapper as from a pass of its own in that direction
+    windows = calibration_batches(pair.tokenizer, CALIBRATION.num_sequences, CALIBRATION.seq_len, CALIBRATION.seed,
+                                  CALIBRATION.batch_size, mix=CALIBRATION.mix)
+    own = fit_mapper(pair.target, pair.source, windows, progress=False)
+    torch.testing.assert_close(reverse.weight, own.weight, rtol=0, atol=1e-5)
+
+
+def test_a_pass_for_one_direction_leaves_the_reverse_its_own_pass(pair, capsys):
+    forward, _, _ = obtain_mapper(pair, calibration=CALIBRATION)
+    assert not CalibrationStats.saved_content(statistics_path(pair, FitConfig(), CALIBRATION)).target_gram
+    reverse, _, reused = obtain_mapper(pair.reversed(), calibration=CALIBRATION)
+    assert not reused and "reused_reverse_pass" not in reverse.manifest["calibration"]
+    assert statistics_path(pair.reversed(), FitConfig(), CALIBRATION).is_file()
+    assert "hold no target Gram" in capsys.readouterr().out
+    # asking for both directions later reuses the cached pass of each as it is
+    again, _, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False, both_directions=True, refit=True)
+    assert torch.equal(again.weight, forward.weight)
 
 
 def test_damaged_cached_mapper_is_refitted_not_reused(pair, capsys):
@@ -49,7 +69,7 @@ def test_heldout_config_collects_rows_and_reuses_them(pair):
     from kvhandoff.workflow import features_dir
 
     config = FitConfig(top_k="heldout", ridge_lambda="heldout")
-    mapper, _, reused = obtain_mapper(pair, config, CALIBRATION, progress=False)
+    mapper, _, reused = obtain_mapper(pair, config, CALIBRATION, progress=False, both_directions=True)
     assert not reused and features_dir(pair, config, CALIBRATION).is_dir()
     assert len(mapper.manifest["fit_metrics"]["heldout_choice"]["k_per_target_layer"]) == 3
     # the reverse direction reads the same pass's rows, flipped
@@ -67,31 +87,32 @@ def test_a_calibration_mix_is_its_own_cache_entry(pair):
     assert mapper.manifest["calibration"]["num_tokens"] == 4 * 64
 
 
-def test_a_mix_extends_a_cached_pass_of_its_leading_groups(pair, monkeypatch):
-    import torch
-
+@pytest.mark.parametrize(("lead_gram", "both_directions"), [(False, False), (True, True), (False, True)])
+def test_a_mix_extends_a_cached_pass_of_its_leading_groups(pair, monkeypatch, lead_gram, both_directions):
     from kvhandoff import workflow
-    from kvhandoff.statistics import CalibrationStats
 
     lead = CalibrationSpec(num_sequences=2, seq_len=64, mix=("prose", "exams"))
     extended = CalibrationSpec(num_sequences=3, seq_len=64, mix=("prose", "exams", "tasks"))
-    workflow.obtain_statistics(pair, FitConfig(), lead, progress=False)
+    workflow.obtain_statistics(pair, FitConfig(), lead, progress=False, both_directions=lead_gram)
     collected = []
     real_collect = workflow._collect
     monkeypatch.setattr(workflow, "_collect", lambda *a, **k: collected.append(a[2]) or real_collect(*a, **k))
-    stats, info = workflow.obtain_statistics(pair, FitConfig(), extended,
-                                             progress=False)
+    stats, info = workflow.obtain_statistics(pair, FitConfig(), extended, progress=False,
+                                             both_directions=both_directions)
     # only the new group was run through the models
     assert collected == [CalibrationSpec(num_sequences=1, seq_len=64, mix=("tasks",))]
     assert info["mix"] == {"prose": 1, "exams": 1, "tasks": 1} and info["num_tokens"] == 3 * 64
     assert info["assembled_from"]["new_pass"]["mix"] == ["tasks"]
     assert statistics_path(pair, FitConfig(), extended).is_file()
     # the same statistics as one pass over the whole mix (sums over disjoint windows add)
-    saved = CalibrationStats.load(statistics_path(pair, FitConfig(), extended))
-    whole, whole_info = real_collect(pair, FitConfig(), extended, False)
+    path = statistics_path(pair, FitConfig(), extended)
+    # the Gram when both passes sum it
+    assert CalibrationStats.saved_content(path).target_gram == (lead_gram and both_directions)
+    saved = CalibrationStats.load(path, target_gram=lead_gram and both_directions)
+    whole, whole_info = real_collect(pair, FitConfig(), extended, False, target_gram=True)
     assert stats.count == saved.count == whole.count and info["token_ids_sha256"] == whole_info["token_ids_sha256"]
-    for name in ("sum_x", "sum_xy", "sum_yy"):
-        assert torch.allclose(getattr(saved, name), getattr(whole, name), rtol=1e-9, atol=1e-6)
+    for name, tensor in saved.tensors().items():
+        assert torch.allclose(tensor, whole.tensors()[name], rtol=1e-9, atol=1e-6)
 
 
 def test_a_pass_with_feature_rows_is_never_assembled(pair):
@@ -165,3 +186,17 @@ def test_a_mapper_goes_where_the_source_takes_its_inputs():
     source.model.embed_tokens.to("meta")  # stands in for a GPU this machine lacks
     on_source_device(mapper, source)
     assert mapper.device == torch.device("meta") and mapper.weight.device == torch.device("meta")
+
+
+def test_maps_that_read_k_and_v_collect_again_over_a_pass_without_the_cross_moments(pair, capsys):
+    path = statistics_path(pair, FitConfig(), CALIBRATION)
+    own, _, _ = obtain_mapper(pair, calibration=CALIBRATION)
+    assert CalibrationStats.saved_content(path).kv_cross is False
+    joint, _, _ = obtain_mapper(pair, FitConfig(source_inputs="kv"), CALIBRATION)
+    assert "hold no K–V cross moments" in capsys.readouterr().out
+    assert CalibrationStats.saved_content(path).kv_cross is True  # the same windows, now with them
+    assert joint.weight.shape[2] == 2 * own.weight.shape[2]
+    # the pass with them serves maps of their own modality as well, as they were
+    again, _, reused = obtain_mapper(pair, calibration=CALIBRATION, refit=True)
+    assert not reused and "collecting" not in capsys.readouterr().out
+    torch.testing.assert_close(again.weight, own.weight, rtol=0, atol=1e-6)

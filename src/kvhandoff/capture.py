@@ -77,18 +77,22 @@ def projection_hooks(model, kinds: str, record):
 
 
 @torch.inference_mode()
-def capture_content_kv(model, input_ids: torch.Tensor, with_queries: bool = False) -> ContentKV:
-    """Run the model once over `input_ids` [batch, tokens] and return its content-space K/V.
-
-    Runs the decoder body only (no LM head: the vocab projection would dominate memory and time).
-    """
+def run_body(model, input_ids: torch.Tensor) -> None:
+    """The forward `capture_content_kv` runs, alone: the decoder body over `input_ids` [batch, tokens] (no LM head:
+    the vocab projection would dominate memory and time; no cache), its output dropped."""
     body = getattr(model, "model", model)
+    body(input_ids=input_ids.to(model_device(model)), use_cache=False)
+
+
+@torch.inference_mode()
+def capture_content_kv(model, input_ids: torch.Tensor, with_queries: bool = False) -> ContentKV:
+    """Run the model once over `input_ids` [batch, tokens] (`run_body`) and return its content-space K/V."""
     device = model_device(model)
     records: dict[str, list[torch.Tensor]] = {"k": [], "v": [], "q": []}
     # with a device map the layers sit on several devices: every record joins the embedding's device
     with projection_hooks(model, "kvq" if with_queries else "kv",
                           lambda kind, _, x: records[kind].append(x.to(device))):
-        body(input_ids=input_ids.to(device), use_cache=False)
+        run_body(model, input_ids)
     return ContentKV(
         keys=torch.stack(records["k"]),
         values=torch.stack(records["v"]),

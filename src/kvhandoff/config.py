@@ -249,7 +249,13 @@ class FitConfig:
 
     def input_modalities(self, modality: int) -> tuple[int, ...]:
         """Source modalities (0 = K, 1 = V) the map of target `modality` reads, in the order of its input columns."""
-        return (0, 1) if self.source_inputs == "kv" else (modality,)
+        return (0, 1) if self.joint_inputs else (modality,)
+
+    @property
+    def joint_inputs(self) -> bool:
+        """Whether each map reads the selected source layers' K and V together (source_inputs="kv"): its
+        statistics must hold the K–V cross moments (`CalibrationStats(kv_cross=True)`)."""
+        return self.source_inputs == "kv"
 
     @property
     def probe_lambda(self) -> float:

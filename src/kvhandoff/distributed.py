@@ -33,11 +33,10 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from kvhandoff.capture import capture_content_kv
 from kvhandoff.config import FitConfig, require_positive
 from kvhandoff.errors import ConfigError, DistributedError, KVHandoffError
 from kvhandoff.files import sha256_bytes
-from kvhandoff.fit import feature_layout
+from kvhandoff.fit import add_batch, empty_statistics
 from kvhandoff.statistics import CalibrationStats
 
 #: seconds a collective waits for the other ranks (env KVHANDOFF_DIST_TIMEOUT overrides)
@@ -251,12 +250,13 @@ def _checkpoint_info(ids_hash: str, config: FitConfig, windows: list[int], runs:
 def load_checkpoint(path: Path, empty: CalibrationStats, ids_hash: str, config: FitConfig,
                     progress: bool = True) -> tuple[CalibrationStats, list[int], list[dict]] | None:
     """(statistics, windows they cover, the runs that reduced them) saved at `path` for exactly these windows,
-    models and settings, or None (with a note when one was there but does not fit)."""
+    models and settings, or None (with a note when one was there but does not fit). A checkpoint holding more
+    moments than the pass sums resumes it (they are not read); one holding fewer cannot."""
     if not path.is_file():
         return None
     try:
         info = CalibrationStats.read_info(path) or {}
-        stats = CalibrationStats.load(path)
+        stats = CalibrationStats.load(path, target_gram=empty.target_gram, kv_cross=empty.kv_cross)
     except KVHandoffError as exc:
         problem = f"not usable ({exc})"
     else:
@@ -272,8 +272,8 @@ def load_checkpoint(path: Path, empty: CalibrationStats, ids_hash: str, config: 
 # -- the pass ---------------------------------------------------------------------------------------------------
 def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: FitConfig, ranks: Ranks,
                    batch_size: int = 1, checkpoint: Path | None = None, progress: bool = True,
-                   target_layers: range | None = None,
-                   source_sums: bool = True) -> tuple[CalibrationStats | None, dict]:
+                   target_layers: range | None = None, source_sums: bool = True, target_gram: bool = False,
+                   kv_cross: bool | None = None) -> tuple[CalibrationStats | None, dict]:
     """The statistics of windows `input_ids` [windows, tokens], shared out between the ranks (every rank calls
     this with the same windows). Returns (statistics, record) on rank 0 and (None, record) elsewhere.
 
@@ -281,16 +281,15 @@ def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: 
     skipped, and the file is rewritten after every round. record: world_size, the windows each rank read in
     this run (windows_per_rank), and what a checkpoint contributed (resumed_from_checkpoint).
     target_layers, source_sums: a pass for one block of target layers (`fit.collect_statistics`); such a pass
-    keeps no checkpoint.
+    keeps no checkpoint. target_gram: sum the target's Gram too (statistics for both directions); kv_cross: the
+    K–V cross moments (None: when the config's maps read source K and V together).
     """
     if target_layers is not None and checkpoint is not None:
         raise DistributedError("a pass over a block of target layers keeps no checkpoint")
     ids_hash = windows_hash(input_ids)
     ranks.require_same(ids_hash, "calibration windows (hash of their token ids)")
-    target_layout = feature_layout(target_model)
-    if target_layers is not None:
-        target_layout = target_layout.block(target_layers)
-    stats = CalibrationStats(feature_layout(source_model), target_layout, source_sums)
+    kv_cross = config.joint_inputs if kv_cross is None else kv_cross
+    stats = empty_statistics(source_model, target_model, target_layers, source_sums, target_gram, kv_cross)
     done: list[int] = []
     runs: list[dict] = []
     if ranks.is_root and checkpoint is not None:
@@ -314,16 +313,15 @@ def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: 
             own = mine[chunk]
             for start in range(0, len(own), batch_size):
                 ids = input_ids[own[start : start + batch_size]]
-                stats.update(capture_content_kv(source_model, ids),
-                             capture_content_kv(target_model, ids).layers(target_layers),
-                             token_stride=config.token_stride, skip_first_tokens=config.skip_first_tokens)
+                add_batch(stats, source_model, target_model, ids, config, target_layers)
                 bar.update(ids.shape[0])
             reduced = [w for share in shares for w in share[chunk]]
             ranks.reduce_statistics(stats, f"reducing round {round_index + 1} of {rounds} (windows "
                                            f"{_ranges(reduced)})")
             done.extend(reduced)
             if not ranks.is_root:
-                stats = CalibrationStats(stats.source, stats.target, source_sums)  # rank 0 holds the total
+                # rank 0 holds the total
+                stats = CalibrationStats(stats.source, stats.target, source_sums, target_gram, kv_cross)
             elif checkpoint is not None:
                 run = {"world_size": ranks.world_size, "windows_per_rank": [share[: chunk.stop] for share in shares]}
                 stats.save(checkpoint, _checkpoint_info(ids_hash, config, done, [*runs, run]))
@@ -344,16 +342,17 @@ def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: 
 # -- rank 0 leads, the others follow ----------------------------------------------------------------------------
 def lead_collection(ranks: Ranks, source_model, target_model, input_ids: torch.Tensor, config: FitConfig,
                     batch_size: int = 1, checkpoint: Path | None = None, progress: bool = True,
-                    target_layers: range | None = None, source_sums: bool = True) -> tuple[CalibrationStats, dict]:
+                    target_layers: range | None = None, source_sums: bool = True, target_gram: bool = False,
+                    kv_cross: bool | None = None) -> tuple[CalibrationStats, dict]:
     """Rank 0: send the windows to the ranks waiting in `follow`, then run the pass with them (target_layers,
-    source_sums: see `collect_shared`)."""
+    source_sums, target_gram, kv_cross: see `collect_shared`)."""
     if not ranks.is_root:
         raise DistributedError(f"rank {ranks.rank}: only rank 0 leads a calibration pass")
     job = {"input_ids": input_ids, "config": config, "batch_size": batch_size, "target_layers": target_layers,
-           "source_sums": source_sums}
+           "source_sums": source_sums, "target_gram": target_gram, "kv_cross": kv_cross}
     ranks.broadcast(job, "sending the calibration windows to the other ranks")
     stats, record = collect_shared(source_model, target_model, input_ids, config, ranks, batch_size, checkpoint,
-                                   progress, target_layers, source_sums)
+                                   progress, target_layers, source_sums, target_gram, kv_cross)
     assert stats is not None
     return stats, record
 
@@ -368,7 +367,8 @@ def follow(ranks: Ranks, source_model, target_model) -> list[dict]:
             return records
         records.append(collect_shared(source_model, target_model, job["input_ids"], job["config"], ranks,
                                       job["batch_size"], progress=False, target_layers=job["target_layers"],
-                                      source_sums=job["source_sums"])[1])
+                                      source_sums=job["source_sums"], target_gram=job["target_gram"],
+                                      kv_cross=job["kv_cross"])[1])
 
 
 def dismiss(ranks: Ranks) -> None:

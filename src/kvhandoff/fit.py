@@ -10,6 +10,7 @@ and its solve hold, so a block size can be chosen (`layer_block_for_budget`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from kvhandoff.capture import capture_content_kv, nonfinite_layers
+from kvhandoff.capture import ContentKV, capture_content_kv, nonfinite_layers
 from kvhandoff.compact import solve_compact
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import ConfigError, StatisticsError
@@ -25,8 +26,8 @@ from kvhandoff.geometry import check_pair, model_fingerprint, read_geometry
 from kvhandoff.manifest import MapperManifest
 from kvhandoff.mapper import Mapper, mapper_class
 from kvhandoff.selection import layer_r2_matrix, resolve_k, select_layers
-from kvhandoff.solve import solve_layers
-from kvhandoff.statistics import MODALITIES, CalibrationStats, FeatureLayout
+from kvhandoff.solve import layers_per_solve, solve_layers
+from kvhandoff.statistics import MODALITIES, CalibrationStats, FeatureLayout, sum_shapes
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,34 @@ def layer_blocks(num_layers: int, layer_block: int | None) -> list[range]:
     return [range(start, min(start + layer_block, num_layers)) for start in range(0, num_layers, layer_block)]
 
 
+def empty_statistics(source_model, target_model, target_layers: range | None = None, source_sums: bool = True,
+                     target_gram: bool = False, kv_cross: bool = False) -> CalibrationStats:
+    """Zero statistics of the pair's layouts (the target restricted to `target_layers`), to `add_batch` to."""
+    target_layout = feature_layout(target_model)
+    return CalibrationStats(feature_layout(source_model),
+                            target_layout if target_layers is None else target_layout.block(target_layers),
+                            source_sums=source_sums, target_gram=target_gram, kv_cross=kv_cross)
+
+
+def capture_batch(source_model, target_model, input_ids: torch.Tensor,
+                  target_layers: range | None = None) -> tuple[ContentKV, ContentKV]:
+    """Both models' forwards over one calibration batch [batch, tokens] with their content K/V captured (the
+    target's `target_layers` only; None: all)."""
+    if input_ids.dim() != 2:
+        raise StatisticsError(f"calibration batches must be [batch, tokens] token ids, got {tuple(input_ids.shape)}")
+    source = capture_content_kv(source_model, input_ids)
+    return source, capture_content_kv(target_model, input_ids).layers(target_layers)
+
+
+def add_batch(stats: CalibrationStats, source_model, target_model, input_ids: torch.Tensor,
+              config: FitConfig = FitConfig(),  # noqa: B008 - frozen, immutable default
+              target_layers: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One calibration batch [batch, tokens] into `stats` (`capture_batch`, then the kept rows summed). Returns
+    the rows (`CalibrationStats.update`)."""
+    source, target = capture_batch(source_model, target_model, input_ids, target_layers)
+    return stats.update(source, target, token_stride=config.token_stride, skip_first_tokens=config.skip_first_tokens)
+
+
 def collect_statistics(
     source_model,
     target_model,
@@ -75,31 +104,24 @@ def collect_statistics(
     feature_writer=None,
     target_layers: range | None = None,
     source_sums: bool = True,
+    target_gram: bool = False,
+    kv_cross: bool | None = None,
 ) -> CalibrationStats:
     """One pass over calibration batches [batch, tokens]: capture both models, accumulate statistics.
 
     feature_writer: a `features.FeatureShardWriter` that also receives every kept row (for the MLP mapper).
     target_layers: accumulate only these (consecutive) target layers' sums; source_sums=False: skip x and xxᵀ
     (a later block's pass, which adopts them from the first: `CalibrationStats.adopt_source_sums`).
+    target_gram: sum the target's Gram too, so the statistics serve the reverse direction (`reversed`).
+    kv_cross: sum the K–V cross moments (None: when the config's maps read source K and V together).
     """
-    target_layout = feature_layout(target_model)
-    stats = CalibrationStats(feature_layout(source_model),
-                             target_layout if target_layers is None else target_layout.block(target_layers),
-                             source_sums=source_sums)
+    kv_cross = config.joint_inputs if kv_cross is None else kv_cross
+    stats = empty_statistics(source_model, target_model, target_layers, source_sums, target_gram, kv_cross)
     total = len(batches) if hasattr(batches, "__len__") else None
     desc = "calibration" if target_layers is None else (f"calibration (target layers {target_layers.start}-"
                                                         f"{target_layers.stop - 1})")
     for input_ids in tqdm(batches, total=total, desc=desc, unit="batch", disable=not progress):
-        if input_ids.dim() != 2:
-            raise StatisticsError(
-                f"calibration batches must be [batch, tokens] token ids, got {tuple(input_ids.shape)}"
-            )
-        rows = stats.update(
-            capture_content_kv(source_model, input_ids),
-            capture_content_kv(target_model, input_ids).layers(target_layers),
-            token_stride=config.token_stride,
-            skip_first_tokens=config.skip_first_tokens,
-        )
+        rows = add_batch(stats, source_model, target_model, input_ids, config, target_layers)
         if feature_writer is not None:
             feature_writer.append(*rows)
     return stats
@@ -237,11 +259,22 @@ class RidgeSolution:
     def empty(cls, source: FeatureLayout, target: FeatureLayout, k: int, blocks: int) -> RidgeSolution:
         """Zero maps of `k` source layers in `blocks` input column blocks (K, or K then V) per target layer."""
         return cls(
-            weight=torch.zeros(2, target.num_layers, blocks * k * source.layer_width, target.layer_width),
+            weight=empty_weight(source, target, k, blocks),
             bias=torch.empty(2, target.num_layers, target.layer_width),
             r2=torch.empty(2, target.num_layers, target.num_kv_heads),
             lambdas=[[0.0] * target.num_layers for _ in MODALITIES],
         )
+
+
+def empty_weight(source: FeatureLayout, target: FeatureLayout, k: int, blocks: int) -> torch.Tensor:
+    """Zero maps [2, target layers, blocks·k·Fs, Ft]. When every target layer reads every source layer they are a
+    view of the dense layout the mapper computes with (`Mapper._lay_out`), which then holds them without a copy."""
+    inputs, layers, width = blocks * k * source.layer_width, target.num_layers, target.layer_width
+    if k != source.num_layers:
+        return torch.zeros(2, layers, inputs, width)
+    if blocks == 2:  # each map reads K and V: [inputs, K|V, target layers, Ft]
+        return torch.zeros(inputs, 2, layers, width).permute(1, 2, 0, 3)
+    return torch.zeros(2, inputs, layers, width).permute(0, 2, 1, 3)
 
 
 def solve_plan(stats: CalibrationStats, config: FitConfig, plan: LayerPlan, selected: torch.Tensor,
@@ -379,8 +412,9 @@ class MemoryEstimate:
     """Bytes a ridge fit holds besides the models, from the tensors' shapes: the float64 sums of one pass (every
     process of a distributed run holds one copy), the working set of the largest solve and the float32 maps
     (both on rank 0 only, after the pass). The solve's working set counts the copies the code makes (the input
-    covariance, the regularised system and its Cholesky factor; the cross-covariance rows, the solved columns and
-    the residual terms) for a fixed λ; λ='gcv' adds an eigendecomposition of the same size."""
+    covariance and the Cholesky factor that overwrites its regularised copy; the cross-covariance, solved columns
+    and residual terms of the few target layers solved at once, `solve.layers_per_solve`) for a fixed λ; λ='gcv'
+    adds an eigendecomposition of the same size."""
 
     statistics_bytes: int
     solve_bytes: int
@@ -398,16 +432,19 @@ class MemoryEstimate:
 
 def estimate_memory(source: FeatureLayout, target: FeatureLayout,
                     config: FitConfig = FitConfig(),  # noqa: B008 - frozen
-                    layer_block: int | None = None) -> MemoryEstimate:
+                    layer_block: int | None = None, target_gram: bool = False) -> MemoryEstimate:
     """What a fit of this geometry holds (`MemoryEstimate`) with the target fitted in blocks of `layer_block`
-    layers (None: all at once). k is the config's (top_k 'heldout' counts as all source layers)."""
+    layers (None: all at once). k is the config's (top_k 'heldout' counts as all source layers); the K–V cross
+    moments are summed when its maps read source K and V together. target_gram: the pass sums the target's Gram too
+    (statistics for both directions, `CalibrationStats`)."""
     layers = min(layer_block or target.num_layers, target.num_layers)
-    source_width, block_width = source.width, len(MODALITIES) * layers * target.layer_width
-    statistics = 8 * (source_width + block_width + source_width * (source_width + block_width) + block_width ** 2)
+    block = target.block(range(layers))
+    shapes = sum_shapes(source, block, target_gram=target_gram, kv_cross=config.joint_inputs)
+    statistics = 8 * sum(math.prod(shape) for shape in shapes.values())
     k = source.num_layers if config.top_k == "heldout" else resolve_k(config.top_k, source.num_layers)
     inputs = k * source.layer_width * len(config.input_modalities(0))
-    outputs = layers * target.layer_width  # at most every target layer of a block shares one factorisation
-    solve = 8 * (3 * inputs * inputs + inputs * block_width + 4 * inputs * outputs)
+    columns = layers_per_solve(inputs, target.layer_width) * target.layer_width
+    solve = 8 * (2 * inputs * inputs + 6 * inputs * columns)
     mapper = 4 * len(MODALITIES) * target.num_layers * (inputs + 1) * target.layer_width
     return MemoryEstimate(statistics, solve, mapper)
 

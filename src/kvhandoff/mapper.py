@@ -91,25 +91,27 @@ class Mapper:
     def _lay_out(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
         """Lay out (weight, bias) for the hot path, on their device and dtype."""
         expected = self._weight_shape()
-        self.weight = weight.contiguous()
         self.bias = bias.contiguous()
-        self.selected = self.selected.to(self.weight.device)
+        self.selected = self.selected.to(weight.device)
         k = self.selected.shape[1]
         self._dense = k == self.source.num_layers and bool(
             (self.selected.cpu() == torch.arange(self.source.num_layers)).all()
         )
+        # the dense layouts are made from `weight` as given: one that is a view of them already (a ridge fit's
+        # maps, `fit.RidgeSolution`; this mapper moved by `to`) is not copied
         if self._dense and self.joint_inputs:
             # [2·Ls·Fs, 2·Lt·Ft]: K and V of every target layer from all source K and V in one GEMM
-            self._dense_weight = self.weight.permute(2, 0, 1, 3).reshape(expected[2], -1).contiguous()
+            self._dense_weight = weight.permute(2, 0, 1, 3).reshape(expected[2], -1).contiguous()
             self.weight = self._dense_weight.view(expected[2], 2, expected[1], expected[3]).permute(1, 2, 0, 3)
             self._dense_bias = self.bias.reshape(-1)
         elif self._dense:
             # [2, Ls·Fs, Lt·Ft]: all target layers of one modality in one GEMM. `weight` becomes a view of it,
             # so the mapper holds its parameters once.
-            self._dense_weight = self.weight.permute(0, 2, 1, 3).reshape(2, expected[2], -1).contiguous()
+            self._dense_weight = weight.permute(0, 2, 1, 3).reshape(2, expected[2], -1).contiguous()
             self.weight = self._dense_weight.view(2, expected[2], expected[1], expected[3]).permute(0, 2, 1, 3)
             self._dense_bias = self.bias.reshape(2, -1)
         else:
+            self.weight = weight.contiguous()
             self._flat_weight = self.weight.reshape(-1, *expected[2:])
         self._rope_tables: dict = {}  # (side, seq_len or None) → (cos, sin, scaling), see _cos_sin
 

@@ -1,9 +1,11 @@
 """The fit-or-reuse steps shared by the CLI commands: statistics and mappers for a named pair, cached on disk.
 
 Calibration statistics are the expensive part (a forward pass of both models over the corpus); they are
-kept, so a mapper for any k or λ is a solve away. Cache entries are keyed by both models' identities
-(`geometry.model_fingerprint`: the pairing keys, tokenizer hash included, and the weights checksum) and the
-settings, so a changed model under the same folder name never reuses old statistics. A cached mapper is
+kept, so a mapper for any k or λ is a solve away. A pass asked for both directions (`both_directions`) sums the
+target's Gram too, so the reverse direction's fit reuses it instead of running a pass of its own. Cache
+entries are keyed by both models' identities (`geometry.model_fingerprint`: the pairing keys, tokenizer hash
+included, and the weights checksum) and the settings, so a changed model under the same folder name never reuses
+old statistics. A cached mapper is
 reused only when its manifest matches the fit config; otherwise it is refitted and saved (atomically).
 """
 
@@ -39,7 +41,7 @@ from kvhandoff.mapper import Mapper
 from kvhandoff.mlp import fit_mlp_mapper
 from kvhandoff.refine import check_refinable, refine_mapper
 from kvhandoff.selection import layer_r2_matrix
-from kvhandoff.statistics import CalibrationStats
+from kvhandoff.statistics import CalibrationStats, SumsContent
 
 #: version of the cache keys (part of every key: raising it makes every entry written before a miss)
 CACHE_SCHEMA = 2
@@ -170,10 +172,13 @@ def _identities(pair: NamedPair) -> dict:
     return {"source_identity": pair.source_identity, "target_identity": pair.target_identity}
 
 
-def _load_cached_statistics(path: Path, pair: NamedPair, progress: bool) -> tuple[CalibrationStats, dict] | None:
-    """(stats, info) saved at `path` for exactly `pair`, or None (with a one-line note) when stale or unreadable."""
+def _load_cached_statistics(path: Path, pair: NamedPair, progress: bool, target_gram: bool = False,
+                            kv_cross: bool = False) -> tuple[CalibrationStats, dict] | None:
+    """(stats, info) saved at `path` for exactly `pair`, or None (with a one-line note) when stale or unreadable.
+    target_gram, kv_cross: with those moments (the file must hold them)."""
     try:
-        stats, info = CalibrationStats.load(path), json.loads(path.with_suffix(".json").read_text())
+        stats = CalibrationStats.load(path, target_gram=target_gram, kv_cross=kv_cross)
+        info = json.loads(path.with_suffix(".json").read_text())
     except (KVHandoffError, OSError, json.JSONDecodeError) as exc:
         problem = f"not usable ({exc})"
     else:
@@ -185,9 +190,27 @@ def _load_cached_statistics(path: Path, pair: NamedPair, progress: bool) -> tupl
     return None
 
 
-def _cached_statistics(pair: NamedPair, config, calibration, features: bool, progress: bool):
+def _shortfall(path: Path, flip: bool, kv_cross: bool) -> tuple[SumsContent | None, str | None]:
+    """(what the statistics file holds of the optional moments, None when unreadable: loading it says why; why it
+    cannot serve this direction (`flip`: it was collected for the other one) with or without the K–V cross
+    moments, or None)."""
+    try:
+        held = CalibrationStats.saved_content(path)
+    except KVHandoffError:
+        return None, None
+    if flip and not held.target_gram:
+        return held, "hold no target Gram (a pass for their own direction only), so they cannot serve the reverse one"
+    if kv_cross and not held.kv_cross:
+        return held, "hold no K–V cross moments, which maps that read source K and V together need"
+    return held, None
+
+
+def _cached_statistics(pair: NamedPair, config, calibration, features: bool, progress: bool,
+                       keep_gram: bool = False, kv_cross: bool = False):
     """(stats, info) of a cached pass over `calibration`'s windows in either direction, or None. Statistics
-    collected for the opposite direction serve too: they hold both models' full Grams."""
+    collected for the opposite direction serve when they hold its target's Gram (a pass for both directions).
+    keep_gram: keep the target's Gram where the cached pass of this direction has one; kv_cross: the pass must
+    hold the K–V cross moments."""
     for candidate_pair, flip in ((pair, False), (pair.reversed(), True)):
         candidate = statistics_path(candidate_pair, config, calibration)
         feature_folder = features_dir(candidate_pair, config, calibration)
@@ -195,7 +218,14 @@ def _cached_statistics(pair: NamedPair, config, calibration, features: bool, pro
             continue
         if features and not features_complete(feature_folder):
             continue
-        loaded = _load_cached_statistics(candidate, candidate_pair, progress)
+        held, problem = _shortfall(candidate, flip, kv_cross)
+        if problem is not None:
+            if progress:
+                print(f"cached statistics {candidate} {problem}")
+            continue
+        # reversed, the Gram is the input covariance
+        gram = flip or (keep_gram and held is not None and held.target_gram)
+        loaded = _load_cached_statistics(candidate, candidate_pair, progress, gram, kv_cross)
         if loaded is None:
             continue
         stats, info = loaded
@@ -209,9 +239,13 @@ def _cached_statistics(pair: NamedPair, config, calibration, features: bool, pro
     return None
 
 
-def _statistics_on_disk(pair: NamedPair, config, calibration) -> bool:
-    """Whether statistics of `calibration`'s windows are cached for the pair, in either direction (not read)."""
-    return any(statistics_path(candidate, config, calibration).is_file() for candidate in (pair, pair.reversed()))
+def _statistics_on_disk(pair: NamedPair, config: FitConfig, calibration) -> bool:
+    """Whether statistics of `calibration`'s windows that serve `config`'s maps are cached for the pair, in either
+    direction (not read)."""
+    candidates = ((pair, False), (pair.reversed(), True))
+    return any(statistics_path(candidate, config, calibration).is_file()
+               and _shortfall(statistics_path(candidate, config, calibration), flip, config.joint_inputs)[1] is None
+               for candidate, flip in candidates)
 
 
 def _split_mix(calibration: CalibrationSpec, leading: int) -> tuple[CalibrationSpec, CalibrationSpec] | None:
@@ -229,7 +263,7 @@ def _split_mix(calibration: CalibrationSpec, leading: int) -> tuple[CalibrationS
 
 def obtain_statistics(
     pair: NamedPair, config: FitConfig, calibration: CalibrationSpec, progress: bool = True, features: bool = False,
-    ranks: Ranks | None = None,
+    ranks: Ranks | None = None, both_directions: bool = False, kv_cross: bool | None = None,
 ) -> tuple[CalibrationStats, dict]:
     """Load the pair's calibration statistics, or collect and save them. Returns (stats, calibration info).
 
@@ -242,21 +276,26 @@ def obtain_statistics(
     ranks (rank 0 of a distributed run): a pass is shared with the other ranks, waiting in `serve_calibration`
     (`distributed.lead_collection`), checkpointed after every round at `checkpoint_path`; feature rows cannot be
     collected that way.
+    both_directions: a pass run here sums the target's Gram too and saves it, so that the reverse direction's
+    statistics are these (`CalibrationStats.reversed`); statistics already cached are used as they are.
+    kv_cross: the statistics must hold the K–V cross moments (None: when `config`'s maps read source K and V
+    together); a cached pass without them is run again with them (under the same key: it then serves every map).
     """
+    kv_cross = config.joint_inputs if kv_cross is None else kv_cross
     if features and ranks is not None and ranks.distributed:
         raise ConfigError("a distributed calibration collects statistics only: settings that need the calibration "
                           "rows (top_k='heldout', the MLP mapper) run in one process (without torchrun)")
-    cached = _cached_statistics(pair, config, calibration, features, progress)
+    cached = _cached_statistics(pair, config, calibration, features, progress, kv_cross=kv_cross)
     if cached is not None:
         return cached
     if not features:
         for leading in range(len(calibration.mix) - 1, 0, -1):
             parts = _split_mix(calibration, leading)
-            lead = parts and _cached_statistics(pair, config, parts[0], False, progress)
+            lead = parts and _cached_statistics(pair, config, parts[0], False, progress, both_directions, kv_cross)
             if lead:
-                return _extend(pair, config, calibration, parts, lead, progress, ranks)
+                return _extend(pair, config, calibration, parts, lead, progress, ranks, both_directions, kv_cross)
     feature_folder = features_dir(pair, config, calibration) if features else None
-    return _collect(pair, config, calibration, progress, feature_folder, ranks)
+    return _collect(pair, config, calibration, progress, feature_folder, ranks, both_directions, kv_cross)
 
 
 def _corpus(tokenizer, calibration: CalibrationSpec):
@@ -270,14 +309,16 @@ def _pass_info(pair: NamedPair, corpus, seconds: float) -> dict:
             **_identities(pair), "collect_seconds": round(seconds, 1)}
 
 
-def _extend(pair: NamedPair, config, calibration, parts, lead, progress, ranks=None):
+def _extend(pair: NamedPair, config, calibration, parts, lead, progress, ranks=None, both_directions=False,
+            kv_cross=False):
     """Statistics of `calibration` = the cached pass `lead` over its leading groups + a pass over the rest
-    (`parts`: the two specs)."""
+    (`parts`: the two specs); with the target's Gram when both passes have it (`both_directions`)."""
     (lead_spec, rest_spec), (lead_stats, lead_info) = parts, lead
     if progress:
         print(f"extending the cached pass over {list(lead_spec.mix)} with {rest_spec.num_sequences} windows of "
               f"{list(rest_spec.mix)}")
-    rest_stats, rest_info = obtain_statistics(pair, config, rest_spec, progress, ranks=ranks)
+    rest_stats, rest_info = obtain_statistics(pair, config, rest_spec, progress, ranks=ranks,
+                                              both_directions=both_directions, kv_cross=kv_cross)
     # the leading groups' windows come first in the mix: the new pass's window i is window lead + i of the mix
     lead_windows = lead_spec.num_sequences
     info = {**_pass_info(pair, _corpus(pair.tokenizer, calibration),
@@ -293,14 +334,16 @@ def _extend(pair: NamedPair, config, calibration, parts, lead, progress, ranks=N
     return stats, info
 
 
-def _collect(pair: NamedPair, config, calibration, progress, feature_folder=None, ranks=None):
+def _collect(pair: NamedPair, config, calibration, progress, feature_folder=None, ranks=None, target_gram=False,
+             kv_cross=False):
     path = statistics_path(pair, config, calibration)
     corpus = _corpus(pair.tokenizer, calibration)
     started = time.perf_counter()
     if ranks is not None and ranks.distributed:
         checkpoint = checkpoint_path(pair, config, calibration)
         stats, record = lead_collection(ranks, pair.source, pair.target, corpus.input_ids, config,
-                                        corpus.batch_size, checkpoint, progress)
+                                        corpus.batch_size, checkpoint, progress, target_gram=target_gram,
+                                        kv_cross=kv_cross)
         info = {**_pass_info(pair, corpus, time.perf_counter() - started), **record}
         _save_statistics(path, stats, info)
         checkpoint.unlink(missing_ok=True)
@@ -308,7 +351,8 @@ def _collect(pair: NamedPair, config, calibration, progress, feature_folder=None
     writer = None
     if feature_folder is not None:
         writer = FeatureShardWriter(feature_folder, feature_layout(pair.source), feature_layout(pair.target))
-    stats = collect_statistics(pair.source, pair.target, corpus, config, progress, feature_writer=writer)
+    stats = collect_statistics(pair.source, pair.target, corpus, config, progress, feature_writer=writer,
+                               target_gram=target_gram, kv_cross=kv_cross)
     info = {**_pass_info(pair, corpus, time.perf_counter() - started), **_one_process_record(corpus.num_sequences)}
     if writer is not None:
         writer.close({"calibration": info, "token_stride": config.token_stride})
@@ -369,6 +413,7 @@ def obtain_mapper(
     mlp: MLPConfig | None = None,
     ranks: Ranks | None = None,
     layer_block: int | None = None,
+    both_directions: bool = False,
 ) -> tuple[Mapper, Path, bool]:
     """Return (mapper, its folder, whether it was reused from the cache): the ridge mapper of `config`, or with
     `mlp` an `MLPMapper` around it. Settings that need the calibration rows (top_k="heldout", the MLP) make the
@@ -376,7 +421,8 @@ def obtain_mapper(
     ranks (rank 0 of a distributed run): a pass needed is shared with the other ranks (`serve_calibration`), which
     are dismissed once the statistics are there; only rank 0 solves and saves.
     layer_block: without cached statistics of the pair, fit the target layers in blocks of this many
-    (`fit_in_layer_blocks`; the mapper is cached, the statistics are not)."""
+    (`fit_in_layer_blocks`; the mapper is cached, the statistics are not).
+    both_directions: a pass run for it keeps what the reverse direction's fit needs too (`obtain_statistics`)."""
     if mlp is not None and config.compact:
         raise ConfigError("the MLP corrects the full ridge map; fit it without heads, k_tolerance or rank")
     if layer_block is not None and config.compact:
@@ -395,10 +441,12 @@ def obtain_mapper(
         mapper.save(folder)
         return mapper, folder, False
     stats, info = obtain_statistics(pair, config, calibration, progress,
-                                    features=mlp is not None or config.top_k == "heldout", ranks=ranks)
+                                    features=mlp is not None or config.top_k == "heldout", ranks=ranks,
+                                    both_directions=both_directions)
     _dismiss(ranks)
     r2 = layer_r2_matrix(stats, config.probe_lambda)
     mapper = _ridge_mapper(stats, info, config, pair, r2_matrix=r2)
+    del stats  # the sums are on disk: free them before the MLP trains and the save copies the maps
     if mlp is not None:
         features = info["features"]
         mapper = fit_mlp_mapper(mapper, features["folder"], r2, mlp, reverse=features["reverse"], progress=progress)

@@ -1,5 +1,5 @@
-"""`kvhandoff` command line: prepare, fit, refine, demo, tune, eval, eval-render, eval-switch, bench, analyze, serve,
-bench-serve, load-test, guard-eval.
+"""`kvhandoff` command line: prepare, fit, refine, demo, tune, eval, eval-render, eval-switch, bench, bench-fit,
+analyze, serve, bench-serve, load-test, guard-eval.
 
 One module per command group; the options several commands share, and the parsers of command-line values,
 live in `kvhandoff.cli.options`; failures are reported on one line (`kvhandoff.cli.group`). Each command
@@ -23,6 +23,7 @@ app.command("eval")(evaluate.eval_command)
 app.command("eval-render")(evaluate.render_command)
 app.command("eval-switch")(switch.eval_switch)
 app.command()(bench.bench)
+app.command("bench-fit")(bench.bench_fit)
 app.command()(analyze.analyze)
 app.command()(serve.serve)
 app.command("bench-serve")(measure.bench_serve)

@@ -1,4 +1,5 @@
-"""`bench`: latency of handoff vs the target's re-prefill, per context length."""
+"""`bench`: latency of handoff vs the target's re-prefill, per context length; `bench-fit`: the fit's time and memory
+next to the models' own forwards."""
 
 from __future__ import annotations
 
@@ -11,20 +12,31 @@ import typer
 from kvhandoff.bench import DEFAULT_LENGTHS, bench_mapper, run_bench
 from kvhandoff.cli.options import (
     DEFAULT_DTYPE,
+    DEFAULT_MIX,
+    DEFAULT_SEQ_LEN,
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
+    DEFAULT_TOP_K,
     DeviceMap,
     Dtype,
+    Mix,
+    Progress,
     Recompute,
     SavedMapper,
+    SeqLen,
     Source,
     Target,
     TopK,
     non_negative_int,
+    one_of,
+    option_errors,
     positive_float,
     positive_int,
     positive_ints,
 )
+from kvhandoff.config import CalibrationSpec, FitConfig
+from kvhandoff.corpus import calibration_batches
+from kvhandoff.fitbench import describe_fit_cost, run_fit_bench
 from kvhandoff.workflow import load_named_pair, on_source_device
 
 
@@ -73,3 +85,40 @@ def bench(
     typer.echo(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     if result["failed"] or result["skipped"]:
         typer.echo(f"not measured: skipped {result['skipped']}, failed {[f['tokens'] for f in result['failed']]}")
+
+
+def bench_fit(
+    source: Source = DEFAULT_SOURCE,
+    target: Target = DEFAULT_TARGET,
+    windows: Annotated[int, typer.Option(parser=positive_int, help=(
+        f"calibration windows measured (the default fit reads {CalibrationSpec().num_sequences}); the ratios "
+        "are also projected to that many"))] = 8,
+    seq_len: SeqLen = DEFAULT_SEQ_LEN,
+    groups: Mix = DEFAULT_MIX,
+    k: TopK = DEFAULT_TOP_K,
+    inputs: Annotated[str, typer.Option(parser=one_of(("own", "kv")), help=(
+        "what each map reads of the selected source layers: 'own' or 'kv' (as `fit --inputs`)"))] = "own",
+    both_directions: Annotated[bool, typer.Option("--both-directions", help=(
+        "the pass sums the target's whole Gram too, as `fit --both-directions` does"))] = False,
+    threads: Annotated[int | None, typer.Option(parser=positive_int, help="torch CPU threads (default: torch's "
+                                                                          "choice)")] = None,
+    out: Annotated[Path, typer.Option(help="folder for bench-fit.json")] = Path("runs/bench-fit"),
+    dtype: Dtype = DEFAULT_DTYPE,
+    progress: Progress = True,
+) -> None:
+    """The fit's wall time and peak memory next to a forward-only pass of both models over the same calibration
+    windows, in one process, interleaved window by window (the statistics pass, then the solve; on the CPU)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    with option_errors("--windows", "--mix", "--top-k", "--inputs"):
+        calibration = CalibrationSpec(num_sequences=windows, seq_len=seq_len, mix=groups)
+        config = FitConfig(top_k=k, source_inputs=inputs)
+    pair = load_named_pair(source, target, dtype, progress=progress)
+    corpus = calibration_batches(pair.tokenizer, calibration.num_sequences, calibration.seq_len,
+                                 seed=calibration.seed, batch_size=calibration.batch_size, mix=calibration.mix)
+    description = {"source": source, "target": target, "calibration": corpus.describe()}
+    result = run_fit_bench(pair.source, pair.target, list(corpus), out, config, both_directions, description,
+                           progress)
+    for line in describe_fit_cost(result):
+        typer.echo(line)
+    typer.echo(f"wrote {out / 'bench-fit.json'}")

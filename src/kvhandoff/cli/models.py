@@ -121,6 +121,9 @@ def fit(
     stats_memory: Annotated[int | None, typer.Option(parser=byte_size, metavar="SIZE", help=(
         "choose --layer-block as the largest block whose statistics, solve and maps fit in SIZE per process "
         "(e.g. 480GiB; the models not counted)"))] = None,
+    both_directions: Annotated[bool, typer.Option("--both-directions", help=(
+        "a calibration pass run here also sums the target's Gram (the default pair: 0.77 GiB more, 2.6× the float64 "
+        "work per window), so that fitting TARGET → SOURCE later reuses this pass"))] = False,
 ) -> None:
     """Fit a mapper from SOURCE's KV cache to TARGET's and save it to OUT.
 
@@ -131,7 +134,7 @@ def fit(
         config = FitConfig(top_k=k, ridge_lambda="heldout" if k == "heldout" else lam, token_stride=stride,
                            exact_prefix=exact_prefix, source_inputs=inputs, heads=heads, k_tolerance=k_tolerance,
                            rank=rank, projection=projection, storage_dtype=storage)
-    refuse_conflicting_fit_options(config, method, texts, layer_block, stats_memory)
+    refuse_conflicting_fit_options(config, method, texts, layer_block, stats_memory, both_directions)
     calibration = None  # --texts packs the file's text; otherwise the built-in corpus
     if texts is None:
         with option_errors("--sequences", "--seq-len", "--mix"):
@@ -149,7 +152,8 @@ def fit(
             if stats_memory is not None:
                 layer_block = block_for_memory(pair, config, stats_memory)
             if calibration is not None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
-                mapper = obtain_mapper(pair, config, calibration, mlp=mlp, ranks=ranks, layer_block=layer_block)[0]
+                mapper = obtain_mapper(pair, config, calibration, mlp=mlp, ranks=ranks, layer_block=layer_block,
+                                       both_directions=both_directions)[0]
             else:
                 mapper = fit_on_texts(pair, texts, config, sequences, seq_len, seed, ranks=ranks,
                                       layer_block=layer_block)
@@ -160,8 +164,12 @@ def fit(
 
 
 def refuse_conflicting_fit_options(config: FitConfig, method: str, texts: Path | None, layer_block: int | None,
-                                   stats_memory: int | None) -> None:
+                                   stats_memory: int | None, both_directions: bool = False) -> None:
     """BadParameter for options of `fit` that cannot go together, naming them."""
+    if both_directions and (texts is not None or layer_block or stats_memory):
+        raise typer.BadParameter("--both-directions keeps the cached pass over the built-in corpus for the reverse "
+                                 "direction: a fit on --texts or in layer blocks keeps no statistics",
+                                 param_hint="--both-directions")
     needs_rows = method == "mlp" or config.top_k == "heldout"
     if texts is not None and not texts.is_file():
         raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")

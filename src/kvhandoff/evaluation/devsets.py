@@ -78,7 +78,7 @@ def tune_pair(
     if not configs:
         raise ConfigError("the sweep needs at least one candidate config")
     stats, _ = obtain_statistics(pair, FitConfig(token_stride=configs[0].token_stride), calibration,
-                                 features=features)
+                                 features=features, kv_cross=any(config.joint_inputs for config in configs))
     divergence, dev_info = dev_divergence(pair, dev)
     fingerprints = pair.fingerprints()
     rows = sweep(stats, configs, divergence, *fingerprints, pair.max_positions(), exact_prefixes=exact_prefixes,

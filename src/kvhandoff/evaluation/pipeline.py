@@ -53,8 +53,9 @@ def forward_mapper(pair: NamedPair, source: MapperSource, options: EvalOptions, 
     """(the forward mapper, the k sweep's result or None); the sweep is also written to OUT/sweep.json."""
     if source.mapper is not None:
         return load_pair_mapper(source.mapper, pair), None
-    if source.statistics is None:
-        return obtain_mapper(pair, progress=progress)[0], None
+    if source.statistics is None:  # a pass run here serves the default reverse mapper too, when one is wanted
+        both = source.both_directions and source.reverse_mapper is None
+        return obtain_mapper(pair, progress=progress, both_directions=both)[0], None
     stats = CalibrationStats.load(source.statistics)
     factory = default_mapper_factory(stats, pair.source, pair.target, pair.models.source_tokenizer,
                                      target_tokenizer=pair.models.target_tokenizer)

@@ -85,7 +85,9 @@ def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str
             else:
                 pair = NamedPair.of(specs[source], specs[target],
                                     ModelPair(source_model, target_model, tokenizer, target_tokenizer))
-                mappers[source, target] = obtain_mapper(pair, progress=progress)[0]
+                # a pass run for this direction serves the opposite one too when that is fitted as well
+                both = (target, source) not in mapper_dirs
+                mappers[source, target] = obtain_mapper(pair, progress=progress, both_directions=both)[0]
     for (source, _), mapper in mappers.items():
         on_source_device(mapper, models[source][0])
     return models, mappers
