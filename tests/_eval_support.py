@@ -9,6 +9,8 @@ import torch
 class IdentityMapper:
     """A stand-in mapper for source == target: hands the cache over unchanged."""
 
+    recompute = "none"  # its handoffs are exact as mapped: no default recompute to blur that
+
     def __init__(self) -> None:
         self._calls = 0
 
@@ -23,6 +25,8 @@ class IdentityMapper:
 
 class NoisyMapper:
     """A stand-in mapper that perturbs the values (transfer then differs from target)."""
+
+    recompute = "none"  # the stand-ins hand off without recompute unless a test asks for a policy
 
     def __init__(self, scale: float = 0.5, seed: int = 0) -> None:
         self.scale, self.seed = scale, seed

@@ -134,7 +134,7 @@ def test_bench_times_the_recompute_as_part_of_the_handoff(pair):
         parts = row["transfer"]["median"] + row["select"]["median"] + row["target_forward"]["median"]
         assert parts <= row["handoff"]["median"]
     plain = run_bench(source, target, mapper, lengths=(12,), repeats=1, warmup=0, progress=False,
-                      measure_memory=False, two_step=False)
+                      measure_memory=False, two_step=False, recompute="none")
     assert "two_step" not in plain["results"][0] and not plain["settings"]["two_step"]
     assert plain["settings"]["recompute"] == "none" and plain["results"][0]["recompute_tokens"] == 0
     assert plain["results"][0]["flops"]["recompute"] == 0

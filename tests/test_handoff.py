@@ -142,8 +142,8 @@ def test_exact_prefix_restores_the_targets_own_leading_positions():
     mapper = fit_mapper(source, target, random_batches(2), FitConfig(top_k=1), progress=False)
     ids = torch.randint(0, 128, (1, 20))
     own, _ = prefill(target, ids)
-    plain = handoff_cache(source, target, mapper, ids, exact_prefix=0)
-    patched = handoff_cache(source, target, mapper, ids, exact_prefix=3)
+    plain = handoff_cache(source, target, mapper, ids, exact_prefix=0, recompute="none")
+    patched = handoff_cache(source, target, mapper, ids, exact_prefix=3, recompute="none")
     default = handoff_cache(source, target, mapper, ids)  # the mapper's own setting (FitConfig default 4)
     assert mapper.exact_prefix == 4
     assert torch.allclose(default.layers[0].keys[:, :, :4], own.layers[0].keys[:, :, :4], atol=1e-5)
@@ -176,8 +176,8 @@ def test_target_tail_is_prefilled_by_the_target_itself():
     everything = handoff_cache(source, target, mapper, ids, exact_prefix=1, target_tail=19)
     for a, b in zip(everything.layers, own.layers, strict=True):
         assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
-    tail = handoff_cache(source, target, mapper, ids, exact_prefix=0, target_tail=5)
-    plain = handoff_cache(source, target, mapper, ids, exact_prefix=0)
+    tail = handoff_cache(source, target, mapper, ids, exact_prefix=0, target_tail=5, recompute="none")
+    plain = handoff_cache(source, target, mapper, ids, exact_prefix=0, recompute="none")
     assert tail.get_seq_length() == 20
     assert torch.equal(tail.layers[1].values[:, :, :15], plain.layers[1].values[:, :, :15])  # mapped part
     assert not torch.allclose(tail.layers[1].values[:, :, 15:], plain.layers[1].values[:, :, 15:], atol=1e-3)
@@ -195,7 +195,7 @@ def test_catch_up_maps_only_the_missing_positions_at_their_own_positions():
     # the target's cache of the first 25 positions (its own), brought up to 40 by mapping positions 25..39
     own, _ = prefill(target, ids[:, :25])
     kept = [layer.keys.clone() for layer in own.layers]
-    assert catch_up(own, source_cache, mapper) is own and own.get_seq_length() == 40
+    assert catch_up(own, source_cache, mapper, recompute="none") is own and own.get_seq_length() == 40
     for layer, before, mapped in zip(own.layers, kept, whole.layers, strict=True):
         assert torch.equal(layer.keys[:, :, :25], before)  # the target's own positions are untouched
         torch.testing.assert_close(layer.keys[:, :, 25:], mapped.keys[:, :, 25:])  # RoPE at positions 25..39
@@ -354,13 +354,13 @@ def test_catch_up_checks_the_pair_the_target_cache_and_the_window(unrelated_pair
     assert own.get_seq_length() == 10  # refused before anything was appended
     wrong, _ = prefill(source, ids[:, :10])  # a cache of the source's geometry handed in as the target's
     with pytest.raises(MapperMismatchError, match="this mapper maps to 3"):
-        catch_up(wrong, source_cache, mapper)
+        catch_up(wrong, source_cache, mapper, recompute="none")
     long_ids = torch.randint(0, 128, (1, 70))
     long_source, _ = prefill(source, long_ids)
     with pytest.raises(ContextTooLongError, match="70 tokens"):
         catch_up(own, long_source, mapper, source, target)
     assert own.get_seq_length() == 10
-    assert catch_up(own, source_cache, mapper, source, target).get_seq_length() == 30
+    assert catch_up(own, source_cache, mapper, source, target, recompute="none").get_seq_length() == 30
 
 
 # -- the fused first forward: exact prefix + recompute + the target's reading of the new tokens, in one forward --------
@@ -434,16 +434,16 @@ def test_a_mapped_cache_recomputes_its_pending_positions_at_the_first_forward(un
 
     source, target, mapper = unrelated_pairs["qwen2"]
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(8))
-    fused = map_for_target(source, target, mapper, ids[:, :-3])
+    fused = map_for_target(source, target, mapper, ids[:, :-3], recompute="none")
     assert fused.pending.tolist() == [[0, 1, 2, 3]]
     logits = fused.read(target, ids[:, -3:], logits_to_keep=2)
     assert fused.pending.numel() == 0 and fused.cache.get_seq_length() == 30
-    settled = map_for_target(source, target, mapper, ids[:, :-3])
+    settled = map_for_target(source, target, mapper, ids[:, :-3], recompute="none")
     cache = settled.settle(target)
     assert settled.pending.numel() == 0 and settled.settle(target) is cache
     reference = target(input_ids=ids[:, -3:], cache=cache, use_cache=True, logits_to_keep=2).logits
     assert (logits - reference).abs().max() <= 1e-5
-    tail = handoff_cache(source, target, mapper, ids, target_tail=3)
+    tail = handoff_cache(source, target, mapper, ids, target_tail=3, recompute="none")
     for a, b in zip(tail.layers, cache.layers, strict=True):
         assert (a.keys - b.keys).abs().max() <= 1e-5 and (a.values - b.values).abs().max() <= 1e-5
     with pytest.raises(ConfigError, match="logits_to_keep"):

@@ -7,7 +7,7 @@ import torch
 
 from kvhandoff import FitConfig, SwitchingSession, catch_up, fit_mapper, handoff_cache, prefill
 from kvhandoff.cache import cache_of, cache_view
-from kvhandoff.config import RECOMPUTE_BUDGETS, RecomputePolicy
+from kvhandoff.config import DEFAULT_RECOMPUTE, RECOMPUTE_BUDGETS, RecomputePolicy
 from kvhandoff.errors import ConfigError
 from kvhandoff.recompute import (
     SelectionInfo,
@@ -303,7 +303,8 @@ def test_policy_parses_and_validates():
 
 
 def test_the_default_lives_in_the_fit_config_and_the_manifest(exact):
-    assert FitConfig().recompute == "none" and "recompute" not in FitConfig().to_dict()
+    assert FitConfig().recompute == DEFAULT_RECOMPUTE == "recent:5%" and "recompute" not in FitConfig().to_dict()
+    assert FitConfig(recompute="none").to_dict()["recompute"] == "none"
     config = FitConfig(recompute="recent:0.5")
     assert config.recompute == "recent:50%" and config.to_dict()["recompute"] == "recent:50%"
     assert config.recompute_policy == RecomputePolicy("recent", 0.5)
@@ -311,7 +312,7 @@ def test_the_default_lives_in_the_fit_config_and_the_manifest(exact):
         FitConfig(recompute="fast:1")
 
     source, target, mapper = exact
-    assert mapper.recompute == "none"
+    assert mapper.recompute == DEFAULT_RECOMPUTE
     # a mapper whose fit config says "recompute everything" makes its handoffs exact even with a broken map
     broken = type(mapper)(torch.zeros_like(mapper.weight), mapper.bias, mapper.selected,
                           dataclasses.replace(mapper.manifest, config=FitConfig(recompute="sinks:100%")))
@@ -347,8 +348,10 @@ def test_catch_up_recomputes_among_the_newly_mapped_positions(inexact):
     assert max_kv_diff(own, partial, slice(25, 28)) <= 1e-4 and max_kv_diff(own, partial, slice(28, 40)) > 1e-2
     with pytest.raises(ConfigError, match="input_ids"):
         catch_up(prefill(target, ids[:, :25])[0], source_cache, mapper, source, target, recompute="recent:10%")
-    # no active policy: the old call still works without ids
-    catch_up(prefill(target, ids[:, :25])[0], cache_view(source_cache, 0), mapper, source, target)
+    with pytest.raises(ConfigError, match="recompute='none'"):  # the mapper's default policy is active
+        catch_up(prefill(target, ids[:, :25])[0], source_cache, mapper, source, target)
+    # no active policy: mapping alone needs no ids
+    catch_up(prefill(target, ids[:, :25])[0], source_cache, mapper, source, target, recompute="none")
 
 
 def test_a_session_recomputes_at_every_handover_and_knows_the_turns(inexact):
@@ -377,7 +380,8 @@ def test_a_session_recomputes_at_every_handover_and_knows_the_turns(inexact):
     sinks_only.read("small", turns[1])
     sinks_only.switch_to("large")
     cache = sinks_only.cache("large")
-    mapped = handoff_cache(source, target, mapper, torch.tensor([turns[0] + turns[1]]), exact_prefix=0)
+    mapped = handoff_cache(source, target, mapper, torch.tensor([turns[0] + turns[1]]), exact_prefix=0,
+                           recompute="none")
     changed = [p for p in range(21) if (cache.layers[0].keys[0, :, p] - mapped.layers[0].keys[0, :, p]).abs().max()
                > 1e-6]
     assert changed == [0, 12]  # 10% of 21 positions: the two turn starts

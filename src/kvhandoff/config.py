@@ -148,9 +148,9 @@ class FitConfig:
         K, V maps source V) or "kv" (both maps read source K and V: twice the inputs, weights and transfer GEMM).
     recompute: the handoffs' default selective-recompute policy, as a `RecomputePolicy` spec ("RULE:BUDGET",
         e.g. "deviation:10%"): after mapping, the target recomputes that fraction of the mapped positions itself
-        (`kvhandoff.recompute`). This is the one place the default lives; recorded in the manifest's config
-        (left out while "none", so cache keys and manifests of mappers fitted before it stay the same). "none"
-        until measured.
+        (`kvhandoff.recompute`). Default `DEFAULT_RECOMPUTE`; recorded in the manifest's config when it differs
+        from it (so the cache keys of mappers at the default do not depend on it, and a manifest without the
+        field takes the default).
     Compact mappers (`kvhandoff.compact`; solved from the same statistics, recorded in the manifest; each left out
     of manifests and cache keys while at its default, the full ridge map):
     heads: "all" (every target KV head reads every KV head of the selected source layers) or "aligned" (target KV
@@ -173,7 +173,7 @@ class FitConfig:
     skip_first_tokens: int = 0
     exact_prefix: int = 4
     source_inputs: str = "own"
-    recompute: str = "none"
+    recompute: str = "recent:5%"
     heads: str = "all"
     k_tolerance: float = 0.0
     rank: int = 0
@@ -268,7 +268,7 @@ class FitConfig:
         data = asdict(self)
         if self.source_inputs == "own":
             del data["source_inputs"]
-        if self.recompute == "none":
+        if self.recompute == DEFAULT_RECOMPUTE:
             del data["recompute"]
         for name, default in _COMPACT_DEFAULTS.items():
             if data[name] == default:
@@ -285,7 +285,12 @@ class FitConfig:
 RECOMPUTE_RULES: tuple[str, ...] = ("none", "sinks", "recent", "deviation", "source_attention", "mix")
 #: the budgets (fractions of the mapped history) a retention-vs-speed sweep measures
 RECOMPUTE_BUDGETS: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
-#: the default shares of rule "mix" (to be chosen on a dev set)
+#: the handoffs' default selective-recompute policy (`FitConfig.recompute`): the target recomputes the last 5% of
+#: the mapped positions. Chosen on the switch benchmark's dev pool (docs/RESULTS.md "Switch benchmark"): it lowered
+#: the choice KL to the target alone in both directions and keeps ≥ 5× (small → large) and ≥ 2.5× (large → small)
+#: of the speed-up at 2K tokens of history.
+DEFAULT_RECOMPUTE = "recent:5%"
+#: the default shares of rule "mix"
 DEFAULT_RECOMPUTE_MIX: tuple[tuple[str, float], ...] = (("sinks", 0.2), ("recent", 0.3), ("deviation", 0.5))
 
 

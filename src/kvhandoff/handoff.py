@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvhandoff.cache import cache_view, model_device, prefill
-from kvhandoff.config import RecomputePolicy
+from kvhandoff.config import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.errors import ConfigError, ContextTooLongError, MapperMismatchError
 from kvhandoff.mapper import Mapper
 from kvhandoff.recompute import (
@@ -40,10 +40,10 @@ def verify_mapper(mapper, source_model=None, target_model=None) -> None:
 def recompute_policy(mapper, recompute=None) -> RecomputePolicy:
     """The selective-recompute policy of a handoff: ``recompute`` (a `RecomputePolicy` or a spec such as
     "deviation:10%"), or with None the mapper's default (its fit config's `recompute`, recorded in the manifest;
-    "none" for objects without a manifest)."""
+    `config.DEFAULT_RECOMPUTE` for objects without a manifest)."""
     if recompute is not None:
         return RecomputePolicy.parse(recompute)
-    return RecomputePolicy.parse(getattr(mapper, "recompute", None) or "none")
+    return RecomputePolicy.parse(getattr(mapper, "recompute", None) or DEFAULT_RECOMPUTE)
 
 
 def check_context(length: int, target_model=None, mapper=None) -> None:
@@ -298,7 +298,7 @@ def catch_up_mapped(target_cache, source_cache, mapper: Mapper, source_model=Non
         return MappedCache(target_cache, input_ids, nothing)
     if policy.active and (target_model is None or input_ids is None or input_ids.shape[-1] != total):
         raise ConfigError(f"recompute {policy.spec!r} at a catch-up needs the target model and the conversation's "
-                          f"{total} token ids (input_ids)")
+                          f"{total} token ids (input_ids); pass them, or recompute='none' to only map")
     dtype = target_cache.layers[0].keys.dtype
     positions = torch.arange(have, total, device=source_cache.layers[0].keys.device)
     mapped = mapper.transfer(cache_view(source_cache, have), position_ids=positions, dtype=dtype)

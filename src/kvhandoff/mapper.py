@@ -144,7 +144,8 @@ class Mapper:
 
     @property
     def recompute(self) -> str:
-        """The handoffs' default selective-recompute policy spec (the fit config's recompute; "none" unless set)."""
+        """The handoffs' default selective-recompute policy spec (the fit config's recompute;
+        `config.DEFAULT_RECOMPUTE` unless set)."""
         return self.manifest.config.recompute
 
     def parameter_tensors(self) -> list[torch.Tensor]:

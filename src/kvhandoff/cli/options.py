@@ -20,6 +20,7 @@ from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.config import (
     CALIBRATION_GROUPS,
     DEFAULT_CALIBRATION_MIX,
+    DEFAULT_RECOMPUTE,
     MODEL_DTYPES,
     PLANNED_DEVICE_MAPS,
     RECOMPUTE_RULES,
@@ -234,7 +235,8 @@ Recompute = Annotated[str | None, typer.Option(
     "--recompute", parser=recompute_spec, metavar="RULE:BUDGET",
     help=f"selective recompute after the handoff: the target recomputes BUDGET (a fraction or a percentage) of the "
          f"mapped positions itself, chosen by RULE ({', '.join(RECOMPUTE_RULES)}; 'mix(sinks=0.2,...)' for other "
-         f"shares), e.g. deviation:10%; default: the mapper's setting (none unless fitted with one)")]
+         f"shares), e.g. deviation:10%, or none; default: the mapper's setting ({DEFAULT_RECOMPUTE} unless fitted with "
+         f"another)")]
 #: the models' placement for their forwards (`config.ModelPlacement`), on every command that loads a pair
 Dtype = Annotated[str, typer.Option("--dtype", parser=model_dtype, metavar="DTYPE", help=(
     "dtype of the model forwards: fp32, bf16 or fp16 (or float32, bfloat16, float16); calibration statistics are "

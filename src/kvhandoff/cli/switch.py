@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -24,7 +25,7 @@ from kvhandoff.cli.options import (
     option_errors,
     positive_int,
 )
-from kvhandoff.config import RECOMPUTE_RULES
+from kvhandoff.config import DEFAULT_RECOMPUTE, RECOMPUTE_RULES
 from kvhandoff.evaluation.options import EvalOptions
 from kvhandoff.evaluation.pipeline import MapperSource, forward_mapper, reverse_mapper
 from kvhandoff.evaluation.switch import DEFAULT_HISTORIES, DEFAULT_HISTORY_TOKENS, SwitchSettings, switch_tasks
@@ -39,6 +40,7 @@ from kvhandoff.evaluation.switchbench import (
     switch_markdown,
 )
 from kvhandoff.geometry import tokenizer_hash
+from kvhandoff.handoff import recompute_policy
 from kvhandoff.workflow import load_named_pair, on_source_device
 
 
@@ -155,13 +157,15 @@ def eval_switch(
         torch.set_num_threads(threads)
     deadline = None if time_limit is None else time.monotonic() + 60 * time_limit
     sweep = sweep_recompute is not None
-    policies = recompute_points(sweep_recompute, budgets) if sweep else (recompute or "none",)
+    policies = recompute_points(sweep_recompute, budgets) if sweep else (recompute or DEFAULT_RECOMPUTE,)
     with option_errors("--tasks", "--recompute"):
         settings = SwitchSettings(tuple(switch_tasks(tasks)), limit, pool or ("dev" if sweep else "report"), seed,
                                   histories, history_tokens, policies, exact_prefix, all_mapped, ttft_repeats)
     pair = load_named_pair(source, target, dtype, progress, device_map=device_map)
     directions = pair_directions(pair, MapperSource(mapper, reverse_mapper=reverse, both_directions=both_directions),
                                  out, progress)
+    if not sweep:  # without --recompute: the forward mapper's default policy, in both directions
+        settings = replace(settings, policies=(recompute_policy(directions[0].mapper, recompute).spec,))
     tok_id = tokenizer_hash(pair.tokenizer)
     if sweep:
         result = run_recompute_sweep(directions, pair.tokenizer, tok_id, settings, out, ttft_lengths, ttft_repeats,
