@@ -69,11 +69,13 @@ def test_bench_serve_times_both_paths_per_length_and_direction(tiny_cli, tmp_pat
 def test_bench_serve_one_direction_and_bad_values(tiny_cli, tmp_path):
     out = tmp_path / "b.json"
     result = CliRunner().invoke(app, ["bench-serve", "--lengths", "16", "--direction", "reverse", "--no-warmup",
-                                      "--out", str(out)])
+                                      "--recompute", "sinks:0.5", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert [(r["source"], r["target"]) for r in json.loads(out.read_text())["results"]] == [("large", "small")]
+    saved = json.loads(out.read_text())
+    assert [(r["source"], r["target"]) for r in saved["results"]] == [("large", "small")]
+    assert saved["settings"]["recompute"] == "sinks:50%"
     for args, option in ((["--direction", "sideways"], "--direction"), (["--lengths", "0"], "--lengths"),
-                         (["--lengths", "4000"], "lengths")):
+                         (["--lengths", "4000"], "lengths"), (["--recompute", "fast:1"], "--recompute")):
         tiny_cli.clear()
         result = CliRunner().invoke(app, ["bench-serve", *args, "--out", str(out)])
         assert result.exit_code != 0 and option in result.output, result.output
@@ -82,9 +84,11 @@ def test_bench_serve_one_direction_and_bad_values(tiny_cli, tmp_path):
 def test_load_test_runs_switching_conversations_without_errors(tiny_cli, tmp_path):
     out = tmp_path / "serve_load.json"
     result = CliRunner().invoke(app, ["load-test", "--conversations", "3", "--turns", "4", "--max-tokens", "3",
-                                      "--story-chars", "40", "--time-limit", "120", "--out", str(out)])
+                                      "--story-chars", "40", "--time-limit", "120", "--recompute", "none",
+                                      "--out", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
+    assert report["settings"]["recompute"] == "none"
     assert report["errors"] == 0 and report["requests"] == 12 and report["turns_left_out"] == 0
     assert report["generated_tokens"] == 36 and report["generated_tokens_per_s"] > 0 and report["requests_per_s"] > 0
     statuses = report["ttft_by_status"]
@@ -100,9 +104,11 @@ def test_load_test_runs_switching_conversations_without_errors(tiny_cli, tmp_pat
 def test_guard_eval_splits_dev_and_heldout_and_reports_each_signal(tiny_cli, tmp_path):
     out = tmp_path / "serve_guard.json"
     result = CliRunner().invoke(app, ["guard-eval", "--conversations", "4", "--turns", "3", "--max-new-tokens", "3",
-                                      "--story-chars", "40", "--escalate", "recent:50%", "--out", str(out)])
+                                      "--story-chars", "40", "--escalate", "recent:50%", "--recompute", "none",
+                                      "--out", str(out)])
     assert result.exit_code == 0, result.output
     guard = json.loads(out.read_text())
+    assert guard["settings"]["recompute"] == "none"
     assert guard["n"] == {"conversations_run": 4, "conversations_dev": 2, "conversations_heldout": 2,
                           "handoffs": 8, "changed": 0}  # switching every turn: two handoffs per conversation
     assert set(guard["signals"]) == {"logloss", "kl", "kl_answer", "entropy", "mapped_share"}

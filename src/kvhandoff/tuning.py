@@ -73,7 +73,8 @@ class HandoffDivergence:
 
     @torch.inference_mode()
     def score(self, mapper, exact_prefix: int = 0, target_tail: int = 0) -> dict:
-        """Divergence of the target reading the mapped cache from the target reading its own.
+        """Divergence of the target reading the mapped cache from the target reading its own: the map's quality,
+        so no selective recompute (the handoffs' default policy) blurs it.
         target_tail: the last that many prefix tokens are prefilled by the target (see `handoff_cache`)."""
         shortest = min(len(doc.prefix) for doc in self.documents)
         if not 0 <= target_tail < shortest - 1:
@@ -85,7 +86,7 @@ class HandoffDivergence:
                 source_cache = copy.deepcopy(source_cache)
                 rollback(source_cache, len(doc.prefix) - 1 - target_tail)
             cache = handoff_cache(self.source, self.target, mapper, torch.tensor([doc.prefix[:-1]]), exact_prefix,
-                                  source_cache=source_cache, target_tail=target_tail)
+                                  source_cache=source_cache, target_tail=target_tail, recompute="none")
             return feed(self.target, cache, [doc.prefix[-1], *doc.continuation[:-1]])
 
         return self._divergence(mapped)

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from kvhandoff.cli.options import (
+    Recompute,
     list_of,
     one_of,
     option_errors,
@@ -29,10 +30,10 @@ TimeLimit = Annotated[float | None, typer.Option("--time-limit", parser=positive
     "seconds; no new measurement starts after it"))]
 
 
-def _server_config(guard: str, guard_signal: str, guard_threshold: float) -> ServeConfig:
+def _server_config(guard: str, guard_signal: str, guard_threshold: float, recompute: str | None) -> ServeConfig:
     with option_errors("--guard-threshold"):
         return ServeConfig(guard=guard == "on", guard_signal=guard_signal, guard_threshold=guard_threshold,
-                           log_level="warning")
+                           recompute=recompute, log_level="warning")
 
 
 def _print(table) -> None:
@@ -55,13 +56,14 @@ def bench_serve(
     guard: GuardSwitch = "off",
     guard_signal: GuardSignal = ServeConfig.guard_signal,
     guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
+    recompute: Recompute = None,
     time_limit: TimeLimit = None,
     out: Annotated[Path, typer.Option(help="the result (JSON)")] = Path("runs/serve_bench.json"),
     plot: Annotated[Path | None, typer.Option(help="also draw the times here (PNG)")] = None,
 ) -> None:
     """Time to first token over HTTP at a model switch: the handoff vs the target re-prefilling, side by side on one
     server on a free loopback port."""
-    config = _server_config(guard, guard_signal, guard_threshold)
+    config = _server_config(guard, guard_signal, guard_threshold, recompute)
     family = load_family(*family_specs(models, mapper))
     result = run_serve_bench(*family, config, lengths=lengths, direction=direction, repeats=repeats,
                              max_tokens=max_tokens, warmup=warmup, time_limit_s=time_limit, out=out, plot=plot,
@@ -85,11 +87,12 @@ def load_test(
     guard: GuardSwitch = "off",
     guard_signal: GuardSignal = ServeConfig.guard_signal,
     guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
+    recompute: Recompute = None,
     out: Annotated[Path, typer.Option(help="the report (JSON)")] = Path("runs/serve_load.json"),
 ) -> None:
     """Concurrent conversations switching models every 2–3 turns against a server on a free loopback port:
     throughput, time to first token per handoff status, errors, memory."""
-    config = _server_config(guard, guard_signal, guard_threshold)
+    config = _server_config(guard, guard_signal, guard_threshold, recompute)
     family = load_family(*family_specs(models, mapper))
     report = run_load_test(*family, config, conversations=conversations, turns=turns, max_tokens=max_tokens,
                            time_limit_s=time_limit, story_chars=story_chars, out=out)
@@ -121,6 +124,7 @@ def guard_eval(
     escalate: Annotated[str | None, typer.Option(parser=recompute_spec, metavar="RULE:BUDGET", help=(
         "also hand every switch over with this recompute policy (e.g. recent:50%) and compare escalating with "
         "falling back"))] = None,
+    recompute: Recompute = None,
     out: Annotated[Path, typer.Option(help="the result (JSON)")] = Path("runs/serve_guard.json"),
 ) -> None:
     """The quality guard on CoQA conversations switching models: AUROC per signal, a threshold chosen on dev
@@ -131,6 +135,7 @@ def guard_eval(
     result = run_guard_eval(*family, conversations=conversations, turns=turns, switch_every=switch_every,
                             signals=signals, max_new_tokens=max_new_tokens, window=window,
                             heldout_every=heldout_every, max_false_fallback=max_false_fallback,
-                            time_limit_s=time_limit, story_chars=story_chars, escalate=escalate, out=out)
+                            time_limit_s=time_limit, story_chars=story_chars, escalate=escalate,
+                            config=ServeConfig(recompute=recompute), out=out)
     _print(guard_table(result))
     typer.echo(f"wrote {out}")

@@ -195,7 +195,7 @@ def run_load_test(models, mappers, config: ServeConfig = ServeConfig(),  # noqa:
                                             time_limit_s, dialogues=dialogues, story_chars=story_chars))
     report["settings"].update({"guard": config.guard, "guard_signal": config.guard_signal,
                                "guard_threshold": config.guard_threshold, "handover": config.handover,
-                               "models": list(models)})
+                               "recompute": config.recompute, "models": list(models)})
     if out is not None:
         atomic_write_json(Path(out), report)
     return report
