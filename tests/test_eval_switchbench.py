@@ -81,6 +81,8 @@ def test_sweep_writes_table_plot_and_resumes(directions, tmp_path):
         assert (tmp_path / f"sweep_recompute.{suffix}").stat().st_size > 0
     assert "| recent:20% |" in (tmp_path / "sweep_recompute.md").read_text()
     assert 0 <= point["mean_agreement"] <= 1 and point["mean_choice_kl"] >= 0
+    assert point["choice_kl_change"]["forward"]["n"] == 8  # 4 items × 2 core tasks, paired with "none"
+    assert swept["points"][0]["choice_kl_change"]["forward"]["value"] == 0.0
     (tmp_path / "sweep_recompute.md").unlink()
     assert B.rewrite_sweep(tmp_path)["points"] == json.loads(json.dumps(swept["points"]))
     assert (tmp_path / "sweep_recompute.md").is_file()
@@ -109,3 +111,16 @@ def test_resumed_sweep_reuses_its_ttft_unless_the_sweep_changed(directions, tmp_
         B.run_recompute_sweep(directions, TOK, "bytes", small, tmp_path, lengths=(64, 96))
     with pytest.raises(Timed):  # other repeats
         B.run_recompute_sweep(directions, TOK, "bytes", small, tmp_path, lengths=(64,), ttft_repeats=2)
+
+
+def test_choice_kl_change_pools_the_paired_items_of_a_group():
+    def task(group, ours, none):
+        return {"group": group, "transfers": {"switch:recent:5%": {"choice_kl": {"per_item": ours}},
+                                              "switch": {"choice_kl": {"per_item": none}}}}
+
+    tasks = {"a": task("core", [0.1, 0.0], [0.3, 0.2]), "b": task("core", [0.2], [0.2]),
+             "c": task("heldout", [9.0], [0.0])}
+    change = B.choice_kl_change(tasks, "switch:recent:5%", "switch", n_resamples=200)
+    assert change["n"] == 3 and change["value"] == pytest.approx(-0.4 / 3)
+    assert change["ci"][0] <= change["value"] <= change["ci"][1] <= 0
+    assert B.choice_kl_change(tasks, "switch:sinks:5%", "switch")["n"] == 0

@@ -422,7 +422,7 @@ def agreement_with_target(task: str, target: Mapping[str, dict], transfer: Mappi
     out = {}
     for i, (name, values) in enumerate((("agreement", agree), ("choice_kl", kl))):
         ci = paired_bootstrap({"x": values}, lambda s: float(s["x"].mean()), n_resamples, seed + i)
-        out[name] = {"value": mean(values), "ci": list(ci)}
+        out[name] = {"value": mean(values), "ci": list(ci), "per_item": [round(v, 6) for v in values]}
     return out
 
 
