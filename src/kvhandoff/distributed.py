@@ -270,6 +270,22 @@ def load_checkpoint(path: Path, empty: CalibrationStats, ids_hash: str, config: 
 
 
 # -- the pass ---------------------------------------------------------------------------------------------------
+def resume_point(stats: CalibrationStats, checkpoint: Path | None, ids_hash: str, config: FitConfig, ranks: Ranks,
+                 progress: bool) -> tuple[CalibrationStats, list[int], list[dict]]:
+    """(the sums to go on from, the windows already reduced, the runs that reduced them): rank 0 reads them from
+    ``checkpoint`` when it holds these windows' sums, and every rank learns which windows to skip."""
+    done: list[int] = []
+    runs: list[dict] = []
+    if ranks.is_root and checkpoint is not None:
+        loaded = load_checkpoint(checkpoint, stats, ids_hash, config, progress)
+        if loaded is not None:
+            stats, done, runs = loaded
+    done = ranks.broadcast(done, "sharing the windows already reduced")
+    if progress and ranks.is_root and done:
+        print(f"resuming from {checkpoint}: {len(done)} window(s) already reduced ({_ranges(done)})")
+    return stats, done, runs
+
+
 def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: FitConfig, ranks: Ranks,
                    batch_size: int = 1, checkpoint: Path | None = None, progress: bool = True,
                    target_layers: range | None = None, source_sums: bool = True, target_gram: bool = False,
@@ -290,21 +306,13 @@ def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: 
     ranks.require_same(ids_hash, "calibration windows (hash of their token ids)")
     kv_cross = config.joint_inputs if kv_cross is None else kv_cross
     stats = empty_statistics(source_model, target_model, target_layers, source_sums, target_gram, kv_cross)
-    done: list[int] = []
-    runs: list[dict] = []
-    if ranks.is_root and checkpoint is not None:
-        loaded = load_checkpoint(checkpoint, stats, ids_hash, config, progress)
-        if loaded is not None:
-            stats, done, runs = loaded
-    done = ranks.broadcast(done, "sharing the windows already reduced")
+    stats, done, runs = resume_point(stats, checkpoint, ids_hash, config, ranks, progress)
     resumed = {"windows": list(done), "runs": list(runs)} if done else None
     skip = set(done)
     shares = window_shares([w for w in range(int(input_ids.shape[0])) if w not in skip], ranks.world_size)
     every = ranks.checkpoint_every
     rounds = math.ceil(max(len(share) for share in shares) / every)
     mine = shares[ranks.rank]
-    if progress and ranks.is_root and done:
-        print(f"resuming from {checkpoint}: {len(done)} window(s) already reduced ({_ranges(done)})")
     desc = "calibration" if not ranks.distributed else f"calibration (rank 0 of {ranks.world_size})"
     bar = tqdm(total=len(mine), desc=desc, unit="window", disable=not (progress and ranks.is_root))
     try:
