@@ -126,6 +126,13 @@ class ModelPlacement:
         return self.device_map in PLANNED_DEVICE_MAPS
 
 
+#: the handoffs' default selective-recompute policy (`FitConfig.recompute`): the target recomputes the last 5% of
+#: the mapped positions. Chosen on the switch benchmark's dev pool (docs/RESULTS.md "Switch benchmark"): it lowered
+#: the choice KL to the target alone in both directions and keeps ≥ 5× (small → large) and ≥ 2.5× (large → small)
+#: of the speed-up at 2K tokens of history.
+DEFAULT_RECOMPUTE = "recent:5%"
+
+
 @dataclass(frozen=True)
 class FitConfig:
     """How a mapper is fitted.
@@ -149,8 +156,7 @@ class FitConfig:
     recompute: the handoffs' default selective-recompute policy, as a `RecomputePolicy` spec ("RULE:BUDGET",
         e.g. "deviation:10%"): after mapping, the target recomputes that fraction of the mapped positions itself
         (`kvhandoff.recompute`). Default `DEFAULT_RECOMPUTE`; recorded in the manifest's config when it differs
-        from it (so the cache keys of mappers at the default do not depend on it, and a manifest without the
-        field takes the default).
+        from it (a manifest without the field takes the default); part of the mapper cache key (`key_dict`).
     Compact mappers (`kvhandoff.compact`; solved from the same statistics, recorded in the manifest; each left out
     of manifests and cache keys while at its default, the full ridge map):
     heads: "all" (every target KV head reads every KV head of the selected source layers) or "aligned" (target KV
@@ -173,7 +179,7 @@ class FitConfig:
     skip_first_tokens: int = 0
     exact_prefix: int = 4
     source_inputs: str = "own"
-    recompute: str = "recent:5%"
+    recompute: str = DEFAULT_RECOMPUTE
     heads: str = "all"
     k_tolerance: float = 0.0
     rank: int = 0
@@ -285,11 +291,6 @@ class FitConfig:
 RECOMPUTE_RULES: tuple[str, ...] = ("none", "sinks", "recent", "deviation", "source_attention", "mix")
 #: the budgets (fractions of the mapped history) a retention-vs-speed sweep measures
 RECOMPUTE_BUDGETS: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
-#: the handoffs' default selective-recompute policy (`FitConfig.recompute`): the target recomputes the last 5% of
-#: the mapped positions. Chosen on the switch benchmark's dev pool (docs/RESULTS.md "Switch benchmark"): it lowered
-#: the choice KL to the target alone in both directions and keeps ≥ 5× (small → large) and ≥ 2.5× (large → small)
-#: of the speed-up at 2K tokens of history.
-DEFAULT_RECOMPUTE = "recent:5%"
 #: the default shares of rule "mix"
 DEFAULT_RECOMPUTE_MIX: tuple[tuple[str, float], ...] = (("sinks", 0.2), ("recent", 0.3), ("deviation", 0.5))
 
