@@ -26,11 +26,11 @@ from kvhandoff.cli.options import (
 )
 from kvhandoff.config import TOP_K_CHOICES
 from kvhandoff.evaluation.options import EXTRA_TASKS, EvalOptions, ScoringOptions
-from kvhandoff.evaluation.pipeline import MapperSource, evaluate_directions, forward_mapper, reverse_mapper
+from kvhandoff.evaluation.pipeline import MapperSource, evaluate_directions, pair_mappers
 from kvhandoff.evaluation.report import render_results
 from kvhandoff.evaluation.scoring import MAPPED_PARTS
 from kvhandoff.evaluation.tasks import parse_tasks
-from kvhandoff.workflow import load_named_pair, on_source_device
+from kvhandoff.workflow import load_named_pair
 
 
 def tasks_list(value) -> str:
@@ -102,11 +102,9 @@ def eval_command(
     scoring = ScoringOptions(max_new_tokens, n_resamples, perplexity_docs=perplexity_docs, prefix_len=prefix_len,
                              continuation_len=continuation_len, coqa_conversations=coqa_conversations)
     pair = load_named_pair(source, target, dtype, progress, device_map=device_map)
-    forward, sweep = forward_mapper(pair, mappers, options, out, progress)
-    on_source_device(forward, pair.source)
+    forward, backward, sweep = pair_mappers(pair, mappers, options, out, progress)
     if sweep is not None:
         typer.echo(f"k sweep: best k = {sweep['best_k']} (mean dev score per k: {sweep['scores']})")
-    backward = on_source_device(reverse_mapper(pair, mappers, progress), pair.target)
     md, png = evaluate_directions(pair, forward, backward, options, scoring, out, progress)
     typer.echo(md.read_text(encoding="utf-8"))
     typer.echo(f"wrote {md} and {png}")

@@ -27,7 +27,7 @@ from kvhandoff.cli.options import (
 )
 from kvhandoff.config import DEFAULT_RECOMPUTE, RECOMPUTE_RULES
 from kvhandoff.evaluation.options import EvalOptions
-from kvhandoff.evaluation.pipeline import MapperSource, forward_mapper, reverse_mapper
+from kvhandoff.evaluation.pipeline import MapperSource, pair_mappers
 from kvhandoff.evaluation.switch import DEFAULT_HISTORIES, DEFAULT_HISTORY_TOKENS, SwitchSettings, switch_tasks
 from kvhandoff.evaluation.switchbench import (
     DEFAULT_SWEEP_BUDGETS,
@@ -41,7 +41,7 @@ from kvhandoff.evaluation.switchbench import (
 )
 from kvhandoff.geometry import tokenizer_hash
 from kvhandoff.handoff import recompute_policy
-from kvhandoff.workflow import load_named_pair, on_source_device
+from kvhandoff.workflow import load_named_pair
 
 
 def _comma_list(value: str, parse, what: str) -> tuple:
@@ -90,10 +90,8 @@ def switch_tasks_option(value) -> str:
 
 def pair_directions(pair, mappers: MapperSource, out: Path, progress: bool) -> list[Direction]:
     """The forward direction with its mapper (fitted or reused), and the reverse one where ``mappers`` asks."""
-    forward, _ = forward_mapper(pair, mappers, EvalOptions(), out, progress)
-    on_source_device(forward, pair.source)
+    forward, backward, _ = pair_mappers(pair, mappers, EvalOptions(), out, progress)
     directions = [Direction("forward", pair.source, pair.target, forward, pair.source_spec, pair.target_spec)]
-    backward = on_source_device(reverse_mapper(pair, mappers, progress), pair.target)
     if backward is not None:
         directions.append(Direction("reverse", pair.target, pair.source, backward, pair.target_spec,
                                     pair.source_spec))

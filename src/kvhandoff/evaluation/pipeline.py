@@ -19,7 +19,7 @@ from kvhandoff.evaluation.runner import run_eval
 from kvhandoff.evaluation.sweep import choose_k, default_mapper_factory
 from kvhandoff.files import atomic_write_json
 from kvhandoff.statistics import CalibrationStats
-from kvhandoff.workflow import NamedPair, load_pair_mapper, obtain_mapper
+from kvhandoff.workflow import NamedPair, load_pair_mapper, obtain_mapper, on_source_device
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,15 @@ def reverse_mapper(pair: NamedPair, source: MapperSource, progress: bool):
     if source.mapper is None and source.statistics is None and source.both_directions:
         return obtain_mapper(pair.reversed(), progress=progress)[0]
     return None
+
+
+def pair_mappers(pair: NamedPair, source: MapperSource, options: EvalOptions, out: Path, progress: bool):
+    """(forward mapper, reverse mapper or None, the k sweep's result or None): `forward_mapper` and
+    `reverse_mapper`, each placed on its source model's device."""
+    forward, sweep = forward_mapper(pair, source, options, out, progress)
+    on_source_device(forward, pair.source)
+    backward = on_source_device(reverse_mapper(pair, source, progress), pair.target)
+    return forward, backward, sweep
 
 
 def evaluate_directions(pair: NamedPair, forward, backward, options: EvalOptions, scoring: ScoringOptions,
