@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhandoff.cache import cache_of, cache_view, model_device, prefill, rollback
+from kvhandoff.cache import cache_of, cache_view, kl_divergence, model_device, prefill, rollback
 from kvhandoff.config import RecomputePolicy
 from kvhandoff.errors import ConfigError
 from kvhandoff.evaluation.metrics import mean, paired_bootstrap, summarise_conditions
@@ -400,11 +400,6 @@ def accuracy_per_item(spec_name: str, records: Mapping[str, dict], ids: Sequence
     return [mc_item_metrics(records[i])[metric] for i in ids]
 
 
-def choice_softmax(scores: np.ndarray) -> np.ndarray:
-    shifted = np.exp(scores - scores.max())
-    return shifted / shifted.sum()
-
-
 def agreement_with_target(task: str, target: Mapping[str, dict], transfer: Mapping[str, dict], ids: Sequence[str],
                           n_resamples: int = 1000, seed: int = 0) -> dict:
     """How closely a transfer condition follows the target alone, item by item: the share of items where it
@@ -414,11 +409,10 @@ def agreement_with_target(task: str, target: Mapping[str, dict], transfer: Mappi
     metric = get_task(task).primary_metric
     agree, kl = [], []
     for item_id in ids:
-        reference = mc_choice_scores(target[item_id], metric)
-        scores = mc_choice_scores(transfer[item_id], metric)
-        p, q = choice_softmax(reference), choice_softmax(scores)
-        agree.append(float(np.argmax(reference) == np.argmax(scores)))
-        kl.append(float(np.sum(p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300))))))
+        reference, scores = (torch.from_numpy(mc_choice_scores(records[item_id], metric))
+                             for records in (target, transfer))
+        agree.append(float(reference.argmax() == scores.argmax()))
+        kl.append(float(kl_divergence(reference.log_softmax(-1), scores.log_softmax(-1))))
     out = {}
     for i, (name, values) in enumerate((("agreement", agree), ("choice_kl", kl))):
         ci = paired_bootstrap({"x": values}, lambda s: float(s["x"].mean()), n_resamples, seed + i)
