@@ -18,10 +18,9 @@ Memory is O(features²), independent of the number of calibration tokens. What i
   covariance of the reverse direction, so that the same pass gives its statistics (`reversed()`).
 
 For the default Qwen2.5-Coder 0.5B → 1.5B pair (source 6,144 features, target 14,336) that is 0.47 GiB of sums and
-63 M multiply-adds per calibration row; with the cross blocks and the Gram 2.02 GiB and 271 M (the whole matrices
-of earlier versions: 2.47 GiB and 331 M). Files written before the sums were kept per modality pair hold those whole
-matrices; they load into any of these forms (`load`: the blocks asked for, the variances from the Gram's diagonal),
-so they give the same maps.
+63 M multiply-adds per calibration row; with the cross blocks and the Gram 2.02 GiB and 271 M (the whole matrices:
+2.47 GiB and 331 M). A file holding the whole matrices (not kept per modality pair) loads into any of these
+forms (`load`: the blocks asked for, the variances from the Gram's diagonal), so it gives the same maps.
 Where the sums of a big pair do not fit, statistics may cover a block of consecutive target layers only
 (`FeatureLayout.block`, `CalibrationStats.for_target_layers`): every map of a target layer reads only its own
 layer's columns, so the blocks' solves together give the whole mapper (`fit.py`).
@@ -390,8 +389,8 @@ class CalibrationStats:
 
     @staticmethod
     def saved_content(path: str | Path) -> SumsContent:
-        """What the statistics file at `path` holds of the optional moments, from its header (whole-matrix files
-        of earlier versions hold all)."""
+        """What the statistics file at `path` holds of the optional moments, from its header (a file of whole
+        matrices holds all)."""
         try:
             with safe_open(str(path), framework="pt") as handle:
                 return held_content(set(handle.keys()))
