@@ -35,21 +35,27 @@ def test_bench_writes_documented_fields_json_and_png(pair, tmp_path):
                        progress=False)
     assert [r["tokens"] for r in result["results"]] == [12, 24]
     for row in result["results"]:
-        for path in ("handoff", "transfer", "select", "target_forward", "two_step", "reprefill"):
+        for path in ("handoff", "transfer", "select", "target_forward", "stored_prefix",
+                     "stored_prefix_target_forward", "two_step", "reprefill"):
             stats = row[path]
             assert len(stats["samples"]) == 2 and stats["min"] <= stats["median"] <= stats["max"]
             assert stats["min"] <= stats["q1"] <= stats["q3"] <= stats["max"]
         assert row["speedup"] == pytest.approx(row["reprefill"]["median"] / row["handoff"]["median"])
         assert row["flop_bound"] > 0 and row["flops"]["mapper_per_token"] == mapper_flops_per_token(mapper)
-        assert set(row["peak_memory_bytes"]) == {"handoff", "two_step", "reprefill"}
+        assert set(row["peak_memory_bytes"]) == {"handoff", "stored_prefix", "two_step", "reprefill"}
         assert all(isinstance(v, int) and v > 0 for v in row["peak_memory_bytes"].values())
         assert row["top1_agree"]  # exactly related pair: the handoff reproduces the target's own next token
         assert row["fused_equals_two_step"] <= 1e-5  # one target forward, the same logits as two
         assert row["speedup_two_step"] == pytest.approx(row["reprefill"]["median"] / row["two_step"]["median"])
+        # the exact prefix copied from the store, not recomputed: the same logits, fewer tokens in the bound
+        assert row["stored_prefix_equals_handoff"] <= 1e-5
+        assert row["flop_bound_stored_prefix"] > row["flop_bound"]
+        assert row["speedup_stored_prefix"] == pytest.approx(row["reprefill"]["median"]
+                                                             / row["stored_prefix"]["median"])
     assert result["mapper"]["parameters"] == mapper.num_parameters()
     assert result["mapper"]["disk_bytes"] > mapper.nbytes() and result["mapper"]["memory_bytes"] >= mapper.nbytes()
     saved = json.loads((tmp_path / "bench.json").read_text())
-    assert saved["format"] == "kvhandoff-bench/3" and len(saved["results"]) == 2
+    assert saved["format"] == "kvhandoff-bench/4" and len(saved["results"]) == 2
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert bench_table(result).row_count == 2
 

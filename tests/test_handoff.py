@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -448,3 +450,114 @@ def test_a_mapped_cache_recomputes_its_pending_positions_at_the_first_forward(un
         assert (a.keys - b.keys).abs().max() <= 1e-5 and (a.values - b.values).abs().max() <= 1e-5
     with pytest.raises(ConfigError, match="logits_to_keep"):
         map_for_target(source, target, mapper, ids[:, :-3]).read(target, ids[:, -3:], logits_to_keep=4)
+
+
+# -- the exact prefix kept in a store; generate's first forward as the fused read ------------------------------------
+
+
+@contextlib.contextmanager
+def counting_forwards(model):
+    """A list that grows by one at every forward of ``model``'s decoder body while the block runs."""
+    calls = []
+    handle = model.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def test_a_prefix_store_copies_the_exact_prefix_instead_of_recomputing_it(unrelated_pairs):
+    """The first handoff of an opening recomputes its exact prefix and stores it; the next one copies it in, leaves
+    only the new tokens (and the policy's picks) to the forward, and gives the same logits and cache."""
+    from kvhandoff.handoff import PrefixStore, handoff_read, map_for_target
+
+    source, target, mapper = unrelated_pairs["qwen2"]
+    ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(11))
+    store = PrefixStore(capacity=3)
+    first = map_for_target(source, target, mapper, ids[:, :-1], recompute="none", prefix_store=store)
+    assert first.pending.tolist() == [[0, 1, 2, 3]] * 2 and len(store) == 0
+    logits = first.read(target, ids[:, -1:])
+    assert len(store) == 2 and (store.hits, store.misses) == (0, 1)  # one entry per row
+    again = map_for_target(source, target, mapper, ids[:, :-1], recompute="none", prefix_store=store)
+    assert again.pending.numel() == 0 and store.hits == 1
+    assert (again.read(target, ids[:, -1:]) - logits).abs().max() <= 1e-5
+    for a, b in zip(again.cache.layers, first.cache.layers, strict=True):
+        assert (a.keys - b.keys).abs().max() <= 1e-5 and (a.values - b.values).abs().max() <= 1e-5
+    # under a policy only its picks stay pending; the fused read equals the one without a store
+    picked = map_for_target(source, target, mapper, ids[:, :-1], recompute="recent:10%", prefix_store=store)
+    assert picked.pending.tolist() == [[26, 27, 28]] * 2
+    reference = handoff_read(source, target, mapper, ids, recompute="recent:10%")[1]
+    assert (picked.read(target, ids[:, -1:]) - reference).abs().max() <= 1e-5
+    # a row the store lacks: nothing is copied, the prefix is recomputed and stored
+    other = torch.cat([ids[:1], torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(12))])
+    mixed = map_for_target(source, target, mapper, other[:, :-1], recompute="none", prefix_store=store)
+    assert mixed.pending.shape == (2, 4)
+    mixed.settle(target)
+    assert len(store) == 3  # the new opening joined; the capacity drops the least recently used first
+    store.remember(target, torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(13)), mixed.cache)
+    assert len(store) == 3
+    store.clear()
+    assert len(store) == 0
+    with pytest.raises(ConfigError, match="capacity"):
+        PrefixStore(capacity=0)
+
+
+def test_a_primed_store_serves_a_target_without_custom_masks(unrelated_pairs, monkeypatch):
+    """`PrefixStore.prime` stores a prefill of the opening; a target whose attention takes no 4D mask copies it
+    too (it would otherwise prefill the prefix on its own)."""
+    import kvhandoff.handoff as handoff
+    from kvhandoff.handoff import PrefixStore, map_for_target
+
+    source, target, mapper = unrelated_pairs["llama"]
+    ids = torch.randint(0, 128, (1, 25), generator=torch.Generator().manual_seed(14))
+    store = PrefixStore()
+    store.prime(target, ids[:, :4])
+    reference = map_for_target(source, target, mapper, ids[:, :-1], recompute="none").settle(target)
+    monkeypatch.setattr(handoff, "takes_custom_mask", lambda model: False)
+    with counting_forwards(target) as calls:
+        copied = map_for_target(source, target, mapper, ids[:, :-1], recompute="none", prefix_store=store)
+    assert copied.pending.numel() == 0 and not calls and store.hits == 1
+    for a, b in zip(copied.cache.layers, reference.layers, strict=True):
+        assert (a.keys - b.keys).abs().max() <= 1e-5 and (a.values - b.values).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(("target_tail", "recompute"), [(0, "none"), (0, "deviation:25%"), (3, "none")])
+def test_handoff_generate_runs_one_target_forward_per_new_token(unrelated_pairs, target_tail, recompute):
+    """`generate`'s first forward recomputes the pending positions and reads the unmapped tokens: a handoff that
+    generates n tokens runs n target forwards (not n + 1) and answers as the two-step handoff does."""
+    from kvhandoff.handoff import map_for_target
+
+    source, target, mapper = unrelated_pairs["qwen2"]
+    ids = torch.randint(0, 128, (1, 33), generator=torch.Generator().manual_seed(15))
+    cut = ids.shape[1] - 1 - target_tail
+    with counting_forwards(target) as two_step:
+        settled = map_for_target(source, target, mapper, ids[:, :cut], recompute=recompute).settle(target)
+        reference = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=settled,
+                                    max_new_tokens=5, do_sample=False)
+    with counting_forwards(target) as calls:
+        out = handoff_generate(source, target, mapper, ids, target_tail=target_tail, recompute=recompute,
+                               max_new_tokens=5, do_sample=False)
+    assert len(two_step) == 6 and len(calls) == 5 and out.shape == (1, 38)
+    assert out.tolist() == reference.tolist()
+    assert "forward" not in target.__dict__  # the model's own forward is back
+    with pytest.raises(ConfigError, match="target_tail"):
+        handoff_generate(source, target, mapper, ids, target_tail=32)
+
+
+def test_switching_session_generates_after_a_switch_in_one_forward_per_token(two_way_pair):
+    """A switch then an answer: the receiving model's first forward is the fused read; with a shared prefix store
+    a second conversation of the same opening copies the exact prefix."""
+    from kvhandoff.handoff import PrefixStore
+    from kvhandoff.session import SwitchingSession
+
+    models, mappers = two_way_pair
+    store = PrefixStore()
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(16))[0].tolist()
+    answers = []
+    for _ in range(2):
+        session = SwitchingSession(models, mappers, prefix_store=store)
+        session.read("a", ids[:20])
+        with counting_forwards(models["b"]) as calls:
+            answers.append(session.generate("b", ids[20:], max_new_tokens=3, do_sample=False))
+        assert len(calls) == 3 + 1  # 3 forwards to answer, 1 to cache the answer's last token
+    assert answers[0] == answers[1] and store.hits == 1 and store.misses == 1

@@ -110,6 +110,28 @@ def test_greedy_decoding_equals_generate_on_the_same_prompt():
     asyncio.run(main())
 
 
+def test_conversations_that_open_alike_share_the_exact_prefix_at_a_switch():
+    """The engine's prefix store: the first switch of an opening recomputes the exact prefix, later ones copy it
+    (health shows the store); the answers are the same."""
+    family, mappers = tiny_family()
+
+    async def main():
+        engine = Engine(family, mappers, ServeConfig(guard=False))
+        try:
+            answers = []
+            for session in ("a", "b"):
+                first = [("user", "Tell me about the tides.")]
+                text, _, _ = await ask(engine, "small", messages=tuple(first), session=session, max_tokens=4)
+                second = (*first, ("assistant", text), ("user", "And the moon?"))
+                answers.append((await ask(engine, "large", messages=second, session=session, max_tokens=6))[0])
+            assert answers[0] == answers[1]
+            assert engine.health()["prefix_store"] == {"openings": 1, "hits": 1, "misses": 1}
+        finally:
+            engine.close()
+
+    asyncio.run(main())
+
+
 def evictions(engine, reason: str) -> float:
     return engine.metrics.registry.get_sample_value("kvhandoff_evictions_total", {"reason": reason})
 

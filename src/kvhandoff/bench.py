@@ -12,6 +12,10 @@ path is run `warmup` times untimed and `repeats` times timed:
   target forward ("target_forward", `handoff.MappedCache.read`) that recomputes those positions in place and reads
   the N new tokens on top of the mapped cache, up to the logits of the last (`new_turn` = 1: the all-mapped
   handoff; N > 1: a switch at a turn boundary, as `kvhandoff eval --mapped history` and `SwitchingSession` do);
+- stored-prefix handoff ("stored_prefix", with `prefix_store` and an exact prefix) = the handoff with the target's
+  own K/V of the exact prefix copied from a `handoff.PrefixStore` (primed untimed by a prefill of those tokens:
+  a router's conversations open alike, so after the first switch of an opening this is every switch): the one
+  target forward reads only the new tokens and the policy's picks ("stored_prefix_target_forward");
 - two-step handoff ("two_step", with `two_step`) = the same, but the target recomputes the exact prefix by a
   prefill of it and the policy's picks by a sparse prefill before it reads the new tokens: two or three forwards,
   each reading all of the target's weights. The row's `fused_equals_two_step` is the largest difference between
@@ -38,7 +42,8 @@ FLOPs (multiply-add = 2 FLOPs; norms, activations and softmax ignored):
   positions (counted as n tokens read at the end of the history: an upper bound) + the target reading the
   N new tokens at positions T−N … T−1 (2 · body params · N + attention over the keys before each + LM head).
 `flop_bound` = prefill FLOPs ÷ handoff FLOPs is the speed-up the arithmetic alone would allow, printed next to
-the measured one; `flop_ratio_per_token` = target prefill FLOPs per token ÷ mapper FLOPs per token.
+the measured one (`flop_bound_stored_prefix`: without the exact prefix's tokens); `flop_ratio_per_token` = target
+prefill FLOPs per token ÷ mapper FLOPs per token.
 """
 
 from __future__ import annotations
@@ -58,14 +63,14 @@ from kvhandoff.config import MAPPER_FORMAT_VERSION, FitConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json, save_figure
 from kvhandoff.geometry import model_fingerprint, read_geometry
-from kvhandoff.handoff import defer_recompute, patch_exact_prefix, recompute_policy
+from kvhandoff.handoff import PrefixStore, defer_recompute, patch_exact_prefix, recompute_policy
 from kvhandoff.mapper import Mapper
 from kvhandoff.recompute import SelectionInfo, apply_policy, budget_count
 from kvhandoff.selection import resolve_k
 from kvhandoff.statistics import FeatureLayout
 from kvhandoff.workflow import NamedPair, load_pair_mapper, obtain_mapper
 
-BENCH_FORMAT = "kvhandoff-bench/3"  # /3: one fused target forward ("target_forward", "select", "two_step")
+BENCH_FORMAT = "kvhandoff-bench/4"  # /4: the stored-prefix handoff ("stored_prefix")
 DEFAULT_LENGTHS = (64, 256, 1024, 2048, 4096, 8192)
 MEMORY_NOTE = (
     "peak live bytes allocated through torch's CPU allocator during the first (warm-up) run of the path, above the "
@@ -230,10 +235,11 @@ def _vocab_size(source_model, target_model) -> int:
 
 # -- the benchmark ------------------------------------------------------------------------------------------
 def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, repeats: int, warmup: int,
-                 measure_memory: bool = True, new_turn: int = 1, recompute=None, two_step: bool = True) -> dict:
-    """Time handoff and re-prefill (and the two-step handoff, with ``two_step``) for one context `ids` [1, T] whose
-    last `new_turn` tokens are the new turn (see the module docstring; ``recompute``: the selective-recompute
-    policy, None = the mapper's default)."""
+                 measure_memory: bool = True, new_turn: int = 1, recompute=None, two_step: bool = True,
+                 prefix_store: bool = True) -> dict:
+    """Time handoff and re-prefill (and the two-step handoff, with ``two_step``; the stored-prefix handoff, with
+    ``prefix_store`` and an exact prefix) for one context `ids` [1, T] whose last `new_turn` tokens are the new turn
+    (see the module docstring; ``recompute``: the selective-recompute policy, None = the mapper's default)."""
     tokens = ids.shape[1]
     if not 1 <= new_turn < tokens:
         raise ConfigError(f"new_turn must be at least 1 and shorter than the context ({tokens}), got {new_turn}")
@@ -241,7 +247,8 @@ def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, 
         started = time.perf_counter()
         source_cache, _ = prefill(source_model, ids[:, :-new_turn])
         source_seconds = time.perf_counter() - started
-        paths = _paths(target_model, mapper, source_cache, ids, new_turn, recompute, source_model, two_step)
+        paths = _paths(target_model, mapper, source_cache, ids, new_turn, recompute, source_model, two_step,
+                       prefix_store)
         timings, logits, memory = _time_interleaved(paths, repeats, warmup, measure_memory)
     stats = {name: summarize(samples) for name, samples in timings.items()}
     row = {
@@ -260,6 +267,9 @@ def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, 
     if two_step:
         row["speedup_two_step"] = stats["reprefill"]["median"] / stats["two_step"]["median"]
         row["fused_equals_two_step"] = float((logits["handoff"] - logits["two_step"]).abs().max())
+    if "stored_prefix" in stats:
+        row["speedup_stored_prefix"] = stats["reprefill"]["median"] / stats["stored_prefix"]["median"]
+        row["stored_prefix_equals_handoff"] = float((logits["handoff"] - logits["stored_prefix"]).abs().max())
     return row
 
 
@@ -271,10 +281,11 @@ def recomputed_tokens(mapper, recompute, mapped: int) -> int:
 
 
 def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_turn: int, recompute=None,
-           source_model=None, two_step: bool = True) -> dict:
+           source_model=None, two_step: bool = True, prefix_store: bool = True) -> dict:
     """The timed paths to the target's next-token logits, each a function () → (logits, {part: seconds}):
-    "handoff" (transfer, select, one target forward), "two_step" (transfer, the exact prefix's prefill and the
-    recompute, then the target's read: the handoff before the first forward was fused; with ``two_step``) and
+    "handoff" (transfer, select, one target forward), "stored_prefix" (the same with the exact prefix copied from a
+    primed `PrefixStore`; with ``prefix_store`` and an exact prefix), "two_step" (transfer, the exact prefix's
+    prefill and the recompute, then the target's read: two or three forwards; with ``two_step``) and
     "reprefill"."""
     target_dtype = next(target_model.parameters()).dtype
     history, turn = ids[:, :-new_turn], ids[:, -new_turn:]
@@ -292,6 +303,19 @@ def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_tu
         t3 = time.perf_counter()
         return logits, {"transfer": t1 - t0, "select": t2 - t1, "target_forward": t3 - t2}
 
+    store = PrefixStore()
+    if prefix_store and prefix:
+        store.prime(target_model, history[:, :prefix])
+
+    def stored_prefix_handoff():
+        t0 = time.perf_counter()
+        cache = mapper.transfer(source_cache, dtype=target_dtype)
+        mapped = defer_recompute(cache, target_model, history, mapper, recompute=policy, source_model=source_model,
+                                 source_cache=source_cache, prefix_store=store)
+        t1 = time.perf_counter()
+        logits = mapped.read(target_model, turn)[:, -1]
+        return logits, {"stored_prefix_target_forward": time.perf_counter() - t1, "stored_prefix_map": t1 - t0}
+
     def two_step_handoff():
         cache = mapper.transfer(source_cache, dtype=target_dtype)
         patch_exact_prefix(cache, target_model, history, mapper.exact_prefix)
@@ -303,7 +327,10 @@ def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_tu
     def reprefill():
         return prefill(target_model, ids)[1], {}
 
-    paths = {"handoff": handoff, "two_step": two_step_handoff, "reprefill": reprefill}
+    paths = {"handoff": handoff, "stored_prefix": stored_prefix_handoff, "two_step": two_step_handoff,
+             "reprefill": reprefill}
+    if not (prefix_store and prefix):
+        del paths["stored_prefix"]
     if not two_step:
         del paths["two_step"]
     return paths
@@ -352,6 +379,7 @@ def run_bench(
     recompute=None,
     two_step: bool = True,
     resident: bool = False,
+    prefix_store: bool = True,
 ) -> dict:
     """Handoff vs re-prefill latency for each context length; returns the result dict (and writes
     bench.json + bench.png into `out_dir` when given).
@@ -361,22 +389,25 @@ def run_bench(
     recompute: the selective-recompute policy of the handoff (a `RecomputePolicy` or spec, e.g. "deviation:10%";
     None = the mapper's default), run in the handoff's one target forward (its selection timed apart: "select");
     two_step: also time the handoff with the recompute in forwards of its own before the target's read
-    ("two_step"); resident: first copy both models' weights out of their file-backed memory maps
+    ("two_step"); prefix_store: also time the handoff whose exact prefix comes from a primed `PrefixStore`
+    ("stored_prefix"); resident: first copy both models' weights out of their file-backed memory maps
     (`keep_resident`);
     time_budget_s: stop before a new length once this much wall time has passed (remaining lengths are
     listed under "skipped"); a length that runs out of memory is recorded under "failed" and ends the run.
     Result fields: format, source, target, mapper (parameters, parameter_bytes, memory_bytes, disk_bytes,
     top_k, method, flops_per_token), settings, notes, and per length (`results`): tokens, new_turn_tokens,
-    handoff / transfer / select / target_forward / two_step / reprefill timing summaries (median, min, max, q1, q3,
-    mean, samples; seconds), recompute_tokens, speedup, speedup_two_step, speedup_transfer_only,
-    fused_equals_two_step (max |logit difference|), peak_memory_bytes {handoff, two_step, reprefill}, flops {...},
-    flop_bound, top1_agree.
+    handoff / transfer / select / target_forward / stored_prefix / stored_prefix_map /
+    stored_prefix_target_forward / two_step / reprefill timing summaries (median, min, max, q1, q3, mean, samples;
+    seconds), recompute_tokens, speedup, speedup_stored_prefix, speedup_two_step, speedup_transfer_only,
+    fused_equals_two_step and stored_prefix_equals_handoff (max |logit difference|), peak_memory_bytes {path:
+    bytes}, flops {...}, flop_bound, flop_bound_stored_prefix, top1_agree.
     """
     lengths = _checked_lengths(source_model, target_model, lengths, new_turn, repeats, warmup)
     policy = recompute_policy(mapper, recompute)
     result = _bench_header(source_model, target_model, mapper, source_name, target_name,
                            {"repeats": repeats, "warmup": warmup, "new_turn": new_turn, "seed": seed,
-                            "recompute": policy.spec, "two_step": two_step, "resident_weights": resident})
+                            "recompute": policy.spec, "two_step": two_step, "prefix_store": prefix_store,
+                            "resident_weights": resident})
     if resident:
         keep_resident(source_model, target_model)
     vocab = _vocab_size(source_model, target_model)
@@ -385,7 +416,7 @@ def run_bench(
     console = _console() if progress else None
     started = time.perf_counter()
     _measure_lengths(result, source_model, target_model, mapper, context, lengths, repeats, warmup, measure_memory,
-                     new_turn, time_budget_s, console, policy, two_step)
+                     new_turn, time_budget_s, console, policy, two_step, prefix_store)
     result["wall_seconds"] = time.perf_counter() - started
     if out_dir is not None:
         render_bench(result, out_dir)
@@ -396,7 +427,8 @@ def run_bench(
 
 def _measure_lengths(result: dict, source_model, target_model, mapper: Mapper, context: torch.Tensor,
                      lengths: list[int], repeats: int, warmup: int, measure_memory: bool, new_turn: int,
-                     time_budget_s: float | None, console, recompute=None, two_step: bool = True) -> None:
+                     time_budget_s: float | None, console, recompute=None, two_step: bool = True,
+                     prefix_store: bool = True) -> None:
     """Append a row per length to result["results"] (a prefix of `context` each), until the time budget is
     spent (the rest under "skipped") or a length runs out of memory ("failed")."""
     started = time.perf_counter()
@@ -406,18 +438,24 @@ def _measure_lengths(result: dict, source_model, target_model, mapper: Mapper, c
             return
         try:
             row = bench_length(source_model, target_model, mapper, context[:, :tokens], repeats, warmup,
-                               measure_memory, new_turn, recompute, two_step)
+                               measure_memory, new_turn, recompute, two_step, prefix_store)
         except (MemoryError, RuntimeError) as exc:  # allocator failures surface as RuntimeError in torch
             if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower():
                 raise
             result["failed"].append({"tokens": tokens, "error": str(exc)[:300]})
             result["skipped"] = lengths[index + 1:]
             return
-        row.update(row_flops(result["target_flop_constants"], result["mapper"]["flops_per_token"], tokens,
-                             new_turn, mapper.exact_prefix, row["recompute_tokens"]))
+        constants, per_token = result["target_flop_constants"], result["mapper"]["flops_per_token"]
+        row.update(row_flops(constants, per_token, tokens, new_turn, mapper.exact_prefix, row["recompute_tokens"]))
+        if "stored_prefix" in row:
+            row["flop_bound_stored_prefix"] = row_flops(constants, per_token, tokens, new_turn, 0,
+                                                        row["recompute_tokens"])["flop_bound"]
         result["results"].append(row)
         if console is not None:
             two = f", two-step {_ms(row['two_step']['median'])}" if "two_step" in row else ""
+            if "stored_prefix" in row:
+                two += (f", prefix stored {_ms(row['stored_prefix']['median'])} "
+                        f"(×{row['speedup_stored_prefix']:.1f})")
             console.print(
                 f"T={tokens:>6}: handoff {_ms(row['handoff']['median'])} (transfer "
                 f"{_ms(row['transfer']['median'])}, target forward {_ms(row['target_forward']['median'])} with "
@@ -544,8 +582,9 @@ def bench_table(result: dict):
         ),
         caption="latency: median (min–max); peak MiB: torch tensor allocations of each path",
     )
-    for column in ("tokens", "handoff", "transfer", "target forward", "two-step", "re-prefill", "speed-up",
-                   "two-step speed-up", "FLOP bound", "peak MiB h / r", "top-1"):
+    for column in ("tokens", "handoff", "transfer", "target forward", "prefix stored", "two-step", "re-prefill",
+                   "speed-up", "prefix-stored speed-up", "two-step speed-up", "FLOP bound", "peak MiB h / r",
+                   "top-1"):
         table.add_column(column, justify="right")
     for row in result["results"]:
         def cell(stats):
@@ -553,11 +592,13 @@ def bench_table(result: dict):
 
         memory = row["peak_memory_bytes"]
         agree = row.get("top1_agree")
-        two_step = row.get("two_step")
+        two_step, stored = row.get("two_step"), row.get("stored_prefix")
         table.add_row(
             str(row["tokens"]), cell(row["handoff"]), _ms(row["transfer"]["median"]),
-            _ms(row["target_forward"]["median"]), "-" if two_step is None else _ms(two_step["median"]),
+            _ms(row["target_forward"]["median"]), "-" if stored is None else cell(stored),
+            "-" if two_step is None else _ms(two_step["median"]),
             cell(row["reprefill"]), f"×{row['speedup']:.2f}",
+            "-" if stored is None else f"×{row['speedup_stored_prefix']:.2f}",
             "-" if two_step is None else f"×{row['speedup_two_step']:.2f}",
             f"×{row['flop_bound']:.1f}", f"{_mib(memory['handoff'])} / {_mib(memory['reprefill'])}",
             "-" if agree is None else ("same" if agree else "differs"),
@@ -590,6 +631,9 @@ def _plot(result: dict, path: Path) -> None:
         right.plot(tokens, [r["speedup"] for r in rows], "o-", label="measured: re-prefill ÷ handoff")
         if "two_step" in rows[0]:
             right.plot(tokens, [r["speedup_two_step"] for r in rows], "x--", label="measured, two-step handoff")
+        if "stored_prefix" in rows[0]:
+            right.plot(tokens, [r["speedup_stored_prefix"] for r in rows], "d-",
+                       label="measured, exact prefix stored")
         right.plot(tokens, [r["flop_bound"] for r in rows], "k:", label="FLOP bound: prefill ÷ handoff FLOPs")
         right.axhline(1.0, color="grey", linewidth=0.8)
         for key, label, style in (("handoff", "handoff", "s-"), ("reprefill", "re-prefill", "o-")):
@@ -621,6 +665,7 @@ def _plot_latencies(axis, rows: list[dict], tokens: list[int]) -> None:
     for key, label, style in (
         ("reprefill", "target re-prefill", "o-"),
         ("handoff", "handoff (transfer + one target forward)", "s-"),
+        ("stored_prefix", "handoff, exact prefix stored", "d-"),
         ("two_step", "two-step handoff (prefix, then the read)", "x--"),
         ("transfer", "mapper transfer alone", "^--"),
     ):

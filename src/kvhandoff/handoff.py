@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from kvhandoff.cache import cache_view, model_device, prefill
 from kvhandoff.config import DEFAULT_RECOMPUTE, RecomputePolicy
@@ -77,18 +82,92 @@ def patch_exact_prefix(mapped_cache, target_model, input_ids: torch.Tensor, exac
     return mapped_cache
 
 
+class PrefixStore:
+    """The target's own K/V of the exact prefix (the first tokens of a handed-over context), by model and token ids.
+
+    A router's conversations open alike (chat template, system prompt), so after the first handoff of an opening the
+    target's K/V of its exact prefix are copied from here instead of recomputed, and the target's first forward
+    after a switch reads only the new tokens. The K/V of positions 0..p−1 depend on those p tokens alone (causal
+    attention), so a copy is exact. Holds up to ``capacity`` openings per model, least recently used dropped first;
+    it assumes a model's weights do not change in place (`clear` it if they do). Thread-safe."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        if capacity < 1:
+            raise ConfigError(f"a prefix store holds at least one opening, got capacity {capacity}")
+        self.capacity = capacity
+        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(entries) for entries in self._entries.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def lookup(self, model, prefix_ids: torch.Tensor, dtype: torch.dtype):
+        """The stored K/V of ``prefix_ids`` [batch, p] as [(keys, values) [batch, kv_heads, p, head_dim] per layer],
+        or None unless every row is stored."""
+        with self._lock:
+            entries = self._entries.get(model, {})
+            rows = [entries.get((tuple(row.tolist()), dtype)) for row in prefix_ids]
+            if any(row is None for row in rows):
+                self.misses += 1
+                return None
+            self.hits += 1
+            for row in prefix_ids:
+                entries.move_to_end((tuple(row.tolist()), dtype))
+        return [(torch.cat([row[i][0] for row in rows]), torch.cat([row[i][1] for row in rows]))
+                for i in range(len(rows[0]))]
+
+    def remember(self, model, prefix_ids: torch.Tensor, cache) -> None:
+        """Store ``cache``'s positions 0..p−1 (the target's own K/V of ``prefix_ids`` [batch, p]), row by row."""
+        count = prefix_ids.shape[1]
+        dtype = cache.layers[0].keys.dtype
+        with self._lock:
+            entries = self._entries.setdefault(model, OrderedDict())
+            for row, ids in enumerate(prefix_ids):
+                entries[(tuple(ids.tolist()), dtype)] = [
+                    (layer.keys[row : row + 1, :, :count].clone(), layer.values[row : row + 1, :, :count].clone())
+                    for layer in cache.layers
+                ]
+                entries.move_to_end((tuple(ids.tolist()), dtype))
+            while len(entries) > self.capacity:
+                entries.popitem(last=False)
+
+    @torch.inference_mode()
+    def prime(self, model, prefix_ids: torch.Tensor) -> None:
+        """Store ``model``'s own K/V of ``prefix_ids`` [batch, p] (a prefill of those p tokens), e.g. a system
+        prompt's opening before the first switch."""
+        cache, _ = prefill(model, prefix_ids.to(model_device(model)))
+        self.remember(model, prefix_ids, cache)
+
+
+def _copy_prefix(cache, stored) -> None:
+    for layer, (keys, values) in zip(cache.layers, stored, strict=True):
+        count = keys.shape[2]
+        layer.keys[:, :, :count] = keys.to(layer.keys.device)
+        layer.values[:, :, :count] = values.to(layer.values.device)
+
+
 @dataclass
 class MappedCache:
     """A freshly mapped target cache of ``input_ids`` [batch, T] whose ``pending`` positions [batch, n] (sorted rows:
     the exact prefix, then what the recompute policy picked) still hold mapped K/V that the target recomputes.
 
     The recompute is left to the target's next forward: `read` recomputes them and reads the new tokens in one
-    forward (the target's weights are read once, not twice); `settle` recomputes them alone, for a caller that
-    hands the cache on (e.g. to `generate`). Either empties ``pending``."""
+    forward (the target's weights are read once, not twice); `generate` does the same in `generate`'s first forward;
+    `settle` recomputes them alone, for a caller that hands the cache on. Each empties ``pending``. With a
+    ``prefix_store``, the first ``unstored_prefix`` positions (an exact prefix the store did not hold) go into it
+    once recomputed."""
 
     cache: object
     input_ids: torch.Tensor
     pending: torch.Tensor
+    prefix_store: PrefixStore | None = None
+    unstored_prefix: int = 0
 
     def read(self, target_model, new_ids: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
         """The target recomputes the pending positions and reads ``new_ids`` [batch, N] on top (the cache grows to
@@ -97,7 +176,7 @@ class MappedCache:
             out = target_model(input_ids=new_ids, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
             return out.logits
         logits = recompute_and_read(target_model, self.cache, self.input_ids, self.pending, new_ids, logits_to_keep)
-        self.pending = self.pending[:, :0]
+        self._recomputed(target_model)
         return logits
 
     def settle(self, target_model):
@@ -105,8 +184,51 @@ class MappedCache:
         the cache."""
         if self.pending.numel():
             recompute_positions(target_model, self.cache, self.input_ids, self.pending)
-            self.pending = self.pending[:, :0]
+            self._recomputed(target_model)
         return self.cache
+
+    @torch.inference_mode()
+    def generate(self, target_model, input_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
+        """``target_model.generate`` on this cache for ``input_ids`` [batch, T + N] (the mapped T tokens, then N ≥ 1
+        new ones the target reads; generate_kwargs: max_new_tokens, do_sample, ... but no attention mask: the rows
+        are unpadded). `generate`'s first forward is `read`: the pending recompute and the new tokens in one forward.
+        Returns the full sequences [batch, T + N + generated], as `generate` does."""
+        total = self.cache.get_seq_length()
+        if input_ids.dim() != 2 or input_ids.shape[1] <= total:
+            raise ConfigError(f"input_ids must be [batch, tokens] with more than the {total} cached tokens, got "
+                              f"{tuple(input_ids.shape)}")
+        if "attention_mask" in generate_kwargs:
+            raise ConfigError("MappedCache.generate reads unpadded rows: pass no attention_mask")
+        with self._first_forward_reads(target_model):
+            return target_model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                         cache=self.cache, **generate_kwargs)
+
+    @contextmanager
+    def _first_forward_reads(self, target_model):
+        """While active, the model's first forward on this cache is `read` (the pending recompute included)."""
+        if not self.pending.numel():
+            yield
+            return
+
+        def first_forward(input_ids=None, cache=None, logits_to_keep=0, **kwargs):
+            del target_model.forward  # later forwards: the model's own
+            if cache is not self.cache or input_ids is None:
+                return target_model.forward(input_ids=input_ids, cache=cache, logits_to_keep=logits_to_keep,
+                                            **kwargs)
+            keep = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep else input_ids.shape[1]
+            return CausalLMOutputWithPast(logits=self.read(target_model, input_ids, keep), cache=self.cache)
+
+        target_model.forward = first_forward
+        try:
+            yield
+        finally:
+            target_model.__dict__.pop("forward", None)
+
+    def _recomputed(self, target_model) -> None:
+        self.pending = self.pending[:, :0]
+        if self.prefix_store is not None and self.unstored_prefix:
+            self.prefix_store.remember(target_model, self.input_ids[:, : self.unstored_prefix], self.cache)
+            self.unstored_prefix = 0
 
 
 def pending_positions(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
@@ -147,19 +269,29 @@ def patch_mapped_cache(cache, target_model, input_ids: torch.Tensor, mapper, exa
 
 def defer_recompute(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
                     recompute=None, recompute_info: SelectionInfo | None = None, source_model=None,
-                    source_cache=None) -> MappedCache:
+                    source_cache=None, prefix_store: PrefixStore | None = None) -> MappedCache:
     """A freshly mapped ``cache`` of ``input_ids`` as a `MappedCache` whose `pending_positions` the target recomputes
-    at its next forward. A target whose attention takes no custom mask recomputes the exact prefix now, by a prefill
-    of it (and cannot run a recompute policy): nothing is left pending."""
+    at its next forward. With a ``prefix_store`` that holds the target's K/V of the exact prefix, they are copied in
+    and only the policy's picks stay pending (else the recomputed prefix is stored). A target whose attention takes
+    no custom mask recomputes the exact prefix now, by a prefill of it (and cannot run a recompute policy): nothing
+    is left pending."""
     input_ids = input_ids.to(cache.layers[0].keys.device)
     positions = pending_positions(cache, target_model, input_ids, mapper, exact_prefix, recompute, recompute_info,
                                   source_model, source_cache)
+    own = _prefix_length(mapper, exact_prefix, input_ids.shape[1])
+    stored = None
+    if prefix_store is not None and own:
+        stored = prefix_store.lookup(target_model, input_ids[:, :own], cache.layers[0].keys.dtype)
+    if stored is not None:
+        _copy_prefix(cache, stored)
+        positions, own = positions[:, own:], 0
     if not takes_custom_mask(target_model):  # no sparse forward: the prefix by a prefill; a policy is refused
-        own = _prefix_length(mapper, exact_prefix, input_ids.shape[1])
         patch_exact_prefix(cache, target_model, input_ids, own)
         recompute_positions(target_model, cache, input_ids, positions[:, own:])
+        if prefix_store is not None and own:
+            prefix_store.remember(target_model, input_ids[:, :own], cache)
         return MappedCache(cache, input_ids, positions[:, :0])
-    return MappedCache(cache, input_ids, positions)
+    return MappedCache(cache, input_ids, positions, prefix_store, own if prefix_store is not None else 0)
 
 
 def map_for_target(
@@ -171,6 +303,7 @@ def map_for_target(
     source_cache=None,
     recompute=None,
     recompute_info: SelectionInfo | None = None,
+    prefix_store: PrefixStore | None = None,
 ) -> MappedCache:
     """The mapped target cache of all of ``input_ids`` [batch, T], built from the source's prefill, with the
     positions the target recomputes still pending (`MappedCache`: `read` does them with the target's next tokens in
@@ -194,7 +327,7 @@ def map_for_target(
         )
     mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
     return defer_recompute(mapped, target_model, input_ids, mapper, exact_prefix, policy, info, source_model,
-                           source_cache)
+                           source_cache, prefix_store)
 
 
 def handoff_cache(
@@ -207,6 +340,7 @@ def handoff_cache(
     target_tail: int = 0,
     recompute=None,
     recompute_info: SelectionInfo | None = None,
+    prefix_store: PrefixStore | None = None,
 ):
     """The target's cache for all of `input_ids`, built from the source's prefill (no target prefill of the
     context; with `exact_prefix` > 0 the target recomputes only that many leading tokens; None = the
@@ -220,6 +354,9 @@ def handoff_cache(
     the next token attends to most exact. The target recomputes the exact prefix (and the recompute policy's
     picks) in the same forward (`handoff_read`); without a tail, in one forward of its own.
 
+    prefix_store: where the target's own K/V of exact prefixes are kept (`PrefixStore`): a stored prefix is
+    copied, not recomputed; a recomputed one is stored.
+
     Refused before any work: a mapper fitted for another pair (MapperMismatchError; checked once per mapper and
     model) and a context longer than the target's window (ContextTooLongError).
     """
@@ -230,21 +367,22 @@ def handoff_cache(
         )
     if target_tail:
         return handoff_read(source_model, target_model, mapper, input_ids, target_tail, exact_prefix, source_cache,
-                            recompute, recompute_info)[0]
+                            recompute, recompute_info, prefix_store=prefix_store)[0]
     mapped = map_for_target(source_model, target_model, mapper, input_ids, exact_prefix, source_cache, recompute,
-                            recompute_info)
+                            recompute_info, prefix_store)
     return mapped.settle(target_model)
 
 
 @torch.inference_mode()
 def handoff_read(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor, new_tokens: int = 1,
                  exact_prefix: int | None = None, source_cache=None, recompute=None,
-                 recompute_info: SelectionInfo | None = None, logits_to_keep: int = 1):
+                 recompute_info: SelectionInfo | None = None, logits_to_keep: int = 1,
+                 prefix_store: PrefixStore | None = None):
     """A handoff up to the target's next-token logits: all but the last ``new_tokens`` of ``input_ids`` [batch, T]
     are mapped (as `handoff_cache`; ``source_cache``: the source's cache of exactly that part), and the target reads
     the last ``new_tokens`` itself in one forward that also recomputes the exact prefix and the recompute policy's
     picks (`MappedCache.read`). Returns (the target's cache of all T tokens, the logits of the last
-    ``logits_to_keep`` tokens [batch, keep, vocab])."""
+    ``logits_to_keep`` tokens [batch, keep, vocab]). prefix_store: as in `handoff_cache`."""
     _check_ids(input_ids, 2)
     if not 1 <= new_tokens < input_ids.shape[1]:
         raise ConfigError(f"new_tokens must be in 1..{input_ids.shape[1] - 1} (at least one token is mapped), "
@@ -253,7 +391,7 @@ def handoff_read(source_model, target_model, mapper: Mapper, input_ids: torch.Te
     check_context(input_ids.shape[1], target_model, mapper)
     cut = input_ids.shape[1] - new_tokens
     mapped = map_for_target(source_model, target_model, mapper, input_ids[:, :cut], exact_prefix, source_cache,
-                            recompute, recompute_info)
+                            recompute, recompute_info, prefix_store)
     logits = mapped.read(target_model, input_ids[:, cut:].to(mapped.input_ids.device), logits_to_keep)
     return mapped.cache, logits
 
@@ -335,19 +473,24 @@ def handoff_generate(
     exact_prefix: int | None = None,
     target_tail: int = 0,
     recompute=None,
+    prefix_store: PrefixStore | None = None,
     **generate_kwargs,
 ):
-    """Source prefills all but the last token (all but the last 1 + `target_tail`, which the target
-    prefills itself: see `handoff_cache`); the mapped cache goes to the target, which generates. recompute: the
-    selective-recompute policy (`handoff_cache`; None = the mapper's default).
+    """Source prefills all but the last token (all but the last 1 + `target_tail`, which the target reads
+    itself: see `handoff_cache`); the mapped cache goes to the target, which generates. `generate`'s first forward
+    reads the unmapped tokens and recomputes the exact prefix and the recompute policy's picks (recompute; None =
+    the mapper's default): one target forward before the first new token (`MappedCache.generate`).
+    prefix_store: as in `handoff_cache`.
 
     generate_kwargs go to `target_model.generate` (max_new_tokens, do_sample, temperature, ...).
     Returns the full sequences [batch, tokens + new], as `generate` does.
     """
     _check_ids(input_ids, 2)
-    cache = handoff_cache(source_model, target_model, mapper, input_ids[:, :-1], exact_prefix,
-                          target_tail=target_tail, recompute=recompute)
-    attention_mask = torch.ones_like(input_ids)
-    return target_model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs
-    )
+    if not 0 <= target_tail < input_ids.shape[1] - 1:
+        raise ConfigError(
+            f"target_tail must be in 0..{input_ids.shape[1] - 2} (at least one token is mapped), got {target_tail}"
+        )
+    cut = input_ids.shape[1] - 1 - target_tail
+    mapped = map_for_target(source_model, target_model, mapper, input_ids[:, :cut], exact_prefix, recompute=recompute,
+                            prefix_store=prefix_store)
+    return mapped.generate(target_model, input_ids.to(mapped.input_ids.device), **generate_kwargs)

@@ -12,6 +12,7 @@ from kvhandoff.cache import cache_copy, prefill, rollback
 from kvhandoff.errors import ConfigError
 from kvhandoff.handoff import (
     MappedCache,
+    PrefixStore,
     catch_up_mapped,
     check_context,
     map_for_target,
@@ -34,7 +35,9 @@ class SwitchingSession:
     recomputes itself the first time it is handed the conversation (None = the mapper's own setting).
     recompute: the selective-recompute policy of every handover (a `RecomputePolicy` or a spec such as
     "sinks:10%"; None = each mapper's default): the receiving model recomputes that share of the positions just
-    mapped for it. The session knows where each turn (each `read`, each generated answer) starts, for "sinks".
+    mapped for it. prefix_store: a `PrefixStore` the models' exact prefixes are copied from and kept in (shared by
+    the sessions of one server, whose conversations open alike). The session knows where each turn (each `read`,
+    each generated answer) starts, for "sinks".
 
     `read(server, ids)` lets ``server`` read the next tokens of the conversation, switching to it first when
     another model served last; `generate(server, ids, ...)` also answers, and the answer joins the conversation.
@@ -47,7 +50,7 @@ class SwitchingSession:
     """
 
     def __init__(self, models, mappers, handover: str = "incremental", exact_prefix: int | None = None,
-                 recompute=None) -> None:
+                 recompute=None, prefix_store: PrefixStore | None = None) -> None:
         if handover not in HANDOVERS:
             raise ConfigError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
         self.models, self.mappers = dict(models), dict(mappers)
@@ -57,7 +60,7 @@ class SwitchingSession:
                 raise ConfigError(f"mapper {source} → {target} names unknown model(s) {unknown}; the session "
                                   f"serves {', '.join(self.models)}")
             verify_mapper(mapper, self.models[source], self.models[target])
-        self.handover, self.exact_prefix = handover, exact_prefix
+        self.handover, self.exact_prefix, self.prefix_store = handover, exact_prefix, prefix_store
         self.recompute = None if recompute is None else recompute_policy(None, recompute)
         self._turn_starts: list[int] = []  # where each read turn and each generated answer began
         self.tokens: list[int] = []
@@ -99,7 +102,8 @@ class SwitchingSession:
                                          self.models[server], ids, self.recompute, info)
             else:
                 mapped = map_for_target(self.models[owner], self.models[server], mapper, ids, self.exact_prefix,
-                                        source_cache=current, recompute=self.recompute, recompute_info=info)
+                                        source_cache=current, recompute=self.recompute, recompute_info=info,
+                                        prefix_store=self.prefix_store)
                 self._caches[server] = mapped.cache
             self.owner = server
             return mapped
@@ -139,13 +143,18 @@ class SwitchingSession:
         if not ids:
             raise ConfigError("generate needs at least one token of the new turn")
         self._check_length(server, len(ids))
-        cache = self.switch_to(server)
+        mapped = self._switch(server)
         model = self.models[server]
-        if cache is None:  # the conversation's first turn: generate prefills it
-            cache = self._caches[server] = DynamicCache()
         input_ids = torch.tensor([self.tokens + ids], device=model.device)
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
-                             **generate_kwargs)
+        if mapped is not None:  # at a handover, generate's first forward also recomputes (`MappedCache.generate`)
+            cache = mapped.cache
+            out = mapped.generate(model, input_ids, **generate_kwargs)
+        else:
+            cache = self._caches.get(server)
+            if cache is None:  # the conversation's first turn: generate prefills it
+                cache = self._caches[server] = DynamicCache()
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
+                                 **generate_kwargs)
         answer = out[0, input_ids.shape[1]:].tolist()
         self._mark_turns(len(self.tokens), input_ids.shape[1])  # the turn read, then the answer
         everything = out[0].tolist()

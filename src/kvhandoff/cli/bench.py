@@ -65,6 +65,8 @@ def bench(
     recompute: Recompute = None,
     two_step: Annotated[bool, typer.Option(help="also time the handoff whose target recomputes the exact prefix in "
                                                 "a forward of its own before it reads the new turn")] = True,
+    prefix_store: Annotated[bool, typer.Option(help="also time the handoff whose exact prefix is copied from a "
+                                                    "store of conversation openings (as `serve` keeps)")] = True,
     resident: Annotated[bool, typer.Option(help="copy the models' weights out of their file-backed memory maps "
                                                 "first, so that memory pressure cannot send a timed forward to the "
                                                 "disk")] = True,
@@ -81,7 +83,8 @@ def bench(
     typer.echo(note)
     result = run_bench(pair.source, pair.target, the_mapper, lengths, repeats=repeats, warmup=warmup, out_dir=out,
                        time_budget_s=budget, measure_memory=memory, source_name=source, target_name=target,
-                       new_turn=new_turn, recompute=recompute, two_step=two_step, resident=resident)
+                       new_turn=new_turn, recompute=recompute, two_step=two_step, resident=resident,
+                       prefix_store=prefix_store)
     typer.echo(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     if result["failed"] or result["skipped"]:
         typer.echo(f"not measured: skipped {result['skipped']}, failed {[f['tokens'] for f in result['failed']]}")

@@ -30,6 +30,7 @@ import torch
 
 from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError, KVHandoffError
+from kvhandoff.handoff import PrefixStore
 from kvhandoff.serving.decoding import choose_token, end_ids, held_back, make_generator, stop_index
 from kvhandoff.serving.guard import guard_score, needs_reference, reference_logprobs
 from kvhandoff.serving.metrics import ServingMetrics
@@ -248,6 +249,7 @@ class Engine:
             for name, (model, tokenizer) in models.items()
         }
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()  # least recently used first
+        self.prefix_store = PrefixStore()  # the conversations' openings, shared: a switch copies its exact prefix
         self._running: set[Generation] = set()  # admitted and not finished
         self.metrics.track(lambda: len(self._sessions), self.cache_bytes)
 
@@ -272,6 +274,8 @@ class Engine:
         return {"status": "ok", "models": {name: {"queued": hosted.worker.queued()}
                                            for name, hosted in self._models.items()},
                 "sessions": len(self._sessions), "cache_bytes": self.cache_bytes(), "running": len(self._running),
+                "prefix_store": {"openings": len(self.prefix_store), "hits": self.prefix_store.hits,
+                                 "misses": self.prefix_store.misses},
                 "cancelling": sum(g.cancelled.is_set() for g in self._running)}
 
     def close(self) -> None:
@@ -342,7 +346,8 @@ class Engine:
 
     def _new_session(self) -> SwitchingSession:
         return SwitchingSession({name: hosted.model for name, hosted in self._models.items()}, self._mappers,
-                                self.config.handover, self.config.exact_prefix, self.config.recompute)
+                                self.config.handover, self.config.exact_prefix, self.config.recompute,
+                                self.prefix_store)
 
     def _evict(self, key: str, reason: str) -> None:
         del self._sessions[key]
