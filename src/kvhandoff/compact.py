@@ -363,18 +363,16 @@ def _low_rank_modality(stats: CalibrationStats, modality: int, config: FitConfig
 
 def _reduced_rank_ridge(cov_xx, ridge, var_y, tgt: FeatureLayout, rank: int):
     """The rank-r map closest to the ridge fit in predicted target variance, each target layer weighted by the
-    inverse of its total variance (so each counts by its 1 − R²): with A = ridge·D (D the weights) and
-    S = C_xx^½, the top right singular vectors U of S·A give P = A·U and output map Uᵀ·D⁻¹."""
+    inverse of its total variance (so each counts by its 1 − R²): with A = ridge·D (D the weights) and any S with
+    SᵀS = C_xx, the top right singular vectors U of S·A — the top eigenvectors of Aᵀ·C_xx·A [Wt, Wt], so no
+    [Ws, Ws] decomposition is needed — give P = A·U and output map Uᵀ·D⁻¹."""
     layer_variance = var_y.view(tgt.num_layers, -1).sum(-1).clamp_min(1e-30)
     scale = layer_variance.rsqrt().repeat_interleave(tgt.layer_width)  # D
-    eigenvalues, vectors = torch.linalg.eigh(cov_xx)
-    root = (vectors * eigenvalues.clamp_min(0).sqrt()) @ vectors.T
     weighted = ridge * scale  # A [Ws, Wt]
-    fitted = root @ weighted  # B = S·A
-    values, left = torch.linalg.eigh(fitted @ fitted.T)  # B·Bᵀ = Q σ² Qᵀ
+    values, vectors = torch.linalg.eigh(weighted.T @ (cov_xx @ weighted))  # (S·A)ᵀ(S·A) = U σ² Uᵀ
     top = values.argsort(descending=True)[:rank]
     sigma = values[top].clamp_min(1e-30).sqrt()
-    directions = (fitted.T @ left[:, top]) / sigma  # U [Wt, r], orthonormal
+    directions = vectors[:, top]  # U [Wt, r], orthonormal
     projection = weighted @ directions / sigma  # P·σ⁻¹: unit-variance features
     weight = (directions * sigma).T / scale  # σ·Uᵀ·D⁻¹
     return projection, weight
