@@ -36,3 +36,20 @@ def test_qwen3_keys_are_taken_after_k_norm():
     content = capture_content_kv(model, torch.randint(0, 128, (1, 8)))
     rms = content.keys[0].pow(2).mean(-1).sqrt()
     assert torch.allclose(rms, torch.full_like(rms, 3.0), atol=1e-2)
+
+
+def test_all_finite_is_exact_where_the_sum_overflows():
+    from kvhandoff.capture import all_finite
+
+    x = torch.randn(3, 4, 5)
+    assert all_finite(x) and all_finite(torch.arange(5))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[1, 2, 3] = bad
+        assert not all_finite(y)
+    both = x.clone()
+    both[0, 0, 0], both[2, 3, 4] = float("inf"), float("-inf")  # the sum is NaN, not ±Inf
+    assert not all_finite(both)
+    assert all_finite(torch.full((4,), 3e38))  # finite values whose float32 sum overflows
+    assert all_finite(torch.full((4,), 6e4, dtype=torch.float16)) and all_finite(torch.full((2,), 1e300,
+                                                                                            dtype=torch.float64))

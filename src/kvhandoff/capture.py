@@ -35,6 +35,15 @@ class ContentKV:
         return ContentKV(self.keys[pick], self.values[pick], None if self.queries is None else self.queries[pick])
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of ``tensor`` is finite. A NaN or ±Inf makes the float32 sum non-finite, so one summing
+    pass settles the usual case (no temporary the size of the tensor); only a sum that is not finite (a NaN/Inf, or
+    a finite total past float32's range) takes the elementwise check."""
+    if not tensor.is_floating_point():
+        return True
+    return bool(tensor.sum(dtype=torch.float32).isfinite()) or bool(tensor.isfinite().all())
+
+
 def nonfinite_layers(tensor: torch.Tensor, dim: int) -> list[int]:
     """Indices along ``dim`` (a layer axis) of the slices that hold NaN or ±Inf."""
     finite = tensor.isfinite().movedim(dim, 0).reshape(tensor.shape[dim], -1).all(dim=1)

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from kvhandoff.cache import cache_of
-from kvhandoff.capture import ContentKV, nonfinite_layers
+from kvhandoff.capture import ContentKV, all_finite, nonfinite_layers
 from kvhandoff.errors import (
     ConfigError,
     ContextTooLongError,
@@ -287,7 +287,7 @@ class Mapper:
         x = torch.empty(2, batch, tokens, src.num_layers, heads, head_dim, dtype=keys0.dtype, device=keys0.device)
         torch.stack([layer.keys.transpose(1, 2) for layer in layers], dim=2, out=x[0])
         torch.stack([layer.values.transpose(1, 2) for layer in layers], dim=2, out=x[1])
-        if not bool(x.isfinite().all()):
+        if not all_finite(x):
             bad = nonfinite_layers(x, dim=3)
             raise NonFiniteError(
                 f"the source cache holds NaN/Inf in layer(s) {bad}: the source model's prefill overflowed (e.g. in "
@@ -384,7 +384,7 @@ class Mapper:
         tensors = {name: _to_storage(name, tensor.detach().to("cpu"), dtype).contiguous()
                    for name, tensor in self.saved_tensors().items()}
         for name, tensor in tensors.items():
-            if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            if not all_finite(tensor):
                 # the linear map is [K|V, target layer, ...]; a subclass's tensors are [target layer, ...]
                 axis = 1 if name in ("weight", "bias") else 0
                 where = f"target layer(s) {nonfinite_layers(tensor, dim=axis)}" if tensor.dim() > 2 else name

@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvhandoff.capture import ContentKV, nonfinite_layers
+from kvhandoff.capture import ContentKV, all_finite, nonfinite_layers
 from kvhandoff.errors import StatisticsError
 from kvhandoff.files import atomic_path
 
@@ -104,7 +104,7 @@ class FeatureLayout:
 def require_finite_content(side: str, content: ContentKV) -> None:
     """StatisticsError naming the layer(s) whose captured K or V holds NaN/Inf (they would poison every sum)."""
     for name, tensor in (("K", content.keys), ("V", content.values)):
-        if not bool(tensor.isfinite().all()):
+        if not all_finite(tensor):
             raise StatisticsError(
                 f"the {side} model's calibration {name} activations hold NaN/Inf in layer(s) "
                 f"{nonfinite_layers(tensor, dim=0)}: run the calibration in float32 (or bfloat16) and check the "
