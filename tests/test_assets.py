@@ -26,6 +26,7 @@ from kvhandoff.assets import (
     resolve_asset,
 )
 from kvhandoff.errors import AssetError, ConfigError
+from kvhandoff.kernels import use_small_batch_kernels
 
 from conftest import chat_tokenizer, tiny_model, tiny_tokenizer
 
@@ -227,6 +228,8 @@ def test_load_model_from_local_directory(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
     assert next(loaded.parameters()).dtype == torch.float32
+    # few-row forwards go through the small-batch kernels (kvhandoff.kernels)
+    assert use_small_batch_kernels(loaded, enabled=False) == sum(type(m) is torch.nn.Linear for m in loaded.modules())
 
 
 def test_load_model_dtype(tmp_path):
@@ -234,6 +237,7 @@ def test_load_model_dtype(tmp_path):
     tiny_tokenizer().save_pretrained(tmp_path / "tiny")
     loaded, _ = load_model(tmp_path / "tiny", dtype=torch.bfloat16, progress=False)
     assert next(loaded.parameters()).dtype == torch.bfloat16
+    assert use_small_batch_kernels(loaded, enabled=False) == 0  # float32 only
     by_name, _ = load_model(tmp_path / "tiny", dtype="fp16", progress=False)
     assert next(by_name.parameters()).dtype == torch.float16
     with pytest.raises(ConfigError, match="dtype must be one of"):

@@ -28,6 +28,7 @@ from kvhandoff.config import END_OF_TEXT_TOKENS, ModelPlacement, kvhandoff_home
 from kvhandoff.errors import AssetError
 from kvhandoff.files import atomic_folder, atomic_path, sha256_file
 from kvhandoff.geometry import check_pair
+from kvhandoff.kernels import use_small_batch_kernels
 from kvhandoff.packages import SETUP_COMMAND, installed_version, package_folder
 
 #: File written last into a converted model folder; its presence means the folder is complete.
@@ -461,7 +462,7 @@ def placement_kwargs(device_map: str | None, gpus: list[int] | None = None) -> d
 
 def load_model(spec: str, dtype: torch.dtype | str = torch.float32, progress: bool = True,
                device_map: str | None = None, gpus: list[int] | None = None):
-    """Load ``(model, tokenizer)`` in eval mode.
+    """Load ``(model, tokenizer)`` in eval mode, its float32 CPU linear layers on `kernels.use_small_batch_kernels`.
 
     ``spec`` is a registry name (``qwen2.5-coder:0.5b``; converted on first use), a local directory
     (a transformers folder, or a folder holding exactly one ``.gguf`` file), or a hub id. dtype: a torch dtype or
@@ -493,6 +494,7 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32, progress: bo
             f"a local model folder, or a hub id that is reachable (this machine may be offline)."
         ) from exc
     model.eval()
+    use_small_batch_kernels(model)  # few-row forwards (a switch's reads) at the one-row weight-streaming rate
     stop_at_end_of_text(model, tokenizer)
     return model, tokenizer
 
