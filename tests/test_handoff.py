@@ -540,6 +540,15 @@ def test_handoff_generate_runs_one_target_forward_per_new_token(unrelated_pairs,
     assert len(two_step) == 6 and len(calls) == 5 and out.shape == (1, 38)
     assert out.tolist() == reference.tolist()
     assert "forward" not in target.__dict__  # the model's own forward is back
+    hook = target.forward  # a forward replaced on the instance (as accelerate's device hooks do) stays in place
+    target.forward = lambda *args, **kwargs: hook(*args, **kwargs)
+    try:
+        replaced = target.forward
+        again = handoff_generate(source, target, mapper, ids, target_tail=target_tail, recompute=recompute,
+                                 max_new_tokens=5, do_sample=False)
+        assert again.tolist() == reference.tolist() and target.forward is replaced
+    finally:
+        del target.forward
     with pytest.raises(ConfigError, match="target_tail"):
         handoff_generate(source, target, mapper, ids, target_tail=32)
 

@@ -210,8 +210,16 @@ class MappedCache:
             yield
             return
 
+        replaced = target_model.__dict__.get("forward")  # e.g. accelerate's device hook: kept
+
+        def restore() -> None:
+            if replaced is None:
+                target_model.__dict__.pop("forward", None)
+            else:
+                target_model.forward = replaced
+
         def first_forward(input_ids=None, cache=None, logits_to_keep=0, **kwargs):
-            del target_model.forward  # later forwards: the model's own
+            restore()  # later forwards: the model's own
             if cache is not self.cache or input_ids is None:
                 return target_model.forward(input_ids=input_ids, cache=cache, logits_to_keep=logits_to_keep,
                                             **kwargs)
@@ -222,7 +230,7 @@ class MappedCache:
         try:
             yield
         finally:
-            target_model.__dict__.pop("forward", None)
+            restore()
 
     def _recomputed(self, target_model) -> None:
         self.pending = self.pending[:, :0]
