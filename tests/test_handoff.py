@@ -288,25 +288,32 @@ def test_switching_session_generates_answers_that_join_the_conversation(two_way_
 
 @pytest.mark.real_models
 def test_real_pair_switching_session():
-    """The default pair's cached default mappers (fitted on first use: slow) serve one CoQA conversation."""
-    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
+    """The default pair's cached default mappers (fitted on first use: slow) serve one CoQA conversation; a second
+    conversation of the same opening copies the 1.5B's exact prefix from the shared store and answers alike."""
+    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
     from kvhandoff.demo import demo_context
+    from kvhandoff.handoff import PrefixStore
     from kvhandoff.session import SwitchingSession
-    from kvhandoff.workflow import obtain_mapper
+    from kvhandoff.workflow import load_named_pair, obtain_mapper
 
-    small, tokenizer = load_model(DEFAULT_SOURCE, progress=False)
-    large, _ = load_model(DEFAULT_TARGET, progress=False)
-    up = obtain_mapper(DEFAULT_SOURCE, DEFAULT_TARGET, small, large, tokenizer, progress=False)[0]
-    down = obtain_mapper(DEFAULT_TARGET, DEFAULT_SOURCE, large, small, tokenizer, progress=False)[0]
+    pair = load_named_pair(DEFAULT_SOURCE, DEFAULT_TARGET, progress=False)
+    small, large, tokenizer = pair.source, pair.target, pair.models.tokenizer
+    up = obtain_mapper(pair, progress=False)[0]
+    down = obtain_mapper(pair.reversed(), progress=False)[0]
     context = demo_context(tokenizer, min_tokens=600)
-    session = SwitchingSession({"small": small, "large": large}, {("small", "large"): up, ("large", "small"): down})
     opening = tokenizer(context.history + "Q: What is this story about?\n\nA:")["input_ids"]
-    first = session.generate("small", opening, max_new_tokens=20, do_sample=False)
-    second = session.generate("large", tokenizer("\n\n" + context.new_turn)["input_ids"], max_new_tokens=20,
-                              do_sample=False)
-    texts = [tokenizer.decode(answer, skip_special_tokens=True).strip() for answer in (first, second)]
-    assert all(texts), texts
-    assert session.cache("large").get_seq_length() == len(session.tokens)
+    store, answers = PrefixStore(), []
+    for _ in range(2):
+        session = SwitchingSession({"small": small, "large": large}, {("small", "large"): up, ("large", "small"): down},
+                                   prefix_store=store)
+        first = session.generate("small", opening, max_new_tokens=20, do_sample=False)
+        second = session.generate("large", tokenizer("\n\n" + context.new_turn)["input_ids"], max_new_tokens=20,
+                                  do_sample=False)
+        texts = [tokenizer.decode(answer, skip_special_tokens=True).strip() for answer in (first, second)]
+        assert all(texts), texts
+        assert session.cache("large").get_seq_length() == len(session.tokens)
+        answers.append(texts)
+    assert (store.hits, store.misses) == (1, 1) and answers[0] == answers[1]
 
 
 @pytest.fixture(scope="module")

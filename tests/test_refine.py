@@ -107,13 +107,13 @@ def test_refinement_refuses_short_windows_too_few_windows_and_mlp_mappers(unrela
 def test_real_pair_refinement_lowers_the_kl_on_its_training_text():
     """A few refinement steps of the default pair's cached default mapper (fitted on first use: slow) on one real
     window, held out as a copy of itself: the handed-over 1.5B's KL on that text must fall."""
-    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
+    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
     from kvhandoff.corpus import calibration_batches
-    from kvhandoff.workflow import obtain_mapper
+    from kvhandoff.workflow import load_named_pair, obtain_mapper
 
-    small, tokenizer = load_model(DEFAULT_SOURCE, progress=False)
-    large, _ = load_model(DEFAULT_TARGET, progress=False)
-    mapper = obtain_mapper(DEFAULT_SOURCE, DEFAULT_TARGET, small, large, tokenizer, progress=False)[0]
+    pair = load_named_pair(DEFAULT_SOURCE, DEFAULT_TARGET, progress=False)
+    small, large, tokenizer = pair.source, pair.target, pair.models.tokenizer
+    mapper = obtain_mapper(pair, progress=False)[0]
     config = RefineConfig(steps=6, batch_size=2, learning_rate=2e-5, min_context=32, max_context=64,
                           continuation=16, validation_windows=1, validate_every=3)
     window = calibration_batches(tokenizer, 1, 96, seed=1, mix=("prose",)).input_ids
