@@ -110,30 +110,31 @@ class PrefixStore:
     def lookup(self, model, prefix_ids: torch.Tensor, dtype: torch.dtype):
         """The stored K/V of ``prefix_ids`` [batch, p] as [(keys, values) [batch, kv_heads, p, head_dim] per layer],
         or None unless every row is stored."""
+        keys = _row_keys(prefix_ids, dtype)
         with self._lock:
             entries = self._entries.get(model, {})
-            rows = [entries.get((tuple(row.tolist()), dtype)) for row in prefix_ids]
+            rows = [entries.get(key) for key in keys]
             if any(row is None for row in rows):
                 self.misses += 1
                 return None
             self.hits += 1
-            for row in prefix_ids:
-                entries.move_to_end((tuple(row.tolist()), dtype))
+            for key in keys:
+                entries.move_to_end(key)
         return [(torch.cat([row[i][0] for row in rows]), torch.cat([row[i][1] for row in rows]))
                 for i in range(len(rows[0]))]
 
     def remember(self, model, prefix_ids: torch.Tensor, cache) -> None:
         """Store ``cache``'s positions 0..p−1 (the target's own K/V of ``prefix_ids`` [batch, p]), row by row."""
         count = prefix_ids.shape[1]
-        dtype = cache.layers[0].keys.dtype
+        keys = _row_keys(prefix_ids, cache.layers[0].keys.dtype)
         with self._lock:
             entries = self._entries.setdefault(model, OrderedDict())
-            for row, ids in enumerate(prefix_ids):
-                entries[(tuple(ids.tolist()), dtype)] = [
+            for row, key in enumerate(keys):
+                entries[key] = [
                     (layer.keys[row : row + 1, :, :count].clone(), layer.values[row : row + 1, :, :count].clone())
                     for layer in cache.layers
                 ]
-                entries.move_to_end((tuple(ids.tolist()), dtype))
+                entries.move_to_end(key)
             while len(entries) > self.capacity:
                 entries.popitem(last=False)
 
@@ -143,6 +144,11 @@ class PrefixStore:
         prompt's opening before the first switch."""
         cache, _ = prefill(model, prefix_ids.to(model_device(model)))
         self.remember(model, prefix_ids, cache)
+
+
+def _row_keys(prefix_ids: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
+    """A `PrefixStore` key per row of ``prefix_ids`` [batch, p]: its token ids and the cache dtype."""
+    return [(tuple(row.tolist()), dtype) for row in prefix_ids]
 
 
 def _copy_prefix(cache, stored) -> None:
