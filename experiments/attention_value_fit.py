@@ -25,17 +25,17 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.analyze import causal_attention
-from kvhandoff.assets import load_model
-from kvhandoff.capture import capture_content_kv
 from kvhandoff.config import CalibrationSpec, FitConfig
-from kvhandoff.corpus import calibration_batches, heldout_documents
-from kvhandoff.evaluation.tasks import gsm8k_dev_examples, mmlu_dev_examples
-from kvhandoff.geometry import decoder_layers
-from kvhandoff.mapper import Mapper
-from kvhandoff.rope import apply_rope, rope_frequencies
-from kvhandoff.tuning import HandoffDivergence
+from kvhandoff.fit.corpus import calibration_batches, heldout_documents
+from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.model.capture import capture_content_kv
+from kvhandoff.model.geometry import decoder_layers
+from kvhandoff.model.loading import load_model
+from kvhandoff.model.rope import apply_rope, rope_frequencies
 from kvhandoff.workflow import obtain_mapper, obtain_statistics
+from kvhandoff_lab.analyze import causal_attention
+from kvhandoff_lab.evaluation.tasks import gsm8k_dev_examples, mmlu_dev_examples
+from kvhandoff_lab.tuning import HandoffDivergence
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("out_dir", type=Path, help="folder for the JSON result and the pooled Grams")

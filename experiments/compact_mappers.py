@@ -25,15 +25,15 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
-from kvhandoff.cache import prefill
-from kvhandoff.capture import capture_content_kv
 from kvhandoff.config import CalibrationSpec, FitConfig
-from kvhandoff.corpus import heldout_documents
-from kvhandoff.fit import feature_layout, mapper_from_statistics
-from kvhandoff.selection import layer_r2_matrix
-from kvhandoff.tuning import HandoffDivergence
+from kvhandoff.fit.corpus import heldout_documents
+from kvhandoff.fit.pipeline import feature_layout, mapper_from_statistics
+from kvhandoff.fit.selection import layer_r2_matrix
+from kvhandoff.model.cache import prefill
+from kvhandoff.model.capture import capture_content_kv
+from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.workflow import load_named_pair, obtain_statistics
+from kvhandoff_lab.tuning import HandoffDivergence
 
 EXACT_PREFIX = 4
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.assets import load_model
 from kvhandoff.config import CalibrationSpec, FitConfig
-from kvhandoff.corpus import heldout_documents
-from kvhandoff.mapper import Mapper
-from kvhandoff.tuning import HandoffDivergence
+from kvhandoff.fit.corpus import heldout_documents
+from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.model.loading import load_model
 from kvhandoff.workflow import obtain_mapper, obtain_statistics
+from kvhandoff_lab.tuning import HandoffDivergence
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("source", help="source model, e.g. qwen2.5-coder:0.5b")

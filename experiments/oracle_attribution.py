@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.assets import load_model
 from kvhandoff.config import CalibrationSpec
-from kvhandoff.corpus import heldout_documents
-from kvhandoff.evaluation.scoring import feed
-from kvhandoff.handoff import handoff_cache, prefill
-from kvhandoff.tuning import HandoffDivergence
+from kvhandoff.fit.corpus import heldout_documents
+from kvhandoff.model.loading import load_model
+from kvhandoff.runtime.handoff import handoff_cache, prefill
 from kvhandoff.workflow import obtain_mapper
+from kvhandoff_lab.evaluation.scoring import feed
+from kvhandoff_lab.tuning import HandoffDivergence
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("source", help="source model, e.g. qwen2.5-coder:0.5b")

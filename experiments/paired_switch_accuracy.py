@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from kvhandoff.config import RecomputePolicy
-from kvhandoff.evaluation.runner import ItemStore, slug
-from kvhandoff.evaluation.tasks import CORE_TASKS, get_task, mc_item_metrics
+from kvhandoff_lab.evaluation.runner import ItemStore, slug
+from kvhandoff_lab.evaluation.tasks import CORE_TASKS, get_task, mc_item_metrics
 
 
 def store_of(run_dir: Path, task: str, policy: str, source: str) -> dict:

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvhandoff.cache import kl_divergence
-from kvhandoff.evaluation.runner import ItemStore
-from kvhandoff.evaluation.tasks import CORE_TASKS, HELDOUT_TASKS, get_task, mc_choice_scores, mc_item_metrics
+from kvhandoff.model.cache import kl_divergence
+from kvhandoff_lab.evaluation.runner import ItemStore
+from kvhandoff_lab.evaluation.tasks import CORE_TASKS, HELDOUT_TASKS, get_task, mc_choice_scores, mc_item_metrics
 
 
 def header(path: Path) -> dict:

@@ -1,5 +1,5 @@
 """One forward of a few tokens over a cached context, with torch's `linear` and with the small-batch kernels
-(`kvhandoff.kernels`), interleaved, per row count: what a switch's read costs either way.
+(`kvhandoff.model.kernels`), interleaved, per row count: what a switch's read costs either way.
 
     python experiments/small_batch_kernels.py OUT.json [MODEL] [CACHE_TOKENS] [ROWS ...]
 
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.assets import load_model
-from kvhandoff.bench import keep_resident
-from kvhandoff.cache import cache_of
-from kvhandoff.kernels import use_small_batch_kernels
+from kvhandoff.model.cache import cache_of
+from kvhandoff.model.kernels import use_small_batch_kernels
+from kvhandoff.model.loading import load_model
+from kvhandoff_lab.bench import keep_resident
 
 
 def main(out: str, model_name: str = "qwen2.5-coder:1.5b", cache_tokens: str = "2048", *rows: str) -> dict:

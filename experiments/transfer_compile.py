@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from kvhandoff.cache import cache_of
-from kvhandoff.mapper import Mapper
+from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.model.cache import cache_of
 
 
 def random_cache(mapper: Mapper, tokens: int, seed: int = 0):

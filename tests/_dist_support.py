@@ -42,7 +42,7 @@ def run_rank(rank: int, world_size: int, port: int, input_ids, checkpoint: str, 
 
     torch.set_num_threads(1)
     from kvhandoff import FitConfig
-    from kvhandoff.distributed import collect_shared, launched
+    from kvhandoff.fit.distributed import collect_shared, launched
 
     from conftest import tiny_model
 

@@ -44,7 +44,7 @@ class NoisyMapper:
 
 def short_items(task: str, n: int = 1, among: int = 40):
     """The ``n`` items with the shortest contexts among the first ``among`` (keeps byte-level tests fast)."""
-    from kvhandoff.evaluation.tasks import MCItem, load_items
+    from kvhandoff_lab.evaluation.tasks import MCItem, load_items
 
     def length(item):
         return max(len(c.context) for c in item.choices) if isinstance(item, MCItem) else len(item.context)

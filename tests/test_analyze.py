@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from kvhandoff import FitConfig
-from kvhandoff.analyze import (
+from kvhandoff.fit.pipeline import collect_statistics, mapper_from_statistics
+from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.model.capture import ContentKV, capture_content_kv
+from kvhandoff.model.geometry import model_fingerprint
+from kvhandoff_lab.analyze import (
     attention_diagnostics,
     causal_attention,
     load_retention,
@@ -13,10 +17,6 @@ from kvhandoff.analyze import (
     run_analysis,
     summary_rows,
 )
-from kvhandoff.capture import ContentKV, capture_content_kv
-from kvhandoff.fit import collect_statistics, mapper_from_statistics
-from kvhandoff.geometry import model_fingerprint
-from kvhandoff.mapper import Mapper
 
 from conftest import exactly_related, random_batches, tiny_model
 

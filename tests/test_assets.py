@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvhandoff import assets
-from kvhandoff.assets import (
+from kvhandoff.errors import AssetError, ConfigError
+from kvhandoff.model import loading as assets
+from kvhandoff.model.kernels import use_small_batch_kernels
+from kvhandoff.model.loading import (
     DEFAULT_SOURCE,
     DEFAULT_TARGET,
     MARKER_FILE,
@@ -25,8 +27,6 @@ from kvhandoff.assets import (
     prepare_model,
     resolve_asset,
 )
-from kvhandoff.errors import AssetError, ConfigError
-from kvhandoff.kernels import use_small_batch_kernels
 
 from conftest import chat_tokenizer, tiny_model, tiny_tokenizer
 
@@ -228,7 +228,7 @@ def test_load_model_from_local_directory(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
     assert next(loaded.parameters()).dtype == torch.float32
-    # few-row forwards go through the small-batch kernels (kvhandoff.kernels)
+    # few-row forwards go through the small-batch kernels (kvhandoff.model.kernels)
     assert use_small_batch_kernels(loaded, enabled=False) == sum(type(m) is torch.nn.Linear for m in loaded.modules())
 
 
@@ -341,7 +341,7 @@ def test_real_pair_shares_the_tokenizer():
 def test_real_model_stops_at_the_end_of_a_fewshot_document():
     """After an 8-shot GSM8K answer the 1.5B writes <|endoftext|>, which its GGUF config does not list as EOS;
     before the fix, generation ran on into a new document ("Human: ...")."""
-    from kvhandoff.evaluation.tasks import load_items
+    from kvhandoff_lab.evaluation.tasks import load_items
 
     model, tokenizer = load_model(DEFAULT_TARGET, progress=False)
     end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")

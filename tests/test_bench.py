@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvhandoff import FitConfig, fit_mapper
-from kvhandoff.bench import (
+from kvhandoff.errors import ConfigError
+from kvhandoff_lab.bench import (
     bench_table,
     continuation_flops,
     mapper_flops_per_token,
@@ -16,7 +17,6 @@ from kvhandoff.bench import (
     summarize,
     synthetic_mapper,
 )
-from kvhandoff.errors import ConfigError
 
 from conftest import exactly_related, random_batches, tiny_model
 
@@ -150,7 +150,7 @@ def test_bench_times_the_recompute_as_part_of_the_handoff(pair):
 def test_resident_weights_are_copies_with_the_same_values():
     model = tiny_model("qwen2", layers=1)
     before = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
-    from kvhandoff.bench import keep_resident
+    from kvhandoff_lab.bench import keep_resident
 
     keep_resident(model)
     for name, parameter in model.named_parameters():

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kvhandoff.cache import cache_copy, cache_of, cache_view, feed, kl_divergence, model_device, prefill, rollback
+from kvhandoff.model.cache import cache_copy, cache_of, cache_view, feed, kl_divergence, model_device, prefill, rollback
 
 from conftest import tiny_model
 

@@ -1,7 +1,7 @@
 import torch
 
-from kvhandoff.cache import prefill
-from kvhandoff.capture import cache_to_content, capture_content_kv
+from kvhandoff.model.cache import prefill
+from kvhandoff.model.capture import cache_to_content, capture_content_kv
 
 from conftest import tiny_model
 
@@ -39,7 +39,7 @@ def test_qwen3_keys_are_taken_after_k_norm():
 
 
 def test_all_finite_is_exact_where_the_sum_overflows():
-    from kvhandoff.capture import all_finite
+    from kvhandoff.model.capture import all_finite
 
     x = torch.randn(3, 4, 5)
     assert all_finite(x) and all_finite(torch.arange(5))

@@ -6,9 +6,20 @@ from typer.testing import CliRunner
 
 from _eval_support import NoisyMapper
 from kvhandoff.cli import app
-from kvhandoff.mapper import Mapper
+from kvhandoff.mapper.mapper import Mapper
+from kvhandoff_lab.cli import app as lab_app
 
 from conftest import BYTE_MODEL, ByteTokenizer, chat_tokenizer, save_tiny_pair, tiny_model
+
+#: the product's commands (`kvhandoff`); every other command is the lab's (`kvhandoff-lab`)
+PRODUCT_COMMANDS = ("prepare", "fit", "refine", "demo", "serve")
+
+
+def invoke(args, **kwargs):
+    """The command line that has ``args``' command, run on ``args``."""
+    args = list(args)
+    command_line = app if not args or args[0] in PRODUCT_COMMANDS or args[0].startswith("-") else lab_app
+    return CliRunner().invoke(command_line, args, **kwargs)
 
 
 @pytest.fixture
@@ -19,7 +30,7 @@ def pair(tmp_path, monkeypatch):
 
 def test_fit_writes_a_loadable_mapper(pair, tmp_path):
     small, large = pair
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+    result = invoke(["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
                                       "--top-k", "1", "--lambda", "0.1", "--sequences", "3", "--seq-len", "48",
                                       "--exact-prefix", "2"])
     assert result.exit_code == 0, result.output
@@ -32,10 +43,10 @@ def test_fit_writes_a_loadable_mapper(pair, tmp_path):
 def test_fit_for_both_directions_leaves_the_reverse_fit_no_pass_to_run(pair, tmp_path):
     small, large = pair
     common = ["--sequences", "3", "--seq-len", "48", "--top-k", "1"]
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+    result = invoke(["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
                                       "--both-directions", *common])
     assert result.exit_code == 0, result.output
-    result = CliRunner().invoke(app, ["fit", "--source", large, "--target", small, "--out", str(tmp_path / "r"),
+    result = invoke(["fit", "--source", large, "--target", small, "--out", str(tmp_path / "r"),
                                       *common])
     assert result.exit_code == 0, result.output
     assert Mapper.load(tmp_path / "r").manifest["calibration"]["reused_reverse_pass"] is True
@@ -43,7 +54,7 @@ def test_fit_for_both_directions_leaves_the_reverse_fit_no_pass_to_run(pair, tmp
 
 def test_bench_fit_measures_the_fit_next_to_the_forwards(pair, tmp_path):
     small, large = pair
-    result = CliRunner().invoke(app, ["bench-fit", "--source", small, "--target", large, "--windows", "3",
+    result = invoke(["bench-fit", "--source", small, "--target", large, "--windows", "3",
                                       "--seq-len", "40", "--out", str(tmp_path / "b"), "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "time ÷ forward-only" in result.output and "peak memory above the loaded models" in result.output
@@ -54,7 +65,7 @@ def test_bench_fit_measures_the_fit_next_to_the_forwards(pair, tmp_path):
 
 def test_fit_in_bf16_on_an_auto_device_map_in_layer_blocks(pair, tmp_path):
     small, large = pair
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+    result = invoke(["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
                                       "--sequences", "3", "--seq-len", "48", "--dtype", "bf16", "--device-map", "auto",
                                       "--layer-block", "2"])
     assert result.exit_code == 0, result.output
@@ -64,17 +75,17 @@ def test_fit_in_bf16_on_an_auto_device_map_in_layer_blocks(pair, tmp_path):
 
 
 def test_fit_chooses_the_layer_block_for_a_statistics_memory(pair, tmp_path):
-    from kvhandoff.fit import estimate_memory
-    from kvhandoff.statistics import FeatureLayout
+    from kvhandoff.fit.pipeline import estimate_memory
+    from kvhandoff.model.capture import FeatureLayout
 
     small, large = pair  # 2 layers × 2 KV heads × 16 → 3 layers × 2 KV heads × 32
     budget = estimate_memory(FeatureLayout(2, 2, 16), FeatureLayout(3, 2, 32), layer_block=1).peak_bytes
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+    result = invoke(["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
                                       "--sequences", "3", "--seq-len", "40", "--stats-memory", str(budget)])
     assert result.exit_code == 0, result.output
     assert "--layer-block 1: 3 passes" in result.output
     assert Mapper.load(tmp_path / "m").manifest["fit_metrics"]["statistics_passes"] == 3
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+    result = invoke(["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
                                       "--sequences", "3", "--seq-len", "40", "--stats-memory", "1kB"])
     assert result.exit_code == 2 and "even one target layer per pass needs" in result.output
 
@@ -83,7 +94,7 @@ def test_fit_on_a_text_file_and_gcv(pair, tmp_path):
     small, large = pair
     texts = tmp_path / "texts.txt"
     texts.write_text("\n\n".join(f"Paragraph {i}: the cache moves from one model to another." for i in range(40)))
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+    result = invoke(["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
                                       "--texts", str(texts), "--lambda", "gcv", "--sequences", "2", "--seq-len", "40"])
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
@@ -93,14 +104,14 @@ def test_fit_on_a_text_file_and_gcv(pair, tmp_path):
 
 def test_fit_refuses_a_missing_texts_file(pair, tmp_path):
     small, large = pair
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--texts", str(tmp_path / "no")])
+    result = invoke(["fit", "--source", small, "--target", large, "--texts", str(tmp_path / "no")])
     assert result.exit_code != 0 and "not a file" in result.output
 
 
 def test_tune_prints_and_saves_the_sweep(pair, tmp_path):
     small, large = pair
     out = tmp_path / "tune.json"
-    result = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--ks", "1,all",
+    result = invoke(["tune", "--source", small, "--target", large, "--ks", "1,all",
                                       "--lambdas", "0.01", "--exact-prefixes", "0,2", "--docs", "1",
                                       "--prefix-len", "40", "--continuation-len", "8", "--sequences", "3",
                                       "--seq-len", "48", "--out", str(out)])
@@ -112,7 +123,7 @@ def test_tune_prints_and_saves_the_sweep(pair, tmp_path):
 
 def test_fit_mlp_then_score_it_in_tune(pair, tmp_path):
     small, large = pair
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+    result = invoke(["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
                                       "--method", "mlp", "--sequences", "3", "--seq-len", "48", "--epochs", "1",
                                       "--hidden", "8", "--mlp-inputs", "1"])
     assert result.exit_code == 0, result.output
@@ -120,7 +131,7 @@ def test_fit_mlp_then_score_it_in_tune(pair, tmp_path):
     mapper = Mapper.load(tmp_path / "m")
     assert mapper.manifest["method"] == "mlp" and mapper.manifest["mlp_config"]["hidden"] == 8
     out = tmp_path / "tune.json"
-    result = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--ks", "all",
+    result = invoke(["tune", "--source", small, "--target", large, "--ks", "all",
                                       "--lambdas", "0.01", "--docs", "1", "--prefix-len", "40",
                                       "--continuation-len", "8", "--sequences", "3", "--seq-len", "48",
                                       "--mapper", str(tmp_path / "m"), "--out", str(out)])
@@ -131,31 +142,31 @@ def test_fit_mlp_then_score_it_in_tune(pair, tmp_path):
 
 def test_fit_refuses_unknown_method_and_mlp_on_texts(pair, tmp_path):
     small, large = pair
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--method", "forest"])
+    result = invoke(["fit", "--source", small, "--target", large, "--method", "forest"])
     assert result.exit_code != 0 and "unknown method" in result.output
     texts = tmp_path / "t.txt"
     texts.write_text("some text")
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--method", "mlp",
+    result = invoke(["fit", "--source", small, "--target", large, "--method", "mlp",
                                       "--texts", str(texts)])
     assert result.exit_code != 0 and "built-in corpus" in result.output
 
 
 def test_fit_with_an_exam_mix_and_joint_inputs(pair, tmp_path):
     small, large = pair
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+    result = invoke(["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
                                       "--sequences", "2", "--seq-len", "48", "--mix", "prose,exams",
                                       "--inputs", "kv"])
     assert result.exit_code == 0, result.output
     mapper = Mapper.load(tmp_path / "m")
     assert mapper.joint_inputs and mapper.manifest["calibration"]["mix"] == {"prose": 1, "exams": 1}
-    bad = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--mix", "poetry"])
+    bad = invoke(["fit", "--source", small, "--target", large, "--mix", "poetry"])
     assert bad.exit_code == 2 and "--mix" in bad.output and "prose" in bad.output
 
 
 def test_tune_on_the_mmlu_dev_set_sweeps_inputs(pair, tmp_path):
     small, large = pair
     out = tmp_path / "tune.json"
-    result = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--ks", "all",
+    result = invoke(["tune", "--source", small, "--target", large, "--ks", "all",
                                       "--lambdas", "0.01", "--inputs", "own,kv", "--dev", "mmlu", "--docs", "1",
                                       "--sequences", "3", "--seq-len", "48", "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -167,7 +178,7 @@ def test_tune_on_the_mmlu_dev_set_sweeps_inputs(pair, tmp_path):
 def test_tune_on_the_gsm8k_dev_set(pair, tmp_path):
     small, large = pair
     out = tmp_path / "tune.json"
-    result = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--ks", "all",
+    result = invoke(["tune", "--source", small, "--target", large, "--ks", "all",
                                       "--lambdas", "0.01", "--dev", "gsm8k", "--docs", "1",
                                       "--sequences", "3", "--seq-len", "48", "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -175,18 +186,18 @@ def test_tune_on_the_gsm8k_dev_set(pair, tmp_path):
     assert saved["dev"]["kind"] == "gsm8k-dev-pool" and saved["rows"][0]["documents"] == 1
     assert "prefix_len" not in saved and saved["calibration_windows"] == 3  # prose-only settings left out
     assert 0 < saved["rows"][0]["mean_kl"] < float("inf")  # an unrelated pair: the handoff changes the target
-    bad = CliRunner().invoke(app, ["tune", "--source", small, "--target", large, "--dev", "poems"])
+    bad = invoke(["tune", "--source", small, "--target", large, "--dev", "poems"])
     assert bad.exit_code != 0 and "gsm8k" in bad.output
 
 
 def test_refine_writes_a_refined_mapper_and_never_overwrites_its_input(pair, tmp_path):
     small, large = pair
-    assert CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+    assert invoke(["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
                                     "--sequences", "3", "--seq-len", "48"]).exit_code == 0
     common = ["refine", "--source", small, "--target", large, "--mapper", str(tmp_path / "m"), "--windows", "4",
               "--seq-len", "40", "--steps", "2", "--batch-size", "1", "--min-context", "4", "--max-context", "24",
               "--continuation", "8", "--validation-windows", "2", "--validate-every", "1"]
-    result = CliRunner().invoke(app, [*common, "--out", str(tmp_path / "r")])
+    result = invoke([*common, "--out", str(tmp_path / "r")])
     assert result.exit_code == 0, result.output
     assert "held-out KL" in result.output
     refined = Mapper.load(tmp_path / "r")
@@ -194,9 +205,9 @@ def test_refine_writes_a_refined_mapper_and_never_overwrites_its_input(pair, tmp
     assert record["config"]["steps"] == 2 and record["corpus"]["base_mapper"] == str(tmp_path / "m")
     assert [h["step"] for h in record["history"]] == [0, 1, 2]
     before = (tmp_path / "m" / "mapper.safetensors").read_bytes()
-    same = CliRunner().invoke(app, [*common, "--out", str(tmp_path / "m")])
+    same = invoke([*common, "--out", str(tmp_path / "m")])
     assert same.exit_code != 0 and "another folder" in same.output
-    short = CliRunner().invoke(app, [*common, "--seq-len", "16", "--out", str(tmp_path / "s")])
+    short = invoke([*common, "--seq-len", "16", "--out", str(tmp_path / "s")])
     assert short.exit_code != 0 and "shorter than" in short.output
     assert (tmp_path / "m" / "mapper.safetensors").read_bytes() == before
 
@@ -209,8 +220,8 @@ MODELS = {}
 def fake_models(monkeypatch):
     """`load_model` of "small" / "large" gives tiny random models with a byte tokenizer (`tokenizers` maps a name
     to another tokenizer); `Mapper.load` gives a noisy stand-in mapper. Returns the names loaded, in order."""
-    import kvhandoff.assets
-    import kvhandoff.mapper
+    import kvhandoff.mapper.mapper
+    import kvhandoff.model.loading
 
     MODELS.setdefault("small", tiny_model("qwen2", seed=0, **BYTE_MODEL))
     MODELS.setdefault("large", tiny_model("qwen2", seed=1, **BYTE_MODEL))
@@ -226,8 +237,8 @@ def fake_models(monkeypatch):
 
     fake_models_tokenizers.clear()
     fake_models_placement.clear()
-    monkeypatch.setattr(kvhandoff.assets, "load_model", fake_load_model)
-    monkeypatch.setattr(kvhandoff.mapper.Mapper, "load", staticmethod(fake_mapper_load))
+    monkeypatch.setattr(kvhandoff.model.loading, "load_model", fake_load_model)
+    monkeypatch.setattr(kvhandoff.mapper.mapper.Mapper, "load", staticmethod(fake_mapper_load))
     return loaded
 
 
@@ -237,7 +248,7 @@ fake_models_placement: list = []
 
 def test_eval_both_directions(fake_models, tmp_path):
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, [
+    result = invoke([
         "eval", "--source", "small", "--target", "large", "--mapper", str(tmp_path / "m"),
         "--reverse-mapper", str(tmp_path / "rev"), "--tasks", "winogrande", "--limit", "2",
         "--n-resamples", "20", "--out", str(out), "--no-progress", "--dtype", "bfloat16", "--device-map", "auto",
@@ -254,7 +265,7 @@ def test_eval_both_directions(fake_models, tmp_path):
         assert (out / name).is_file()
     assert "### small → large" in result.output and "### large → small" in result.output
     # re-render from the result files alone
-    rendered = CliRunner().invoke(app, ["eval-render", str(out / "forward.json"), "--out", str(tmp_path / "r")])
+    rendered = invoke(["eval-render", str(out / "forward.json"), "--out", str(tmp_path / "r")])
     assert rendered.exit_code == 0 and (tmp_path / "r" / "summary.png").is_file()
 
 
@@ -262,7 +273,7 @@ def test_eval_with_a_recompute_policy(fake_models, tmp_path):
     """`--recompute RULE:BUDGET` reaches the transfer condition and is recorded in the results; recomputing every
     mapped position makes the transfer score the target's own."""
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, [
+    result = invoke([
         "eval", "--source", "small", "--target", "large", "--mapper", str(tmp_path / "m"), "--no-both-directions",
         "--tasks", "winogrande", "--limit", "2", "--n-resamples", "20", "--out", str(out), "--no-progress",
         "--recompute", "sinks:1.0",
@@ -276,14 +287,14 @@ def test_eval_with_a_recompute_policy(fake_models, tmp_path):
 
 def test_eval_with_statistics_and_k_sweep(fake_models, tmp_path):
     from kvhandoff.config import FitConfig
-    from kvhandoff.fit import collect_statistics
+    from kvhandoff.fit.pipeline import collect_statistics
 
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (2, 48), generator=gen) for _ in range(3)]
     stats = collect_statistics(MODELS["small"], MODELS["large"], batches, FitConfig(token_stride=1), False)
     stats.save(tmp_path / "stats")
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, [
+    result = invoke([
         "eval", "--source", "small", "--target", "large", "--statistics", str(tmp_path / "stats"),
         "--sweep-k", "--sweep-limit", "2", "--tasks", "winogrande", "--limit", "2", "--n-resamples", "10",
         "--out", str(out), "--no-progress",
@@ -294,7 +305,7 @@ def test_eval_with_statistics_and_k_sweep(fake_models, tmp_path):
     forward = json.loads((out / "forward.json").read_text())
     assert forward["mapper"]["top_k"] == sweep["best_k"]
     # --sweep-ks restricts the candidates (the dev records of k = 1 are reused from the first sweep)
-    result = CliRunner().invoke(app, [
+    result = invoke([
         "eval", "--source", "small", "--target", "large", "--statistics", str(tmp_path / "stats"),
         "--sweep-k", "--sweep-ks", "1", "--sweep-limit", "2", "--tasks", "winogrande", "--limit", "2",
         "--n-resamples", "10", "--out", str(out), "--no-progress",
@@ -313,7 +324,7 @@ def test_eval_argument_errors_exit_2_naming_the_option(fake_models, tmp_path):
                          (["--mapper", "m", "--mapped", "question"], "history"),
                          (["--mapper", "m", "--limit", "0"], "--limit"),
                          (["--mapper", "m", "--exact-prefix", "-1"], "--exact-prefix")):
-        result = CliRunner().invoke(app, [*base, *extra])
+        result = invoke([*base, *extra])
         assert result.exit_code == 2 and named in result.output, (extra, result.output)
         assert result.output.startswith("error: ") and result.output.count("\n") == 1
     assert fake_models == []  # refused before any model loads
@@ -326,13 +337,13 @@ SWITCH_BASE = ["eval-switch", "--source", "small", "--target", "large", "--mappe
 
 def test_eval_switch_benchmark_and_recompute_sweep(fake_models, tmp_path):
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, [*SWITCH_BASE, "--out", str(out), "--recompute", "recent:10%"])
+    result = invoke([*SWITCH_BASE, "--out", str(out), "--recompute", "recent:10%"])
     assert result.exit_code == 0, result.output
     saved = json.loads((out / "switch.json").read_text())
     assert saved["settings"]["pool"] == "report" and saved["settings"]["policies"] == ["recent:10%"]
     assert set(saved["directions"]) == {"forward", "reverse"}
     assert "### small → large" in result.output and "### large → small" in result.output
-    result = CliRunner().invoke(app, [*SWITCH_BASE, "--out", str(out), "--sweep-recompute", "recent,mix",
+    result = invoke([*SWITCH_BASE, "--out", str(out), "--sweep-recompute", "recent,mix",
                                       "--budgets", "0,20", "--ttft-lengths", "64"])
     assert result.exit_code == 0, result.output
     sweep = json.loads((out / "sweep_recompute.json").read_text())
@@ -345,13 +356,13 @@ def test_eval_switch_argument_errors_exit_2_naming_the_option(fake_models, tmp_p
                          (["--sweep-recompute", "none"], "none"),
                          (["--budgets", "5,200"], "--budgets"), (["--pool", "train"], "--pool"),
                          (["--ttft-lengths", "1"], "--ttft-lengths")):
-        result = CliRunner().invoke(app, [*SWITCH_BASE, "--out", str(tmp_path), *extra])
+        result = invoke([*SWITCH_BASE, "--out", str(tmp_path), *extra])
         assert result.exit_code == 2 and named in result.output, (extra, result.output)
     assert fake_models == []
 
 
 def test_tokenizers_must_agree(fake_models, tmp_path):
-    from kvhandoff.assets import load_pair
+    from kvhandoff.model.loading import load_pair
 
     class Other(ByteTokenizer):
         def encode(self, text, add_special_tokens=True):
@@ -368,7 +379,7 @@ def test_tokenizers_must_agree(fake_models, tmp_path):
     assert load_pair("small", "large").target_tokenizer is fake_models_tokenizers["large"]
     for tokenizer in (Other(), OtherVocab()):
         fake_models_tokenizers["large"] = tokenizer
-        result = CliRunner().invoke(app, ["eval", "--source", "small", "--target", "large", "--mapper", "m",
+        result = invoke(["eval", "--source", "small", "--target", "large", "--mapper", "m",
                                           "--tasks", "winogrande", "--out", str(tmp_path), "--no-progress"])
         assert result.exit_code == 1 and result.output.startswith("error: ") and "tokenizers" in result.output
 
@@ -385,7 +396,7 @@ def test_every_entry_point_refuses_a_pair_whose_tokenizers_differ(command, tmp_p
     texts = tmp_path / "texts.txt"
     texts.write_text("some text")
     paths = {"TEXTS": str(texts), "M": str(tmp_path / "m"), "R": str(tmp_path / "r")}
-    result = CliRunner().invoke(app, [*(paths.get(a, a) for a in command), "--source", small, "--target", large])
+    result = invoke([*(paths.get(a, a) for a in command), "--source", small, "--target", large])
     assert result.exit_code == 1, result.output
     last = result.output.rstrip("\n").split("\n")[-1]  # after the loading progress bars
     assert last.startswith("error: ") and "tokenizers differ" in last
@@ -446,7 +457,7 @@ def test_every_entry_point_refuses_a_pair_whose_tokenizers_differ(command, tmp_p
     (["eval", "--device-map", "cuda:x"], "--device-map"),
 ])
 def test_bad_command_line_values_exit_2_with_one_line(arguments, option):
-    result = CliRunner().invoke(app, arguments)
+    result = invoke(arguments)
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: ") and option in result.output
     assert result.output.count("\n") == 1  # one line, no traceback
@@ -454,7 +465,9 @@ def test_bad_command_line_values_exit_2_with_one_line(arguments, option):
 
 def test_no_arguments_show_the_help():
     result = CliRunner().invoke(app, [])
-    assert "Commands" in result.output and "eval-render" in result.output
+    assert "Commands" in result.output and "serve" in result.output and "eval-render" not in result.output
+    result = CliRunner().invoke(lab_app, [])
+    assert "Commands" in result.output and "eval-render" in result.output and "demo" not in result.output
 
 
 def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_path):
@@ -470,7 +483,7 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
     monkeypatch.setattr(serve_cli, "load_family", fake_load_family)
     monkeypatch.setattr(serve_cli, "run_server", lambda models, mappers, config: calls.update(run=(models, mappers,
                                                                                                    config)))
-    result = CliRunner().invoke(app, ["serve", "--models", "small=/m/s,large=/m/l", "--mapper",
+    result = invoke(["serve", "--models", "small=/m/s,large=/m/l", "--mapper",
                                       f"small:large={tmp_path}", "--port", "0", "--guard", "off",
                                       "--max-context", "300", "--cache-memory", "1000", "--recompute", "sinks:10%",
                                       "--dtype", "bf16", "--device-map", "auto"])
@@ -499,14 +512,14 @@ def test_serve_refuses_bad_values_before_loading_models(monkeypatch, args, optio
     import kvhandoff.cli.serve as serve_cli
 
     monkeypatch.setattr(serve_cli, "load_family", lambda *a: pytest.fail("models loaded despite a bad option"))
-    result = CliRunner().invoke(app, ["serve", *args])
+    result = invoke(["serve", *args])
     assert result.exit_code == 2, result.output
     assert option in result.output and len(result.output.strip().splitlines()) == 1
 
 
 def test_fit_compact_options_write_a_compact_mapper_and_say_its_size(pair, tmp_path):
     small, large = pair
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
+    result = invoke(["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"),
                                       "--sequences", "3", "--seq-len", "48", "--rank", "4", "--storage", "float16"])
     assert result.exit_code == 0, result.output
     mapper = Mapper.load(tmp_path / "m")
@@ -515,7 +528,7 @@ def test_fit_compact_options_write_a_compact_mapper_and_say_its_size(pair, tmp_p
     assert storage["weight_dtype"] == "float16"
     assert f"{storage['parameters']:,} parameters, {storage['file_bytes'] / 1e6:.1f} MB on disk" in result.output
     assert "MFLOP per token" in result.output
-    result = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, "--out", str(tmp_path / "h"),
+    result = invoke(["fit", "--source", small, "--target", large, "--out", str(tmp_path / "h"),
                                       "--sequences", "3", "--seq-len", "48", "--heads", "aligned",
                                       "--k-tolerance", "0.05"])
     assert result.exit_code == 0, result.output
@@ -523,5 +536,5 @@ def test_fit_compact_options_write_a_compact_mapper_and_say_its_size(pair, tmp_p
     for options, message in ((["--rank", "4", "--top-k", "2"], "needs top_k='all'"),
                              (["--heads", "some"], "unknown heads"), (["--k-tolerance", "-1"], "number >= 0"),
                              (["--method", "mlp", "--rank", "4"], "full ridge map")):
-        bad = CliRunner().invoke(app, ["fit", "--source", small, "--target", large, *options])
+        bad = invoke(["fit", "--source", small, "--target", large, *options])
         assert bad.exit_code == 2 and message in bad.output, bad.output

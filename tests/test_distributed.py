@@ -18,11 +18,11 @@ from _dist_support import LOOPBACK, free_port, loopback_env, run_rank
 from kvhandoff import FitConfig
 from kvhandoff.cli import app
 from kvhandoff.config import CalibrationSpec
-from kvhandoff.distributed import Ranks, collect_shared, gpu_share, launched, window_shares
 from kvhandoff.errors import ConfigError, DistributedError
-from kvhandoff.fit import collect_statistics
-from kvhandoff.mapper import Mapper
-from kvhandoff.statistics import CalibrationStats
+from kvhandoff.fit.distributed import Ranks, collect_shared, gpu_share, launched, window_shares
+from kvhandoff.fit.pipeline import collect_statistics
+from kvhandoff.fit.statistics import CalibrationStats
+from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.workflow import (
     checkpoint_path,
     load_named_pair,

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from kvhandoff.errors import AssetError
-from kvhandoff.evaluation import data
-from kvhandoff.evaluation.data import eval_data_root, read_arrow_rows
+from kvhandoff_lab.evaluation import data
+from kvhandoff_lab.evaluation.data import eval_data_root, read_arrow_rows
 
 
 def test_root_is_the_installed_package_folder():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.devsets import DEV_SETS, DevSet, dev_divergence, tune_table
 from kvhandoff.workflow import load_named_pair
+from kvhandoff_lab.evaluation.devsets import DEV_SETS, DevSet, dev_divergence, tune_table
 
 from conftest import save_tiny_pair
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation import metrics as M
+from kvhandoff_lab.evaluation import metrics as M
 
 
 def test_retention_arithmetic():

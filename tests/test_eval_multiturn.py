@@ -8,7 +8,7 @@ import pytest
 
 from _eval_support import IdentityMapper, NoisyMapper
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation import multiturn as MT
+from kvhandoff_lab.evaluation import multiturn as MT
 
 from conftest import BYTE_MODEL, ByteTokenizer, tiny_model
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.options import EvalOptions, OutputOptions, ScoringOptions
+from kvhandoff_lab.evaluation.options import EvalOptions, OutputOptions, ScoringOptions
 
 
 def test_eval_options_expand_tasks_and_refuse_bad_values():

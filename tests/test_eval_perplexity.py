@@ -9,8 +9,8 @@ import torch
 
 from _eval_support import IdentityMapper, NoisyMapper, full_sequence_logprob
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation import perplexity as P
-from kvhandoff.evaluation.scoring import Standalone
+from kvhandoff_lab.evaluation import perplexity as P
+from kvhandoff_lab.evaluation.scoring import Standalone
 
 from conftest import BYTE_MODEL, tiny_model
 

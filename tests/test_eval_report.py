@@ -8,7 +8,7 @@ import math
 import pytest
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation import report as RP
+from kvhandoff_lab.evaluation import report as RP
 
 
 def fake_result(source: str, target: str, retention: float) -> dict:

@@ -9,11 +9,11 @@ import torch
 
 from _eval_support import IdentityMapper, NoisyMapper
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation import runner as R
-from kvhandoff.evaluation.options import EvalOptions, OutputOptions, ScoringOptions
-from kvhandoff.evaluation.tasks import load_items
 from kvhandoff.files import atomic_write_json
-from kvhandoff.geometry import model_fingerprint, tokenizer_hash
+from kvhandoff.model.geometry import model_fingerprint, tokenizer_hash
+from kvhandoff_lab.evaluation import runner as R
+from kvhandoff_lab.evaluation.options import EvalOptions, OutputOptions, ScoringOptions
+from kvhandoff_lab.evaluation.tasks import load_items
 
 from conftest import BYTE_MODEL, ByteTokenizer, tiny_model
 
@@ -231,9 +231,9 @@ def test_identities():
 @pytest.mark.real_models
 def test_real_pair_transfer_retains_most_of_the_target(tmp_path):
     """The default pair with a mapper fitted on the built-in calibration corpus (slow: ~25 min on 2 busy CPUs)."""
-    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, load_pair
-    from kvhandoff.corpus import calibration_batches
-    from kvhandoff.fit import fit_mapper
+    from kvhandoff.fit.corpus import calibration_batches
+    from kvhandoff.fit.pipeline import fit_mapper
+    from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET, load_pair
 
     pair = load_pair(DEFAULT_SOURCE, DEFAULT_TARGET, progress=False)
     mapper = fit_mapper(pair.source, pair.target, calibration_batches(pair.tokenizer, 32, 256),
@@ -248,7 +248,7 @@ def test_real_pair_transfer_retains_most_of_the_target(tmp_path):
 
 
 def test_items_sharing_a_prefix_are_computed_together():
-    from kvhandoff.evaluation.tasks import Choice, MCItem
+    from kvhandoff_lab.evaluation.tasks import Choice, MCItem
 
     def item(i, prefix):
         context = (prefix or "") + f"Q{i}?"

@@ -7,8 +7,8 @@ import torch
 
 from _eval_support import IdentityMapper, NoisyMapper, full_sequence_logprob, short_items
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation import scoring as S
-from kvhandoff.evaluation.tasks import Choice, GenItem, MCItem, load_items
+from kvhandoff_lab.evaluation import scoring as S
+from kvhandoff_lab.evaluation.tasks import Choice, GenItem, MCItem, load_items
 
 from conftest import BYTE_MODEL, ByteTokenizer, tiny_model
 
@@ -283,7 +283,7 @@ def test_prefix_prefilled_once_for_several_items(models, kind):
 
 
 def test_history_transfer_maps_the_history_and_the_target_reads_the_question(models):
-    from kvhandoff.handoff import handoff_cache
+    from kvhandoff.runtime.handoff import handoff_cache
 
     target, source = models
     items = fewshot_items()
@@ -423,7 +423,7 @@ def test_generation_stops_at_every_end_of_text_token():
 def test_transfer_with_a_recompute_policy(models):
     """A transfer condition's recompute policy: every mapped position recomputed → the target's own scores; a
     partial budget changes the noisy transfer's; the history condition recomputes the history it maps."""
-    from kvhandoff.evaluation.options import EvalOptions
+    from kvhandoff_lab.evaluation.options import EvalOptions
 
     target, _ = models
     (item,) = short_items("arc_challenge")

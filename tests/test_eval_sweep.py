@@ -8,8 +8,8 @@ import torch
 from _eval_support import IdentityMapper, NoisyMapper
 from kvhandoff.config import TOP_K_CHOICES
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation import sweep as SW
-from kvhandoff.evaluation.runner import select_items
+from kvhandoff_lab.evaluation import sweep as SW
+from kvhandoff_lab.evaluation.runner import select_items
 
 from conftest import BYTE_MODEL, ByteTokenizer, tiny_model
 
@@ -80,7 +80,7 @@ def test_needs_statistics_or_a_factory_and_loglikelihood_tasks(model):
 
 def test_mappers_from_real_statistics(model):
     from kvhandoff.config import FitConfig
-    from kvhandoff.fit import collect_statistics
+    from kvhandoff.fit.pipeline import collect_statistics
 
     source = tiny_model("qwen2", seed=1, **BYTE_MODEL)
     gen = torch.Generator().manual_seed(0)

@@ -6,11 +6,11 @@ import torch
 
 from _eval_support import IdentityMapper, NoisyMapper, full_sequence_logprob
 from kvhandoff import FitConfig, fit_mapper
-from kvhandoff.cache import prefill
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation import switch as W
-from kvhandoff.evaluation.tasks import pool_of
-from kvhandoff.handoff import handoff_cache
+from kvhandoff.model.cache import prefill
+from kvhandoff.runtime.handoff import handoff_cache
+from kvhandoff_lab.evaluation import switch as W
+from kvhandoff_lab.evaluation.tasks import pool_of
 
 from conftest import BYTE_MODEL, ByteTokenizer, exactly_related, random_batches, tiny_model
 

@@ -4,8 +4,8 @@ import time
 import pytest
 
 from _eval_support import IdentityMapper, NoisyMapper
-from kvhandoff.evaluation import switchbench as B
-from kvhandoff.evaluation.switch import SwitchSettings
+from kvhandoff_lab.evaluation import switchbench as B
+from kvhandoff_lab.evaluation.switch import SwitchSettings
 
 from conftest import BYTE_MODEL, ByteTokenizer, tiny_model
 

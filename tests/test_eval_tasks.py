@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation import tasks as T
-from kvhandoff.evaluation.data import hf_rows
+from kvhandoff_lab.evaluation import tasks as T
+from kvhandoff_lab.evaluation.data import hf_rows
 
 
 def test_item_counts_and_unique_ids():

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from kvhandoff.errors import StatisticsError
-from kvhandoff.features import FeatureShardWriter, features_complete, load_features
-from kvhandoff.fit import collect_statistics, feature_layout
-from kvhandoff.statistics import FeatureLayout
+from kvhandoff.fit.features import FeatureShardWriter, features_complete, load_features
+from kvhandoff.fit.pipeline import collect_statistics, feature_layout
+from kvhandoff.model.capture import FeatureLayout
 
 from conftest import random_batches, tiny_model
 

@@ -4,7 +4,7 @@ import torch
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.config import MAPPER_FORMAT_VERSION
 from kvhandoff.errors import ConfigError, IncompatiblePairError, StatisticsError
-from kvhandoff.fit import (
+from kvhandoff.fit.pipeline import (
     FittedMaps,
     collect_statistics,
     default_plan,
@@ -14,9 +14,9 @@ from kvhandoff.fit import (
     mapper_from_statistics,
     solve_plan,
 )
-from kvhandoff.geometry import check_pair, model_fingerprint
-from kvhandoff.selection import layer_r2_matrix
-from kvhandoff.statistics import FeatureLayout
+from kvhandoff.fit.selection import layer_r2_matrix
+from kvhandoff.model.capture import FeatureLayout
+from kvhandoff.model.geometry import check_pair, model_fingerprint
 
 from conftest import exactly_related, random_batches, tiny_model
 
@@ -68,8 +68,8 @@ def test_bad_batches_are_refused():
 
 def _cross_modal_stats(source, target, rows: int = 600, seed: int = 0):
     """Synthetic rows where every target K and V is an exact linear function of source K *and* V."""
-    from kvhandoff.fit import feature_layout
-    from kvhandoff.statistics import CalibrationStats
+    from kvhandoff.fit.pipeline import feature_layout
+    from kvhandoff.fit.statistics import CalibrationStats
 
     src, tgt = feature_layout(source), feature_layout(target)
     gen = torch.Generator().manual_seed(seed)

@@ -2,11 +2,11 @@ import json
 
 import pytest
 
-from kvhandoff import fitbench
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import ConfigError
-from kvhandoff.fit import collect_statistics, estimate_memory, feature_layout, mapper_from_statistics
-from kvhandoff.fitbench import describe_fit_cost, measure_fit_cost, parse_status, run_fit_bench
+from kvhandoff.fit.pipeline import collect_statistics, estimate_memory, feature_layout, mapper_from_statistics
+from kvhandoff_lab import fitbench
+from kvhandoff_lab.fitbench import describe_fit_cost, measure_fit_cost, parse_status, run_fit_bench
 
 from conftest import random_batches, tiny_model
 

@@ -2,7 +2,7 @@ import pytest
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM
 
 from kvhandoff.errors import UnsupportedModelError
-from kvhandoff.geometry import model_fingerprint, read_geometry, signatures_match
+from kvhandoff.model.geometry import model_fingerprint, read_geometry, signatures_match
 
 from conftest import LLAMA31_ROPE, tiny_model
 

@@ -219,7 +219,7 @@ def two_way_pair(related_pairs):
 
 @pytest.mark.parametrize("handover", ["incremental", "all"])
 def test_switching_session_serves_one_conversation_with_two_models(two_way_pair, handover):
-    from kvhandoff.session import SwitchingSession
+    from kvhandoff.runtime.session import SwitchingSession
 
     models, mappers = two_way_pair
     ids = torch.randint(0, 128, (1, 45), generator=torch.Generator().manual_seed(8))[0].tolist()
@@ -251,7 +251,7 @@ def test_switching_session_serves_one_conversation_with_two_models(two_way_pair,
 
 
 def test_switching_session_refuses_bad_requests(two_way_pair):
-    from kvhandoff.session import SwitchingSession
+    from kvhandoff.runtime.session import SwitchingSession
 
     models, mappers = two_way_pair
     with pytest.raises(ConfigError, match="handover"):
@@ -268,7 +268,7 @@ def test_switching_session_refuses_bad_requests(two_way_pair):
 
 
 def test_switching_session_generates_answers_that_join_the_conversation(two_way_pair):
-    from kvhandoff.session import SwitchingSession
+    from kvhandoff.runtime.session import SwitchingSession
 
     models, mappers = two_way_pair
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(9))[0].tolist()
@@ -290,10 +290,10 @@ def test_switching_session_generates_answers_that_join_the_conversation(two_way_
 def test_real_pair_switching_session():
     """The default pair's cached default mappers (fitted on first use: slow) serve one CoQA conversation; a second
     conversation of the same opening copies the 1.5B's exact prefix from the shared store and answers alike."""
-    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
     from kvhandoff.demo import demo_context
-    from kvhandoff.handoff import PrefixStore
-    from kvhandoff.session import SwitchingSession
+    from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
+    from kvhandoff.runtime.handoff import PrefixStore
+    from kvhandoff.runtime.session import SwitchingSession
     from kvhandoff.workflow import load_named_pair, obtain_mapper
 
     pair = load_named_pair(DEFAULT_SOURCE, DEFAULT_TARGET, progress=False)
@@ -339,7 +339,7 @@ def test_handoff_cache_refuses_a_mapper_fitted_for_another_pair(unrelated_pair):
 
 
 def test_handoff_cache_refuses_a_context_past_the_target_window_before_any_work(unrelated_pair, monkeypatch):
-    import kvhandoff.handoff as handoff_module
+    import kvhandoff.runtime.handoff as handoff_module
     from kvhandoff.errors import ContextTooLongError
 
     source, target, _, mapper = unrelated_pair
@@ -378,8 +378,8 @@ def test_catch_up_checks_the_pair_the_target_cache_and_the_window(unrelated_pair
 def _two_step(source, target, mapper, ids, new_tokens, exact_prefix, recompute):
     """The reference: map, recompute the exact prefix by its own prefill, the policy's picks by a sparse prefill,
     then the target reads the new tokens (three forwards)."""
-    from kvhandoff.handoff import patch_exact_prefix
-    from kvhandoff.recompute import SelectionInfo, apply_policy
+    from kvhandoff.runtime.handoff import patch_exact_prefix
+    from kvhandoff.runtime.recompute import SelectionInfo, apply_policy
 
     history, new = ids[:, :-new_tokens], ids[:, -new_tokens:]
     source_cache, _ = prefill(source, history)
@@ -418,7 +418,7 @@ def test_the_fused_first_forward_equals_the_two_step_handoff(unrelated_pairs, fa
                                                              recompute):
     """`handoff_read` (one target forward) = the exact-prefix prefill, the recompute and the read in turn: the same
     logits and the same cache, on a mapped cache far from the target's own (so every recomputed position matters)."""
-    from kvhandoff.handoff import handoff_read
+    from kvhandoff.runtime.handoff import handoff_read
 
     source, target, mapper = unrelated_pairs[family]
     ids = torch.randint(0, 128, (2, 41), generator=torch.Generator().manual_seed(7))
@@ -439,7 +439,7 @@ def test_the_fused_first_forward_equals_the_two_step_handoff(unrelated_pairs, fa
 def test_a_mapped_cache_recomputes_its_pending_positions_at_the_first_forward(unrelated_pairs):
     """`map_for_target` leaves the exact prefix pending; `read` and `settle` both empty it; handoff_cache with a tail
     is the fused read; the prefix alone (`settle`) then the read gives the same logits."""
-    from kvhandoff.handoff import map_for_target
+    from kvhandoff.runtime.handoff import map_for_target
 
     source, target, mapper = unrelated_pairs["qwen2"]
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(8))
@@ -476,7 +476,7 @@ def counting_forwards(model):
 def test_a_prefix_store_copies_the_exact_prefix_instead_of_recomputing_it(unrelated_pairs):
     """The first handoff of an opening recomputes its exact prefix and stores it; the next one copies it in, leaves
     only the new tokens (and the policy's picks) to the forward, and gives the same logits and cache."""
-    from kvhandoff.handoff import PrefixStore, handoff_read, map_for_target
+    from kvhandoff.runtime.handoff import PrefixStore, handoff_read, map_for_target
 
     source, target, mapper = unrelated_pairs["qwen2"]
     ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(11))
@@ -512,8 +512,8 @@ def test_a_prefix_store_copies_the_exact_prefix_instead_of_recomputing_it(unrela
 def test_a_primed_store_serves_a_target_without_custom_masks(unrelated_pairs, monkeypatch):
     """`PrefixStore.prime` stores a prefill of the opening; a target whose attention takes no 4D mask copies it
     too (it would otherwise prefill the prefix on its own)."""
-    import kvhandoff.handoff as handoff
-    from kvhandoff.handoff import PrefixStore, map_for_target
+    import kvhandoff.runtime.handoff as handoff
+    from kvhandoff.runtime.handoff import PrefixStore, map_for_target
 
     source, target, mapper = unrelated_pairs["llama"]
     ids = torch.randint(0, 128, (1, 25), generator=torch.Generator().manual_seed(14))
@@ -532,7 +532,7 @@ def test_a_primed_store_serves_a_target_without_custom_masks(unrelated_pairs, mo
 def test_handoff_generate_runs_one_target_forward_per_new_token(unrelated_pairs, target_tail, recompute):
     """`generate`'s first forward recomputes the pending positions and reads the unmapped tokens: a handoff that
     generates n tokens runs n target forwards (not n + 1) and answers as the two-step handoff does."""
-    from kvhandoff.handoff import map_for_target
+    from kvhandoff.runtime.handoff import map_for_target
 
     source, target, mapper = unrelated_pairs["qwen2"]
     ids = torch.randint(0, 128, (1, 33), generator=torch.Generator().manual_seed(15))
@@ -563,8 +563,8 @@ def test_handoff_generate_runs_one_target_forward_per_new_token(unrelated_pairs,
 def test_switching_session_generates_after_a_switch_in_one_forward_per_token(two_way_pair):
     """A switch then an answer: the receiving model's first forward is the fused read; with a shared prefix store
     a second conversation of the same opening copies the exact prefix."""
-    from kvhandoff.handoff import PrefixStore
-    from kvhandoff.session import SwitchingSession
+    from kvhandoff.runtime.handoff import PrefixStore
+    from kvhandoff.runtime.session import SwitchingSession
 
     models, mappers = two_way_pair
     store = PrefixStore()

@@ -6,11 +6,12 @@ import torch
 from kvhandoff import FitConfig, Mapper
 from kvhandoff.config import HELDOUT_KS
 from kvhandoff.errors import ConfigError, StatisticsError
-from kvhandoff.features import FeatureShardWriter
-from kvhandoff.fit import mapper_from_statistics
-from kvhandoff.heldout import choose_plan, fit_heldout_mapper, heldout_losses, split_heldout
-from kvhandoff.selection import layer_r2_matrix
-from kvhandoff.statistics import CalibrationStats, FeatureLayout
+from kvhandoff.fit.features import FeatureShardWriter
+from kvhandoff.fit.heldout import choose_plan, fit_heldout_mapper, heldout_losses, split_heldout
+from kvhandoff.fit.pipeline import mapper_from_statistics
+from kvhandoff.fit.selection import layer_r2_matrix
+from kvhandoff.fit.statistics import CalibrationStats
+from kvhandoff.model.capture import FeatureLayout
 
 HELDOUT = FitConfig(top_k="heldout", ridge_lambda="heldout", exact_prefix=0)
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch.profiler import profile
 
-from kvhandoff.kernels import (
+from kvhandoff.model.kernels import (
     SMALL_BATCH_ROWS,
     small_batch_kernels_available,
     small_batch_linear,

@@ -17,7 +17,8 @@ from lm_eval.api.instance import Instance
 
 from kvhandoff import fit_mapper
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.scoring import (
+from kvhandoff.workflow import load_named_pair
+from kvhandoff_lab.evaluation.scoring import (
     Standalone,
     Transfer,
     TransferHistory,
@@ -27,9 +28,8 @@ from kvhandoff.evaluation.scoring import (
     open_context,
     score_continuations,
 )
-from kvhandoff.evaluation.tasks import encode, encode_pair, load_items
-from kvhandoff.lmeval import TASKS_DIR, KVHandoffLM, history_of, main, score_with_greedy
-from kvhandoff.workflow import load_named_pair
+from kvhandoff_lab.evaluation.tasks import encode, encode_pair, load_items
+from kvhandoff_lab.lmeval import TASKS_DIR, KVHandoffLM, history_of, main, score_with_greedy
 
 from conftest import random_batches, save_tiny_pair
 
@@ -126,7 +126,7 @@ def test_bad_model_args_are_refused(setup):
 
 
 def test_lm_eval_command_line_runs_the_offline_arc_task(setup, tmp_path):
-    """`python -m kvhandoff.lmeval` = lm-eval's command line: the registered model, the offline task config, and
+    """`python -m kvhandoff_lab.lmeval` = lm-eval's command line: the registered model, the offline task config, and
     per-sample loglikelihoods equal to the scorer's on the same ARC-Easy items."""
     folder, pair, mapper = setup
     model_args = f"source={folder / 'small'},target={folder / 'large'},mapper={folder / 'mapper'},mode=all"

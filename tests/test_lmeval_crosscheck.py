@@ -14,8 +14,9 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (`pip install -e
 
 from kvhandoff import fit_mapper
 from kvhandoff.errors import ConfigError
-from kvhandoff.evaluation.tasks import load_items
-from kvhandoff.lmeval.crosscheck import (
+from kvhandoff.workflow import load_named_pair
+from kvhandoff_lab.evaluation.tasks import load_items
+from kvhandoff_lab.lmeval.crosscheck import (
     DEFAULT_TOLERANCE,
     chosen,
     compare_records,
@@ -25,7 +26,6 @@ from kvhandoff.lmeval.crosscheck import (
     main,
     run_crosscheck,
 )
-from kvhandoff.workflow import load_named_pair
 
 from conftest import random_batches, save_tiny_pair
 
@@ -89,7 +89,7 @@ def test_mmlu_history_boundaries_and_document_indices():
 def test_offline_mmlu_task_prints_kvhandoffs_prompts():
     from lm_eval.tasks import TaskManager
 
-    from kvhandoff.lmeval import TASKS_DIR
+    from kvhandoff_lab.lmeval import TASKS_DIR
 
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
     task = manager.load("kvhandoff_mmlu")["tasks"]["kvhandoff_mmlu"]

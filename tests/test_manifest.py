@@ -6,8 +6,8 @@ import pytest
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.config import MAPPER_FORMAT_VERSION
 from kvhandoff.errors import MapperFormatError
-from kvhandoff.manifest import MapperManifest, dumps, loads
-from kvhandoff.statistics import FeatureLayout
+from kvhandoff.mapper.manifest import MapperManifest, dumps, loads
+from kvhandoff.model.capture import FeatureLayout
 
 from conftest import random_batches, tiny_model
 

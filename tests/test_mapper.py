@@ -253,7 +253,7 @@ def test_to_moves_and_casts_the_map_and_refuses_a_non_float_dtype(fitted):
 
 
 def test_an_exception_while_saving_leaves_the_old_mapper_loadable_and_unchanged(fitted, tmp_path, monkeypatch):
-    import kvhandoff.mapper as mapper_module
+    import kvhandoff.mapper.mapper as mapper_module
 
     _, _, mapper = fitted
     path = mapper.save(tmp_path / "m")
@@ -283,7 +283,7 @@ def test_a_crash_between_the_two_renames_loads_the_good_copy(fitted, tmp_path):
 
 
 def test_models_are_fingerprinted_once_per_mapper(fitted, monkeypatch):
-    import kvhandoff.mapper as mapper_module
+    import kvhandoff.mapper.mapper as mapper_module
 
     source, target, mapper = fitted
     fresh = Mapper(mapper.weight, mapper.bias, mapper.selected, mapper.manifest)

@@ -6,13 +6,14 @@ import torch
 from kvhandoff import FitConfig, Mapper, prefill
 from kvhandoff.config import MAPPER_FORMAT_VERSION, MLPConfig
 from kvhandoff.errors import ConfigError, MapperFormatError, StatisticsError
-from kvhandoff.features import FeatureShardWriter
 from kvhandoff.files import sha256_json
-from kvhandoff.fit import collect_statistics, feature_layout, mapper_from_statistics
-from kvhandoff.geometry import model_fingerprint
-from kvhandoff.mlp import MLPMapper, ResidualMLP, fit_mlp_mapper, input_columns, output_columns
-from kvhandoff.selection import layer_r2_matrix
-from kvhandoff.statistics import CalibrationStats, FeatureLayout
+from kvhandoff.fit.features import FeatureShardWriter
+from kvhandoff.fit.mlp import MLPMapper, ResidualMLP, fit_mlp_mapper, input_columns, output_columns
+from kvhandoff.fit.pipeline import collect_statistics, feature_layout, mapper_from_statistics
+from kvhandoff.fit.selection import layer_r2_matrix
+from kvhandoff.fit.statistics import CalibrationStats
+from kvhandoff.model.capture import FeatureLayout
+from kvhandoff.model.geometry import model_fingerprint
 
 from conftest import random_batches, tiny_model
 
@@ -144,7 +145,7 @@ def test_mlp_config_is_validated():
 
 def test_mlp_mapper_moves_with_to_and_a_nan_mlp_is_refused(tmp_path):
     from kvhandoff.errors import NonFiniteError
-    from kvhandoff.mlp import require_finite_mlp
+    from kvhandoff.fit.mlp import require_finite_mlp
 
     source, target = tiny_model("qwen2", layers=2), tiny_model("qwen2", layers=3, head_dim=32, seed=5)
     writer = FeatureShardWriter(tmp_path / "rows", feature_layout(source), feature_layout(target))

@@ -1,4 +1,5 @@
-"""Selective recompute on a mapped cache (kvhandoff.recompute) and the policy threaded through every handoff path."""
+"""Selective recompute on a mapped cache (kvhandoff.runtime.recompute) and the policy threaded through every handoff
+path."""
 
 import dataclasses
 
@@ -6,10 +7,10 @@ import pytest
 import torch
 
 from kvhandoff import FitConfig, SwitchingSession, catch_up, fit_mapper, handoff_cache, prefill
-from kvhandoff.cache import cache_of, cache_view
 from kvhandoff.config import DEFAULT_RECOMPUTE, RECOMPUTE_BUDGETS, RecomputePolicy
 from kvhandoff.errors import ConfigError
-from kvhandoff.recompute import (
+from kvhandoff.model.cache import cache_of, cache_view
+from kvhandoff.runtime.recompute import (
     SelectionInfo,
     apply_policy,
     attention_from_queries,
@@ -397,7 +398,7 @@ def test_stacked_query_attention_is_sdpa_without_copying_the_cache():
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from kvhandoff.recompute import stacked_query_attention
+    from kvhandoff.runtime.recompute import stacked_query_attention
 
     gen = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(shape, generator=gen) for shape in ((2, 12, 5, 16), (2, 2, 40, 16),

@@ -4,7 +4,7 @@ import torch
 from kvhandoff import FitConfig, fit_mapper, handoff_cache, prefill
 from kvhandoff.config import RefineConfig
 from kvhandoff.errors import ConfigError
-from kvhandoff.refine import handoff_kl, mapped_cache, refine_mapper, teacher_window
+from kvhandoff.fit.refine import handoff_kl, mapped_cache, refine_mapper, teacher_window
 
 from conftest import exactly_related, random_batches, tiny_model
 
@@ -107,8 +107,8 @@ def test_refinement_refuses_short_windows_too_few_windows_and_mlp_mappers(unrela
 def test_real_pair_refinement_lowers_the_kl_on_its_training_text():
     """A few refinement steps of the default pair's cached default mapper (fitted on first use: slow) on one real
     window, held out as a copy of itself: the handed-over 1.5B's KL on that text must fall."""
-    from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
-    from kvhandoff.corpus import calibration_batches
+    from kvhandoff.fit.corpus import calibration_batches
+    from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
     from kvhandoff.workflow import load_named_pair, obtain_mapper
 
     pair = load_named_pair(DEFAULT_SOURCE, DEFAULT_TARGET, progress=False)

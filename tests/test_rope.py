@@ -3,7 +3,7 @@ import torch
 from transformers import LlamaConfig
 
 from kvhandoff.errors import UnsupportedModelError
-from kvhandoff.rope import apply_rope, rope_frequencies, strip_rope
+from kvhandoff.model.rope import apply_rope, rope_frequencies, strip_rope
 
 from conftest import LLAMA31_ROPE, tiny_model
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.fit import collect_statistics
-from kvhandoff.selection import layer_r2_matrix, parse_ks, resolve_k, select_layers
+from kvhandoff.fit.pipeline import collect_statistics
+from kvhandoff.fit.selection import layer_r2_matrix, parse_ks, resolve_k, select_layers
 
 from conftest import exactly_related, random_batches, tiny_model
 

@@ -12,6 +12,7 @@ import torch
 from _serving_support import EXACT_FIT, VOCAB, tiny_family
 from kvhandoff import fit_mapper
 from kvhandoff.errors import ConfigError
+from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.guard import (
     GuardRecord,
     WithinTime,
@@ -24,7 +25,6 @@ from kvhandoff.serving.guard import (
     reference_logprobs,
     summarize_guard,
 )
-from kvhandoff.session import SwitchingSession
 
 from conftest import exactly_related, random_batches, tiny_model
 

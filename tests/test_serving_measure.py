@@ -11,14 +11,14 @@ import pytest
 from typer.testing import CliRunner
 
 from _serving_support import chat_ids, tiny_family
-from kvhandoff.cli import app
 from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError
-from kvhandoff.serving.client import require_loopback
 from kvhandoff.serving.guard import GuardRecord, auroc, guard_records, guard_records_by_signal
-from kvhandoff.serving.guard_eval import auroc_interval, chat_turns, resummarize, switching_schedule
-from kvhandoff.serving.loadtest import load_over_http, percentile, schedule
-from kvhandoff.serving.workload import coqa_dialogues, document
+from kvhandoff_lab.cli import app
+from kvhandoff_lab.serving.client import require_loopback
+from kvhandoff_lab.serving.guard_eval import auroc_interval, chat_turns, resummarize, switching_schedule
+from kvhandoff_lab.serving.loadtest import load_over_http, percentile, schedule
+from kvhandoff_lab.serving.workload import coqa_dialogues, document
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture
 def tiny_cli(monkeypatch):
     """The measurement commands host the tiny family instead of loading models."""
-    import kvhandoff.cli.measure as measure
+    import kvhandoff_lab.cli.measure as measure
 
     seen = {}
 

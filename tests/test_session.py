@@ -28,7 +28,7 @@ def test_a_mapper_for_another_pair_is_refused_when_the_session_starts(trio):
 
 
 def test_the_pair_is_fingerprinted_once_per_mapper_and_model(trio, monkeypatch):
-    import kvhandoff.mapper as mapper_module
+    import kvhandoff.mapper.mapper as mapper_module
 
     a, b, _, mapper = trio
     fresh = type(mapper)(mapper.weight, mapper.bias, mapper.selected, mapper.manifest)
@@ -73,7 +73,7 @@ def _count_forwards(model):
 def test_a_switch_is_one_forward_of_the_receiving_model_with_the_two_step_logits(trio, handover, recompute):
     """At a handover the receiving model recomputes the exact prefix (and the policy's picks) in the forward that
     reads the turn: one forward, not two, and the log-probs of the handover that recomputes first."""
-    from kvhandoff.cache import prefill
+    from kvhandoff.model.cache import prefill
 
     a, b, _, mapper = trio
     back = fit_mapper(b, a, random_batches(2, tokens=32), FitConfig(), progress=False)

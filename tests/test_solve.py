@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from kvhandoff import solve
 from kvhandoff.config import GCV_LAMBDAS
-from kvhandoff.fit import collect_statistics
-from kvhandoff.solve import layers_per_solve, residual_variance, ridge_by_gcv, ridge_from_covariance, solve_layers
+from kvhandoff.fit import solve
+from kvhandoff.fit.pipeline import collect_statistics
+from kvhandoff.fit.solve import layers_per_solve, residual_variance, ridge_by_gcv, ridge_from_covariance, solve_layers
 
 from conftest import random_batches, tiny_model
 
@@ -47,7 +47,7 @@ def _covariances(signal: float, n: int = 400, features: int = 20, seed: int = 0)
 
 
 def test_gcv_weights_equal_plain_ridge_at_the_chosen_lambda():
-    from kvhandoff.solve import ridge_by_gcv
+    from kvhandoff.fit.solve import ridge_by_gcv
 
     cov_xx, cov_xy, var_y, n = _covariances(signal=1.0)
     weight, chosen = ridge_by_gcv(cov_xx, cov_xy, var_y, n, (0.3,), group_width=2)
@@ -56,7 +56,7 @@ def test_gcv_weights_equal_plain_ridge_at_the_chosen_lambda():
 
 
 def test_gcv_picks_small_lambda_for_signal_and_large_for_noise():
-    from kvhandoff.solve import ridge_by_gcv
+    from kvhandoff.fit.solve import ridge_by_gcv
 
     grid = (0.001, 0.01, 0.1, 1.0, 10.0)
     _, strong = ridge_by_gcv(*_covariances(signal=3.0), grid, group_width=4)

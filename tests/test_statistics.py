@@ -6,12 +6,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kvhandoff import statistics
-from kvhandoff.capture import capture_content_kv
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import StatisticsError
-from kvhandoff.fit import collect_statistics, feature_layout, mapper_from_statistics
-from kvhandoff.statistics import CalibrationStats, FeatureLayout, SumsContent, sum_shapes
+from kvhandoff.fit import statistics
+from kvhandoff.fit.pipeline import collect_statistics, feature_layout, mapper_from_statistics
+from kvhandoff.fit.statistics import CalibrationStats, SumsContent, sum_shapes
+from kvhandoff.model.capture import FeatureLayout, capture_content_kv
 
 from conftest import random_batches, tiny_model
 

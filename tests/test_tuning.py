@@ -3,9 +3,9 @@ import torch
 
 from kvhandoff import FitConfig
 from kvhandoff.errors import ConfigError
-from kvhandoff.fit import collect_statistics
-from kvhandoff.geometry import model_fingerprint
-from kvhandoff.tuning import HandoffDivergence, sweep
+from kvhandoff.fit.pipeline import collect_statistics
+from kvhandoff.model.geometry import model_fingerprint
+from kvhandoff_lab.tuning import HandoffDivergence, sweep
 
 from conftest import exactly_related, random_batches, tiny_model
 
@@ -52,7 +52,7 @@ def test_source_reference_is_zero_for_a_source_equal_to_the_target():
 
 
 def test_target_tail_covering_the_prefix_gives_zero_divergence():
-    from kvhandoff.fit import mapper_from_statistics
+    from kvhandoff.fit.pipeline import mapper_from_statistics
 
     source, target = tiny_model("qwen2", layers=2), tiny_model("qwen2", layers=2, seed=9)
     stats = collect_statistics(source, target, random_batches(2), progress=False)
@@ -71,7 +71,7 @@ def test_target_tail_covering_the_prefix_gives_zero_divergence():
 
 def test_examples_of_any_length_match_the_document_form(setup):
     """A dev set of (prefix, continuation) pairs of different lengths, e.g. few-shot prompts and their answer."""
-    from kvhandoff.fit import mapper_from_statistics
+    from kvhandoff.fit.pipeline import mapper_from_statistics
 
     source, target, stats, by_documents = setup
     docs = [torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
@@ -90,7 +90,7 @@ def test_examples_of_any_length_match_the_document_form(setup):
 
 
 def test_config_grid_varies_k_fastest():
-    from kvhandoff.tuning import config_grid
+    from kvhandoff_lab.tuning import config_grid
 
     grid = config_grid([1, "all"], [0.01, 0.1], ["own", "kv"], token_stride=2)
     assert len(grid) == 8 and all(c.token_stride == 2 for c in grid)

@@ -3,8 +3,8 @@ import torch
 
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.config import CalibrationSpec
-from kvhandoff.corpus import calibration_batches
-from kvhandoff.statistics import CalibrationStats
+from kvhandoff.fit.corpus import calibration_batches
+from kvhandoff.fit.statistics import CalibrationStats
 from kvhandoff.workflow import load_named_pair, mapper_dir, obtain_mapper, on_source_device, statistics_path
 
 from conftest import random_batches, save_tiny_pair, tiny_model
@@ -160,7 +160,7 @@ def test_an_unreadable_cached_entry_is_rebuilt(pair, capsys):
 
 
 def test_the_manifest_records_each_sides_own_tokenizer(pair):
-    from kvhandoff.geometry import tokenizer_hash
+    from kvhandoff.model.geometry import tokenizer_hash
 
     mapper, _, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
     assert mapper.manifest["source_fingerprint"]["tokenizer_hash"] == tokenizer_hash(pair.models.source_tokenizer)

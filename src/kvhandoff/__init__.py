@@ -1,13 +1,13 @@
 """kvhandoff: cross-model KV-cache transfer with a closed-form linear mapper."""
 
-from kvhandoff import compact, mlp  # noqa: F401 - register the "blocks", "lowrank", "mlp" methods with `Mapper.load`
-from kvhandoff.cache import prefill
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import KVHandoffError
-from kvhandoff.fit import fit_mapper
-from kvhandoff.handoff import catch_up, handoff_cache, handoff_generate
-from kvhandoff.mapper import Mapper
-from kvhandoff.session import SwitchingSession
+from kvhandoff.fit import compact, mlp  # noqa: F401 - register the "blocks", "lowrank", "mlp" methods with `Mapper.load`
+from kvhandoff.fit.pipeline import fit_mapper
+from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.model.cache import prefill
+from kvhandoff.runtime.handoff import catch_up, handoff_cache, handoff_generate
+from kvhandoff.runtime.session import SwitchingSession
 
 __all__ = [
     "FitConfig",

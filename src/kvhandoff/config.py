@@ -155,9 +155,9 @@ class FitConfig:
         K, V maps source V) or "kv" (both maps read source K and V: twice the inputs, weights and transfer GEMM).
     recompute: the handoffs' default selective-recompute policy, as a `RecomputePolicy` spec ("RULE:BUDGET",
         e.g. "deviation:10%"): after mapping, the target recomputes that fraction of the mapped positions itself
-        (`kvhandoff.recompute`). Default `DEFAULT_RECOMPUTE`; recorded in the manifest's config when it differs
+        (`kvhandoff.runtime.recompute`). Default `DEFAULT_RECOMPUTE`; recorded in the manifest's config when it differs
         from it (a manifest without the field takes the default); part of the mapper cache key (`key_dict`).
-    Compact mappers (`kvhandoff.compact`; solved from the same statistics, recorded in the manifest; each left out
+    Compact mappers (`kvhandoff.fit.compact`; solved from the same statistics, recorded in the manifest; each left out
     of manifests and cache keys while at its default, the full ridge map):
     heads: "all" (every target KV head reads every KV head of the selected source layers) or "aligned" (target KV
         head h reads only its group of source KV heads: head h when the counts are equal; h·Hs/Ht … when the
@@ -287,7 +287,7 @@ class FitConfig:
         return RecomputePolicy.parse(self.recompute)
 
 
-#: selective-recompute rules (`kvhandoff.recompute`): which mapped positions the target recomputes itself
+#: selective-recompute rules (`kvhandoff.runtime.recompute`): which mapped positions the target recomputes itself
 RECOMPUTE_RULES: tuple[str, ...] = ("none", "sinks", "recent", "deviation", "source_attention", "mix")
 #: the budgets (fractions of the mapped history) a retention-vs-speed sweep measures
 RECOMPUTE_BUDGETS: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -299,7 +299,7 @@ DEFAULT_RECOMPUTE_MIX: tuple[tuple[str, float], ...] = (("sinks", 0.2), ("recent
 class RecomputePolicy:
     """Selective recompute at a handoff (CacheBlend / EPIC): after the cache is mapped, the target runs the tokens
     at a chosen `budget` fraction of the mapped positions through all its layers, at their true positions, and
-    their fresh K/V replace the mapped ones (`kvhandoff.recompute`).
+    their fresh K/V replace the mapped ones (`kvhandoff.runtime.recompute`).
 
     rule: one of `RECOMPUTE_RULES` — "none"; "sinks" (the first tokens of the context and of every turn);
     "recent" (the last tokens); "deviation" (the tokens whose mapped K/V at the target's layer 0 deviate most

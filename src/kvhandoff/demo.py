@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.cache import feed, kl_divergence, prefill, rollback
 from kvhandoff.config import CalibrationSpec, FitConfig, ModelPlacement
 from kvhandoff.errors import AssetError
-from kvhandoff.evaluation.multiturn import Conversation, load_coqa_conversations
-from kvhandoff.evaluation.scoring import OpenContext, check_mapped, greedy_from
-from kvhandoff.handoff import patch_mapped_cache, recompute_policy
+from kvhandoff.model.cache import feed, kl_divergence, prefill, rollback
+from kvhandoff.runtime.handoff import patch_mapped_cache, recompute_policy
 from kvhandoff.workflow import NamedPair, load_named_pair, load_pair_mapper, obtain_mapper, on_source_device
+from kvhandoff_lab.evaluation.multiturn import Conversation, load_coqa_conversations
+from kvhandoff_lab.evaluation.scoring import OpenContext, check_mapped, greedy_from
 
 MIN_CONTEXT_TOKENS = 1000
 

@@ -102,19 +102,6 @@ def atomic_folder(folder: str | Path) -> Iterator[Path]:
             shutil.rmtree(staging)
 
 
-def save_figure(figure, path: str | Path, **savefig_options) -> Path:
-    """Write a matplotlib figure atomically (format from the file suffix) and close it."""
-    path = Path(path)
-    import matplotlib.pyplot as plt  # only callers that draw pay for matplotlib
-
-    try:
-        with atomic_path(path) as tmp:
-            figure.savefig(tmp, format=path.suffix.lstrip(".") or "png", **savefig_options)
-    finally:
-        plt.close(figure)
-    return path
-
-
 def sha256_file(path: str | Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.assets import ModelPair, load_pair
-from kvhandoff.cache import model_device
 from kvhandoff.config import CalibrationSpec, FitConfig, MLPConfig, RefineConfig, kvhandoff_home
-from kvhandoff.corpus import calibration_batches, pack_texts
-from kvhandoff.distributed import Ranks, dismiss, follow, lead_collection, local_gpus
 from kvhandoff.errors import ConfigError, KVHandoffError
-from kvhandoff.features import FeatureShardWriter, features_complete
 from kvhandoff.files import atomic_write_json, sha256_json
-from kvhandoff.fit import (
+from kvhandoff.fit.corpus import calibration_batches, pack_texts
+from kvhandoff.fit.distributed import Ranks, dismiss, follow, lead_collection, local_gpus
+from kvhandoff.fit.features import FeatureShardWriter, features_complete
+from kvhandoff.fit.heldout import fit_heldout_mapper
+from kvhandoff.fit.mlp import fit_mlp_mapper
+from kvhandoff.fit.pipeline import (
     blocked_metrics,
     collect_statistics,
     feature_layout,
@@ -35,13 +35,13 @@ from kvhandoff.fit import (
     fit_mapper,
     mapper_from_statistics,
 )
-from kvhandoff.geometry import PAIRING_KEYS, check_pair, model_fingerprint
-from kvhandoff.heldout import fit_heldout_mapper
-from kvhandoff.mapper import Mapper
-from kvhandoff.mlp import fit_mlp_mapper
-from kvhandoff.refine import check_refinable, refine_mapper
-from kvhandoff.selection import layer_r2_matrix
-from kvhandoff.statistics import CalibrationStats, SumsContent
+from kvhandoff.fit.refine import check_refinable, refine_mapper
+from kvhandoff.fit.selection import layer_r2_matrix
+from kvhandoff.fit.statistics import CalibrationStats, SumsContent
+from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.model.cache import model_device
+from kvhandoff.model.geometry import PAIRING_KEYS, check_pair, model_fingerprint
+from kvhandoff.model.loading import ModelPair, load_pair
 
 #: version of the cache keys (part of every key: raising it makes every entry written before a miss)
 CACHE_SCHEMA = 2

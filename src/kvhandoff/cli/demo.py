@@ -31,8 +31,8 @@ from kvhandoff.cli.options import (
 )
 from kvhandoff.config import CalibrationSpec, FitConfig, ModelPlacement
 from kvhandoff.demo import render_demo, run_demo
-from kvhandoff.evaluation.scoring import MAPPED_PARTS
 from kvhandoff.files import atomic_write_json
+from kvhandoff_lab.evaluation.scoring import MAPPED_PARTS
 
 
 def demo(

@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from kvhandoff.assets import prepare_model
 from kvhandoff.cli.options import (
     DEFAULT_DTYPE,
     DEFAULT_MIX,
@@ -41,8 +40,9 @@ from kvhandoff.config import (
     MLPConfig,
     RefineConfig,
 )
-from kvhandoff.distributed import DEFAULT_CHECKPOINT_EVERY, dismiss, launched, requested_world_size
-from kvhandoff.fit import estimate_memory, feature_layout, layer_block_for_budget
+from kvhandoff.fit.distributed import DEFAULT_CHECKPOINT_EVERY, dismiss, launched, requested_world_size
+from kvhandoff.fit.pipeline import estimate_memory, feature_layout, layer_block_for_budget
+from kvhandoff.model.loading import prepare_model
 from kvhandoff.workflow import (
     describe_fit,
     describe_size,

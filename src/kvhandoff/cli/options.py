@@ -16,7 +16,6 @@ from typing import Annotated
 
 import typer
 
-from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.config import (
     CALIBRATION_GROUPS,
     DEFAULT_CALIBRATION_MIX,
@@ -31,7 +30,8 @@ from kvhandoff.config import (
     require_positive,
 )
 from kvhandoff.errors import ConfigError
-from kvhandoff.selection import parse_ks
+from kvhandoff.fit.selection import parse_ks
+from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
 
 __all__ = ["DEFAULT_MIX", "DEFAULT_SOURCE", "DEFAULT_TARGET"]
 

@@ -30,12 +30,12 @@ import torch
 
 from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError, KVHandoffError
-from kvhandoff.handoff import PrefixStore
+from kvhandoff.runtime.handoff import PrefixStore
+from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.decoding import choose_token, end_ids, held_back, make_generator, stop_index
 from kvhandoff.serving.guard import guard_score, needs_reference, reference_logprobs
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.protocol import HANDOFF_MODES
-from kvhandoff.session import SwitchingSession
 
 #: the chat template of a tokenizer that has none (ChatML, the layout of Qwen chat models)
 CHATML_TEMPLATE = (

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.assets import DEFAULT_SOURCE, DEFAULT_TARGET, ModelPair, load_model, load_pair
 from kvhandoff.errors import ConfigError
-from kvhandoff.geometry import check_pair
-from kvhandoff.mapper import Mapper
+from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.model.geometry import check_pair
+from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET, ModelPair, load_model, load_pair
 from kvhandoff.workflow import NamedPair, obtain_mapper, on_source_device
 
 

@@ -1,0 +1,290 @@
+"""The mapper manifest: what a mapper says about itself (geometry, identities, settings, metrics), typed and
+validated, written beside its tensors as `manifest.json`.
+
+One format version (`config.MAPPER_FORMAT_VERSION`) for every method; the `method` field names the mapper class
+that reads the tensors (`mapper.register_method`). A manifest is checked when it is built, in memory or from a
+file, and every problem names its field. On disk it carries a checksum over its own canonical content, which
+includes the tensor file's sha256 (`tensor_sha256`), so an edit to either file is refused on load.
+
+A `MapperManifest` is immutable: change one with `dataclasses.replace` (or `with_metrics`). It also reads as a
+mapping of its JSON form (``manifest["fit_metrics"]``, ``manifest.get("method")``) for code that reports it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from kvhandoff.config import MAPPER_FORMAT_VERSION, FitConfig, MLPConfig, require_positive
+from kvhandoff.errors import ConfigError, MapperFormatError
+from kvhandoff.files import sha256_json
+from kvhandoff.model.capture import FeatureLayout
+
+#: key of the manifest's own checksum in `manifest.json`
+CHECKSUM_KEY = "checksum"
+SIDES = ("source", "target")
+#: what a fingerprint's geometry must hold for the mapper to rebuild that side's RoPE
+_ROPE_GEOMETRY_KEYS = ("head_dim", "hidden_size", "num_attention_heads")
+
+
+def _bad(name: str, problem: str) -> MapperFormatError:
+    return MapperFormatError(f"mapper manifest field {name!r} {problem}; re-fit the mapper")
+
+
+def _int_rows(name: str, value) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(value, list | tuple) or not value or not all(
+        isinstance(row, list | tuple) and row and all(isinstance(i, int) and not isinstance(i, bool) for i in row)
+        for row in value
+    ):
+        raise _bad(name, f"must be a non-empty list of non-empty lists of layer indices, got {value!r}")
+    return tuple(tuple(row) for row in value)
+
+
+@dataclass(frozen=True)
+class MapperManifest(Mapping):
+    """Everything a mapper records besides its tensors.
+
+    method: the mapper class (ridge | mlp | synthetic | any registered method).
+    config: the fit settings (exact_prefix and source_inputs among them).
+    source_layout / target_layout: the K/V feature layouts the map reads and writes.
+    selected_layers: [target layers][k] source layers feeding each target layer (the tensors' layout).
+    source_fingerprint / target_fingerprint: `geometry.model_fingerprint` of each model (may be empty for a
+        mapper solved from statistics alone; RoPE needs the fingerprint's geometry).
+    source_max_position_embeddings / target_max_position_embeddings: each model's context window.
+    calibration, fit_metrics: descriptions of the data and the fit. source_layers_per_target_layer: only
+    when target layers read different numbers of source layers. refinement: `refine.refine_mapper`'s record.
+    mlp_config, mlp_input_layers, mlp_features: the MLP mapper's settings, inputs and rows.
+    tensor_sha256: the tensor file's hash (set on save).
+    storage: what the saved tensors take (set on save): {"parameters", "tensor_bytes", "file_bytes",
+        "weight_dtype"} — read without loading the tensors (`Mapper.load(lazy=True)`).
+    """
+
+    method: str
+    config: FitConfig
+    source_layout: FeatureLayout
+    target_layout: FeatureLayout
+    selected_layers: tuple[tuple[int, ...], ...]
+    source_fingerprint: dict
+    target_fingerprint: dict
+    source_max_position_embeddings: int
+    target_max_position_embeddings: int
+    calibration: dict = field(default_factory=dict)
+    fit_metrics: dict = field(default_factory=dict)
+    source_layers_per_target_layer: tuple[tuple[int, ...], ...] | None = None
+    refinement: dict | None = None
+    mlp_config: MLPConfig | None = None
+    mlp_input_layers: tuple[tuple[int, ...], ...] | None = None
+    mlp_features: dict | None = None
+    tensor_sha256: str | None = None
+    storage: dict | None = None
+    format_version: int = MAPPER_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        check_format_version(self.format_version)
+        if not isinstance(self.method, str) or not self.method:
+            raise _bad("method", f"must name a mapper method, got {self.method!r}")
+        self._check_types()
+        for side in SIDES:
+            self._check_side(side)
+        rows = self.selected_layers
+        if len(rows) != self.target_layout.num_layers or len({len(row) for row in rows}) != 1:
+            raise _bad("selected_layers", f"must hold one row of k source layers per target layer "
+                                          f"({self.target_layout.num_layers}), got {[len(r) for r in rows]}")
+        if any(not 0 <= i < self.source_layout.num_layers for row in rows for i in row):
+            raise _bad("selected_layers", f"names source layers outside 0..{self.source_layout.num_layers - 1}")
+
+    def _check_types(self) -> None:
+        expected: dict[str, type | tuple[type, ...]] = {
+            "config": FitConfig, "source_layout": FeatureLayout, "target_layout": FeatureLayout,
+            "source_fingerprint": dict, "target_fingerprint": dict, "calibration": dict, "fit_metrics": dict,
+            "refinement": (dict, type(None)), "mlp_config": (MLPConfig, type(None)),
+            "mlp_features": (dict, type(None)), "tensor_sha256": (str, type(None)),
+            "storage": (dict, type(None)),
+        }
+        for name, kind in expected.items():
+            if not isinstance(getattr(self, name), kind):
+                raise _bad(name, f"has the wrong type ({type(getattr(self, name)).__name__})")
+        for name in ("selected_layers", "source_layers_per_target_layer", "mlp_input_layers"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _int_rows(name, value))
+        for name in ("source_max_position_embeddings", "target_max_position_embeddings"):
+            try:
+                require_positive(name, getattr(self, name))
+            except ConfigError as exc:
+                raise _bad(name, f"is invalid ({exc})") from exc
+
+    def _check_side(self, side: str) -> None:
+        layout: FeatureLayout = getattr(self, f"{side}_layout")
+        for key, value in dataclasses.asdict(layout).items():
+            try:
+                require_positive(key, value)
+            except ConfigError as exc:
+                raise _bad(f"{side}_layout", f"is invalid ({exc})") from exc
+        geometry = getattr(self, f"{side}_fingerprint").get("geometry")
+        if geometry is None:  # a mapper solved from statistics alone (no models): no RoPE, no pairing check
+            return
+        name = f"{side}_fingerprint.geometry"
+        if not isinstance(geometry, dict):
+            raise _bad(name, "must be a dict")
+        found = tuple(geometry.get(k) for k in ("num_layers", "num_kv_heads", "head_dim"))
+        if found != (layout.num_layers, layout.num_kv_heads, layout.head_dim):
+            raise _bad(name, f"says layers × KV heads × head dim {found}, the {side} layout {layout}")
+        rope = geometry.get("rope")
+        missing = [k for k in _ROPE_GEOMETRY_KEYS if not isinstance(geometry.get(k), int)]
+        if missing or not isinstance(rope, dict) or not isinstance(rope.get("parameters"), str):
+            raise _bad(name, f"lacks the RoPE description (rope.parameters, {', '.join(_ROPE_GEOMETRY_KEYS)})")
+        try:
+            parameters = json.loads(rope["parameters"])
+        except json.JSONDecodeError as exc:
+            raise _bad(f"{name}.rope.parameters", f"is not JSON ({exc})") from exc
+        if not isinstance(parameters, dict) or "rope_type" not in parameters:
+            raise _bad(f"{name}.rope.parameters", "must be a dict with a rope_type")
+
+    # -- derived settings -------------------------------------------------------------------------
+    @property
+    def exact_prefix(self) -> int:
+        """Leading tokens the target recomputes at handoff (the fit setting)."""
+        return self.config.exact_prefix
+
+    @property
+    def joint_inputs(self) -> bool:
+        """Whether each map reads the selected source layers' K and V (source_inputs="kv")."""
+        return self.config.source_inputs == "kv"
+
+    def max_position_embeddings(self, side: str) -> int:
+        return self.source_max_position_embeddings if side == "source" else self.target_max_position_embeddings
+
+    def rope_config(self, side: str):
+        """A minimal transformers config carrying ``side``'s RoPE parameters, for its rope initialisers."""
+        from transformers import PretrainedConfig
+
+        geometry = getattr(self, f"{side}_fingerprint").get("geometry")
+        if geometry is None:
+            raise MapperFormatError(
+                f"this mapper's manifest has no {side} fingerprint (it was solved from statistics alone), so it "
+                "cannot apply RoPE: fit it with the models (`fit_mapper`) to transfer caches"
+            )
+        config = PretrainedConfig()
+        config.rope_parameters = json.loads(geometry["rope"]["parameters"])
+        for key in _ROPE_GEOMETRY_KEYS:
+            setattr(config, key, geometry[key])
+        config.max_position_embeddings = self.max_position_embeddings(side)
+        return config
+
+    def with_metrics(self, **entries) -> MapperManifest:
+        """This manifest with ``entries`` added to `fit_metrics`."""
+        return dataclasses.replace(self, fit_metrics={**copy.deepcopy(self.fit_metrics), **entries})
+
+    # -- JSON form --------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The JSON form (what `manifest.json` holds, less the checksum); optional fields that are unset are left
+        out. A fresh copy."""
+        data: dict[str, Any] = {}
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if value is None:
+                continue
+            if isinstance(value, FitConfig | MLPConfig):
+                value = value.to_dict()
+            elif isinstance(value, FeatureLayout):
+                value = dataclasses.asdict(value)
+            elif isinstance(value, tuple):
+                value = [list(row) for row in value]
+            data[spec.name] = copy.deepcopy(value)
+        return json.loads(json.dumps(data))  # canonical: what reading the file back gives
+
+    def checksum(self) -> str:
+        """Hash of the canonical JSON form (the tensor file's hash included once `tensor_sha256` is set)."""
+        return sha256_json(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> MapperManifest:
+        """Build and validate a manifest from its JSON form (a `checksum` entry, if any, is not checked here:
+        `read` does that)."""
+        if not isinstance(data, Mapping):
+            raise MapperFormatError(f"a mapper manifest must be a JSON object, got {type(data).__name__}; re-fit")
+        check_format_version(data.get("format_version"))
+        data = {k: v for k, v in data.items() if k != CHECKSUM_KEY}
+        names = {spec.name for spec in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise _bad(unknown[0], "is not a manifest field")
+        required = [spec.name for spec in dataclasses.fields(cls)
+                    if spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise _bad(missing[0], "is missing")
+        values = dict(copy.deepcopy(data))
+        values["config"] = _build("config", FitConfig, values["config"])
+        if values.get("mlp_config") is not None:
+            values["mlp_config"] = _build("mlp_config", MLPConfig, values["mlp_config"])
+        for side in SIDES:
+            values[f"{side}_layout"] = _build(f"{side}_layout", FeatureLayout, values[f"{side}_layout"])
+        return cls(**values)
+
+    # -- mapping view (read-only) -----------------------------------------------------------------
+    @cached_property
+    def _view(self) -> dict:
+        return self.to_dict()
+
+    def __getitem__(self, key: str):
+        return self._view[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._view)
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+
+def check_format_version(version) -> None:
+    """MapperFormatError unless ``version`` is the one format this kvhandoff reads and writes."""
+    if isinstance(version, int) and not isinstance(version, bool) and version > MAPPER_FORMAT_VERSION:
+        raise MapperFormatError(
+            f"mapper format version {version!r} is newer than this kvhandoff's ({MAPPER_FORMAT_VERSION}): upgrade "
+            "kvhandoff (`pip install -U kvhandoff`)"
+        )
+    if version != MAPPER_FORMAT_VERSION:
+        raise MapperFormatError(
+            f"mapper format version {version!r} was written by an older kvhandoff; this one reads version "
+            f"{MAPPER_FORMAT_VERSION} only: re-fit the mapper (`kvhandoff fit`)"
+        )
+
+
+def _build(name: str, kind: type, value):
+    if not isinstance(value, Mapping):
+        raise _bad(name, f"must be a JSON object, got {value!r}")
+    try:
+        return kind(**value)
+    except (TypeError, ConfigError) as exc:
+        raise _bad(name, f"is invalid ({exc})") from exc
+
+
+def dumps(manifest: MapperManifest) -> str:
+    """The text of `manifest.json`: the canonical JSON form plus its checksum."""
+    return json.dumps({**manifest.to_dict(), CHECKSUM_KEY: manifest.checksum()}, indent=2, sort_keys=True)
+
+
+def loads(text: str, where: str) -> MapperManifest:
+    """Parse and check `manifest.json` text (``where``: the file, for messages): JSON, format version, checksum,
+    then every field."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MapperFormatError(f"{where} is not valid JSON ({exc}); re-fit or restore the mapper") from exc
+    if not isinstance(data, dict):
+        raise MapperFormatError(f"{where} is not a JSON object; re-fit or restore the mapper")
+    check_format_version(data.get("format_version"))
+    body = {k: v for k, v in data.items() if k != CHECKSUM_KEY}
+    if data.get(CHECKSUM_KEY) != sha256_json(body):
+        raise MapperFormatError(
+            f"{where} does not match its checksum: the manifest was edited or is damaged; re-fit the mapper or "
+            "restore it from a backup"
+        )
+    return MapperManifest.from_dict(body)

@@ -1,0 +1,245 @@
+"""A conversation served by several models in turn: each switch hands the conversation over by mapping the
+cache (`handoff`), never by re-prefilling it."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from kvhandoff.errors import ConfigError
+from kvhandoff.model.cache import cache_copy, prefill, rollback
+from kvhandoff.runtime.handoff import (
+    MappedCache,
+    PrefixStore,
+    catch_up_mapped,
+    check_context,
+    map_for_target,
+    recompute_policy,
+    verify_mapper,
+)
+from kvhandoff.runtime.recompute import SelectionInfo
+
+#: how a conversation is handed over at a switch: "all" — the current server's whole cache is mapped for the new
+#: server; "incremental" — every model keeps its own cache and only the positions it has not cached are mapped
+HANDOVERS = ("all", "incremental")
+
+
+class SwitchingSession:
+    """One conversation served by several models in turn (a router switching between them at turn boundaries).
+
+    models: name → model (one family, one tokenizer); mappers: (from name, to name) → `Mapper`.
+    handover: see `HANDOVERS` ("incremental": a model returning to the conversation keeps its cache and catches
+    up on the turns it missed, so no position is mapped twice). exact_prefix: leading positions a model
+    recomputes itself the first time it is handed the conversation (None = the mapper's own setting).
+    recompute: the selective-recompute policy of every handover (a `RecomputePolicy` or a spec such as
+    "sinks:10%"; None = each mapper's default): the receiving model recomputes that share of the positions just
+    mapped for it. prefix_store: a `PrefixStore` the models' exact prefixes are copied from and kept in (shared by
+    the sessions of one server, whose conversations open alike). The session knows where each turn (each `read`,
+    each generated answer) starts, for "sinks".
+
+    `read(server, ids)` lets ``server`` read the next tokens of the conversation, switching to it first when
+    another model served last; `generate(server, ids, ...)` also answers, and the answer joins the conversation.
+    A caller may decode from `cache(server)` itself: what it decodes past `tokens` (what every cache agrees on)
+    is dropped before the conversation goes on (`rollback`).
+
+    Every mapper is checked against its two models when the session starts (MapperMismatchError for a wrong
+    pair), and a turn that would take the conversation past a model's context window is refused before any
+    work (ContextTooLongError).
+    """
+
+    def __init__(self, models, mappers, handover: str = "incremental", exact_prefix: int | None = None,
+                 recompute=None, prefix_store: PrefixStore | None = None) -> None:
+        if handover not in HANDOVERS:
+            raise ConfigError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
+        self.models, self.mappers = dict(models), dict(mappers)
+        for (source, target), mapper in self.mappers.items():
+            unknown = [name for name in (source, target) if name not in self.models]
+            if unknown:
+                raise ConfigError(f"mapper {source} → {target} names unknown model(s) {unknown}; the session "
+                                  f"serves {', '.join(self.models)}")
+            verify_mapper(mapper, self.models[source], self.models[target])
+        self.handover, self.exact_prefix, self.prefix_store = handover, exact_prefix, prefix_store
+        self.recompute = None if recompute is None else recompute_policy(None, recompute)
+        self._turn_starts: list[int] = []  # where each read turn and each generated answer began
+        self.tokens: list[int] = []
+        self.owner: str | None = None  # the model that read the conversation last
+        self._caches: dict[str, object] = {}
+
+    def require_model(self, server: str) -> None:
+        """ConfigError unless ``server`` is one of the session's models."""
+        if server not in self.models:
+            raise ConfigError(f"unknown model {server!r}; the session serves {', '.join(self.models)}")
+
+    def cache(self, server: str):
+        """``server``'s cache of the conversation (None before it has one)."""
+        return self._caches.get(server)
+
+    def switch_to(self, server: str):
+        """Make ``server`` the owner; returns its cache of `tokens` (mapped as `handover` says, the positions the
+        model recomputes after a handover already recomputed)."""
+        mapped = self._switch(server)
+        return mapped.settle(self.models[server]) if mapped is not None else self._caches.get(server)
+
+    def _switch(self, server: str) -> MappedCache | None:
+        """Make ``server`` the owner; at a handover, its cache of `tokens` as a `MappedCache` whose recompute (the
+        exact prefix, the policy's picks) is left to the model's next forward (`MappedCache.read`); else None."""
+        self.require_model(server)
+        owner = self.owner
+        for name in (owner, server):
+            if name in self._caches:
+                self.rollback(name)
+        if owner is not None and server != owner:
+            mapper = self.mappers.get((owner, server))
+            if mapper is None:
+                raise ConfigError(f"no mapper for the handoff {owner} → {server}")
+            current = self._caches[owner] if self.handover == "incremental" else self._caches.pop(owner)
+            ids = torch.tensor([self.tokens], device=current.layers[0].keys.device)
+            info = SelectionInfo(turn_starts=tuple(p for p in self._turn_starts if p < len(self.tokens)))
+            if server in self._caches:
+                mapped = catch_up_mapped(self._caches[server], current, mapper, self.models[owner],
+                                         self.models[server], ids, self.recompute, info)
+            else:
+                mapped = map_for_target(self.models[owner], self.models[server], mapper, ids, self.exact_prefix,
+                                        source_cache=current, recompute=self.recompute, recompute_info=info,
+                                        prefix_store=self.prefix_store)
+                self._caches[server] = mapped.cache
+            self.owner = server
+            return mapped
+        self.owner = server
+        return None
+
+    def _read_on(self, server: str, ids: list[int], keep: int) -> torch.Tensor:
+        """``server`` reads ``ids`` on its cache of the conversation, switching to it first (at a handover the
+        recompute and the read are one forward); logits of the last ``keep`` of them [1, keep, vocab]."""
+        mapped = self._switch(server)
+        model = self.models[server]
+        input_ids = torch.tensor([ids], device=model.device)
+        if mapped is not None:
+            return mapped.read(model, input_ids, keep)
+        out = model(input_ids=input_ids, cache=self._caches.get(server), use_cache=True, logits_to_keep=keep)
+        self._caches[server] = out.cache
+        return out.logits
+
+    @torch.inference_mode()
+    def read(self, server: str, ids) -> torch.Tensor:
+        """``server`` reads ``ids`` (the conversation's next tokens); float32 log-probs of the token after them."""
+        ids = list(ids)
+        if not ids:
+            raise ConfigError("read needs at least one token")
+        self._check_length(server, len(ids))
+        logits = self._read_on(server, ids, 1)
+        self._mark_turns(len(self.tokens))
+        self.tokens += ids
+        return logits[0, -1].float().log_softmax(-1)
+
+    @torch.inference_mode()
+    def generate(self, server: str, ids, **generate_kwargs) -> list[int]:
+        """``server`` reads ``ids`` (the new turn) and generates its answer with ``model.generate``
+        (generate_kwargs: max_new_tokens, do_sample, ...). The answer joins the conversation: every generated
+        token is cached and appended to `tokens`. Returns the generated token ids."""
+        ids = list(ids)
+        if not ids:
+            raise ConfigError("generate needs at least one token of the new turn")
+        self._check_length(server, len(ids))
+        mapped = self._switch(server)
+        model = self.models[server]
+        input_ids = torch.tensor([self.tokens + ids], device=model.device)
+        if mapped is not None:  # at a handover, generate's first forward also recomputes (`MappedCache.generate`)
+            cache = mapped.cache
+            out = mapped.generate(model, input_ids, **generate_kwargs)
+        else:
+            cache = self._caches.get(server)
+            if cache is None:  # the conversation's first turn: generate prefills it
+                cache = self._caches[server] = DynamicCache()
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
+                                 **generate_kwargs)
+        answer = out[0, input_ids.shape[1]:].tolist()
+        self._mark_turns(len(self.tokens), input_ids.shape[1])  # the turn read, then the answer
+        everything = out[0].tolist()
+        missing = everything[cache.get_seq_length():]  # generate does not feed its last token back
+        if missing:
+            prefill(model, torch.tensor([missing], device=model.device), cache)
+        self.tokens = everything
+        return answer
+
+    def _mark_turns(self, *starts: int) -> None:
+        """Record where turns start (positions past the current conversation, e.g. after a rollback, are dropped)."""
+        self._turn_starts = [p for p in self._turn_starts if p < len(self.tokens)] + list(starts)
+
+    def _check_length(self, server: str, new: int) -> None:
+        """Refuse a turn that takes the conversation past ``server``'s context window, before anything runs."""
+        self.require_model(server)
+        check_context(len(self.tokens) + new, self.models[server])
+
+    def rollback(self, server: str) -> None:
+        """Drop what ``server``'s cache holds past `tokens` (e.g. an answer the caller decoded and will feed back
+        later as part of the next turn)."""
+        cache = self._caches[server]
+        if cache.get_seq_length() > len(self.tokens):
+            rollback(cache, len(self.tokens))
+
+    # -- for a server (kvhandoff.serving): roll back to a common prefix, read with scores, re-prefill, size ---------
+    def truncate(self, length: int) -> None:
+        """Roll the conversation back to its first ``length`` tokens (e.g. the prefix an edited history shares with
+        the cached one): `tokens` and every cache are cut there; a cache that is already shorter (a model that
+        missed later turns) is kept as it is. ``length`` 0 forgets the conversation and every cache."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= len(self.tokens):
+            raise ConfigError(f"truncate length must be in 0..{len(self.tokens)}, got {length!r}")
+        self.tokens = self.tokens[:length]
+        if length == 0:
+            self._caches.clear()
+            self.owner = None
+            return
+        for cache in self._caches.values():
+            if cache.get_seq_length() > length:
+                rollback(cache, length)
+
+    @torch.inference_mode()
+    def read_logprobs(self, server: str, ids, keep: int = 1) -> torch.Tensor:
+        """As `read`, but returns the float32 log-probs of the last ``keep`` positions of ``ids`` [min(keep,
+        len(ids)), vocab] (row i: the distribution of the token after that position); only those logits are
+        computed."""
+        ids = list(ids)
+        if not ids:
+            raise ConfigError("read_logprobs needs at least one token")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"keep must be a positive integer, got {keep!r}")
+        logits = self._read_on(server, ids, min(keep, len(ids)))
+        self.tokens += ids
+        return logits[0].float().log_softmax(-1)
+
+    @torch.inference_mode()
+    def reprefill(self, server: str) -> torch.Tensor:
+        """``server`` drops its cache and prefills the whole conversation itself (the fallback when a mapped cache
+        is not to be trusted) and becomes the owner; other models keep theirs. Returns the float32 log-probs of
+        the token after `tokens`."""
+        self.require_model(server)
+        if not self.tokens:
+            raise ConfigError("reprefill needs a conversation of at least one token")
+        self._caches.pop(server, None)
+        model = self.models[server]
+        cache, logits = prefill(model, torch.tensor([self.tokens], device=model.device))
+        self._caches[server] = cache
+        self.owner = server
+        return logits[0].float().log_softmax(-1)
+
+    def fork(self) -> SwitchingSession:
+        """A copy of the conversation that shares the models and mappers but owns copies of the caches: what the
+        fork reads, generates or hands over leaves this session as it was (e.g. to try a switch another way)."""
+        twin = copy.copy(self)
+        twin.tokens, twin._turn_starts = list(self.tokens), list(self._turn_starts)
+        twin._caches = {name: cache_copy(cache) for name, cache in self._caches.items()}
+        return twin
+
+    def cache_bytes(self) -> int:
+        """Bytes of memory the session's caches hold (storage shared by several views counted once)."""
+        storages: dict[tuple, int] = {}
+        for cache in self._caches.values():
+            for layer in cache.layers:
+                for tensor in (layer.keys, layer.values):
+                    if tensor is not None:
+                        storage = tensor.untyped_storage()
+                        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+        return sum(storages.values())

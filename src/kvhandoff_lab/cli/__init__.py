@@ -1,0 +1,30 @@
+"""`kvhandoff-lab` command line: tune, eval, eval-render, eval-switch, bench, bench-fit, analyze, bench-serve,
+load-test, guard-eval.
+
+The lab's measurements of the product: one module per command group, sharing the product's option parsers
+(`kvhandoff.cli.options`) and its one-line failure reports (`kvhandoff.cli.group`).
+"""
+
+from __future__ import annotations
+
+import typer
+
+from kvhandoff.cli.group import CommandGroup
+from kvhandoff_lab.cli import analyze, bench, evaluate, measure, switch, tune
+
+app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
+app.command()(tune.tune)
+app.command("eval")(evaluate.eval_command)
+app.command("eval-render")(evaluate.render_command)
+app.command("eval-switch")(switch.eval_switch)
+app.command()(bench.bench)
+app.command("bench-fit")(bench.bench_fit)
+app.command()(analyze.analyze)
+app.command("bench-serve")(measure.bench_serve)
+app.command("load-test")(measure.load_test)
+app.command("guard-eval")(measure.guard_eval)
+
+
+def main() -> None:
+    """The console script `kvhandoff-lab`."""
+    app()

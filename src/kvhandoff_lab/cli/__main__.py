@@ -1,0 +1,3 @@
+from kvhandoff_lab.cli import main
+
+main()

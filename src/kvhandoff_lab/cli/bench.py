@@ -1,0 +1,127 @@
+"""`bench`: latency of handoff vs the target's re-prefill, per context length; `bench-fit`: the fit's time and memory
+next to the models' own forwards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+from kvhandoff.cli.options import (
+    DEFAULT_DTYPE,
+    DEFAULT_MIX,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_SOURCE,
+    DEFAULT_TARGET,
+    DEFAULT_TOP_K,
+    DeviceMap,
+    Dtype,
+    Mix,
+    Progress,
+    Recompute,
+    SavedMapper,
+    SeqLen,
+    Source,
+    Target,
+    TopK,
+    non_negative_int,
+    one_of,
+    option_errors,
+    positive_float,
+    positive_int,
+    positive_ints,
+)
+from kvhandoff.config import CalibrationSpec, FitConfig
+from kvhandoff.fit.corpus import calibration_batches
+from kvhandoff.workflow import load_named_pair, on_source_device
+from kvhandoff_lab.bench import DEFAULT_LENGTHS, bench_mapper, run_bench
+from kvhandoff_lab.fitbench import describe_fit_cost, run_fit_bench
+
+
+def bench(
+    source: Source = DEFAULT_SOURCE,
+    target: Target = DEFAULT_TARGET,
+    mapper: SavedMapper = None,
+    lengths: Annotated[tuple, typer.Option(parser=positive_ints, metavar="LIST", help="comma-separated context "
+                                                                                      "lengths")]
+    = ",".join(map(str, DEFAULT_LENGTHS)),
+    repeats: Annotated[int, typer.Option(parser=positive_int, help="timed repeats per path and length")] = 5,
+    warmup: Annotated[int, typer.Option(parser=non_negative_int, help="untimed warm-up runs per path and length")]
+    = 1,
+    out: Annotated[Path, typer.Option(help="folder for bench.json and bench.png")] = Path("runs/bench"),
+    synthetic: Annotated[bool, typer.Option(help="time a random mapper of the pair's shape (no fit needed; "
+                                                 "latency does not depend on the weights)")] = False,
+    k: TopK = "all",
+    threads: Annotated[int | None, typer.Option(parser=positive_int, help="torch CPU threads (default: torch's "
+                                                                          "choice)")] = None,
+    budget: Annotated[float | None, typer.Option(parser=positive_float, help="stop starting new lengths after "
+                                                                             "this many seconds")] = None,
+    memory: Annotated[bool, typer.Option(help="measure peak tensor memory of each path")] = True,
+    new_turn: Annotated[int, typer.Option(parser=positive_int, help=(
+        "tokens at the end of each context the target reads itself (1: all mapped; more: a switch at a turn "
+        "boundary)"))] = 1,
+    recompute: Recompute = None,
+    two_step: Annotated[bool, typer.Option(help="also time the handoff whose target recomputes the exact prefix in "
+                                                "a forward of its own before it reads the new turn")] = True,
+    prefix_store: Annotated[bool, typer.Option(help="also time the handoff whose exact prefix is copied from a "
+                                                    "store of conversation openings (as `serve` keeps)")] = True,
+    resident: Annotated[bool, typer.Option(help="copy the models' weights out of their file-backed memory maps "
+                                                "first, so that memory pressure cannot send a timed forward to the "
+                                                "disk")] = True,
+    dtype: Dtype = DEFAULT_DTYPE,
+    device_map: DeviceMap = None,
+) -> None:
+    """Latency of handoff (transfer + one target forward: the exact prefix and the new turn) vs the target's
+    re-prefill, per context length, with peak tensor memory and the FLOP bound."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    pair = load_named_pair(source, target, dtype, device_map=device_map)
+    the_mapper, note = bench_mapper(pair, mapper, synthetic, k)
+    on_source_device(the_mapper, pair.source)
+    typer.echo(note)
+    result = run_bench(pair.source, pair.target, the_mapper, lengths, repeats=repeats, warmup=warmup, out_dir=out,
+                       time_budget_s=budget, measure_memory=memory, source_name=source, target_name=target,
+                       new_turn=new_turn, recompute=recompute, two_step=two_step, resident=resident,
+                       prefix_store=prefix_store)
+    typer.echo(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    if result["failed"] or result["skipped"]:
+        typer.echo(f"not measured: skipped {result['skipped']}, failed {[f['tokens'] for f in result['failed']]}")
+
+
+def bench_fit(
+    source: Source = DEFAULT_SOURCE,
+    target: Target = DEFAULT_TARGET,
+    windows: Annotated[int, typer.Option(parser=positive_int, help=(
+        f"calibration windows measured (the default fit reads {CalibrationSpec().num_sequences}); the ratios "
+        "are also projected to that many"))] = 8,
+    seq_len: SeqLen = DEFAULT_SEQ_LEN,
+    groups: Mix = DEFAULT_MIX,
+    k: TopK = DEFAULT_TOP_K,
+    inputs: Annotated[str, typer.Option(parser=one_of(("own", "kv")), help=(
+        "what each map reads of the selected source layers: 'own' or 'kv' (as `fit --inputs`)"))] = "own",
+    both_directions: Annotated[bool, typer.Option("--both-directions", help=(
+        "the pass sums the target's whole Gram too, as `fit --both-directions` does"))] = False,
+    threads: Annotated[int | None, typer.Option(parser=positive_int, help="torch CPU threads (default: torch's "
+                                                                          "choice)")] = None,
+    out: Annotated[Path, typer.Option(help="folder for bench-fit.json")] = Path("runs/bench-fit"),
+    dtype: Dtype = DEFAULT_DTYPE,
+    progress: Progress = True,
+) -> None:
+    """The fit's wall time and peak memory next to a forward-only pass of both models over the same calibration
+    windows, in one process, interleaved window by window (the statistics pass, then the solve; on the CPU)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    with option_errors("--windows", "--mix", "--top-k", "--inputs"):
+        calibration = CalibrationSpec(num_sequences=windows, seq_len=seq_len, mix=groups)
+        config = FitConfig(top_k=k, source_inputs=inputs)
+    pair = load_named_pair(source, target, dtype, progress=progress)
+    corpus = calibration_batches(pair.tokenizer, calibration.num_sequences, calibration.seq_len,
+                                 seed=calibration.seed, batch_size=calibration.batch_size, mix=calibration.mix)
+    description = {"source": source, "target": target, "calibration": corpus.describe()}
+    result = run_fit_bench(pair.source, pair.target, list(corpus), out, config, both_directions, description,
+                           progress)
+    for line in describe_fit_cost(result):
+        typer.echo(line)
+    typer.echo(f"wrote {out / 'bench-fit.json'}")

@@ -1,0 +1,141 @@
+"""`bench-serve`, `load-test`, `guard-eval`: the server measured over loopback HTTP on real text — time to first token
+at a switch with the handoff vs a re-prefill, concurrent switching conversations, and the quality guard's AUROC and
+threshold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvhandoff.cli.options import (
+    Recompute,
+    list_of,
+    one_of,
+    option_errors,
+    positive_float,
+    positive_int,
+    positive_ints,
+    recompute_spec,
+)
+from kvhandoff.cli.serve import GuardSignal, GuardSwitch, GuardThreshold, Mappers, Models, family_specs
+from kvhandoff.config import GUARD_SIGNALS, ServeConfig
+from kvhandoff.serving.family import load_family
+from kvhandoff_lab.serving.bench import DEFAULT_SERVE_LENGTHS, DIRECTIONS, run_serve_bench, serve_bench_table
+from kvhandoff_lab.serving.guard_eval import guard_table, run_guard_eval
+from kvhandoff_lab.serving.loadtest import load_table, run_load_test
+
+TimeLimit = Annotated[float | None, typer.Option("--time-limit", parser=positive_float, help=(
+    "seconds; no new measurement starts after it"))]
+
+
+def _server_config(guard: str, guard_signal: str, guard_threshold: float, recompute: str | None) -> ServeConfig:
+    with option_errors("--guard-threshold"):
+        return ServeConfig(guard=guard == "on", guard_signal=guard_signal, guard_threshold=guard_threshold,
+                           recompute=recompute, log_level="warning")
+
+
+def _print(table) -> None:
+    from rich.console import Console  # rich is only needed to print
+
+    Console(width=160).print(table)
+
+
+def bench_serve(
+    models: Models = "",
+    mapper: Mappers = None,
+    lengths: Annotated[tuple, typer.Option(parser=positive_ints, metavar="LIST", help=(
+        "history lengths in tokens of real text, comma-separated"))] = ",".join(map(str, DEFAULT_SERVE_LENGTHS)),
+    direction: Annotated[str, typer.Option(parser=one_of(DIRECTIONS), help=(
+        "switch first → second hosted model (forward), back (reverse) or both"))] = "both",
+    repeats: Annotated[int, typer.Option(parser=positive_int, help="measurements per path, length and direction "
+                                                                   "(medians reported)")] = 1,
+    max_tokens: Annotated[int, typer.Option(parser=positive_int, help="answer length of each request")] = 8,
+    warmup: Annotated[bool, typer.Option(help="one untimed short switch per path and direction first")] = True,
+    guard: GuardSwitch = "off",
+    guard_signal: GuardSignal = ServeConfig.guard_signal,
+    guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
+    recompute: Recompute = None,
+    time_limit: TimeLimit = None,
+    out: Annotated[Path, typer.Option(help="the result (JSON)")] = Path("runs/serve_bench.json"),
+    plot: Annotated[Path | None, typer.Option(help="also draw the times here (PNG)")] = None,
+) -> None:
+    """Time to first token over HTTP at a model switch: the handoff vs the target re-prefilling, side by side on one
+    server on a free loopback port."""
+    config = _server_config(guard, guard_signal, guard_threshold, recompute)
+    family = load_family(*family_specs(models, mapper))
+    result = run_serve_bench(*family, config, lengths=lengths, direction=direction, repeats=repeats,
+                             max_tokens=max_tokens, warmup=warmup, time_limit_s=time_limit, out=out, plot=plot,
+                             echo=typer.echo)
+    _print(serve_bench_table(result))
+    typer.echo(f"wrote {out}" + (f" and {plot}" if plot else ""))
+    if result["skipped"]:
+        typer.echo(f"not measured (time limit): {result['skipped']}")
+
+
+def load_test(
+    models: Models = "",
+    mapper: Mappers = None,
+    conversations: Annotated[int, typer.Option(parser=positive_int, help="conversations at once")] = 4,
+    turns: Annotated[int, typer.Option(parser=positive_int, help="turns per conversation")] = 5,
+    max_tokens: Annotated[int, typer.Option(parser=positive_int, help="answer length of each request")] = 16,
+    time_limit: Annotated[float, typer.Option("--time-limit", parser=positive_float, help=(
+        "seconds; no turn starts after it"))] = 900.0,
+    story_chars: Annotated[int | None, typer.Option(parser=positive_int, help=(
+        "cut each story to this many characters (default: whole stories)"))] = None,
+    guard: GuardSwitch = "off",
+    guard_signal: GuardSignal = ServeConfig.guard_signal,
+    guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
+    recompute: Recompute = None,
+    out: Annotated[Path, typer.Option(help="the report (JSON)")] = Path("runs/serve_load.json"),
+) -> None:
+    """Concurrent conversations switching models every 2–3 turns against a server on a free loopback port:
+    throughput, time to first token per handoff status, errors, memory."""
+    config = _server_config(guard, guard_signal, guard_threshold, recompute)
+    family = load_family(*family_specs(models, mapper))
+    report = run_load_test(*family, config, conversations=conversations, turns=turns, max_tokens=max_tokens,
+                           time_limit_s=time_limit, story_chars=story_chars, out=out)
+    _print(load_table(report))
+    typer.echo(f"wrote {out}")
+    if report["errors"]:
+        typer.echo(f"{report['errors']} request(s) failed: {report['error_messages'][0]}", err=True)
+        raise typer.Exit(1)
+
+
+def guard_eval(
+    models: Models = "",
+    mapper: Mappers = None,
+    conversations: Annotated[int, typer.Option(parser=positive_int, help="CoQA conversations at most")] = 20,
+    turns: Annotated[int, typer.Option(parser=positive_int, help="turns per conversation")] = 4,
+    switch_every: Annotated[int, typer.Option(parser=positive_int, help="switch model every n turns")] = 1,
+    signals: Annotated[tuple, typer.Option(parser=list_of(one_of(GUARD_SIGNALS), "signals"), metavar="LIST", help=(
+        "guard signals, comma-separated"))] = ",".join(GUARD_SIGNALS),
+    max_new_tokens: Annotated[int, typer.Option(parser=positive_int, help="greedy answer length compared")] = 16,
+    window: Annotated[int, typer.Option(parser=positive_int, help="positions of the new turn the guard scores")]
+    = 64,
+    heldout_every: Annotated[int, typer.Option(parser=positive_int, help=(
+        "every n-th conversation is held out (n >= 2); the threshold is chosen on the others"))] = 2,
+    max_false_fallback: Annotated[float | None, typer.Option(parser=positive_float, help=(
+        "bound on the dev false-fallback rate when choosing the threshold"))] = None,
+    time_limit: TimeLimit = None,
+    story_chars: Annotated[int | None, typer.Option(parser=positive_int, help=(
+        "cut each story to this many characters (default: whole stories)"))] = None,
+    escalate: Annotated[str | None, typer.Option(parser=recompute_spec, metavar="RULE:BUDGET", help=(
+        "also hand every switch over with this recompute policy (e.g. recent:50%) and compare escalating with "
+        "falling back"))] = None,
+    recompute: Recompute = None,
+    out: Annotated[Path, typer.Option(help="the result (JSON)")] = Path("runs/serve_guard.json"),
+) -> None:
+    """The quality guard on CoQA conversations switching models: AUROC per signal, a threshold chosen on dev
+    conversations and its catch / false-fallback rates on held-out ones."""
+    if heldout_every < 2:
+        raise typer.BadParameter("give an integer >= 2", param_hint="--heldout-every")
+    family = load_family(*family_specs(models, mapper))
+    result = run_guard_eval(*family, conversations=conversations, turns=turns, switch_every=switch_every,
+                            signals=signals, max_new_tokens=max_new_tokens, window=window,
+                            heldout_every=heldout_every, max_false_fallback=max_false_fallback,
+                            time_limit_s=time_limit, story_chars=story_chars, escalate=escalate,
+                            config=ServeConfig(recompute=recompute), out=out)
+    _print(guard_table(result))
+    typer.echo(f"wrote {out}")

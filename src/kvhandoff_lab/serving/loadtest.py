@@ -1,0 +1,219 @@
+"""A load test of the server (`kvhandoff load-test`): concurrent agent-like conversations over loopback HTTP.
+
+Each conversation is a CoQA story with its questions (real text, `workload.coqa_dialogues`): the first user turn is
+the story and the first question, every later turn the next question, each turn streamed with the answers sent
+back as history. The serving model switches every 2 or 3 turns (conversation i: every 2 + i % 2 turns, starting
+with hosted model i % 2), so the server hands conversations over while others decode. All conversations run at
+once (asyncio, one session each); no turn starts after the time limit.
+
+Reported: requests and generated tokens per second of wall time, the time to first token (the client's, to the
+first chunk with content) at p50 / p95 per handoff status, with the server's own milliseconds, errors (and the first
+few messages), and memory: the process's peak RSS over its life (getrusage; the server runs in this process, so it
+includes the models) and the RSS sampled during the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import torch
+
+import kvhandoff
+from kvhandoff.config import ServeConfig
+from kvhandoff.errors import ConfigError
+from kvhandoff.files import atomic_write_json
+from kvhandoff.serving.engine import Engine
+from kvhandoff.serving.server import serve_in_thread
+from kvhandoff_lab.serving.client import TurnResult, require_loopback, stream_chat
+from kvhandoff_lab.serving.workload import coqa_dialogues
+
+LOAD_FORMAT = "kvhandoff-serve-load/1"
+
+
+def schedule(index: int, turns: int, names: list[str]) -> list[str]:
+    """The model serving each turn of conversation ``index``: it starts on ``names[index % 2]`` and switches every
+    2 + index % 2 turns (between the first two hosted models)."""
+    every = 2 + index % 2
+    first, second = (names[0], names[1]) if index % 2 == 0 else (names[1], names[0])
+    return [first if (t // every) % 2 == 0 else second for t in range(turns)]
+
+
+def user_turns(conversation, turns: int, story_chars: int | None = None) -> list[str]:
+    """The user's turns of one conversation: the story (its first ``story_chars`` characters when given) with the
+    first question, then the next questions."""
+    questions = [t.question for t in conversation.turns[:turns]]
+    if len(questions) < turns:
+        raise ConfigError(f"conversation {conversation.id} has {len(questions)} questions, fewer than {turns} turns")
+    story = conversation.story if story_chars is None else conversation.story[:story_chars]
+    return [f"{story}\n\nQ: {questions[0]}", *(f"Q: {q}" for q in questions[1:])]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-quantile (0..1) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def current_rss() -> int | None:
+    """This process's resident set size in bytes (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_rss() -> int:
+    """This process's peak RSS over its life, in bytes (getrusage: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+async def _conversation(http, index: int, models: list[str], texts: list[str], max_tokens: int, deadline: float,
+                        results: list) -> int:
+    """Run one conversation's turns (none starts after ``deadline``); returns the turns left out."""
+    session = f"load-{index}-{uuid.uuid4().hex[:8]}"
+    messages: list[dict] = []
+    for turn, (model, text) in enumerate(zip(models, texts, strict=True)):
+        if time.monotonic() > deadline:
+            return len(models) - turn
+        messages.append({"role": "user", "content": text})
+        result = await stream_chat(http, model, messages, session, max_tokens)
+        results.append((index, turn, result))
+        if result.error:
+            return len(models) - turn - 1  # the conversation cannot go on without its answer
+        messages.append({"role": "assistant", "content": result.text})
+    return 0
+
+
+async def _sample_rss(samples: list[int], stop: asyncio.Event, every_s: float = 0.5) -> None:
+    while not stop.is_set():
+        rss = current_rss()
+        if rss is not None:
+            samples.append(rss)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+
+
+async def load_over_http(url: str, names: list[str], conversations: int = 4, turns: int = 5, max_tokens: int = 16,
+                         time_limit_s: float = 900.0, timeout_s: float = 1800.0, dialogues=None,
+                         story_chars: int | None = None) -> dict:
+    """Run ``conversations`` conversations of ``turns`` turns at once against the server at ``url`` (loopback only);
+    the report (module docstring). ``story_chars``: cut each story to this many characters (small contexts)."""
+    url = require_loopback(url)
+    if conversations < 1 or turns < 1 or max_tokens < 1 or time_limit_s <= 0:
+        raise ConfigError("conversations, turns, max_tokens and time_limit_s must be positive")
+    if len(names) < 2:
+        raise ConfigError("the load test switches between two hosted models; the server hosts one")
+    dialogues = dialogues if dialogues is not None else coqa_dialogues(conversations, min_turns=turns)
+    plans = [(schedule(i, turns, names), user_turns(dialogues[i], turns, story_chars)) for i in range(conversations)]
+    results: list[tuple[int, int, TurnResult]] = []
+    samples: list[int] = []
+    stop = asyncio.Event()
+    rss_start = current_rss()
+    started = time.monotonic()
+    limits = httpx.Limits(max_connections=conversations + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as http:
+        sampler = asyncio.create_task(_sample_rss(samples, stop))
+        left_out = await asyncio.gather(*(
+            _conversation(http, i, models, texts, max_tokens, started + time_limit_s, results)
+            for i, (models, texts) in enumerate(plans)))
+        wall = time.monotonic() - started
+        stop.set()
+        await sampler
+        health = (await http.get("/health")).json()
+    return summarize_load(results, wall, sum(left_out), samples, rss_start, health,
+                          {"conversations": conversations, "turns": turns, "max_tokens": max_tokens,
+                           "time_limit_s": time_limit_s, "story_chars": story_chars,
+                           "schedules": [models for models, _ in plans],
+                           "conversation_ids": [d.id for d in dialogues[:conversations]]})
+
+
+def summarize_load(results, wall: float, left_out: int, rss_samples: list[int], rss_start: int | None,
+                   health: dict, settings: dict) -> dict:
+    """The load test's report from its (conversation, turn, TurnResult) records."""
+    ok = [r for _, _, r in results if not r.error]
+    errors = [f"conversation {c} turn {t}: {r.error}" for c, t, r in results if r.error]
+    by_status: dict[str, dict] = {}
+    for status in sorted({r.status for r in ok}):
+        chosen = [r for r in ok if r.status == status]
+        ttft = [r.ttft_s if r.ttft_s is not None else r.first_chunk_s for r in chosen]
+        server = [r.handoff["milliseconds"] for r in chosen]
+        by_status[status] = {"requests": len(chosen), "ttft_p50_s": percentile(ttft, 0.5),
+                             "ttft_p95_s": percentile(ttft, 0.95), "ttft_mean_s": statistics.fmean(ttft),
+                             "server_ms_p50": percentile(server, 0.5), "server_ms_p95": percentile(server, 0.95),
+                             "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in chosen)}
+    generated = sum(r.completion_tokens for r in ok)
+    return {
+        "format": LOAD_FORMAT,
+        "kvhandoff_version": kvhandoff.__version__,
+        "settings": settings,
+        "wall_s": wall,
+        "requests": len(ok),
+        "errors": len(errors),
+        "error_messages": errors[:10],
+        "turns_left_out": left_out,
+        "requests_per_s": len(ok) / wall if wall > 0 else None,
+        "generated_tokens": generated,
+        "generated_tokens_per_s": generated / wall if wall > 0 else None,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "ttft_by_status": by_status,
+        "memory": {"peak_rss_bytes": peak_rss(), "rss_start_bytes": rss_start,
+                   "rss_max_during_run_bytes": max(rss_samples) if rss_samples else None,
+                   "note": "RSS of the process running the server and the client (models included); peak_rss: "
+                           "getrusage over the process's life"},
+        "server_health_after": health,
+        "requests_log": [{"conversation": c, "turn": t, **r.to_dict()} for c, t, r in results],
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "torch_threads": torch.get_num_threads()},
+    }
+
+
+def run_load_test(models, mappers, config: ServeConfig = ServeConfig(),  # noqa: B008 - frozen
+                  conversations: int = 4, turns: int = 5, max_tokens: int = 16, time_limit_s: float = 900.0,
+                  dialogues=None, story_chars: int | None = None, out: str | Path | None = None) -> dict:
+    """Serve ``models`` on a free loopback port in this process and run the load test against it; writes the report
+    to ``out`` (JSON) when given and returns it."""
+    engine = Engine(models, mappers, config)
+    with serve_in_thread(engine, host="127.0.0.1") as server:
+        report = asyncio.run(load_over_http(server.url, list(models), conversations, turns, max_tokens,
+                                            time_limit_s, dialogues=dialogues, story_chars=story_chars))
+    report["settings"].update({"guard": config.guard, "guard_signal": config.guard_signal,
+                               "guard_threshold": config.guard_threshold, "handover": config.handover,
+                               "recompute": config.recompute, "models": list(models)})
+    if out is not None:
+        atomic_write_json(Path(out), report)
+    return report
+
+
+def load_table(report: dict):
+    """A rich table of the load test's time to first token per status, with the totals in the title."""
+    from rich.table import Table  # rich is only needed to print, not to measure
+
+    memory = report["memory"]
+    table = Table(title=(
+        f"load test: {report['settings']['conversations']} conversations × {report['settings']['turns']} turns, "
+        f"{report['requests']} requests in {report['wall_s']:.1f} s ({report['requests_per_s']:.3f} req/s, "
+        f"{report['generated_tokens_per_s']:.2f} generated tok/s), errors {report['errors']}, peak RSS "
+        f"{memory['peak_rss_bytes'] / 2**30:.2f} GiB"))
+    for column in ("status", "requests", "ttft p50", "ttft p95", "server ms p50", "server ms p95", "prompt tokens"):
+        table.add_column(column, justify="right")
+    for status, row in report["ttft_by_status"].items():
+        table.add_row(status, str(row["requests"]), f"{row['ttft_p50_s']:.3f} s", f"{row['ttft_p95_s']:.3f} s",
+                      f"{row['server_ms_p50']:.0f}", f"{row['server_ms_p95']:.0f}", f"{row['prompt_tokens_mean']:.0f}")
+    return table
