@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvhandoff.config import RecomputePolicy
+from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff_lab.evaluation.runner import ItemStore, slug
 from kvhandoff_lab.evaluation.tasks import CORE_TASKS, get_task, mc_item_metrics
 

@@ -9,7 +9,7 @@ import functools
 import torch
 
 from kvhandoff import FitConfig, fit_mapper
-from kvhandoff.config import ServeConfig
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import CHATML_TEMPLATE, Engine
 from kvhandoff.serving.server import serve_in_thread
 

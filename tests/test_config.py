@@ -1,7 +1,8 @@
 import pytest
 
-from kvhandoff.config import FitConfig, ModelPlacement, kvhandoff_home
+from kvhandoff.config import FitConfig, kvhandoff_home
 from kvhandoff.errors import ConfigError, KVHandoffError
+from kvhandoff.model.placement import ModelPlacement
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvhandoff import FitConfig, SwitchingSession, catch_up, fit_mapper, handoff_cache, prefill
-from kvhandoff.config import DEFAULT_RECOMPUTE, RECOMPUTE_BUDGETS, RecomputePolicy
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RECOMPUTE_BUDGETS, RecomputePolicy
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import cache_of, cache_view
 from kvhandoff.runtime.recompute import (

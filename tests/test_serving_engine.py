@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from _serving_support import chat_ids, reference_answer, tiny_family
-from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine, GenerationRequest, RequestError, common_prefix
 
 pytestmark = pytest.mark.timeout(120)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvhandoff import FitConfig, fit_mapper
-from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs
 

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from _serving_support import chat_ids, tiny_family
-from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.guard import GuardRecord, auroc, guard_records, guard_records_by_signal
 from kvhandoff_lab.cli import app
 from kvhandoff_lab.serving.client import require_loopback

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from _serving_support import tiny_family
-from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.server import serve_in_thread
 

@@ -42,12 +42,6 @@ PROSE_ONLY_MIX: tuple[str, ...] = ("prose",)
 #: k values the layer-selection sweep considers ("all" = every source layer).
 TOP_K_CHOICES: tuple[int | str, ...] = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, "all")
 
-#: special tokens that end a document or a turn. Generation stops at every one the tokenizer has as a special
-#: token: GGUF conversions of chat models list only the turn end in their generation config (Qwen:
-#: <|im_end|>), and in a few-shot completion the model ends the document with <|endoftext|> instead.
-END_OF_TEXT_TOKENS: tuple[str, ...] = (
-    "<|endoftext|>", "<|im_end|>", "<|end_of_text|>", "<|eot_id|>", "<|end|>", "</s>",
-)
 
 #: `FitConfig.heads`, `FitConfig.projection` and `FitConfig.storage_dtype` choices (see FitConfig)
 HEAD_CHOICES: tuple[str, ...] = ("all", "aligned")
@@ -85,54 +79,6 @@ def kvhandoff_home() -> Path:
     return Path(os.environ.get("KVHANDOFF_HOME", Path.home() / ".cache" / "kvhandoff")).expanduser()
 
 
-#: the dtypes models may be loaded in (`ModelPlacement.dtype`): each accepted name → its torch name
-MODEL_DTYPES: dict[str, str] = {
-    "fp32": "float32", "float32": "float32",
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "float16": "float16",
-}
-#: device maps accelerate plans itself (`ModelPlacement.device_map`); a device name ("cpu", "cuda", "cuda:1")
-#: puts the whole model there
-PLANNED_DEVICE_MAPS: tuple[str, ...] = ("auto", "balanced", "balanced_low_0", "sequential")
-
-
-def _is_device_name(value: str) -> bool:
-    kind, _, index = value.partition(":")
-    return kind in ("cpu", "cuda", "mps", "xpu") and (not index or index.isdigit())
-
-
-@dataclass(frozen=True)
-class ModelPlacement:
-    """How the models are loaded for their forwards: dtype (`MODEL_DTYPES`; stored as the torch name) and
-    device_map (None: every weight on the CPU, as transformers loads it; one of `PLANNED_DEVICE_MAPS`: accelerate
-    spreads the layers over the visible GPUs, then the CPU; or a device name). Calibration statistics are summed in
-    float64 whatever the dtype."""
-
-    dtype: str = "float32"
-    device_map: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.dtype not in MODEL_DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
-        object.__setattr__(self, "dtype", MODEL_DTYPES[self.dtype])
-        if self.device_map is not None and not (self.device_map in PLANNED_DEVICE_MAPS
-                                                or _is_device_name(self.device_map)):
-            raise ConfigError(f"device_map must be one of {', '.join(PLANNED_DEVICE_MAPS)} or a device such as "
-                              f"'cpu' or 'cuda:0', got {self.device_map!r}")
-
-    @property
-    def planned(self) -> bool:
-        """Whether accelerate plans where each layer goes (the map is one of `PLANNED_DEVICE_MAPS`)."""
-        return self.device_map in PLANNED_DEVICE_MAPS
-
-
-#: the handoffs' default selective-recompute policy (`FitConfig.recompute`): the target recomputes the last 5% of
-#: the mapped positions. Chosen on the switch benchmark's dev pool (docs/RESULTS.md "Switch benchmark"): it lowered
-#: the choice KL to the target alone in both directions and keeps ≥ 5× (small → large) and ≥ 2.5× (large → small)
-#: of the speed-up at 2K tokens of history.
-DEFAULT_RECOMPUTE = "recent:5%"
-
-
 @dataclass(frozen=True)
 class FitConfig:
     """How a mapper is fitted.
@@ -153,10 +99,6 @@ class FitConfig:
         tokens, independent of context length. Recorded in the manifest; handoffs use it by default.
     source_inputs: what each map reads from the selected source layers: "own" (the paper: K maps read source
         K, V maps source V) or "kv" (both maps read source K and V: twice the inputs, weights and transfer GEMM).
-    recompute: the handoffs' default selective-recompute policy, as a `RecomputePolicy` spec ("RULE:BUDGET",
-        e.g. "deviation:10%"): after mapping, the target recomputes that fraction of the mapped positions itself
-        (`kvhandoff.runtime.recompute`). Default `DEFAULT_RECOMPUTE`; recorded in the manifest's config when it differs
-        from it (a manifest without the field takes the default); part of the mapper cache key (`key_dict`).
     Compact mappers (`kvhandoff.fit.compact`; solved from the same statistics, recorded in the manifest; each left out
     of manifests and cache keys while at its default, the full ridge map):
     heads: "all" (every target KV head reads every KV head of the selected source layers) or "aligned" (target KV
@@ -179,7 +121,6 @@ class FitConfig:
     skip_first_tokens: int = 0
     exact_prefix: int = 4
     source_inputs: str = "own"
-    recompute: str = DEFAULT_RECOMPUTE
     heads: str = "all"
     k_tolerance: float = 0.0
     rank: int = 0
@@ -209,9 +150,6 @@ class FitConfig:
             raise ConfigError(f"source_inputs must be 'own' or 'kv', got {self.source_inputs!r}")
         if self.source_inputs == "kv" and self.top_k == "heldout":
             raise ConfigError("source_inputs='kv' is not combined with top_k='heldout'; choose a fixed k or 'all'")
-        if not isinstance(self.recompute, str):
-            raise ConfigError(f"recompute must be a policy spec such as 'deviation:10%', got {self.recompute!r}")
-        object.__setattr__(self, "recompute", RecomputePolicy.parse(self.recompute).spec)
         self._check_compact()
 
     def _check_compact(self) -> None:
@@ -274,127 +212,10 @@ class FitConfig:
         data = asdict(self)
         if self.source_inputs == "own":
             del data["source_inputs"]
-        if self.recompute == DEFAULT_RECOMPUTE:
-            del data["recompute"]
         for name, default in _COMPACT_DEFAULTS.items():
             if data[name] == default:
                 del data[name]
         return data
-
-    @property
-    def recompute_policy(self) -> RecomputePolicy:
-        """`recompute` as a `RecomputePolicy`."""
-        return RecomputePolicy.parse(self.recompute)
-
-
-#: selective-recompute rules (`kvhandoff.runtime.recompute`): which mapped positions the target recomputes itself
-RECOMPUTE_RULES: tuple[str, ...] = ("none", "sinks", "recent", "deviation", "source_attention", "mix")
-#: the budgets (fractions of the mapped history) a retention-vs-speed sweep measures
-RECOMPUTE_BUDGETS: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
-#: the default shares of rule "mix"
-DEFAULT_RECOMPUTE_MIX: tuple[tuple[str, float], ...] = (("sinks", 0.2), ("recent", 0.3), ("deviation", 0.5))
-
-
-@dataclass(frozen=True)
-class RecomputePolicy:
-    """Selective recompute at a handoff (CacheBlend / EPIC): after the cache is mapped, the target runs the tokens
-    at a chosen `budget` fraction of the mapped positions through all its layers, at their true positions, and
-    their fresh K/V replace the mapped ones (`kvhandoff.runtime.recompute`).
-
-    rule: one of `RECOMPUTE_RULES` — "none"; "sinks" (the first tokens of the context and of every turn);
-    "recent" (the last tokens); "deviation" (the tokens whose mapped K/V at the target's layer 0 deviate most
-    from the target's own); "source_attention" (the tokens the source's last `window` queries attended to
-    most); "mix" (shares of the other rules, `mix`).
-    budget: fraction of the mapped positions in [0, 1] (0: nothing recomputed; 1: everything — the target's own
-        prefill, at the cost of one).
-    mix: (rule, share) pairs of rule "mix" (shares > 0, summing to 1).
-    window: how many of the history's last queries "source_attention" reads.
-    Written as a spec "RULE:BUDGET" (`parse`, `spec`): "deviation:10%", "recent:0.05", "none",
-    "mix(sinks=0.2,recent=0.3,deviation=0.5):10%".
-    """
-
-    rule: str = "none"
-    budget: float = 0.0
-    mix: tuple[tuple[str, float], ...] = DEFAULT_RECOMPUTE_MIX
-    window: int = 32
-
-    def __post_init__(self) -> None:
-        if self.rule not in RECOMPUTE_RULES:
-            raise ConfigError(f"recompute rule must be one of {', '.join(RECOMPUTE_RULES)}, got {self.rule!r}")
-        require_positive("recompute budget", self.budget, float, minimum=0)
-        if self.budget > 1:
-            raise ConfigError(f"recompute budget must be a fraction in [0, 1] of the mapped positions, got "
-                              f"{self.budget!r}")
-        require_positive("recompute window", self.window)
-        mix = tuple((str(rule), float(share)) for rule, share in self.mix)
-        object.__setattr__(self, "mix", mix)
-        bad = [rule for rule, _ in mix if rule in ("none", "mix") or rule not in RECOMPUTE_RULES]
-        if not mix or bad or len({rule for rule, _ in mix}) != len(mix):
-            raise ConfigError(f"recompute mix must name distinct rules among "
-                              f"{', '.join(RECOMPUTE_RULES[1:-1])}, got {self.mix!r}")
-        for rule, share in mix:
-            require_positive(f"recompute mix share of {rule}", share, float)
-        if abs(sum(share for _, share in mix) - 1) > 1e-6:
-            raise ConfigError(f"recompute mix shares must sum to 1, got {self.mix!r}")
-
-    @property
-    def active(self) -> bool:
-        """Whether a handoff under this policy recomputes anything."""
-        return self.rule != "none" and self.budget > 0
-
-    @property
-    def rules(self) -> tuple[str, ...]:
-        """The rules this policy ranks positions by (the mix's parts for "mix")."""
-        return tuple(rule for rule, _ in self.mix) if self.rule == "mix" else (self.rule,)
-
-    @property
-    def spec(self) -> str:
-        """The policy as a spec string (`parse` reads it back)."""
-        if not self.active:
-            return "none"
-        rule = self.rule
-        if rule == "mix" and self.mix != DEFAULT_RECOMPUTE_MIX:
-            rule += "(" + ",".join(f"{name}={share:g}" for name, share in self.mix) + ")"
-        window = "" if self.window == 32 else f":window={self.window}"
-        return f"{rule}:{self.budget * 100:g}%{window}"
-
-    @classmethod
-    def parse(cls, spec) -> RecomputePolicy:
-        """A policy from a spec "RULE:BUDGET[:window=N]" (budget a fraction "0.1" or a percentage "10%"; rule
-        "mix(RULE=SHARE,...)" for other shares; "none" alone), or a policy as it is. ConfigError otherwise."""
-        if isinstance(spec, cls):
-            return spec
-        if not isinstance(spec, str):
-            raise ConfigError(f"a recompute policy is a spec such as 'deviation:10%', got {spec!r}")
-        text = spec.strip()
-        if text in ("none", ""):
-            return cls()
-        head, sep, rest = text.partition(":")
-        if not sep:
-            raise ConfigError(f"recompute spec {spec!r} must be RULE:BUDGET (e.g. 'deviation:10%', 'recent:0.05') "
-                              "or 'none'")
-        budget_text, _, option = rest.partition(":")
-        kwargs: dict = {}
-        if option:
-            key, _, value = option.partition("=")
-            if key.strip() != "window" or not value.strip().isdigit():
-                raise ConfigError(f"recompute spec {spec!r}: the only option is window=N, got {option!r}")
-            kwargs["window"] = int(value)
-        rule = head.strip()
-        if rule.startswith("mix(") and rule.endswith(")"):
-            try:
-                parts = [part.split("=") for part in rule[4:-1].split(",")]
-                kwargs["mix"] = tuple((name.strip(), float(share)) for name, share in parts)
-            except ValueError as exc:
-                raise ConfigError(f"recompute spec {spec!r}: mix shares are RULE=SHARE,... ({exc})") from exc
-            rule = "mix"
-        budget_text = budget_text.strip()
-        try:
-            budget = float(budget_text[:-1]) / 100 if budget_text.endswith("%") else float(budget_text)
-        except ValueError as exc:
-            raise ConfigError(f"recompute spec {spec!r}: the budget must be a fraction or a percentage, got "
-                              f"{budget_text!r}") from exc
-        return cls(rule=rule, budget=budget, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -525,79 +346,3 @@ class RefineConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-
-#: signals the serving quality guard can score a mapped cache with (`kvhandoff.serving.guard`): "logloss" — the
-#: receiving model's mean log-loss on the new turn over the mapped history minus the previous model's on the same
-#: tokens over its own cache; "kl" — the mean KL(previous model ‖ receiving model) of the next-token distributions
-#: at the new turn's positions; "kl_answer" — that KL at the last position only (the answer's first token);
-#: "entropy" — the receiving model's mean next-token entropy at those positions; "mapped_share" — the share of the
-#: conversation's positions before the new turn that this switch maps
-GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer", "entropy", "mapped_share")
-#: the signals that need the previous model's reference pass over the new turn
-REFERENCE_GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer")
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """The kvhandoff server (`kvhandoff.serving`): where it listens, its limits, and the quality guard.
-
-    max_sessions: live sessions at once (a new session past it is refused with 429). session_ttl_s: an idle
-    session is dropped after this many seconds. cache_memory_bytes: bytes of KV cache held across sessions; past
-    it the least recently used idle sessions are evicted (their next request re-prefills). max_context: tokens a
-    conversation may reach, prompt and answer together (None: the smallest `max_position_embeddings` of the hosted
-    models). default_max_tokens: answer length when a request names none. max_queue: requests waiting per model
-    worker (past it: 503). guard: score a mapped cache before it serves and re-prefill when the score exceeds
-    guard_threshold (signal: one of `GUARD_SIGNALS`; guard_window: the new turn's last positions it scores).
-    handover / exact_prefix / recompute: as in `SwitchingSession` (None: the mapper's own setting; recompute is a
-    `RecomputePolicy` spec such as "sinks:10%").
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_sessions: int = 256
-    session_ttl_s: float = 1800.0
-    cache_memory_bytes: int = 4 * 1024**3
-    max_context: int | None = None
-    default_max_tokens: int = 512
-    max_queue: int = 64
-    guard: bool = True
-    # chosen on dev conversations of the default pair (`kvhandoff guard-eval`, docs/SERVING.md); another family
-    # should measure its own
-    guard_signal: str = "entropy"
-    guard_threshold: float = 1.79
-    guard_window: int = 64
-    handover: str = "incremental"
-    exact_prefix: int | None = None
-    recompute: str | None = None
-    log_level: str = "info"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.host, str) or not self.host:
-            raise ConfigError(f"serve host must be a non-empty string, got {self.host!r}")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ConfigError(f"serve port must be an integer in 0..65535, got {self.port!r}")
-        for name in ("max_sessions", "cache_memory_bytes", "default_max_tokens", "max_queue", "guard_window"):
-            require_positive(f"serve {name}", getattr(self, name))
-        require_positive("serve session_ttl_s", self.session_ttl_s, float)
-        if self.max_context is not None:
-            require_positive("serve max_context", self.max_context, minimum=2)
-        if not isinstance(self.guard, bool):
-            raise ConfigError(f"serve guard must be True or False, got {self.guard!r}")
-        if self.guard_signal not in GUARD_SIGNALS:
-            raise ConfigError(
-                f"serve guard_signal must be one of {', '.join(GUARD_SIGNALS)}, got {self.guard_signal!r}"
-            )
-        if isinstance(self.guard_threshold, bool) or not isinstance(self.guard_threshold, int | float) \
-                or self.guard_threshold != self.guard_threshold:
-            raise ConfigError(f"serve guard_threshold must be a number, got {self.guard_threshold!r}")
-        if self.handover not in ("all", "incremental"):
-            raise ConfigError(f"serve handover must be 'all' or 'incremental', got {self.handover!r}")
-        if self.exact_prefix is not None:
-            require_positive("serve exact_prefix", self.exact_prefix, minimum=0)
-        if self.recompute is not None:
-            RecomputePolicy.parse(self.recompute)  # a ConfigError naming the bad rule or budget
-        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
-            raise ConfigError(f"serve log_level must be a uvicorn log level, got {self.log_level!r}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from kvhandoff.config import CalibrationSpec, FitConfig, ModelPlacement
+from kvhandoff.config import CalibrationSpec, FitConfig
+from kvhandoff.model.placement import ModelPlacement
 from kvhandoff.errors import AssetError
 from kvhandoff.model.cache import feed, kl_divergence, prefill, rollback
 from kvhandoff.runtime.handoff import patch_mapped_cache, recompute_policy

@@ -29,7 +29,8 @@ from kvhandoff.cli.options import (
     option_errors,
     positive_int,
 )
-from kvhandoff.config import CalibrationSpec, FitConfig, ModelPlacement
+from kvhandoff.config import CalibrationSpec, FitConfig
+from kvhandoff.model.placement import ModelPlacement
 from kvhandoff.demo import render_demo, run_demo
 from kvhandoff.files import atomic_write_json
 from kvhandoff_lab.evaluation.scoring import MAPPED_PARTS

@@ -16,22 +16,12 @@ from typing import Annotated
 
 import typer
 
-from kvhandoff.config import (
-    CALIBRATION_GROUPS,
-    DEFAULT_CALIBRATION_MIX,
-    DEFAULT_RECOMPUTE,
-    MODEL_DTYPES,
-    PLANNED_DEVICE_MAPS,
-    RECOMPUTE_RULES,
-    CalibrationSpec,
-    FitConfig,
-    ModelPlacement,
-    RecomputePolicy,
-    require_positive,
-)
+from kvhandoff.config import CALIBRATION_GROUPS, DEFAULT_CALIBRATION_MIX, CalibrationSpec, FitConfig, require_positive
 from kvhandoff.errors import ConfigError
 from kvhandoff.fit.selection import parse_ks
 from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
+from kvhandoff.model.placement import MODEL_DTYPES, PLANNED_DEVICE_MAPS, ModelPlacement
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RECOMPUTE_RULES, RecomputePolicy
 
 __all__ = ["DEFAULT_MIX", "DEFAULT_SOURCE", "DEFAULT_TARGET"]
 

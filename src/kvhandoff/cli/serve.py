@@ -19,7 +19,7 @@ from kvhandoff.cli.options import (
     positive_float,
     positive_int,
 )
-from kvhandoff.config import GUARD_SIGNALS, ServeConfig
+from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs
 from kvhandoff.serving.server import run_server
 

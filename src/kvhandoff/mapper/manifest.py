@@ -221,7 +221,7 @@ class MapperManifest(Mapping):
         if missing:
             raise _bad(missing[0], "is missing")
         values = dict(copy.deepcopy(data))
-        values["config"] = _build("config", FitConfig, values["config"])
+        values["config"] = _build("config", FitConfig, _fit_settings(values["config"]))
         if values.get("mlp_config") is not None:
             values["mlp_config"] = _build("mlp_config", MLPConfig, values["mlp_config"])
         for side in SIDES:
@@ -255,6 +255,16 @@ def check_format_version(version) -> None:
             f"mapper format version {version!r} was written by an older kvhandoff; this one reads version "
             f"{MAPPER_FORMAT_VERSION} only: re-fit the mapper (`kvhandoff fit`)"
         )
+
+
+#: settings a manifest's config may name that belong to the runtime, not to the map: read past, never applied
+RUNTIME_SETTINGS = ("recompute",)
+
+
+def _fit_settings(config):
+    if not isinstance(config, Mapping):
+        return config
+    return {key: value for key, value in config.items() if key not in RUNTIME_SETTINGS}
 
 
 def _build(name: str, kind: type, value):

@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
-from kvhandoff.config import END_OF_TEXT_TOKENS, ModelPlacement, kvhandoff_home
+from kvhandoff.config import kvhandoff_home
 from kvhandoff.errors import AssetError
 from kvhandoff.files import atomic_folder, atomic_path, sha256_file
 from kvhandoff.model.geometry import check_pair
 from kvhandoff.model.kernels import use_small_batch_kernels
+from kvhandoff.model.placement import END_OF_TEXT_TOKENS, ModelPlacement
 from kvhandoff.packages import SETUP_COMMAND, installed_version, package_folder
 
 #: File written last into a converted model folder; its presence means the folder is complete.

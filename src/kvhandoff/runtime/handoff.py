@@ -11,10 +11,10 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from kvhandoff.config import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.errors import ConfigError, ContextTooLongError, MapperMismatchError
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.cache import cache_view, model_device, prefill
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.runtime.recompute import (
     SelectionInfo,
     attention_from_queries,
@@ -48,7 +48,7 @@ def recompute_policy(mapper, recompute=None) -> RecomputePolicy:
     `config.DEFAULT_RECOMPUTE` for objects without a manifest)."""
     if recompute is not None:
         return RecomputePolicy.parse(recompute)
-    return RecomputePolicy.parse(getattr(mapper, "recompute", None) or DEFAULT_RECOMPUTE)
+    return RecomputePolicy.parse(DEFAULT_RECOMPUTE)
 
 
 def check_context(length: int, target_model=None, mapper=None) -> None:

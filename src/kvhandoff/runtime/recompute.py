@@ -22,12 +22,12 @@ from transformers import AttentionInterface
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvhandoff.config import RecomputePolicy
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import cache_view, prefill
 from kvhandoff.model.capture import projection_hooks
 from kvhandoff.model.geometry import decoder_layers
 from kvhandoff.model.rope import apply_rope, rope_frequencies
+from kvhandoff.runtime.policy import RecomputePolicy
 
 #: special tokens that open a chat turn (a role marker); `turn_marker_ids` looks them up in a tokenizer
 TURN_MARKERS: tuple[str, ...] = (

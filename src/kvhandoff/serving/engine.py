@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.runtime.handoff import PrefixStore
 from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.decoding import choose_token, end_ids, held_back, make_generator, stop_index
 from kvhandoff.serving.guard import guard_score, needs_reference, reference_logprobs
 from kvhandoff.serving.metrics import ServingMetrics

@@ -25,11 +25,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvhandoff.config import GUARD_SIGNALS, REFERENCE_GUARD_SIGNALS
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import kl_divergence, rollback
 from kvhandoff.runtime.handoff import recompute_policy
 from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff.serving.config import GUARD_SIGNALS, REFERENCE_GUARD_SIGNALS
 from kvhandoff.serving.decoding import greedy_answer
 
 

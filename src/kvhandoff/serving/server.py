@@ -9,8 +9,8 @@ import time
 
 import uvicorn
 
-from kvhandoff.config import ServeConfig
 from kvhandoff.serving.app import create_app
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 
 

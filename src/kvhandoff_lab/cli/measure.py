@@ -20,7 +20,7 @@ from kvhandoff.cli.options import (
     recompute_spec,
 )
 from kvhandoff.cli.serve import GuardSignal, GuardSwitch, GuardThreshold, Mappers, Models, family_specs
-from kvhandoff.config import GUARD_SIGNALS, ServeConfig
+from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.family import load_family
 from kvhandoff_lab.serving.bench import DEFAULT_SERVE_LENGTHS, DIRECTIONS, run_serve_bench, serve_bench_table
 from kvhandoff_lab.serving.guard_eval import guard_table, run_guard_eval

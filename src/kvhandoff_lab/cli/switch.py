@@ -25,9 +25,9 @@ from kvhandoff.cli.options import (
     option_errors,
     positive_int,
 )
-from kvhandoff.config import DEFAULT_RECOMPUTE, RECOMPUTE_RULES
 from kvhandoff.model.geometry import tokenizer_hash
 from kvhandoff.runtime.handoff import recompute_policy
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RECOMPUTE_RULES
 from kvhandoff.workflow import load_named_pair
 from kvhandoff_lab.evaluation.options import EvalOptions
 from kvhandoff_lab.evaluation.pipeline import MapperSource, pair_mappers

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvhandoff.config import RecomputePolicy, require_positive
+from kvhandoff.config import require_positive
 from kvhandoff.errors import ConfigError
+from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff_lab.evaluation.scoring import check_mapped
 from kvhandoff_lab.evaluation.tasks import parse_tasks
 

@@ -36,12 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvhandoff.config import RecomputePolicy
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import sha256_json
 from kvhandoff.model.cache import cache_of, cache_view, kl_divergence, model_device, prefill, rollback
 from kvhandoff.model.geometry import model_fingerprint
 from kvhandoff.runtime.handoff import handoff_cache
+from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff_lab.evaluation.metrics import mean, paired_bootstrap, summarise_conditions
 from kvhandoff_lab.evaluation.runner import (
     RECORD_VERSION,

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvhandoff.config import RecomputePolicy
 from kvhandoff.files import atomic_write_json, atomic_write_text
+from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff_lab.evaluation.metrics import mean, paired_bootstrap
 from kvhandoff_lab.evaluation.runner import mapper_identity
 from kvhandoff_lab.evaluation.switch import (

@@ -51,9 +51,9 @@ from typing import Any
 
 import numpy as np
 
-from kvhandoff.config import END_OF_TEXT_TOKENS
 from kvhandoff.errors import AssetError, ConfigError
 from kvhandoff.files import sha256_bytes
+from kvhandoff.model.placement import END_OF_TEXT_TOKENS
 from kvhandoff_lab.evaluation.data import hf_rows, mmlu_subjects, oe_requests
 
 LOGLIKELIHOOD = "loglikelihood"

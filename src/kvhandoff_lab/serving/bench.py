@@ -31,9 +31,9 @@ import httpx
 import torch
 
 import kvhandoff
-from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.files import atomic_write_json
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.server import serve_in_thread
 from kvhandoff_lab.bench import summarize

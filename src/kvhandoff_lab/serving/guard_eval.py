@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 import kvhandoff
-from kvhandoff.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
+from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.decoding import end_ids
 from kvhandoff.serving.engine import CHATML_TEMPLATE
 from kvhandoff.serving.guard import GuardRecord, WithinTime, auroc, guard_records_by_signal, summarize_guard

@@ -29,9 +29,9 @@ import httpx
 import torch
 
 import kvhandoff
-from kvhandoff.config import ServeConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.server import serve_in_thread
 from kvhandoff_lab.serving.client import TurnResult, require_loopback, stream_chat

@@ -1,0 +1,85 @@
+"""The server's settings: where it listens, its limits, and the quality guard."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvhandoff.config import require_positive
+from kvhandoff.errors import ConfigError
+from kvhandoff.runtime.policy import RecomputePolicy
+
+#: signals the serving quality guard can score a mapped cache with (`kvhandoff.serving.guard`): "logloss" — the
+#: receiving model's mean log-loss on the new turn over the mapped history minus the previous model's on the same
+#: tokens over its own cache; "kl" — the mean KL(previous model ‖ receiving model) of the next-token distributions
+#: at the new turn's positions; "kl_answer" — that KL at the last position only (the answer's first token);
+#: "entropy" — the receiving model's mean next-token entropy at those positions; "mapped_share" — the share of the
+#: conversation's positions before the new turn that this switch maps
+GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer", "entropy", "mapped_share")
+#: the signals that need the previous model's reference pass over the new turn
+REFERENCE_GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The kvhandoff server (`kvhandoff.serving`): where it listens, its limits, and the quality guard.
+
+    max_sessions: live sessions at once (a new session past it is refused with 429). session_ttl_s: an idle
+    session is dropped after this many seconds. cache_memory_bytes: bytes of KV cache held across sessions; past
+    it the least recently used idle sessions are evicted (their next request re-prefills). max_context: tokens a
+    conversation may reach, prompt and answer together (None: the smallest `max_position_embeddings` of the hosted
+    models). default_max_tokens: answer length when a request names none. max_queue: requests waiting per model
+    worker (past it: 503). guard: score a mapped cache before it serves and re-prefill when the score exceeds
+    guard_threshold (signal: one of `GUARD_SIGNALS`; guard_window: the new turn's last positions it scores).
+    handover / exact_prefix / recompute: as in `SwitchingSession` (None: the mapper's own setting; recompute is a
+    `RecomputePolicy` spec such as "sinks:10%").
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_sessions: int = 256
+    session_ttl_s: float = 1800.0
+    cache_memory_bytes: int = 4 * 1024**3
+    max_context: int | None = None
+    default_max_tokens: int = 512
+    max_queue: int = 64
+    guard: bool = True
+    # chosen on dev conversations of the default pair (`kvhandoff guard-eval`, docs/SERVING.md); another family
+    # should measure its own
+    guard_signal: str = "entropy"
+    guard_threshold: float = 1.79
+    guard_window: int = 64
+    handover: str = "incremental"
+    exact_prefix: int | None = None
+    recompute: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"serve host must be a non-empty string, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"serve port must be an integer in 0..65535, got {self.port!r}")
+        for name in ("max_sessions", "cache_memory_bytes", "default_max_tokens", "max_queue", "guard_window"):
+            require_positive(f"serve {name}", getattr(self, name))
+        require_positive("serve session_ttl_s", self.session_ttl_s, float)
+        if self.max_context is not None:
+            require_positive("serve max_context", self.max_context, minimum=2)
+        if not isinstance(self.guard, bool):
+            raise ConfigError(f"serve guard must be True or False, got {self.guard!r}")
+        if self.guard_signal not in GUARD_SIGNALS:
+            raise ConfigError(
+                f"serve guard_signal must be one of {', '.join(GUARD_SIGNALS)}, got {self.guard_signal!r}"
+            )
+        if isinstance(self.guard_threshold, bool) or not isinstance(self.guard_threshold, int | float) \
+                or self.guard_threshold != self.guard_threshold:
+            raise ConfigError(f"serve guard_threshold must be a number, got {self.guard_threshold!r}")
+        if self.handover not in ("all", "incremental"):
+            raise ConfigError(f"serve handover must be 'all' or 'incremental', got {self.handover!r}")
+        if self.exact_prefix is not None:
+            require_positive("serve exact_prefix", self.exact_prefix, minimum=0)
+        if self.recompute is not None:
+            RecomputePolicy.parse(self.recompute)  # a ConfigError naming the bad rule or budget
+        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise ConfigError(f"serve log_level must be a uvicorn log level, got {self.log_level!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
