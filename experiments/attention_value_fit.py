@@ -27,7 +27,7 @@ import torch
 
 from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.fit.corpus import calibration_batches, heldout_documents
-from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.mapper.dense import DenseMapper
 from kvhandoff.model.capture import capture_content_kv
 from kvhandoff.model.geometry import decoder_layers
 from kvhandoff.model.loading import load_model
@@ -103,7 +103,7 @@ else:
     torch.save({"gram": gram, "cross": cross, "rows": rows_seen, "seconds": seconds}, stats_path)
 
 
-def attention_value_mapper(ridge_lambda: float) -> Mapper:
+def attention_value_mapper(ridge_lambda: float) -> DenseMapper:
     """The default mapper with every value map replaced by the attention-output fit."""
     weight, bias = default.weight.clone(), default.bias.clone()
     for layer in range(Lt):
@@ -120,7 +120,7 @@ def attention_value_mapper(ridge_lambda: float) -> Mapper:
     manifest = copy.deepcopy(default.manifest)
     manifest["config"]["value_objective"] = {"kind": "attention-output", "lambda": ridge_lambda,
                                              "windows": windows}
-    return Mapper(weight, bias, default.selected, manifest)
+    return DenseMapper(weight, bias, default.selected, manifest)
 
 
 prose = HandoffDivergence(s, t, heldout_documents(tok, 4, min_tokens=640, source="lambada-heldout"), 512, 128)

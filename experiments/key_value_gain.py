@@ -14,7 +14,7 @@ import torch
 
 from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.fit.corpus import heldout_documents
-from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.mapper.dense import DenseMapper
 from kvhandoff.model.loading import load_model
 from kvhandoff.workflow import obtain_mapper, obtain_statistics
 from kvhandoff_lab.tuning import HandoffDivergence
@@ -56,7 +56,7 @@ for ak, av in alphas:
     for m, a in ((0, ak), (1, av)):
         w[m] *= a
         b[m] = a * b[m] + (1 - a) * mean_y[m]
-    m2 = Mapper(w, b, mapper.selected, mapper.manifest)
+    m2 = DenseMapper(w, b, mapper.selected, mapper.manifest)
     t0 = time.time()
     r = div.score(m2, 4)
     rows.append({"alpha_k": ak, "alpha_v": av, "prefix_len": prefix_len, **r, "seconds": time.time() - t0})

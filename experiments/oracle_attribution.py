@@ -14,8 +14,10 @@ import torch
 
 from kvhandoff.config import CalibrationSpec
 from kvhandoff.fit.corpus import heldout_documents
+from kvhandoff.model.cache import prefill
 from kvhandoff.model.loading import load_model
-from kvhandoff.runtime.handoff import handoff_cache, prefill
+from kvhandoff.runtime.handoff import handoff_cache
+from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.workflow import obtain_mapper
 from kvhandoff_lab.evaluation.scoring import feed
 from kvhandoff_lab.tuning import HandoffDivergence
@@ -51,7 +53,8 @@ for name, (layers, what) in variants.items():
     def predict(doc, it=it, layers=layers, what=what):
         own = next(it)
         cache = handoff_cache(
-            s, t, mapper, torch.tensor([doc.prefix[:-1]]), 4, source_cache=copy.deepcopy(doc.source_cache)
+            s, t, mapper, torch.tensor([doc.prefix[:-1]]), HandoffPlan(exact_prefix=4),
+            source_cache=copy.deepcopy(doc.source_cache),
         )
         for i in layers:
             if "k" in what:

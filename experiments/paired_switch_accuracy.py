@@ -1,4 +1,4 @@
-"""Paired accuracy difference between two switch conditions of `kvhandoff eval-switch` runs that share an item
+"""Paired accuracy difference between two switch conditions of `kvhandoff-lab eval-switch` runs that share an item
 store (e.g. the default policy and no recompute on the same report-pool items), per direction and task group, with a
 bootstrap interval over the items.
 
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvhandoff.runtime.policy import RecomputePolicy
+from kvhandoff.runtime import policy as recompute_policy
 from kvhandoff_lab.evaluation.runner import ItemStore, slug
 from kvhandoff_lab.evaluation.tasks import CORE_TASKS, get_task, mc_item_metrics
 
 
 def store_of(run_dir: Path, task: str, policy: str, source: str) -> dict:
-    spec = RecomputePolicy.parse(policy).spec
+    spec = recompute_policy.parse(policy).spec  # the command line's spec
     name = "switch" if spec == "none" else f"switch:{spec}"
     prefix = f"{slug(name)}-{slug(source)}-to-"
     (path,) = (run_dir / "items" / f"switch-{task}").glob(f"{prefix}*.jsonl")

@@ -1,4 +1,4 @@
-"""Paired comparison of two mappers on the same switch-benchmark items: `kvhandoff eval-switch` runs of each mapper
+"""Paired comparison of two mappers on the same switch-benchmark items: `kvhandoff-lab eval-switch` runs of each mapper
 into one item store (the models alone are scored once), under one recompute policy.
 
     python experiments/paired_switch_mappers.py RUN_DIR SHA_A SHA_B [POLICY] [OUT.json]

@@ -7,9 +7,8 @@ import torch
 
 
 class IdentityMapper:
-    """A stand-in mapper for source == target: hands the cache over unchanged."""
-
-    recompute = "none"  # its handoffs are exact as mapped: no default recompute to blur that
+    """A stand-in mapper for source == target: hands the cache over unchanged (a handoff through it is exact
+    under a plan that recomputes nothing)."""
 
     def __init__(self) -> None:
         self._calls = 0
@@ -25,8 +24,6 @@ class IdentityMapper:
 
 class NoisyMapper:
     """A stand-in mapper that perturbs the values (transfer then differs from target)."""
-
-    recompute = "none"  # the stand-ins hand off without recompute unless a test asks for a policy
 
     def __init__(self, scale: float = 0.5, seed: int = 0) -> None:
         self.scale, self.seed = scale, seed

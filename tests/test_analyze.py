@@ -5,7 +5,7 @@ import torch
 
 from kvhandoff import FitConfig
 from kvhandoff.fit.pipeline import collect_statistics, mapper_from_statistics
-from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.mapper.dense import DenseMapper
 from kvhandoff.model.capture import ContentKV, capture_content_kv
 from kvhandoff.model.geometry import model_fingerprint
 from kvhandoff_lab.analyze import (
@@ -31,10 +31,10 @@ def pair():
     return source, target, stats, exact
 
 
-def _perturbed(mapper: Mapper, scale: float) -> Mapper:
+def _perturbed(mapper: DenseMapper, scale: float) -> DenseMapper:
     gen = torch.Generator().manual_seed(3)
     weight = mapper.weight + scale * mapper.weight.std() * torch.randn(mapper.weight.shape, generator=gen)
-    return Mapper(weight, mapper.bias, mapper.selected, mapper.manifest)
+    return DenseMapper(weight, mapper.bias, mapper.selected, mapper.manifest)
 
 
 def _diagnose(source, target, mappers, batches):

@@ -140,7 +140,7 @@ def _use_fake_asset(monkeypatch, asset: ModelAsset) -> None:
     monkeypatch.setitem(assets.MODEL_ASSETS, asset.name, asset)
 
 
-def _fake_convert(asset, gguf_path, out, progress):
+def _fake_convert(asset, gguf_path, out):
     (out / "config.json").write_text("{}")
     (out / assets.WEIGHTS_FILE).write_bytes(b"weights")
     return {"gguf_sha256": asset.sha256, "name": asset.name}
@@ -183,7 +183,7 @@ def test_interrupted_conversion_leaves_nothing_that_looks_complete(tmp_path, mon
     asset = _fake_asset(tmp_path, monkeypatch, [b"abc", b"def"])
     _use_fake_asset(monkeypatch, asset)
 
-    def crash(asset, gguf_path, out, progress):
+    def crash(asset, gguf_path, out):
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 

@@ -5,6 +5,7 @@ import torch
 
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.errors import ConfigError
+from kvhandoff.runtime.policy import NoRecompute, Recent
 from kvhandoff_lab.bench import (
     bench_table,
     continuation_flops,
@@ -128,7 +129,7 @@ def test_a_new_turn_read_by_the_target(pair):
 def test_bench_times_the_recompute_as_part_of_the_handoff(pair):
     source, target, mapper = pair
     result = run_bench(source, target, mapper, lengths=(12, 24), repeats=1, warmup=0, progress=False,
-                       recompute="recent:50%")
+                       recompute=Recent(0.5))
     assert result["settings"]["recompute"] == "recent:50%"
     # mapped: T − 1 positions, of which the exact prefix (4) is never counted; half of the rest, rounded half up
     assert [row["recompute_tokens"] for row in result["results"]] == [4, 10]
@@ -140,7 +141,7 @@ def test_bench_times_the_recompute_as_part_of_the_handoff(pair):
         parts = row["transfer"]["median"] + row["select"]["median"] + row["target_forward"]["median"]
         assert parts <= row["handoff"]["median"]
     plain = run_bench(source, target, mapper, lengths=(12,), repeats=1, warmup=0, progress=False,
-                      measure_memory=False, two_step=False, recompute="none")
+                      measure_memory=False, two_step=False, recompute=NoRecompute())
     assert "two_step" not in plain["results"][0] and not plain["settings"]["two_step"]
     assert plain["settings"]["recompute"] == "none" and plain["results"][0]["recompute_tokens"] == 0
     assert plain["results"][0]["flops"]["recompute"] == 0

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 from _eval_support import NoisyMapper
 from kvhandoff.cli import app
 from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.runtime.policy import Sinks
 from kvhandoff_lab.cli import app as lab_app
 
 from conftest import BYTE_MODEL, ByteTokenizer, chat_tokenizer, save_tiny_pair, tiny_model
@@ -419,7 +420,7 @@ def test_every_entry_point_refuses_a_pair_whose_tokenizers_differ(command, tmp_p
     (["refine", "--mapper", "m", "--out", "r", "--lr", "0"], "--lr"),
     (["refine", "--mapper", "m", "--out", "r", "--min-context", "9", "--max-context", "8"], "--min-context"),
     (["demo", "--top-k", "heldout"], "--top-k"),
-    (["demo", "--repeats", "0"], "--repeats"),
+    (["demo", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["tune", "--ks", "1,x"], "--ks"),
     (["tune", "--lambdas", "0.1,abc"], "--lambdas"),
     (["tune", "--exact-prefixes", "0,-1"], "--exact-prefixes"),
@@ -475,9 +476,10 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
 
     calls = {}
 
-    def fake_load_family(specs, mapper_dirs, dtype, device_map):
+    def fake_load_family(specs, mapper_dirs, dtype, progress, device_map):
         calls["family"] = (specs, mapper_dirs)
         calls["placement"] = (dtype, device_map)
+        calls["progress"] = progress
         return {"models": 1}, {"mappers": 2}
 
     monkeypatch.setattr(serve_cli, "load_family", fake_load_family)
@@ -489,11 +491,11 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
                                       "--dtype", "bf16", "--device-map", "auto"])
     assert result.exit_code == 0, result.output
     assert calls["family"] == ({"small": "/m/s", "large": "/m/l"}, {("small", "large"): tmp_path})
-    assert calls["placement"] == ("bfloat16", "auto")
+    assert calls["placement"] == ("bfloat16", "auto") and calls["progress"] is True  # bars at the command line
     models, mappers, config = calls["run"]
     assert (models, mappers) == ({"models": 1}, {"mappers": 2})
     assert (config.port, config.guard, config.max_context, config.cache_memory_bytes) == (0, False, 300, 1000)
-    assert config.recompute == "sinks:10%"
+    assert config.recompute == Sinks(0.1) and config.recompute.spec == "sinks:10%"  # parsed by the option, once
 
 
 @pytest.mark.parametrize("args, option", [

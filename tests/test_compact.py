@@ -5,9 +5,11 @@ import torch
 
 from kvhandoff import FitConfig, Mapper, fit_mapper, prefill
 from kvhandoff.errors import ConfigError
-from kvhandoff.fit.compact import BlockMapper, LowRankMapper, head_groups
+from kvhandoff.fit.compact import head_groups
 from kvhandoff.fit.pipeline import mapper_from_statistics
 from kvhandoff.fit.statistics import CalibrationStats
+from kvhandoff.mapper.blocks import BlockMapper
+from kvhandoff.mapper.lowrank import LowRankMapper
 from kvhandoff.model.capture import FeatureLayout
 
 from conftest import exactly_related, random_batches, tiny_model, with_duplicated_kv_heads

@@ -1,96 +1,156 @@
+import json
+
 import pytest
-import torch
+from typer.testing import CliRunner
 
 from kvhandoff import FitConfig, fit_mapper
-from kvhandoff.config import CalibrationSpec
-from kvhandoff.demo import agreement, demo_context, mapped_length, run_demo
-from kvhandoff.errors import ConfigError, MapperMismatchError
-from kvhandoff.model.cache import feed, prefill
+from kvhandoff.cli import app
+from kvhandoff.demo import (
+    DEMO_QUESTIONS,
+    QUESTION_MAPPED,
+    TURN_BOUNDARY,
+    Question,
+    Script,
+    check_story,
+    converse,
+    demo_script,
+    run_demo,
+)
+from kvhandoff.errors import ConfigError
+from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.serving.engine import CHATML_TEMPLATE
 
-from conftest import ByteTokenizer, exactly_related, random_batches, save_tiny_pair, tiny_model
+from conftest import chat_tokenizer, exactly_related, random_batches, tiny_model
+
+#: an exact relation, fitted as exactly as float32 captures allow
+EXACT_FIT = FitConfig(top_k="all", ridge_lambda=1e-10, token_stride=1)
+QUESTIONS = (Question("Who keeps the bees?", "Ann"), Question("Where is the hive?", "on the hill"),
+             Question("What colour is the gate?", "red"))
 
 
-def test_demo_context_is_long_real_coqa_with_an_open_question():
-    tok = ByteTokenizer()
-    context = demo_context(tok, min_tokens=1000)
-    assert len(tok.encode(context.text)) >= 1000 and context.text.endswith("A:")
-    assert context.gold_answers
-    assert context.text == context.history + context.new_turn and context.history.endswith("\n\n")
-    assert context.new_turn.startswith("Q: ") and "\n\nQ: " not in context.new_turn
-    ids = tok(context.text)["input_ids"]
-    assert mapped_length(tok, context, ids, "all") == len(ids) - 1
-    assert mapped_length(tok, context, ids, "history") == len(tok.encode(context.history))
-    with pytest.raises(ConfigError, match="history"):
-        mapped_length(tok, context, ids, "question")
+def story(characters: int) -> str:
+    sentences = ("Ann keeps bees on the hill behind the mill. ", "The gate to the hive is red and it squeaks. ",
+                 "Every spring her brother Tom helps her carry the honey down. ")
+    text = ""
+    while len(text) < characters:
+        text += sentences[len(text) % len(sentences)]
+    return text
 
 
-@pytest.mark.parametrize("mapped", ["all", "history"])
-def test_demo_runs_on_a_tiny_pair(tmp_path, monkeypatch, mapped):
+def chat_template_tokenizer():
+    tokenizer = chat_tokenizer()
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def exact_family():
+    """"small" and "large" (an exactly related copy: equal outputs, a different cache), exact mappers both ways."""
+    small = tiny_model("qwen2", layers=3, vocab_size=300, seed=3, max_position_embeddings=2048)
+    large = exactly_related(small)
+    mappers = {("small", "large"): fit_mapper(small, large, random_batches(), EXACT_FIT, progress=False),
+               ("large", "small"): fit_mapper(large, small, random_batches(), EXACT_FIT, progress=False)}
+    return {"small": small, "large": large}, mappers
+
+
+def test_the_default_script_asks_about_a_long_coqa_story_what_it_tells():
+    script = demo_script()
+    assert len(script.questions) == 3 and script.questions == DEMO_QUESTIONS
+    assert len(script.story) > 4000  # over 1,000 tokens for the default pair's tokenizer
+    for question in script.questions:
+        assert question.reference.lower() in script.story.lower()
+
+
+def test_a_switch_on_an_exact_pair_answers_token_for_token_as_the_re_prefill(exact_family):
+    models, mappers = exact_family
+    turns, switches = converse(models, mappers, chat_template_tokenizer(), Script("bees", story(400), QUESTIONS),
+                               max_new_tokens=5)
+    assert [t.model for t in turns] == ["small", "large", "small"] and [t.turn for t in turns] == [1, 2, 3]
+    assert [(s.turn, s.source, s.target, s.condition) for s in switches] == [
+        (2, "small", "large", TURN_BOUNDARY), (3, "large", "small", TURN_BOUNDARY), (2, "small", "large",
+                                                                                     QUESTION_MAPPED)]
+    for switch in switches:
+        assert switch.handoff.token_ids and switch.same_answer, switch
+        assert switch.handoff.text == switch.reprefill.text
+        assert switch.handoff.ttft_seconds > 0 and switch.reprefill.ttft_seconds > 0 and switch.speedup > 0
+    back, there, paper = switches[1], switches[0], switches[2]
+    assert turns[1].answer == there.handoff and turns[2].answer == back.handoff  # the handoffs carry it on
+    # the first switch maps the conversation so far; the way back maps only what the small model missed (random
+    # models' answers may render to other tokens, which the next turn then reads: counts are checked as sums)
+    assert there.mapped_tokens >= turns[0].context_tokens
+    assert there.mapped_tokens + there.read_tokens == turns[1].context_tokens
+    assert back.mapped_tokens + back.read_tokens == turns[2].context_tokens - there.mapped_tokens
+    assert (paper.mapped_tokens, paper.read_tokens) == (turns[1].context_tokens - 1, 1)
+    assert paper.reprefill == there.reprefill
+
+
+def test_bad_scripts_are_refused_before_any_work():
+    tokenizer = chat_template_tokenizer()
+    with pytest.raises(ConfigError, match="at least 1000"):
+        check_story(tokenizer, Script("short", story(300), QUESTIONS))
+    assert check_story(tokenizer, Script("long", story(1200), QUESTIONS)) >= 1000
+    with pytest.raises(ConfigError, match="two questions"):
+        check_story(tokenizer, Script("one", story(1200), QUESTIONS[:1]))
+    with pytest.raises(ConfigError, match="chat template"):
+        check_story(chat_tokenizer(), Script("plain", story(1200), QUESTIONS))
+    with pytest.raises(ConfigError, match="two models"):
+        run_demo("same", "same")
+
+
+@pytest.fixture
+def chat_pair(tmp_path, monkeypatch):
+    """Two tiny chat models saved as local folders (one tokenizer with a chat template); the demo's script is a
+    story of the tiny tokenizer's 1,000+ tokens."""
     monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
-    small, large = save_tiny_pair(tmp_path)
-    result = run_demo(small, large, FitConfig(), CalibrationSpec(num_sequences=2, seq_len=64, mix=("prose",)),
-                      max_new_tokens=3, min_context_tokens=300, progress=False, mapped=mapped)
-    assert result["mapped"] == mapped and result["context_tokens"] >= 300
-    assert result["mapped_tokens"] + result["target_prefilled_tokens"] == result["context_tokens"]
-    new_turn = result["target_prefilled_tokens"]
-    assert new_turn == 1 if mapped == "all" else 10 < new_turn < 300
-    assert result["handoff_ttft_seconds"] > 0
-    positions, top1 = result["agreement_positions"], result["agreement_top1_agreement"]
-    assert 1 <= positions <= 3 and top1 * positions == pytest.approx(round(top1 * positions))  # agreeing positions
+    monkeypatch.setattr("kvhandoff.demo.demo_script", lambda: Script("bees", story(1100), QUESTIONS))
+    paths = []
+    for name, layers, head_dim, seed in (("small", 2, 16, 0), ("large", 3, 32, 1)):
+        path = tmp_path / name
+        tiny_model("qwen2", layers=layers, head_dim=head_dim, seed=seed, vocab_size=300).save_pretrained(path)
+        chat_template_tokenizer().save_pretrained(path)
+        paths.append(str(path))
+    return paths
 
 
-def test_demo_shows_a_saved_mapper_and_refuses_one_of_another_pair(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
-    small, large = save_tiny_pair(tmp_path)
-    calibration = CalibrationSpec(num_sequences=2, seq_len=64, mix=("prose",))
-    first = run_demo(small, large, FitConfig(), calibration, max_new_tokens=2, min_context_tokens=300, progress=False)
-    result = run_demo(small, large, FitConfig(), calibration, max_new_tokens=2, min_context_tokens=300,
-                      progress=False, mapper_path=first["mapper_dir"])
-    assert result["mapper_dir"] == first["mapper_dir"] and result["mapper_reused"]
-    with pytest.raises(MapperMismatchError):
-        run_demo(large, small, FitConfig(), calibration, max_new_tokens=2, min_context_tokens=300, progress=False,
-                 mapper_path=first["mapper_dir"])
+def test_the_command_fits_one_pass_for_both_ways_and_shows_every_switch(chat_pair, tmp_path):
+    small, large = chat_pair
+    out = tmp_path / "demo.json"
+    arguments = ["demo", "--source", small, "--target", large, "--sequences", "2", "--seq-len", "64", "--mix",
+                 "prose", "--max-new-tokens", "3"]
+    result = CliRunner().invoke(app, [*arguments, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "The conversation" in result.output and "paper's condition" in result.output
+    assert result.output.count("fitted now") == 2
+    data = json.loads(out.read_text())
+    assert [s["condition"] for s in data["switches"]] == [TURN_BOUNDARY, TURN_BOUNDARY, QUESTION_MAPPED]
+    assert all(s["speedup"] > 0 and s["handoff"]["token_ids"] for s in data["switches"])
+    assert data["story_tokens"] >= 1000 and len(data["turns"]) == 3
+    back = Mapper.load(data["mappers"][1]["folder"])
+    assert back.manifest["calibration"]["reused_reverse_pass"] is True  # the way back needed no pass of its own
+    again = CliRunner().invoke(app, [*arguments, "--reverse", "--json", str(out)])
+    assert again.exit_code == 0, again.output
+    assert again.output.count("reused") == 2 and "fitted now" not in again.output
+    reverse = json.loads(out.read_text())
+    assert reverse["source"] == large and reverse["switches"][0]["source"] == large
 
 
-def test_agreement_is_perfect_for_an_exact_mapper_and_lower_for_noise():
-    source = tiny_model("qwen2", layers=2)
-    target = exactly_related(source)
-    mapper = fit_mapper(source, target, random_batches(8), FitConfig(ridge_lambda=1e-6), progress=False)
-    ids = torch.randint(0, 128, (1, 30))
-    own_cache, _ = prefill(target, ids[:, :-1])
-    mapped = mapper.transfer(prefill(source, ids[:, :-1])[0])
-    own_first = feed(target, own_cache, ids[0, -1:].tolist())[-1]
-    mapped_first = feed(target, mapped, ids[0, -1:].tolist())[-1]
-    continuation = torch.randint(0, 128, (6,)).tolist()
-    exact = agreement(target, own_cache, mapped, 30, own_first, mapped_first, continuation)
-    assert exact["positions"] == 6 and exact["top1_agreement"] == 1.0 and exact["mean_kl"] < 1e-4
-    assert own_cache.get_seq_length() == 30  # caches rolled back after scoring
-    with torch.inference_mode():  # the mapped cache holds inference tensors
-        for layer in mapped.layers:
-            layer.values += torch.randn_like(layer.values) * 5
-    noisy = agreement(target, own_cache, mapped, 30, own_first, mapped_first, continuation)
-    assert noisy["mean_kl"] > exact["mean_kl"]
+def test_the_command_refuses_a_short_story_before_fitting(chat_pair, tmp_path, monkeypatch):
+    monkeypatch.setattr("kvhandoff.demo.demo_script", lambda: Script("short", story(200), QUESTIONS))
+    small, large = chat_pair
+    result = CliRunner().invoke(app, ["demo", "--source", small, "--target", large])
+    assert result.exit_code == 1 and "error: " in result.output and "at least 1000" in result.output
+    assert not (tmp_path / "home" / "pairs").exists()
+    result = CliRunner().invoke(app, ["demo", "--mapped", "history"])
+    assert result.exit_code == 2 and "--mapped" in result.output
 
 
 @pytest.mark.real_models
 def test_demo_end_to_end_on_the_real_pair():
-    from kvhandoff.demo import render_demo, run_demo
+    from kvhandoff.cli.demo import render_demo
     from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
 
     result = run_demo(DEFAULT_SOURCE, DEFAULT_TARGET)
     render_demo(result)
-    assert result["context_tokens"] >= 1000
-    assert result["speedup"] > 1
-    assert result["answer_handoff"]
-    assert 0 <= result["agreement_top1_agreement"] <= 1
-
-
-def test_demo_with_a_full_recompute_answers_as_the_target_itself(tmp_path, monkeypatch):
-    """`--recompute recent:100%`: the target recomputes every mapped position, timed as part of the handoff, so its
-    answer agrees with the re-prefill's at every position."""
-    monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
-    small, large = save_tiny_pair(tmp_path)
-    result = run_demo(small, large, FitConfig(), CalibrationSpec(num_sequences=2, seq_len=64, mix=("prose",)),
-                      max_new_tokens=3, min_context_tokens=300, progress=False, recompute="recent:100%")
-    assert result["recompute"] == "recent:100%"
-    assert result["agreement_top1_agreement"] == 1.0 and result["answer_handoff"] == result["answer_reprefill"]
+    assert result.story_tokens >= 1000 and len(result.switches) == 3
+    assert all(switch.speedup > 1 and switch.handoff.text for switch in result.switches)
+    assert "19" in result.turns[1].answer.text or "nineteen" in result.turns[1].answer.text.lower()

@@ -6,6 +6,7 @@ the same code)."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import subprocess
 import sys
@@ -87,7 +88,8 @@ class Interrupted(Exception):
     pass
 
 
-def test_an_interrupted_pass_resumes_from_its_checkpoint(models, windows, tmp_path, capsys):
+def test_an_interrupted_pass_resumes_from_its_checkpoint(models, windows, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvhandoff")
     source, target = models
     checkpoint = tmp_path / "partial.safetensors"
     calls = []
@@ -107,28 +109,29 @@ def test_an_interrupted_pass_resumes_from_its_checkpoint(models, windows, tmp_pa
     assert CalibrationStats.read_info(checkpoint)["windows"] == [0, 1]
     stats, record = collect_shared(source, target, windows, FitConfig(), Ranks(checkpoint_every=2),
                                    checkpoint=checkpoint)
-    assert "2 window(s) already reduced (0-1)" in capsys.readouterr().out
+    assert "2 window(s) already reduced (0-1)" in caplog.text
     assert record["windows_per_rank"] == [[2, 3, 4, 5]]
     assert record["resumed_from_checkpoint"]["windows"] == [0, 1]
     assert record["resumed_from_checkpoint"]["runs"][0]["world_size"] == 1
     assert_same_statistics(stats, collect_statistics(source, target, list(windows.split(1)), progress=False))
     # a checkpoint of other windows (or settings) is never added in
+    caplog.clear()
     other = windows.flip(0)
     stats, record = collect_shared(source, target, other, FitConfig(), Ranks(checkpoint_every=2),
                                    checkpoint=checkpoint)
-    assert "starting the pass from the first window" in capsys.readouterr().out
+    assert "starting the pass from the first window" in caplog.text
     assert "resumed_from_checkpoint" not in record
     assert_same_statistics(stats, collect_statistics(source, target, list(other.split(1)), progress=False))
 
 
-def test_a_checkpoint_resumes_a_pass_only_when_it_holds_what_the_pass_sums(models, windows, tmp_path, capsys):
+def test_a_checkpoint_resumes_a_pass_only_when_it_holds_what_the_pass_sums(models, windows, tmp_path, caplog):
     source, target = models
     checkpoint = tmp_path / "partial.safetensors"
     collect_shared(source, target, windows, FitConfig(), Ranks(checkpoint_every=2), checkpoint=checkpoint,
                    progress=False)
     stats, record = collect_shared(source, target, windows, FitConfig(), Ranks(checkpoint_every=2),
                                    checkpoint=checkpoint, target_gram=True)  # the checkpoint has no Gram
-    assert "starting the pass from the first window" in capsys.readouterr().out and stats.target_gram
+    assert "starting the pass from the first window" in caplog.text and stats.target_gram
     stats, record = collect_shared(source, target, windows, FitConfig(), Ranks(checkpoint_every=2),
                                    checkpoint=checkpoint)  # rewritten by the pass with the Gram: it serves
     assert record["resumed_from_checkpoint"]["windows"] == list(range(WINDOWS)) and not stats.target_gram

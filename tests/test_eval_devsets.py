@@ -1,4 +1,4 @@
-"""Dev sets of `kvhandoff tune`: validated on creation; each kind yields a divergence and its description."""
+"""Dev sets of `kvhandoff-lab tune`: validated on creation; each kind yields a divergence and its description."""
 
 from __future__ import annotations
 

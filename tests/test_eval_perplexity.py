@@ -9,6 +9,7 @@ import torch
 
 from _eval_support import IdentityMapper, NoisyMapper, full_sequence_logprob
 from kvhandoff.errors import ConfigError
+from kvhandoff.runtime.policy import NoRecompute
 from kvhandoff_lab.evaluation import perplexity as P
 from kvhandoff_lab.evaluation.scoring import Standalone
 
@@ -24,7 +25,8 @@ def setup():
 
 def test_identity_transfer_gives_ratio_one(setup):
     target, _, docs = setup
-    out = P.conditional_perplexity(target, target, IdentityMapper(), docs, prefix_len=16, continuation_len=12)
+    out = P.conditional_perplexity(target, target, IdentityMapper(), docs, prefix_len=16, continuation_len=12,
+                                   recompute=NoRecompute())  # nothing recomputed: the identity map is exact
     assert out["ratio"] == 1.0
     assert out["conditions"]["target"]["documents"] == 2  # the short document is skipped
     assert out["conditions"]["target"]["tokens"] == 24

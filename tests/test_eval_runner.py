@@ -21,9 +21,9 @@ TOK = ByteTokenizer()
 
 
 def evaluate(source, target, mapper, tasks, limit=100, seed=0, out_dir=None, *, mapped="all", exact_prefix=None,
-             result_name="results", reverse_mapper=None, documents=None, on_item=None, **scoring):
+             recompute=None, result_name="results", reverse_mapper=None, documents=None, on_item=None, **scoring):
     """`run_eval` with fast scoring settings (few resamples, short generations) and no progress bars."""
-    return R.run_eval(source, target, mapper, TOK, EvalOptions(tasks, limit, seed, mapped, exact_prefix),
+    return R.run_eval(source, target, mapper, TOK, EvalOptions(tasks, limit, seed, mapped, exact_prefix, recompute),
                       ScoringOptions(**{"n_resamples": 50, "max_new_tokens": 4, **scoring}),
                       OutputOptions(out_dir, result_name, progress=False),
                       reverse_mapper=reverse_mapper, documents=documents, on_item=on_item)
@@ -182,8 +182,8 @@ def test_perplexity_and_coqa_in_the_runner(models, tmp_path):
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 256, (40,), generator=gen) for _ in range(2)]
     result = evaluate(target, target, IdentityMapper(), "perplexity,coqa", limit=2, seed=0, out_dir=tmp_path,
-                        reverse_mapper=IdentityMapper(), documents=docs, perplexity_docs=2, prefix_len=12,
-                        continuation_len=8, coqa_conversations=1, coqa_turns=2, coqa_max_new_tokens=2)
+                        recompute="none", reverse_mapper=IdentityMapper(), documents=docs, perplexity_docs=2,
+                        prefix_len=12, continuation_len=8, coqa_conversations=1, coqa_turns=2, coqa_max_new_tokens=2)
     assert result["perplexity"]["ratio"] == 1.0 and len(result["perplexity"]["document_ids"]) == 2
     coqa = result["coqa"]
     assert coqa["conversations"] == 1 and coqa["turns"] == 2

@@ -7,6 +7,8 @@ import torch
 
 from _eval_support import IdentityMapper, NoisyMapper, full_sequence_logprob, short_items
 from kvhandoff.errors import ConfigError
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import Deviation, NoRecompute, Recent, Sinks
 from kvhandoff_lab.evaluation import scoring as S
 from kvhandoff_lab.evaluation.tasks import Choice, GenItem, MCItem, load_items
 
@@ -64,7 +66,7 @@ def test_context_prefilled_once_per_distinct_context(models):
 
 def test_identity_transfer_equals_target_exactly(models):
     target, _ = models
-    conds = S.standard_conditions(target, target, IdentityMapper())
+    conds = S.standard_conditions(target, target, IdentityMapper(), recompute=NoRecompute())  # nothing to blur it
     for task in ["arc_challenge", "winogrande", "mmlu"]:
         (item,) = short_items(task)
         records = {n: S.evaluate_mc_item(c, TOK, item) for n, c in conds.items()}
@@ -430,19 +432,23 @@ def test_transfer_with_a_recompute_policy(models):
     own = S.evaluate_mc_item(S.Standalone("target", target), TOK, item)
     noisy = S.evaluate_mc_item(S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=0), TOK, item)
     full = S.evaluate_mc_item(S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=0,
-                                         recompute="deviation:100%"), TOK, item)
+                                         recompute=Deviation(1.0)), TOK, item)
     some = S.evaluate_mc_item(S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=0,
-                                         recompute="recent:20%"), TOK, item)
+                                         recompute=Recent(0.2)), TOK, item)
     assert full["loglikelihoods"] == pytest.approx(own["loglikelihoods"], abs=1e-4)
     assert some["loglikelihoods"] != noisy["loglikelihoods"]
-    conditions = S.standard_conditions(target, target, NoisyMapper(), 0, "history", recompute="sinks:50%")
+    conditions = S.standard_conditions(target, target, NoisyMapper(), 0, "history", recompute=Sinks(0.5))
     assert conditions["transfer"].recompute.spec == "sinks:50%"
-    assert EvalOptions(recompute="recent:0.1").recompute == "recent:10%" and EvalOptions().recompute is None
+    assert conditions["transfer"].plan == HandoffPlan(0, Sinks(0.5))
+    # the lab's options are an edge: a spec is parsed there, once, into the policy the conditions receive
+    assert EvalOptions(recompute="recent:0.1").recompute == Recent(0.1) and EvalOptions().recompute is None
     with pytest.raises(ConfigError):
         EvalOptions(recompute="recent")
+    with pytest.raises(ConfigError, match="RecomputePolicy"):  # below the edge a spec is refused
+        S.Transfer("transfer", target, target, NoisyMapper(), exact_prefix=0, recompute="recent:20%")
 
 
-@pytest.mark.parametrize("recompute", [None, "recent:30%"])
+@pytest.mark.parametrize("recompute", [None, Recent(0.3)])
 def test_a_transfer_reads_the_last_context_token_in_the_forward_that_recomputes(models, recompute):
     """The transfer condition's target recomputes the exact prefix (and the policy's picks) in the forward that
     reads the last context token: one forward, the log-probs of the handoff that recomputes first."""

@@ -9,6 +9,8 @@ from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import prefill
 from kvhandoff.runtime.handoff import handoff_cache
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import Deviation, NoRecompute, Recent, Sinks
 from kvhandoff_lab.evaluation import switch as W
 from kvhandoff_lab.evaluation.tasks import pool_of
 
@@ -84,21 +86,21 @@ def test_history_sharing_gives_the_scores_of_unshared_prefills(models):
     source, target = models
     mapper = NoisyMapper(scale=0.3)
     _, items = items_of("arc_challenge", limit=4)
-    conditions = W.switch_conditions(source, target, mapper, ("none", "recent:20%"), exact_prefix=2)
+    conditions = W.switch_conditions(source, target, mapper, (NoRecompute(), Recent(0.2)), exact_prefix=2)
     for item in sorted(items, key=lambda item: item.history.key):  # the runner's order
         ids = torch.tensor([list(item.history.ids)])
         unshared = {
             "target": prefill(target, ids)[0],
             "source": prefill(source, ids)[0],
-            "switch": handoff_cache(source, target, mapper, ids, 2, recompute="none"),
-            "switch:recent:20%": handoff_cache(source, target, mapper, ids, 2, recompute="recent:20%"),
+            "switch": handoff_cache(source, target, mapper, ids, HandoffPlan(2, NoRecompute())),
+            "switch:recent:20%": handoff_cache(source, target, mapper, ids, HandoffPlan(2, Recent(0.2))),
         }
         for name, cache in unshared.items():
             reader = source if name == "source" else target
             expected = W.score_turns(reader, cache, item.turns, item.continuation_lengths)
             assert conditions[name].score(item) == pytest.approx(expected, abs=1e-6), name
     assert conditions["target"].prefills.prefills == 4  # two histories, two models: one prefill each
-    assert W.switch_name("recent:20%") == "switch:recent:20%" and W.switch_name("none") == "switch"
+    assert W.switch_name(Recent(0.2)) == "switch:recent:20%" and W.switch_name(NoRecompute()) == "switch"
 
 
 def test_all_mapped_with_an_identity_handover_is_the_target_alone(models):
@@ -122,7 +124,7 @@ def related():
 def test_switch_with_an_exactly_related_pair_equals_the_target_alone(related):
     source, target, mapper = related
     _, items = items_of("arc_challenge", limit=3)
-    conditions = W.switch_conditions(source, target, mapper, ("none", "deviation:10%"), exact_prefix=0)
+    conditions = W.switch_conditions(source, target, mapper, (NoRecompute(), Deviation(0.1)), exact_prefix=0)
     for item in items:
         own = conditions["target"].score(item)
         for name in ("switch", "switch:deviation:10%", "all_mapped"):
@@ -178,7 +180,9 @@ def test_settings_are_validated():
         W.SwitchSettings(pool="train")
     with pytest.raises(ConfigError):
         W.SwitchSettings(tasks=("gsm8k",))
-    assert W.SwitchSettings(policies=("recent:0.05",)).policies == ("recent:5%",)
+    assert W.SwitchSettings(policies=("recent:0.05",)).policies == (Recent(0.05),)  # the settings read specs once
+    mixed = W.SwitchSettings(policies=("recent:0.05", Sinks(0.1))).policies
+    assert [p.spec for p in mixed] == ["recent:5%", "sinks:10%"]
 
 
 def test_agreement_with_target_counts_same_answers_and_choice_kl():

@@ -4,6 +4,7 @@ import time
 import pytest
 
 from _eval_support import IdentityMapper, NoisyMapper
+from kvhandoff.runtime.policy import Recent
 from kvhandoff_lab.evaluation import switchbench as B
 from kvhandoff_lab.evaluation.switch import SwitchSettings
 
@@ -26,8 +27,9 @@ def settings(**changes):
 
 
 def test_recompute_points_put_none_first_once():
-    assert B.recompute_points(("recent", "sinks"), (0.0, 0.05, 0.2)) == (
-        "none", "recent:5%", "recent:20%", "sinks:5%", "sinks:20%")
+    points = B.recompute_points(("recent", "sinks"), (0.0, 0.05, 0.2))
+    assert tuple(point.spec for point in points) == ("none", "recent:5%", "recent:20%", "sinks:5%", "sinks:20%")
+    assert points[1] == Recent(0.05)
 
 
 def test_pareto_front_keeps_the_undominated_points():
@@ -73,7 +75,7 @@ def test_sweep_writes_table_plot_and_resumes(directions, tmp_path):
     points = B.recompute_points(("recent", "deviation"), (0.0, 0.2))
     swept = B.run_recompute_sweep(directions, TOK, "bytes", settings(policies=points), tmp_path, lengths=(64, 128))
     assert swept["complete"] and swept["items_per_task"] == 4 and swept["histories_done"] == 2
-    assert [p["policy"] for p in swept["points"]] == list(points)
+    assert [p["policy"] for p in swept["points"]] == [point.spec for point in points]  # stored as specs
     point = swept["points"][1]
     assert set(point["speedup"]) == {"64", "128"} and set(point["speedup"]["64"]) == {"forward", "reverse", "mean"}
     assert point["retention"]["forward"]["tasks"] == 2

@@ -3,13 +3,32 @@ import contextlib
 import pytest
 import torch
 
-from kvhandoff import FitConfig, catch_up, fit_mapper, handoff_cache, handoff_generate, prefill
+from kvhandoff import (
+    FitConfig,
+    HandoffPlan,
+    PrefixStore,
+    SwitchingSession,
+    catch_up,
+    fit_mapper,
+    handoff_cache,
+    handoff_generate,
+    map_for_target,
+    prefill,
+)
 from kvhandoff.errors import ConfigError
 
 from conftest import GEOMETRY_CHANGES, exact_pair, exactly_related, random_batches, tiny_model
 
 #: an exact relation, fitted as exactly as float32 captures allow: every map, every calibration token, tiny λ
 EXACT_FIT = FitConfig(top_k="all", ridge_lambda=1e-10, token_stride=1)
+#: every position mapped, nothing recomputed
+MAPPED = HandoffPlan.of(0, "none")
+#: the mapper's exact prefix, no recompute policy
+NO_POLICY = HandoffPlan.of(recompute="none")
+
+
+def plan_of(exact_prefix=None, recompute=None):
+    return HandoffPlan.of(exact_prefix, recompute)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +69,7 @@ def assert_hands_off_exactly(source, target, mapper, seed: int = 5):
     ids = torch.randint(0, 128, (2, 60), generator=torch.Generator().manual_seed(seed))
     context, later = ids[:, :44], ids[:, 44:]
     own_cache, _ = prefill(target, context)
-    mapped = handoff_cache(source, target, mapper, context, exact_prefix=0)
+    mapped = handoff_cache(source, target, mapper, context, HandoffPlan(exact_prefix=0))
     assert mapped.get_seq_length() == 44
     with torch.inference_mode():
         own = target(input_ids=later, cache=own_cache, use_cache=True).logits
@@ -58,7 +77,8 @@ def assert_hands_off_exactly(source, target, mapper, seed: int = 5):
     assert (own - handed).abs().max() <= 1e-4
 
     own_tokens = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-    handed_tokens = handoff_generate(source, target, mapper, ids, exact_prefix=0, max_new_tokens=8, do_sample=False)
+    handed_tokens = handoff_generate(source, target, mapper, ids, HandoffPlan(exact_prefix=0), max_new_tokens=8,
+                                     do_sample=False)
     assert torch.equal(own_tokens, handed_tokens)
 
 
@@ -144,8 +164,8 @@ def test_exact_prefix_restores_the_targets_own_leading_positions():
     mapper = fit_mapper(source, target, random_batches(2), FitConfig(top_k=1), progress=False)
     ids = torch.randint(0, 128, (1, 20))
     own, _ = prefill(target, ids)
-    plain = handoff_cache(source, target, mapper, ids, exact_prefix=0, recompute="none")
-    patched = handoff_cache(source, target, mapper, ids, exact_prefix=3, recompute="none")
+    plain = handoff_cache(source, target, mapper, ids, MAPPED)
+    patched = handoff_cache(source, target, mapper, ids, plan_of(3, "none"))
     default = handoff_cache(source, target, mapper, ids)  # the mapper's own setting (FitConfig default 4)
     assert mapper.exact_prefix == 4
     assert torch.allclose(default.layers[0].keys[:, :, :4], own.layers[0].keys[:, :, :4], atol=1e-5)
@@ -160,8 +180,8 @@ def test_handoff_cache_from_a_given_source_cache(related_pairs):
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(2))
     given, _ = prefill(source, ids[:, :12])  # a prefix cache, extended by the rest
     prefill(source, ids[:, 12:], cache=given)
-    fresh = handoff_cache(source, target, mapper, ids, exact_prefix=3)
-    reused = handoff_cache(source, target, mapper, ids, exact_prefix=3, source_cache=given)
+    fresh = handoff_cache(source, target, mapper, ids, HandoffPlan(exact_prefix=3))
+    reused = handoff_cache(source, target, mapper, ids, HandoffPlan(exact_prefix=3), source_cache=given)
     for a, b in zip(fresh.layers, reused.layers, strict=True):
         assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
     with pytest.raises(ConfigError, match="source_cache"):
@@ -175,11 +195,11 @@ def test_target_tail_is_prefilled_by_the_target_itself():
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(3))
     own, _ = prefill(target, ids)
     # only the first token mapped, and the exact prefix recomputes it: the whole cache is the target's own
-    everything = handoff_cache(source, target, mapper, ids, exact_prefix=1, target_tail=19)
+    everything = handoff_cache(source, target, mapper, ids, HandoffPlan(exact_prefix=1), target_tail=19)
     for a, b in zip(everything.layers, own.layers, strict=True):
         assert torch.allclose(a.keys, b.keys, atol=1e-4) and torch.allclose(a.values, b.values, atol=1e-4)
-    tail = handoff_cache(source, target, mapper, ids, exact_prefix=0, target_tail=5, recompute="none")
-    plain = handoff_cache(source, target, mapper, ids, exact_prefix=0, recompute="none")
+    tail = handoff_cache(source, target, mapper, ids, MAPPED, target_tail=5)
+    plain = handoff_cache(source, target, mapper, ids, MAPPED)
     assert tail.get_seq_length() == 20
     assert torch.equal(tail.layers[1].values[:, :, :15], plain.layers[1].values[:, :, :15])  # mapped part
     assert not torch.allclose(tail.layers[1].values[:, :, 15:], plain.layers[1].values[:, :, 15:], atol=1e-3)
@@ -197,12 +217,13 @@ def test_catch_up_maps_only_the_missing_positions_at_their_own_positions():
     # the target's cache of the first 25 positions (its own), brought up to 40 by mapping positions 25..39
     own, _ = prefill(target, ids[:, :25])
     kept = [layer.keys.clone() for layer in own.layers]
-    assert catch_up(own, source_cache, mapper, recompute="none") is own and own.get_seq_length() == 40
+    caught = catch_up(own, source_cache, mapper, plan=NO_POLICY)
+    assert caught.cache.native is own and caught.pending.numel() == 0 and own.get_seq_length() == 40
     for layer, before, mapped in zip(own.layers, kept, whole.layers, strict=True):
         assert torch.equal(layer.keys[:, :, :25], before)  # the target's own positions are untouched
         torch.testing.assert_close(layer.keys[:, :, 25:], mapped.keys[:, :, 25:])  # RoPE at positions 25..39
         torch.testing.assert_close(layer.values[:, :, 25:], mapped.values[:, :, 25:])
-    assert catch_up(own, source_cache, mapper).get_seq_length() == 40  # nothing missing: nothing mapped
+    assert catch_up(own, source_cache, mapper).cache.length == 40  # nothing missing: nothing mapped
     longer, _ = prefill(target, ids)
     prefill(target, ids[:, :3], cache=longer)
     with pytest.raises(ConfigError, match="more than the source"):
@@ -219,11 +240,9 @@ def two_way_pair(related_pairs):
 
 @pytest.mark.parametrize("handover", ["incremental", "all"])
 def test_switching_session_serves_one_conversation_with_two_models(two_way_pair, handover):
-    from kvhandoff.runtime.session import SwitchingSession
-
     models, mappers = two_way_pair
     ids = torch.randint(0, 128, (1, 45), generator=torch.Generator().manual_seed(8))[0].tolist()
-    session = SwitchingSession(models, mappers, handover, exact_prefix=0)
+    session = SwitchingSession(models, mappers, handover, HandoffPlan(exact_prefix=0))
     session.read("a", ids[:20])
     own_a = [layer.keys[:, :, :20].clone() for layer in session.cache("a").layers]
     session.read("b", ids[20:30])
@@ -251,8 +270,6 @@ def test_switching_session_serves_one_conversation_with_two_models(two_way_pair,
 
 
 def test_switching_session_refuses_bad_requests(two_way_pair):
-    from kvhandoff.runtime.session import SwitchingSession
-
     models, mappers = two_way_pair
     with pytest.raises(ConfigError, match="handover"):
         SwitchingSession(models, mappers, handover="lazy")
@@ -268,11 +285,9 @@ def test_switching_session_refuses_bad_requests(two_way_pair):
 
 
 def test_switching_session_generates_answers_that_join_the_conversation(two_way_pair):
-    from kvhandoff.runtime.session import SwitchingSession
-
     models, mappers = two_way_pair
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(9))[0].tolist()
-    session = SwitchingSession(models, mappers, exact_prefix=0)
+    session = SwitchingSession(models, mappers, plan=HandoffPlan(exact_prefix=0))
     first = session.generate("a", ids[:20], max_new_tokens=4, do_sample=False)
     assert len(first) == 4 and session.tokens == ids[:20] + first
     assert session.cache("a").get_seq_length() == 24  # the answer is cached, its last token included
@@ -290,25 +305,23 @@ def test_switching_session_generates_answers_that_join_the_conversation(two_way_
 def test_real_pair_switching_session():
     """The default pair's cached default mappers (fitted on first use: slow) serve one CoQA conversation; a second
     conversation of the same opening copies the 1.5B's exact prefix from the shared store and answers alike."""
-    from kvhandoff.demo import demo_context
+    from kvhandoff.demo import demo_script
     from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
-    from kvhandoff.runtime.handoff import PrefixStore
-    from kvhandoff.runtime.session import SwitchingSession
     from kvhandoff.workflow import load_named_pair, obtain_mapper
 
     pair = load_named_pair(DEFAULT_SOURCE, DEFAULT_TARGET, progress=False)
     small, large, tokenizer = pair.source, pair.target, pair.models.tokenizer
     up = obtain_mapper(pair, progress=False)[0]
     down = obtain_mapper(pair.reversed(), progress=False)[0]
-    context = demo_context(tokenizer, min_tokens=600)
-    opening = tokenizer(context.history + "Q: What is this story about?\n\nA:")["input_ids"]
+    story = demo_script().story
+    opening = tokenizer(story + "\n\nQ: What is this story about?\n\nA:")["input_ids"]
     store, answers = PrefixStore(), []
     for _ in range(2):
         session = SwitchingSession({"small": small, "large": large}, {("small", "large"): up, ("large", "small"): down},
-                                   prefix_store=store)
+                                   plan=HandoffPlan(prefix_store=store))
         first = session.generate("small", opening, max_new_tokens=20, do_sample=False)
-        second = session.generate("large", tokenizer("\n\n" + context.new_turn)["input_ids"], max_new_tokens=20,
-                                  do_sample=False)
+        question = tokenizer("\n\nQ: What was the man's name?\n\nA:")["input_ids"]
+        second = session.generate("large", question, max_new_tokens=20, do_sample=False)
         texts = [tokenizer.decode(answer, skip_special_tokens=True).strip() for answer in (first, second)]
         assert all(texts), texts
         assert session.cache("large").get_seq_length() == len(session.tokens)
@@ -338,17 +351,17 @@ def test_handoff_cache_refuses_a_mapper_fitted_for_another_pair(unrelated_pair):
         handoff_cache(other, target, mapper, ids)
 
 
-def test_handoff_cache_refuses_a_context_past_the_target_window_before_any_work(unrelated_pair, monkeypatch):
-    import kvhandoff.runtime.handoff as handoff_module
+def test_handoff_cache_refuses_a_context_past_the_target_window_before_any_work(unrelated_pair):
     from kvhandoff.errors import ContextTooLongError
 
     source, target, _, mapper = unrelated_pair
-    calls = []
-    monkeypatch.setattr(handoff_module, "prefill", lambda *args, **kwargs: calls.append(args))
     ids = torch.randint(0, 128, (1, target.config.max_position_embeddings + 1))
-    with pytest.raises(ContextTooLongError, match="65 tokens exceeds the target's max_position_embeddings"):
-        handoff_cache(source, target, mapper, ids)
-    assert calls == []
+    with counting_forwards(source) as source_calls, counting_forwards(target) as target_calls:
+        with pytest.raises(ContextTooLongError, match="65 tokens exceeds the target's max_position_embeddings"):
+            handoff_cache(source, target, mapper, ids)
+        with pytest.raises(ContextTooLongError, match="65 tokens"):  # the target's tail counts too
+            handoff_cache(source, target, mapper, ids, target_tail=2)
+    assert source_calls == [] and target_calls == []
 
 
 def test_catch_up_checks_the_pair_the_target_cache_and_the_window(unrelated_pair):
@@ -363,13 +376,13 @@ def test_catch_up_checks_the_pair_the_target_cache_and_the_window(unrelated_pair
     assert own.get_seq_length() == 10  # refused before anything was appended
     wrong, _ = prefill(source, ids[:, :10])  # a cache of the source's geometry handed in as the target's
     with pytest.raises(MapperMismatchError, match="this mapper maps to 3"):
-        catch_up(wrong, source_cache, mapper, recompute="none")
+        catch_up(wrong, source_cache, mapper, plan=NO_POLICY)
     long_ids = torch.randint(0, 128, (1, 70))
     long_source, _ = prefill(source, long_ids)
     with pytest.raises(ContextTooLongError, match="70 tokens"):
         catch_up(own, long_source, mapper, source, target)
     assert own.get_seq_length() == 10
-    assert catch_up(own, source_cache, mapper, source, target, recompute="none").get_seq_length() == 30
+    assert catch_up(own, source_cache, mapper, source, target, plan=NO_POLICY).cache.length == 30
 
 
 # -- the fused first forward: exact prefix + recompute + the target's reading of the new tokens, in one forward --------
@@ -378,17 +391,30 @@ def test_catch_up_checks_the_pair_the_target_cache_and_the_window(unrelated_pair
 def _two_step(source, target, mapper, ids, new_tokens, exact_prefix, recompute):
     """The reference: map, recompute the exact prefix by its own prefill, the policy's picks by a sparse prefill,
     then the target reads the new tokens (three forwards)."""
-    from kvhandoff.runtime.handoff import patch_exact_prefix
-    from kvhandoff.runtime.recompute import SelectionInfo, apply_policy
+    from kvhandoff.runtime import policy
+    from kvhandoff.runtime.policy import SelectionInfo
+    from kvhandoff.runtime.recompute import recompute_positions
 
     history, new = ids[:, :-new_tokens], ids[:, -new_tokens:]
     source_cache, _ = prefill(source, history)
     cache = mapper.transfer(source_cache, dtype=target.dtype)
-    patch_exact_prefix(cache, target, history, exact_prefix)
-    apply_policy(recompute, target, cache, history, SelectionInfo(start=min(exact_prefix, history.shape[1])),
-                 source, source_cache)
+    if exact_prefix:
+        own, _ = prefill(target, history[:, :exact_prefix])
+        for mapped, mine in zip(cache.layers, own.layers, strict=True):
+            mapped.keys[:, :, :exact_prefix], mapped.values[:, :, :exact_prefix] = mine.keys, mine.values
+    info = SelectionInfo(start=min(exact_prefix, history.shape[1]))
+    picked = policy.parse(recompute).positions(target, cache, history, info, source, source_cache)
+    recompute_positions(target, cache, history, picked)
     logits = target(input_ids=new, cache=cache, use_cache=True, logits_to_keep=new_tokens).logits
     return cache, logits
+
+
+def read_after_handoff(source, target, mapper, ids, new_tokens=1, plan=None, logits_to_keep=1):
+    """All but the last ``new_tokens`` mapped, the target reads them in the forward that recomputes: (the target's
+    cache of all tokens, the logits of the last ``logits_to_keep``)."""
+    mapped = map_for_target(source, target, mapper, ids[:, :-new_tokens], plan)
+    logits = mapped.read(target, ids[:, -new_tokens:], logits_to_keep)
+    return mapped.cache.native, logits
 
 
 UNRELATED = {  # (source settings, target settings): unrelated models of one family, several geometries
@@ -416,21 +442,20 @@ def unrelated_pairs():
 ])
 def test_the_fused_first_forward_equals_the_two_step_handoff(unrelated_pairs, family, new_tokens, exact_prefix,
                                                              recompute):
-    """`handoff_read` (one target forward) = the exact-prefix prefill, the recompute and the read in turn: the same
-    logits and the same cache, on a mapped cache far from the target's own (so every recomputed position matters)."""
-    from kvhandoff.runtime.handoff import handoff_read
-
+    """`MappedCache.read` (one target forward) = the exact-prefix prefill, the recompute and the read in turn: the
+    same logits and the same cache, on a mapped cache far from the target's own (so every recomputed position
+    matters)."""
     source, target, mapper = unrelated_pairs[family]
     ids = torch.randint(0, 128, (2, 41), generator=torch.Generator().manual_seed(7))
     reference_cache, reference = _two_step(source, target, mapper, ids, new_tokens, exact_prefix, recompute)
-    cache, logits = handoff_read(source, target, mapper, ids, new_tokens, exact_prefix, recompute=recompute,
-                                 logits_to_keep=new_tokens)
+    cache, logits = read_after_handoff(source, target, mapper, ids, new_tokens, plan_of(exact_prefix, recompute),
+                                       logits_to_keep=new_tokens)
     assert logits.shape == reference.shape == (2, new_tokens, 128)
     assert (logits - reference).abs().max() <= 1e-5
     assert cache.get_seq_length() == 41
     for a, b in zip(cache.layers, reference_cache.layers, strict=True):
         assert (a.keys - b.keys).abs().max() <= 1e-5 and (a.values - b.values).abs().max() <= 1e-5
-    unpatched, _ = handoff_read(source, target, mapper, ids, new_tokens, 0, recompute="none")
+    unpatched, _ = read_after_handoff(source, target, mapper, ids, new_tokens, MAPPED)
     if exact_prefix:  # what is compared is not the mapped cache itself
         assert (unpatched.layers[-1].values[:, :, :exact_prefix]
                 - cache.layers[-1].values[:, :, :exact_prefix]).abs().max() > 1e-3
@@ -439,21 +464,19 @@ def test_the_fused_first_forward_equals_the_two_step_handoff(unrelated_pairs, fa
 def test_a_mapped_cache_recomputes_its_pending_positions_at_the_first_forward(unrelated_pairs):
     """`map_for_target` leaves the exact prefix pending; `read` and `settle` both empty it; handoff_cache with a tail
     is the fused read; the prefix alone (`settle`) then the read gives the same logits."""
-    from kvhandoff.runtime.handoff import map_for_target
-
     source, target, mapper = unrelated_pairs["qwen2"]
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(8))
-    fused = map_for_target(source, target, mapper, ids[:, :-3], recompute="none")
+    fused = map_for_target(source, target, mapper, ids[:, :-3], NO_POLICY)
     assert fused.pending.tolist() == [[0, 1, 2, 3]]
     logits = fused.read(target, ids[:, -3:], logits_to_keep=2)
-    assert fused.pending.numel() == 0 and fused.cache.get_seq_length() == 30
-    settled = map_for_target(source, target, mapper, ids[:, :-3], recompute="none")
+    assert fused.pending.numel() == 0 and fused.cache.length == 30
+    settled = map_for_target(source, target, mapper, ids[:, :-3], NO_POLICY)
     cache = settled.settle(target)
     assert settled.pending.numel() == 0 and settled.settle(target) is cache
-    reference = target(input_ids=ids[:, -3:], cache=cache, use_cache=True, logits_to_keep=2).logits
+    reference = target(input_ids=ids[:, -3:], cache=cache.native, use_cache=True, logits_to_keep=2).logits
     assert (logits - reference).abs().max() <= 1e-5
-    tail = handoff_cache(source, target, mapper, ids, target_tail=3, recompute="none")
-    for a, b in zip(tail.layers, cache.layers, strict=True):
+    tail = handoff_cache(source, target, mapper, ids, NO_POLICY, target_tail=3)
+    for a, b in zip(tail.layers, cache.native.layers, strict=True):
         assert (a.keys - b.keys).abs().max() <= 1e-5 and (a.values - b.values).abs().max() <= 1e-5
     with pytest.raises(ConfigError, match="logits_to_keep"):
         map_for_target(source, target, mapper, ids[:, :-3]).read(target, ids[:, -3:], logits_to_keep=4)
@@ -476,28 +499,27 @@ def counting_forwards(model):
 def test_a_prefix_store_copies_the_exact_prefix_instead_of_recomputing_it(unrelated_pairs):
     """The first handoff of an opening recomputes its exact prefix and stores it; the next one copies it in, leaves
     only the new tokens (and the policy's picks) to the forward, and gives the same logits and cache."""
-    from kvhandoff.runtime.handoff import PrefixStore, handoff_read, map_for_target
-
     source, target, mapper = unrelated_pairs["qwen2"]
     ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(11))
     store = PrefixStore(capacity=3)
-    first = map_for_target(source, target, mapper, ids[:, :-1], recompute="none", prefix_store=store)
+    stored = HandoffPlan.of(recompute="none", prefix_store=store)
+    first = map_for_target(source, target, mapper, ids[:, :-1], stored)
     assert first.pending.tolist() == [[0, 1, 2, 3]] * 2 and len(store) == 0
     logits = first.read(target, ids[:, -1:])
     assert len(store) == 2 and (store.hits, store.misses) == (0, 1)  # one entry per row
-    again = map_for_target(source, target, mapper, ids[:, :-1], recompute="none", prefix_store=store)
+    again = map_for_target(source, target, mapper, ids[:, :-1], stored)
     assert again.pending.numel() == 0 and store.hits == 1
     assert (again.read(target, ids[:, -1:]) - logits).abs().max() <= 1e-5
-    for a, b in zip(again.cache.layers, first.cache.layers, strict=True):
+    for a, b in zip(again.cache.native.layers, first.cache.native.layers, strict=True):
         assert (a.keys - b.keys).abs().max() <= 1e-5 and (a.values - b.values).abs().max() <= 1e-5
     # under a policy only its picks stay pending; the fused read equals the one without a store
-    picked = map_for_target(source, target, mapper, ids[:, :-1], recompute="recent:10%", prefix_store=store)
+    picked = map_for_target(source, target, mapper, ids[:, :-1], HandoffPlan.of(None, "recent:10%", store))
     assert picked.pending.tolist() == [[26, 27, 28]] * 2
-    reference = handoff_read(source, target, mapper, ids, recompute="recent:10%")[1]
+    reference = read_after_handoff(source, target, mapper, ids, plan=plan_of(recompute="recent:10%"))[1]
     assert (picked.read(target, ids[:, -1:]) - reference).abs().max() <= 1e-5
     # a row the store lacks: nothing is copied, the prefix is recomputed and stored
     other = torch.cat([ids[:1], torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(12))])
-    mixed = map_for_target(source, target, mapper, other[:, :-1], recompute="none", prefix_store=store)
+    mixed = map_for_target(source, target, mapper, other[:, :-1], stored)
     assert mixed.pending.shape == (2, 4)
     mixed.settle(target)
     assert len(store) == 3  # the new opening joined; the capacity drops the least recently used first
@@ -512,19 +534,18 @@ def test_a_prefix_store_copies_the_exact_prefix_instead_of_recomputing_it(unrela
 def test_a_primed_store_serves_a_target_without_custom_masks(unrelated_pairs, monkeypatch):
     """`PrefixStore.prime` stores a prefill of the opening; a target whose attention takes no 4D mask copies it
     too (it would otherwise prefill the prefix on its own)."""
-    import kvhandoff.runtime.handoff as handoff
-    from kvhandoff.runtime.handoff import PrefixStore, map_for_target
+    from kvhandoff.runtime.seam import TransformersCache
 
     source, target, mapper = unrelated_pairs["llama"]
     ids = torch.randint(0, 128, (1, 25), generator=torch.Generator().manual_seed(14))
     store = PrefixStore()
     store.prime(target, ids[:, :4])
-    reference = map_for_target(source, target, mapper, ids[:, :-1], recompute="none").settle(target)
-    monkeypatch.setattr(handoff, "takes_custom_mask", lambda model: False)
+    reference = map_for_target(source, target, mapper, ids[:, :-1], NO_POLICY).settle(target)
+    monkeypatch.setattr(TransformersCache, "supports_recompute", lambda self, model: False)
     with counting_forwards(target) as calls:
-        copied = map_for_target(source, target, mapper, ids[:, :-1], recompute="none", prefix_store=store)
+        copied = map_for_target(source, target, mapper, ids[:, :-1], HandoffPlan.of(None, "none", store))
     assert copied.pending.numel() == 0 and not calls and store.hits == 1
-    for a, b in zip(copied.cache.layers, reference.layers, strict=True):
+    for a, b in zip(copied.cache.native.layers, reference.native.layers, strict=True):
         assert (a.keys - b.keys).abs().max() <= 1e-5 and (a.values - b.values).abs().max() <= 1e-5
 
 
@@ -532,18 +553,17 @@ def test_a_primed_store_serves_a_target_without_custom_masks(unrelated_pairs, mo
 def test_handoff_generate_runs_one_target_forward_per_new_token(unrelated_pairs, target_tail, recompute):
     """`generate`'s first forward recomputes the pending positions and reads the unmapped tokens: a handoff that
     generates n tokens runs n target forwards (not n + 1) and answers as the two-step handoff does."""
-    from kvhandoff.runtime.handoff import map_for_target
-
     source, target, mapper = unrelated_pairs["qwen2"]
+    plan = plan_of(recompute=recompute)
     ids = torch.randint(0, 128, (1, 33), generator=torch.Generator().manual_seed(15))
     cut = ids.shape[1] - 1 - target_tail
     with counting_forwards(target) as two_step:
-        settled = map_for_target(source, target, mapper, ids[:, :cut], recompute=recompute).settle(target)
+        settled = map_for_target(source, target, mapper, ids[:, :cut], plan).settle(target).native
         reference = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=settled,
                                     max_new_tokens=5, do_sample=False)
     with counting_forwards(target) as calls:
-        out = handoff_generate(source, target, mapper, ids, target_tail=target_tail, recompute=recompute,
-                               max_new_tokens=5, do_sample=False)
+        out = handoff_generate(source, target, mapper, ids, plan, target_tail=target_tail, max_new_tokens=5,
+                               do_sample=False)
     assert len(two_step) == 6 and len(calls) == 5 and out.shape == (1, 38)
     assert out.tolist() == reference.tolist()
     assert "forward" not in target.__dict__  # the model's own forward is back
@@ -551,8 +571,8 @@ def test_handoff_generate_runs_one_target_forward_per_new_token(unrelated_pairs,
     target.forward = lambda *args, **kwargs: hook(*args, **kwargs)
     try:
         replaced = target.forward
-        again = handoff_generate(source, target, mapper, ids, target_tail=target_tail, recompute=recompute,
-                                 max_new_tokens=5, do_sample=False)
+        again = handoff_generate(source, target, mapper, ids, plan, target_tail=target_tail, max_new_tokens=5,
+                                 do_sample=False)
         assert again.tolist() == reference.tolist() and target.forward is replaced
     finally:
         del target.forward
@@ -563,15 +583,12 @@ def test_handoff_generate_runs_one_target_forward_per_new_token(unrelated_pairs,
 def test_switching_session_generates_after_a_switch_in_one_forward_per_token(two_way_pair):
     """A switch then an answer: the receiving model's first forward is the fused read; with a shared prefix store
     a second conversation of the same opening copies the exact prefix."""
-    from kvhandoff.runtime.handoff import PrefixStore
-    from kvhandoff.runtime.session import SwitchingSession
-
     models, mappers = two_way_pair
     store = PrefixStore()
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(16))[0].tolist()
     answers = []
     for _ in range(2):
-        session = SwitchingSession(models, mappers, prefix_store=store)
+        session = SwitchingSession(models, mappers, plan=HandoffPlan(prefix_store=store))
         session.read("a", ids[:20])
         with counting_forwards(models["b"]) as calls:
             answers.append(session.generate("b", ids[20:], max_new_tokens=3, do_sample=False))

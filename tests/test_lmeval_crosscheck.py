@@ -4,6 +4,7 @@ MMLU task's prompts, and the whole cross-check on tiny models (lm-eval's `hf` mo
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -123,17 +124,18 @@ def test_crosscheck_on_tiny_models_finds_the_harnesses_in_agreement(tiny):
         assert entry["loglikelihood_difference"]["beyond_tolerance"] == 0, entry["name"]
         assert set(entry["predictions_differ"].values()) == {0}, entry["name"]
         assert entry["accuracy"]["acc"]["reference"] == entry["accuracy"]["acc"]["other"]
-    hf = checks["target alone: lm-eval hf vs kvhandoff eval"]
+    hf = checks["target alone: lm-eval hf vs kvhandoff-lab eval"]
     assert hf["lm_eval_reported"]["acc"] == hf["accuracy"]["acc"]["other"]
     assert hf["kvhandoff_eval_reported"]["acc"]["target"]["value"] == hf["accuracy"]["acc"]["reference"]
     # the adapter runs kvhandoff's own scorer: agreement far below the tolerance for lm-eval hf
-    assert checks["target alone: adapter vs kvhandoff eval"]["loglikelihood_difference"]["max"] < \
+    assert checks["target alone: adapter vs kvhandoff-lab eval"]["loglikelihood_difference"]["max"] < \
         DEFAULT_TOLERANCE / 10
     assert (folder / "eval" / "all" / "forward.json").is_file()
     assert (folder / "eval" / "history" / "forward.json").is_file()
 
 
-def test_command_line_writes_the_result(tiny, tmp_path, capsys):
+def test_command_line_writes_the_result(tiny, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvhandoff_lab")
     folder, _, _ = tiny
     out = tmp_path / "crosscheck.json"
     main(["--source", str(folder / "small"), "--target", str(folder / "large"), "--mapper", str(folder / "mapper"),
@@ -141,4 +143,4 @@ def test_command_line_writes_the_result(tiny, tmp_path, capsys):
           "--out", str(out), "--no-progress"])
     result = json.loads(out.read_text())
     assert [entry["task"] for entry in result["checks"]] == ["arc_challenge"] * 3
-    assert "wrote" in capsys.readouterr().out
+    assert f"wrote {out}" in caplog.text and "loglikelihood difference" in caplog.text

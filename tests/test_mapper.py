@@ -14,6 +14,7 @@ from kvhandoff.errors import (
     NonFiniteError,
 )
 from kvhandoff.files import backup_of
+from kvhandoff.mapper.dense import DenseMapper
 
 from conftest import exactly_related, random_batches, tiny_model
 
@@ -38,18 +39,6 @@ def test_save_load_transfer_identical(fitted, tmp_path):
     assert manifest["config"]["top_k"] == 2 and manifest["selected_layers"] == mapper.selected.tolist()
     assert len(manifest["fit_metrics"]["r2_k_per_target_layer"]) == 4
     assert manifest["source_fingerprint"]["geometry"]["num_layers"] == 3
-
-
-def test_dense_and_gathered_paths_agree():
-    source, target = tiny_model("llama", layers=3), tiny_model("llama", layers=2, seed=2)
-    mapper = fit_mapper(source, target, random_batches(2), FitConfig(top_k="all"), progress=False)
-    assert mapper._dense
-    gathered = Mapper(mapper.weight, mapper.bias, mapper.selected, mapper.manifest)
-    gathered._dense = False
-    gathered._flat_weight = gathered.weight.reshape(-1, *gathered.weight.shape[2:])
-    cache, _ = prefill(source, torch.randint(0, 128, (1, 9)))
-    a, b = mapper.transfer(cache), gathered.transfer(cache)
-    assert torch.allclose(a.layers[1].values, b.layers[1].values, atol=1e-5)
 
 
 def test_transfer_with_position_ids_offsets_rope():
@@ -114,28 +103,6 @@ def test_mapper_files_hold_no_pickle(fitted, tmp_path):
     assert b"\x80\x04" not in (path / "mapper.safetensors").read_bytes()[:8]
 
 
-def test_joint_input_mapper_dense_and_gathered_paths_agree_and_survive_a_reload(tmp_path):
-    source, target = tiny_model("qwen2", layers=3), tiny_model("qwen2", layers=2, head_dim=32, seed=2)
-    dense = fit_mapper(source, target, random_batches(4), FitConfig(source_inputs="kv"), progress=False)
-    assert dense._dense and dense.joint_inputs and dense.weight.shape[2] == 2 * 3 * 2 * 16
-    gathered = Mapper(dense.weight, dense.bias, dense.selected, dense.manifest)
-    gathered._dense = False
-    gathered._flat_weight = gathered.weight.reshape(-1, *gathered.weight.shape[2:])
-    cache, _ = prefill(source, torch.randint(0, 128, (2, 9)))
-    a, b = dense.transfer(cache), gathered.transfer(cache)
-    for la, lb in zip(a.layers, b.layers, strict=True):
-        assert torch.allclose(la.keys, lb.keys, atol=1e-5) and torch.allclose(la.values, lb.values, atol=1e-5)
-    dense.save(tmp_path / "joint")
-    loaded = Mapper.load(tmp_path / "joint", source_model=source, target_model=target)
-    c = loaded.transfer(cache)
-    assert loaded.joint_inputs and all(torch.equal(x.values, y.values) for x, y in zip(a.layers, c.layers, strict=True))
-    # the values now depend on the source keys too: zeroing the V-block weights changes the mapped keys
-    k_only = Mapper(dense.weight.clone(), dense.bias, dense.selected, dense.manifest)
-    k_only.weight[:, :, dense.weight.shape[2] // 2:] = 0
-    k_only = Mapper(k_only.weight, dense.bias, dense.selected, dense.manifest)
-    assert not torch.allclose(k_only.transfer(cache).layers[0].keys, a.layers[0].keys)
-
-
 def _rewrite_manifest(path, edit):
     manifest_path = path / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
@@ -195,7 +162,7 @@ def test_a_nan_mapper_is_never_saved(fitted, tmp_path):
     _, _, mapper = fitted
     weight = mapper.weight.clone()
     weight[1, 2, 0, 0] = float("nan")
-    broken = Mapper(weight, mapper.bias, mapper.selected, mapper.manifest)
+    broken = DenseMapper(weight, mapper.bias, mapper.selected, mapper.manifest)
     with pytest.raises(NonFiniteError, match=r"target layer\(s\) \[2\]"):
         broken.save(tmp_path / "m")
     assert not (tmp_path / "m").exists() and list(tmp_path.iterdir()) == []
@@ -253,7 +220,7 @@ def test_to_moves_and_casts_the_map_and_refuses_a_non_float_dtype(fitted):
 
 
 def test_an_exception_while_saving_leaves_the_old_mapper_loadable_and_unchanged(fitted, tmp_path, monkeypatch):
-    import kvhandoff.mapper.mapper as mapper_module
+    import kvhandoff.mapper.storage as storage_module
 
     _, _, mapper = fitted
     path = mapper.save(tmp_path / "m")
@@ -263,8 +230,8 @@ def test_an_exception_while_saving_leaves_the_old_mapper_loadable_and_unchanged(
         Path(filename).write_bytes(b"half a file")
         raise OSError("disk full")
 
-    monkeypatch.setattr(mapper_module, "save_file", failing_save_file)
-    other = Mapper(mapper.weight * 2, mapper.bias, mapper.selected, mapper.manifest)
+    monkeypatch.setattr(storage_module, "save_file", failing_save_file)
+    other = DenseMapper(mapper.weight * 2, mapper.bias, mapper.selected, mapper.manifest)
     with pytest.raises(OSError, match="disk full"):
         other.save(path)
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
@@ -286,7 +253,7 @@ def test_models_are_fingerprinted_once_per_mapper(fitted, monkeypatch):
     import kvhandoff.mapper.mapper as mapper_module
 
     source, target, mapper = fitted
-    fresh = Mapper(mapper.weight, mapper.bias, mapper.selected, mapper.manifest)
+    fresh = DenseMapper(mapper.weight, mapper.bias, mapper.selected, mapper.manifest)
     calls = []
     real = mapper_module.model_fingerprint
     monkeypatch.setattr(mapper_module, "model_fingerprint",
@@ -329,3 +296,25 @@ def test_a_lazy_load_checks_the_file_size_at_once_and_its_checksum_at_first_use(
     tensors.write_bytes(bytes(data[:-9]))
     with pytest.raises(MapperFormatError, match="truncated or was edited"):
         Mapper.load(folder, lazy=True)
+
+
+def test_every_method_loads_with_the_frame_alone_and_an_unknown_one_is_refused():
+    """The variants register themselves within `kvhandoff.mapper`: no fitting code is needed to load any mapper."""
+    import subprocess
+    import sys
+
+    from kvhandoff.mapper.mapper import mapper_class
+
+    code = ("import sys; from kvhandoff.mapper.mapper import MAPPER_METHODS; "
+            "print(sorted(MAPPER_METHODS), 'kvhandoff.fit.mlp' in sys.modules)")
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert shown.split() == ["['blocks',", "'lowrank',", "'mlp',", "'ridge',", "'synthetic']", "False"]
+    assert mapper_class("ridge") is DenseMapper
+    with pytest.raises(MapperFormatError, match="unknown method 'quantum'"):
+        mapper_class("quantum")
+
+
+def test_selected_layers_that_differ_from_the_manifest_are_refused(fitted):
+    _, _, mapper = fitted
+    with pytest.raises(MapperFormatError, match="differ from its manifest's selected_layers"):
+        DenseMapper(mapper.weight, mapper.bias, mapper.selected.flip(1), mapper.manifest)

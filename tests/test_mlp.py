@@ -8,10 +8,11 @@ from kvhandoff.config import MAPPER_FORMAT_VERSION, MLPConfig
 from kvhandoff.errors import ConfigError, MapperFormatError, StatisticsError
 from kvhandoff.files import sha256_json
 from kvhandoff.fit.features import FeatureShardWriter
-from kvhandoff.fit.mlp import MLPMapper, ResidualMLP, fit_mlp_mapper, input_columns, output_columns
+from kvhandoff.fit.mlp import fit_mlp_mapper, input_columns, output_columns
 from kvhandoff.fit.pipeline import collect_statistics, feature_layout, mapper_from_statistics
 from kvhandoff.fit.selection import layer_r2_matrix
 from kvhandoff.fit.statistics import CalibrationStats
+from kvhandoff.mapper.mlp import MLPMapper, ResidualMLP
 from kvhandoff.model.capture import FeatureLayout
 from kvhandoff.model.geometry import model_fingerprint
 

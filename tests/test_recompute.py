@@ -1,35 +1,22 @@
-"""Selective recompute on a mapped cache (kvhandoff.runtime.recompute) and the policy threaded through every handoff
-path."""
-
-import dataclasses
+"""Selective recompute on a mapped cache (kvhandoff.runtime.recompute: the sparse prefill, the source's attention) and
+the plan's policy threaded through every handoff path."""
 
 import pytest
 import torch
 
-from kvhandoff import FitConfig, SwitchingSession, catch_up, fit_mapper, handoff_cache, prefill
-from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RECOMPUTE_BUDGETS, RecomputePolicy
+from kvhandoff import FitConfig, HandoffPlan, SwitchingSession, catch_up, fit_mapper, handoff_cache, prefill
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import cache_of, cache_view
+from kvhandoff.runtime.policy import SelectionInfo, SourceAttention, layer0_kv
 from kvhandoff.runtime.recompute import (
-    SelectionInfo,
-    apply_policy,
     attention_from_queries,
-    budget_count,
-    deviation,
-    layer0_kv,
-    mix,
-    recent,
     recompute_and_read,
     recompute_positions,
     record_queries,
-    select,
-    sinks,
-    source_attention,
     source_attention_scores,
-    turn_marker_ids,
 )
 
-from conftest import exactly_related, random_batches, tiny_model, tiny_tokenizer
+from conftest import exactly_related, random_batches, tiny_model
 
 EXACT_FIT = FitConfig(top_k="all", ridge_lambda=1e-10, token_stride=1)
 RULES = ("sinks", "recent", "deviation", "source_attention", "mix")
@@ -163,7 +150,7 @@ def test_any_selection_on_an_exactly_mapped_cache_is_the_targets_own(exact, rule
     context, later = ids[:, :40], ids[:, 40:]
     own, _ = prefill(target, context)
     for budget in (0.1, 0.5):
-        cache = handoff_cache(source, target, mapper, context, exact_prefix=0, recompute=f"{rule}:{budget}")
+        cache = handoff_cache(source, target, mapper, context, HandoffPlan.of(0, f"{rule}:{budget}"))
         assert cache.get_seq_length() == 40
         assert max_kv_diff(own, cache) <= 1e-3
         assert (next_logits(target, own, later) - next_logits(target, cache, later)).abs().max() <= 1e-4
@@ -177,78 +164,15 @@ def test_full_budget_makes_an_inexact_handoff_exact_and_partial_budgets_help(ine
     reference = next_logits(target, own, later)
     errors = {}
     for spec in ("none", "recent:50%", "deviation:100%", "sinks:100%"):
-        cache = handoff_cache(source, target, mapper, context, recompute=spec)
+        cache = handoff_cache(source, target, mapper, context, HandoffPlan.of(recompute=spec))
         errors[spec] = (next_logits(target, cache, later) - reference).abs().max().item()
     assert errors["none"] > 1e-2
     assert errors["deviation:100%"] <= 1e-4 and errors["sinks:100%"] <= 1e-4
     assert errors["recent:50%"] < errors["none"]
     # the target reads the tail itself after the recompute; with target_tail the recompute covers the mapped part only
-    cache = handoff_cache(source, target, mapper, ids[:, :44], recompute="recent:100%", target_tail=4)
+    cache = handoff_cache(source, target, mapper, ids[:, :44], HandoffPlan.of(recompute="recent:100%"), target_tail=4)
     assert (next_logits(target, cache, ids[:, 44:]) - next_logits(target, prefill(target, ids[:, :44])[0],
                                                                   ids[:, 44:])).abs().max() <= 1e-4
-
-
-# -- the rules -----------------------------------------------------------------------------------------------------
-
-
-def test_budget_rounding():
-    assert [budget_count(b, 30) for b in RECOMPUTE_BUDGETS] == [0, 1, 2, 3, 6, 15, 30]
-    assert budget_count(0.05, 10) == 1 and budget_count(0.04, 10) == 0 and budget_count(1.0, 0) == 0
-    with pytest.raises(ConfigError):
-        budget_count(1.5, 10)
-
-
-@pytest.mark.parametrize("rule", RULES)
-def test_every_rule_at_zero_and_full_budget(exact, rule):
-    source, target, mapper = exact
-    ids = ids_of(batch=2, tokens=30)
-    cache = handoff_cache(source, target, mapper, ids, exact_prefix=0)
-    info = SelectionInfo(start=4, turn_starts=(10, 20), source_attention=torch.rand(2, 30))
-    functions = {"sinks": sinks, "recent": recent, "deviation": deviation, "source_attention": source_attention,
-                 "mix": mix}
-    assert functions[rule](target, cache, ids, 0.0, info).shape == (2, 0)
-    assert torch.equal(functions[rule](target, cache, ids, 1.0, info), torch.arange(4, 30).expand(2, -1))
-    for budget in RECOMPUTE_BUDGETS:
-        picked = select(rule, target, cache, ids, budget, info)
-        assert picked.shape == (2, budget_count(budget, 26))
-        assert bool((picked >= 4).all()) and all(len(set(row)) == len(row) for row in picked.tolist())
-        assert torch.equal(picked, picked.sort(dim=1).values)
-
-
-def test_sinks_take_the_first_tokens_of_the_context_and_of_every_turn():
-    ids = ids_of(tokens=40)
-    assert sinks(None, None, ids, 0.1, SelectionInfo()).tolist() == [[0, 1, 2, 3]]
-    info = SelectionInfo(start=2, turn_starts=(15, 30))
-    assert sinks(None, None, ids, 3 / 38, info).tolist() == [[2, 15, 30]]
-    assert sinks(None, None, ids, 6 / 38, info).tolist() == [[2, 3, 15, 16, 30, 31]]
-    marked = ids.clone()
-    marked[0, [9, 25]] = 127
-    detected = sinks(None, None, marked, 3 / 40, SelectionInfo(marker_ids=(127,)))
-    assert detected.tolist() == [[0, 9, 25]]
-
-
-def test_turn_markers_come_from_the_tokenizer():
-    from tokenizers import AddedToken
-
-    tokenizer = tiny_tokenizer()
-    assert turn_marker_ids(tokenizer) == ()
-    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken("<|im_start|>", special=True)]})
-    assert turn_marker_ids(tokenizer) == (tokenizer.convert_tokens_to_ids("<|im_start|>"),)
-
-
-def test_recent_takes_the_last_tokens():
-    assert recent(None, None, ids_of(tokens=20), 0.2, SelectionInfo()).tolist() == [[16, 17, 18, 19]]
-
-
-def test_deviation_finds_the_positions_whose_mapped_kv_were_corrupted(exact):
-    source, target, mapper = exact
-    ids = ids_of(batch=2, tokens=40)
-    cache = handoff_cache(source, target, mapper, ids, exact_prefix=0)
-    corrupt = [[5, 17, 33, 38], [1, 2, 20, 21]]
-    for row, positions in enumerate(corrupt):
-        cache.layers[0].keys[row, :, positions] += 3.0
-        cache.layers[0].values[row, :, positions[:2]] *= -2.0
-    assert deviation(target, cache, ids, 0.1).tolist() == corrupt
 
 
 def test_source_attention_is_the_attention_the_sources_last_queries_paid(exact):
@@ -269,71 +193,11 @@ def test_source_attention_is_the_attention_the_sources_last_queries_paid(exact):
     assert (attention_from_queries(source, queries, recorded_cache) - reference).abs().max() <= 1e-4
     assert not any(layer.self_attn.q_proj._forward_hooks for layer in source.model.layers)
     top = reference.topk(3, dim=1).indices.sort(dim=1).values
-    assert torch.equal(source_attention(target, cache, ids, 3 / 36, SelectionInfo(source_attention=scores)), top)
+    assert torch.equal(SourceAttention(3 / 36).positions(target, cache, ids, SelectionInfo(source_attention=scores)),
+                       top)
     with pytest.raises(ConfigError, match="source's attention"):
-        source_attention(target, cache, ids, 0.1)
+        SourceAttention(0.1).positions(target, cache, ids)
 
-
-def test_mix_shares_the_budget_between_rules_without_overlap(exact):
-    source, target, mapper = exact
-    ids = ids_of(tokens=40)
-    cache = handoff_cache(source, target, mapper, ids, exact_prefix=0)
-    picked = mix(target, cache, ids, 0.25, SelectionInfo(), shares=(("sinks", 0.5), ("recent", 0.5)))
-    assert picked.tolist() == [[0, 1, 2, 3, 4, 35, 36, 37, 38, 39]]
-    overlap = mix(target, cache, ids, 1.0, SelectionInfo(), shares=(("recent", 0.5), ("sinks", 0.5)))
-    assert overlap.tolist() == [list(range(40))]
-    assert mix(target, cache, ids, 0.1).shape == (1, 4)  # the default shares
-
-
-# -- the policy ----------------------------------------------------------------------------------------------------
-
-
-def test_policy_parses_and_validates():
-    assert RecomputePolicy.parse("deviation:10%") == RecomputePolicy("deviation", 0.1)
-    assert RecomputePolicy.parse("recent:0.05").spec == "recent:5%"
-    assert RecomputePolicy.parse("none") == RecomputePolicy() and not RecomputePolicy().active
-    assert not RecomputePolicy.parse("sinks:0").active
-    custom = RecomputePolicy.parse("mix(sinks=0.25,deviation=0.75):20%:window=8")
-    assert custom.mix == (("sinks", 0.25), ("deviation", 0.75)) and custom.window == 8
-    assert RecomputePolicy.parse(custom.spec) == custom
-    assert RecomputePolicy.parse("source_attention:2%").rules == ("source_attention",)
-    for bad in ("deviation", "nearby:10%", "recent:150%", "recent:-1", "recent:x", "mix(sinks=0.5):10%",
-                "mix(sinks=0.5,mix=0.5):10%", "recent:10%:depth=2", 3):
-        with pytest.raises(ConfigError):
-            RecomputePolicy.parse(bad)
-
-
-def test_the_default_lives_in_the_fit_config_and_the_manifest(exact):
-    assert FitConfig().recompute == DEFAULT_RECOMPUTE == "recent:5%" and "recompute" not in FitConfig().to_dict()
-    assert FitConfig(recompute="none").to_dict()["recompute"] == "none"
-    config = FitConfig(recompute="recent:0.5")
-    assert config.recompute == "recent:50%" and config.to_dict()["recompute"] == "recent:50%"
-    assert config.recompute_policy == RecomputePolicy("recent", 0.5)
-    with pytest.raises(ConfigError):
-        FitConfig(recompute="fast:1")
-
-    source, target, mapper = exact
-    assert mapper.recompute == DEFAULT_RECOMPUTE
-    # a mapper whose fit config says "recompute everything" makes its handoffs exact even with a broken map
-    broken = type(mapper)(torch.zeros_like(mapper.weight), mapper.bias, mapper.selected,
-                          dataclasses.replace(mapper.manifest, config=FitConfig(recompute="sinks:100%")))
-    ids = ids_of(tokens=30)
-    own, _ = prefill(target, ids)
-    assert max_kv_diff(own, handoff_cache(source, target, broken, ids)) <= 1e-4
-    assert max_kv_diff(own, handoff_cache(source, target, broken, ids, recompute="none")) > 1e-2
-
-
-def test_apply_policy_returns_the_positions_and_needs_the_source_for_its_attention(inexact):
-    source, target, mapper = inexact
-    ids = ids_of(tokens=20)
-    cache = handoff_cache(source, target, mapper, ids, exact_prefix=0)
-    assert apply_policy("none", target, cache, ids).shape == (1, 0)
-    assert apply_policy("recent:10%", target, cache, ids, SelectionInfo(start=5)).tolist() == [[18, 19]]
-    with pytest.raises(ConfigError, match="source model"):
-        apply_policy("source_attention:10%", target, cache, ids)
-    source_cache, _ = prefill(source, ids)
-    picked = apply_policy("source_attention:10%", target, cache, ids, source_model=source, source_cache=source_cache)
-    assert picked.shape == (1, 2)
 
 
 def test_catch_up_recomputes_among_the_newly_mapped_positions(inexact):
@@ -342,17 +206,29 @@ def test_catch_up_recomputes_among_the_newly_mapped_positions(inexact):
     source_cache, _ = prefill(source, ids)
     own, _ = prefill(target, ids)
     kept, _ = prefill(target, ids[:, :25])
-    catch_up(kept, source_cache, mapper, source, target, ids, recompute="recent:100%")
+    catch_up(kept, source_cache, mapper, source, target, ids, HandoffPlan.of(recompute="recent:100%")).settle(target)
     assert kept.get_seq_length() == 40 and max_kv_diff(own, kept) <= 1e-4
     partial, _ = prefill(target, ids[:, :25])
-    catch_up(partial, source_cache, mapper, source, target, ids, recompute="sinks:20%")  # 3 of 15
+    catch_up(partial, source_cache, mapper, source, target, ids, HandoffPlan.of(recompute="sinks:20%")).settle(target)
+    # 3 of the 15 newly mapped positions
     assert max_kv_diff(own, partial, slice(25, 28)) <= 1e-4 and max_kv_diff(own, partial, slice(28, 40)) > 1e-2
     with pytest.raises(ConfigError, match="input_ids"):
-        catch_up(prefill(target, ids[:, :25])[0], source_cache, mapper, source, target, recompute="recent:10%")
-    with pytest.raises(ConfigError, match="recompute='none'"):  # the mapper's default policy is active
+        catch_up(prefill(target, ids[:, :25])[0], source_cache, mapper, source, target,
+                 plan=HandoffPlan.of(recompute="recent:10%"))
+    with pytest.raises(ConfigError, match="recompute='none'"):  # the default policy is active
         catch_up(prefill(target, ids[:, :25])[0], source_cache, mapper, source, target)
     # no active policy: mapping alone needs no ids
-    catch_up(prefill(target, ids[:, :25])[0], source_cache, mapper, source, target, recompute="none")
+    mapped = catch_up(prefill(target, ids[:, :25])[0], source_cache, mapper, source, target,
+                      plan=HandoffPlan.of(recompute="none"))
+    assert mapped.pending.numel() == 0 and mapped.cache.length == 40
+    # the picks are left to the target's next forward: read recomputes them with the new tokens
+    pending = catch_up(prefill(target, ids[:, :25])[0], source_cache, mapper, source, target, ids,
+                       HandoffPlan.of(recompute="recent:100%"))
+    assert pending.pending.tolist() == [list(range(25, 40))]
+    more = ids_of(tokens=3, seed=9)
+    logits = pending.read(target, more, logits_to_keep=3)
+    assert pending.pending.numel() == 0
+    assert (logits - target(input_ids=more, cache=cache_view(own, 0), use_cache=True).logits).abs().max() <= 1e-4
 
 
 def test_a_session_recomputes_at_every_handover_and_knows_the_turns(inexact):
@@ -363,7 +239,8 @@ def test_a_session_recomputes_at_every_handover_and_knows_the_turns(inexact):
     plain = SwitchingSession({"small": source, "large": target},
                              {("small", "large"): mapper, ("large", "small"): reverse})
     full = SwitchingSession({"small": source, "large": target},
-                            {("small", "large"): mapper, ("large", "small"): reverse}, recompute="sinks:100%")
+                            {("small", "large"): mapper, ("large", "small"): reverse},
+                            plan=HandoffPlan.of(recompute="sinks:100%"))
     for session in (plain, full):
         session.read("small", turns[0])
         session.read("small", turns[1])
@@ -376,18 +253,19 @@ def test_a_session_recomputes_at_every_handover_and_knows_the_turns(inexact):
     alone = SwitchingSession({"small": source}, {}).read("small", turns[0] + turns[1] + turns[2] + turns[0][:3])
     assert (back - alone).abs().max() <= 1e-4
     sinks_only = SwitchingSession({"small": source, "large": target}, {("small", "large"): mapper},
-                                  exact_prefix=0, recompute="sinks:10%")
+                                  plan=HandoffPlan.of(0, "sinks:10%"))
     sinks_only.read("small", turns[0])
     sinks_only.read("small", turns[1])
     sinks_only.switch_to("large")
     cache = sinks_only.cache("large")
-    mapped = handoff_cache(source, target, mapper, torch.tensor([turns[0] + turns[1]]), exact_prefix=0,
-                           recompute="none")
+    mapped = handoff_cache(source, target, mapper, torch.tensor([turns[0] + turns[1]]), HandoffPlan.of(0, "none"))
     changed = [p for p in range(21) if (cache.layers[0].keys[0, :, p] - mapped.layers[0].keys[0, :, p]).abs().max()
                > 1e-6]
     assert changed == [0, 12]  # 10% of 21 positions: the two turn starts
     with pytest.raises(ConfigError):
-        SwitchingSession({"small": source}, {}, recompute="fast:1")
+        HandoffPlan.of(recompute="fast:1")
+    with pytest.raises(ConfigError, match="HandoffPlan"):  # below the edge a spec is refused, never parsed
+        SwitchingSession({"small": source}, {}, plan="sinks:10%")
 
 
 def test_stacked_query_attention_is_sdpa_without_copying_the_cache():

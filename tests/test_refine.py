@@ -1,12 +1,15 @@
 import pytest
 import torch
 
-from kvhandoff import FitConfig, fit_mapper, handoff_cache, prefill
+from kvhandoff import FitConfig, HandoffPlan, fit_mapper, handoff_cache, prefill
 from kvhandoff.config import RefineConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.fit.refine import handoff_kl, mapped_cache, refine_mapper, teacher_window
 
 from conftest import exactly_related, random_batches, tiny_model
+
+#: the mapper's exact prefix, no recompute policy (what refine fits against)
+NO_POLICY = HandoffPlan.of(recompute="none")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def test_mapped_cache_is_the_handoff_cache(unrelated_pair):
     ids = _windows(1, 40)
     window = teacher_window(source, target, ids, mapper.exact_prefix)
     ours = mapped_cache(mapper, target.config, window.source_rows[:, :, :30], window.own_prefix)
-    reference = handoff_cache(source, target, mapper, ids[:, :30], recompute="none")  # refine fits the map alone
+    reference = handoff_cache(source, target, mapper, ids[:, :30], NO_POLICY)  # refine fits the map alone
     for mine, theirs in zip(ours.layers, reference.layers, strict=True):
         assert torch.allclose(mine.keys, theirs.keys, atol=1e-4)
         assert torch.allclose(mine.values, theirs.values, atol=1e-4)
@@ -42,7 +45,7 @@ def test_handoff_kl_is_the_kl_of_the_target_reading_on_the_mapped_cache(unrelate
     window = teacher_window(source, target, ids, mapper.exact_prefix)
     kl = handoff_kl(mapper, target, window, context=25, continuation=10)
     own = target(input_ids=ids[:, :35]).logits[0, 25:35].log_softmax(-1)
-    cache = handoff_cache(source, target, mapper, ids[:, :25], recompute="none")
+    cache = handoff_cache(source, target, mapper, ids[:, :25], NO_POLICY)
     mapped = target(input_ids=ids[:, 25:35], cache=cache).logits[0].log_softmax(-1)
     expected = (own.exp() * (own - mapped)).sum(-1).mean()
     assert kl.item() == pytest.approx(expected.item(), rel=1e-4, abs=1e-6)

@@ -3,7 +3,16 @@ import torch
 from transformers import LlamaConfig
 
 from kvhandoff.errors import UnsupportedModelError
-from kvhandoff.model.rope import apply_rope, rope_frequencies, strip_rope
+from kvhandoff.model.rope import (
+    TABLE_STEP,
+    RopeTable,
+    apply_rope,
+    rope_frequencies,
+    rotate,
+    rotate_half,
+    scaled_cos_sin,
+    strip_rope,
+)
 
 from conftest import LLAMA31_ROPE, tiny_model
 
@@ -89,3 +98,44 @@ def test_unknown_rope_type_is_refused():
     config.rope_parameters = {"rope_type": "mystery", "rope_theta": 1.0}
     with pytest.raises(UnsupportedModelError, match="unknown rope type 'mystery'"):
         rope_frequencies(config)
+
+
+def test_rotate_is_the_rotate_half_formula_bit_for_bit():
+    x, cos, sin = torch.randn(3, 5, 8), torch.randn(5, 8), torch.randn(5, 8)
+    assert torch.equal(rotate(x, cos, sin), x * cos + rotate_half(x) * sin)
+    assert torch.equal(rotate(x, cos, sin, inverse=True), x * cos - rotate_half(x) * sin)
+
+
+@pytest.mark.parametrize("case", ["default", "dynamic", "yarn", "partial_rotary"])
+def test_a_rope_table_holds_the_rows_apply_rope_computes(case):
+    config = config_for(ROPE_CASES[case])
+    table = RopeTable(config)
+    positions = torch.tensor([[3, 7, 40], [0, 1, 2]])
+    cos, sin, scaling = table.lookup(positions, 3, torch.device("cpu"))
+    inv_freq, expected_scaling = rope_frequencies(config, seq_len=41)
+    want_cos, want_sin = scaled_cos_sin(positions, inv_freq, expected_scaling)
+    assert scaling == expected_scaling and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    keys = torch.randn(2, 1, 3, 32)
+    rotary = cos.shape[-1]
+    rotated = rotate(keys[..., :rotary], cos[:, None], sin[:, None])
+    assert torch.equal(rotated, apply_rope(keys, positions, inv_freq, scaling)[..., :rotary])
+    first, _, _ = table.lookup(None, 5, torch.device("cpu"))
+    assert torch.equal(first, cos_at(config, torch.arange(5)[None], seq_len=5))
+
+
+def test_a_length_free_table_grows_in_steps_and_a_length_dependent_one_follows_the_length():
+    free, dynamic = RopeTable(config_for(ROPE_CASES["llama3"])), RopeTable(config_for(ROPE_CASES["dynamic"]))
+    assert free.length_free and not dynamic.length_free
+    cpu = torch.device("cpu")
+    free.lookup(None, 10, cpu)
+    kept = free.lookup(None, TABLE_STEP, cpu)[0]
+    assert free.lookup(None, 7, cpu)[0].data_ptr() == kept.data_ptr()  # no rebuild below the table's length
+    assert free.lookup(None, TABLE_STEP + 1, cpu)[0].shape[1] == TABLE_STEP + 1
+    short = dynamic.lookup(None, 100, cpu)[0]
+    long = dynamic.lookup(None, 900, cpu)[0]
+    assert not torch.allclose(short, long[:, :100])  # dynamic scaling: other frequencies at another length
+
+
+def cos_at(config, positions, seq_len):
+    inv_freq, scaling = rope_frequencies(config, seq_len=seq_len)
+    return scaled_cos_sin(positions, inv_freq, scaling)[0]

@@ -10,6 +10,8 @@ import torch
 
 from _serving_support import chat_ids, reference_answer, tiny_family
 from kvhandoff.errors import ConfigError
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, Sinks
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine, GenerationRequest, RequestError, common_prefix
@@ -25,7 +27,7 @@ def two_way():
 def test_truncate_rolls_every_cache_back_to_a_common_prefix():
     models, mappers = two_way()
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    session = SwitchingSession(models, mappers, exact_prefix=0)
+    session = SwitchingSession(models, mappers, plan=HandoffPlan(0))
     session.read("small", ids[:20])
     session.read("large", ids[20:30])  # large: 30 positions; small keeps its 20
     session.truncate(25)
@@ -130,6 +132,23 @@ def test_conversations_that_open_alike_share_the_exact_prefix_at_a_switch():
             engine.close()
 
     asyncio.run(main())
+
+
+def test_the_engine_and_its_sessions_hold_the_settings_parsed_once():
+    """ServeConfig parses the recompute spec where it enters; the engine builds one plan from it (with its prefix
+    store) and every session holds that plan: policy objects below the edge, never a spec."""
+    family, mappers = tiny_family()
+    config = ServeConfig(guard=False, exact_prefix=2, recompute="sinks:10%")
+    assert config.recompute == Sinks(0.1) and config.to_dict()["recompute"] == "sinks:10%"
+    assert ServeConfig().recompute is DEFAULT_RECOMPUTE and ServeConfig(recompute=None).recompute is DEFAULT_RECOMPUTE
+    assert ServeConfig(guard=False, exact_prefix=2, recompute=Sinks(0.1)) == config
+    engine = Engine(family, mappers, config)
+    try:
+        assert engine.plan == HandoffPlan(2, Sinks(0.1), engine.prefix_store)
+        session = engine._new_session()
+        assert session.plan is engine.plan and session.handover == config.handover
+    finally:
+        engine.close()
 
 
 def evictions(engine, reason: str) -> float:

@@ -12,6 +12,7 @@ import torch
 from _serving_support import EXACT_FIT, VOCAB, tiny_family
 from kvhandoff import fit_mapper
 from kvhandoff.errors import ConfigError
+from kvhandoff.runtime.policy import Recent
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.guard import (
     GuardRecord,
@@ -157,12 +158,14 @@ def test_records_carry_both_answers_and_an_escalated_one(confident_pair):
     models, mappers, conversations = confident_pair
     bad = {pair: noisy(mapper, 1.0, seed=i) for i, (pair, mapper) in enumerate(mappers.items())}
     records = guard_records_by_signal(models, bad, conversations[:2], ("entropy", "mapped_share"),
-                                      max_new_tokens=6, escalate="recent:100%")
+                                      max_new_tokens=6, escalate=Recent(1.0))
     assert len(records["entropy"]) == len(records["mapped_share"]) == 4
     for record in records["mapped_share"]:
         assert record.differs == (record.handed != record.own) and record.first_kl >= 0
         assert record.escalated == record.own  # everything recomputed: the target's own cache
         assert 0 < record.score <= 1
+    with pytest.raises(ConfigError, match="RecomputePolicy"):  # a spec is read at the edge, not here
+        guard_records_by_signal(models, bad, conversations[:1], ("entropy",), escalate="recent:100%")
     first, second = records["mapped_share"][:2]
     assert first.score == 1.0 and second.score < 1.0  # the second switch maps only the turn the model missed
     assert sum(r.differs for r in records["entropy"]) >= 2

@@ -30,7 +30,7 @@ def tiny_cli(monkeypatch):
 
     seen = {}
 
-    def fake_load_family(specs, mapper_dirs):
+    def fake_load_family(specs, mapper_dirs, progress=False):
         seen["family"] = (specs, mapper_dirs)
         return tiny_family()
 

@@ -61,7 +61,7 @@ def test_run_server_serves_until_interrupted(tmp_path):
         import sys
         sys.path.insert(0, {str(ROOT / "tests")!r})
         from _serving_support import tiny_family
-        from kvhandoff.config import ServeConfig
+        from kvhandoff.serving.config import ServeConfig
         from kvhandoff.serving.server import run_server
         models, mappers = tiny_family()
         run_server(models, mappers, ServeConfig(port={port}, log_level="warning"))

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from kvhandoff import FitConfig, SwitchingSession, fit_mapper
+from kvhandoff import FitConfig, HandoffPlan, SwitchingSession, fit_mapper
 from kvhandoff.errors import ConfigError, ContextTooLongError, MapperMismatchError
+from kvhandoff.runtime.policy import NoRecompute, Recent, SourceAttention
 
 from conftest import random_batches, tiny_model
 
@@ -36,7 +37,7 @@ def test_the_pair_is_fingerprinted_once_per_mapper_and_model(trio, monkeypatch):
     calls = []
     real = mapper_module.model_fingerprint
     monkeypatch.setattr(mapper_module, "model_fingerprint", lambda model, tok=None: calls.append(model) or real(model))
-    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): fresh, ("b", "a"): back}, exact_prefix=0)
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): fresh, ("b", "a"): back}, plan=HandoffPlan(0))
     assert calls == [a, b, b, a]  # each mapper checked against its two models when the session starts
     ids = torch.randint(0, 128, (30,)).tolist()
     session.read("a", ids[:10])
@@ -48,7 +49,7 @@ def test_the_pair_is_fingerprinted_once_per_mapper_and_model(trio, monkeypatch):
 
 def test_a_turn_past_the_window_is_refused_before_any_work(trio):
     a, b, _, mapper = trio
-    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, exact_prefix=0)
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, plan=HandoffPlan(0))
     session.read("a", torch.randint(0, 128, (50,)).tolist())
     before = (list(session.tokens), session.owner, session.cache("a").get_seq_length())
     with pytest.raises(ContextTooLongError, match="65 tokens"):
@@ -73,45 +74,60 @@ def _count_forwards(model):
 def test_a_switch_is_one_forward_of_the_receiving_model_with_the_two_step_logits(trio, handover, recompute):
     """At a handover the receiving model recomputes the exact prefix (and the policy's picks) in the forward that
     reads the turn: one forward, not two, and the log-probs of the handover that recomputes first."""
-    from kvhandoff.model.cache import prefill
-
     a, b, _, mapper = trio
     back = fit_mapper(b, a, random_batches(2, tokens=32), FitConfig(), progress=False)
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
-    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper, ("b", "a"): back}, handover=handover,
-                               recompute=recompute)
-    reference = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper, ("b", "a"): back}, handover=handover,
-                                 recompute=recompute)
+    plan = HandoffPlan.of(recompute=recompute)
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper, ("b", "a"): back}, handover, plan)
+    reference = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper, ("b", "a"): back}, handover, plan)
     for who, turn in (("a", ids[:12]), ("b", ids[12:20]), ("a", ids[20:28]), ("b", ids[28:])):
         calls, handle = _count_forwards(session.models[who])
         fused = session.read(who, turn)
         handle.remove()
         assert len(calls) == 1  # the recompute and the read in one forward, at a switch too
-        cache = reference.switch_to(who)  # the two-step handover: recompute first, then the read
-        model = reference.models[who]
-        if cache is None:  # the conversation's first turn
-            cache, logits = prefill(model, torch.tensor([turn]))
-        else:
-            _, logits = prefill(model, torch.tensor([turn]), cache)
-        reference._caches[who] = cache
-        reference.tokens += turn
-        assert (fused - logits[0].float().log_softmax(-1)).abs().max() <= 1e-5
+        reference.switch_to(who)  # the two-step handover: recompute first, then the read (no handover left)
+        calls, handle = _count_forwards(reference.models[who])
+        logits = reference.read(who, turn)
+        handle.remove()
+        assert len(calls) == 1 and (fused - logits).abs().max() <= 1e-5
     assert session.cache("b").get_seq_length() == 40
 
 
 def test_a_fork_hands_over_and_reads_without_touching_the_session(trio):
     a, b, _, mapper = trio
-    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, exact_prefix=0)
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, plan=HandoffPlan(0))
     ids = torch.randint(0, 128, (40,)).tolist()
     session.read("a", ids[:30])
     before = (list(session.tokens), session.owner, session.cache("a").layers[0].keys.clone())
     twin = session.fork()
-    twin.recompute = "recent:50%"
+    twin.plan = twin.plan.with_recompute(Recent(0.5))
     forked = twin.read("b", ids[30:])
     twin.read("b", ids[:3])  # the fork goes on; the session does not
     assert (list(session.tokens), session.owner) == before[:2] and session.cache("b") is None
     assert session.cache("a").get_seq_length() == 30 and torch.equal(session.cache("a").layers[0].keys, before[2])
     assert twin.cache("b").get_seq_length() == 43 and len(twin.tokens) == 43
     # the session itself hands over the same way as the fork did
-    session.recompute = "recent:50%"
+    session.plan = session.plan.with_recompute(Recent(0.5))
     torch.testing.assert_close(session.read("b", ids[30:]), forked)
+
+
+def test_a_session_holds_one_validated_plan_of_policy_objects(trio):
+    """The plan is built and validated at the edge (`HandoffPlan.of` reads a spec once); a session takes the plan as
+    it is and refuses a spec, a bare policy or settings of the wrong kind."""
+    a, b, _, mapper = trio
+    plan = HandoffPlan.of(2, "source_attention:10%:window=8")
+    assert plan == HandoffPlan(2, SourceAttention(0.1, source_window=8))
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, plan=plan)
+    assert session.plan is plan and isinstance(session.plan.recompute, SourceAttention)
+    assert SwitchingSession({"a": a}, {}).plan == HandoffPlan()
+    for bad in ("recent:5%", Recent(0.05), {"exact_prefix": 0}):
+        with pytest.raises(ConfigError, match="HandoffPlan"):
+            SwitchingSession({"a": a}, {}, plan=bad)
+    for bad in ({"recompute": "recent:5%"}, {"recompute": None}, {"exact_prefix": -1}, {"exact_prefix": 1.5},
+                {"exact_prefix": True}, {"prefix_store": "store"}):
+        with pytest.raises(ConfigError):
+            HandoffPlan(**bad)
+    assert HandoffPlan.of(recompute="none").recompute == NoRecompute()
+    assert HandoffPlan.of(4).with_recompute(Recent(0.5)) == HandoffPlan(4, Recent(0.5))
+    assert HandoffPlan().prefix_length(mapper, 100) == mapper.exact_prefix
+    assert HandoffPlan(7).prefix_length(mapper, 5) == 5

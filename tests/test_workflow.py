@@ -1,3 +1,5 @@
+import logging
+
 import pytest
 import torch
 
@@ -44,25 +46,26 @@ def test_reverse_direction_reuses_the_forward_statistics(pair):
     torch.testing.assert_close(reverse.weight, own.weight, rtol=0, atol=1e-5)
 
 
-def test_a_pass_for_one_direction_leaves_the_reverse_its_own_pass(pair, capsys):
+def test_a_pass_for_one_direction_leaves_the_reverse_its_own_pass(pair, caplog):
+    caplog.set_level(logging.INFO, logger="kvhandoff")
     forward, _, _ = obtain_mapper(pair, calibration=CALIBRATION)
     assert not CalibrationStats.saved_content(statistics_path(pair, FitConfig(), CALIBRATION)).target_gram
     reverse, _, reused = obtain_mapper(pair.reversed(), calibration=CALIBRATION)
     assert not reused and "reused_reverse_pass" not in reverse.manifest["calibration"]
     assert statistics_path(pair.reversed(), FitConfig(), CALIBRATION).is_file()
-    assert "hold no target Gram" in capsys.readouterr().out
+    assert "hold no target Gram" in caplog.text
     # asking for both directions later reuses the cached pass of each as it is
     again, _, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False, both_directions=True, refit=True)
     assert torch.equal(again.weight, forward.weight)
 
 
-def test_damaged_cached_mapper_is_refitted_not_reused(pair, capsys):
+def test_damaged_cached_mapper_is_refitted_not_reused(pair, caplog):
     _, folder, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
     tensors = folder / "mapper.safetensors"
     tensors.write_bytes(tensors.read_bytes()[:100])
     mapper, _, reused = obtain_mapper(pair, calibration=CALIBRATION)
     assert not reused and mapper.num_parameters() > 0
-    assert "not usable" in capsys.readouterr().out
+    assert "not usable" in caplog.text
 
 
 def test_heldout_config_collects_rows_and_reuses_them(pair):
@@ -124,7 +127,7 @@ def test_a_pass_with_feature_rows_is_never_assembled(pair):
     assert "assembled_from" not in mapper.manifest["calibration"]
 
 
-def test_a_changed_model_under_the_same_name_never_reuses_old_statistics(pair, tmp_path, monkeypatch, capsys):
+def test_a_changed_model_under_the_same_name_never_reuses_old_statistics(pair, tmp_path, monkeypatch, caplog):
     from kvhandoff import workflow
 
     from conftest import tiny_model
@@ -146,17 +149,17 @@ def test_a_changed_model_under_the_same_name_never_reuses_old_statistics(pair, t
     stale = statistics_path(changed, FitConfig(), CALIBRATION).with_suffix(".json")
     stale.write_text(stale.read_text().replace(changed.target_identity, pair.target_identity))
     workflow.obtain_statistics(changed, FitConfig(), CALIBRATION)
-    assert len(collected) == 2 and "stale" in capsys.readouterr().out
+    assert len(collected) == 2 and "stale" in caplog.text
 
 
-def test_an_unreadable_cached_entry_is_rebuilt(pair, capsys):
+def test_an_unreadable_cached_entry_is_rebuilt(pair, caplog):
     from kvhandoff import workflow
 
     workflow.obtain_statistics(pair, FitConfig(), CALIBRATION, progress=False)
     statistics_path(pair, FitConfig(), CALIBRATION).with_suffix(".json").write_text("{not json")
     stats, info = workflow.obtain_statistics(pair, FitConfig(), CALIBRATION)
     assert stats.count > 0 and info["num_tokens"] == 3 * 64
-    assert "not usable" in capsys.readouterr().out
+    assert "not usable" in caplog.text
 
 
 def test_the_manifest_records_each_sides_own_tokenizer(pair):
@@ -188,15 +191,17 @@ def test_a_mapper_goes_where_the_source_takes_its_inputs():
     assert mapper.device == torch.device("meta") and mapper.weight.device == torch.device("meta")
 
 
-def test_maps_that_read_k_and_v_collect_again_over_a_pass_without_the_cross_moments(pair, capsys):
+def test_maps_that_read_k_and_v_collect_again_over_a_pass_without_the_cross_moments(pair, caplog):
+    caplog.set_level(logging.INFO, logger="kvhandoff")
     path = statistics_path(pair, FitConfig(), CALIBRATION)
     own, _, _ = obtain_mapper(pair, calibration=CALIBRATION)
     assert CalibrationStats.saved_content(path).kv_cross is False
     joint, _, _ = obtain_mapper(pair, FitConfig(source_inputs="kv"), CALIBRATION)
-    assert "hold no K–V cross moments" in capsys.readouterr().out
+    assert "hold no K–V cross moments" in caplog.text
+    caplog.clear()
     assert CalibrationStats.saved_content(path).kv_cross is True  # the same windows, now with them
     assert joint.weight.shape[2] == 2 * own.weight.shape[2]
     # the pass with them serves maps of their own modality as well, as they were
     again, _, reused = obtain_mapper(pair, calibration=CALIBRATION, refit=True)
-    assert not reused and "collecting" not in capsys.readouterr().out
+    assert not reused and "collecting" not in caplog.text
     torch.testing.assert_close(again.weight, own.weight, rtol=0, atol=1e-6)

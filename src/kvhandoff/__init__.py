@@ -2,22 +2,32 @@
 
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import KVHandoffError
-from kvhandoff.fit import compact, mlp  # noqa: F401 - register the "blocks", "lowrank", "mlp" methods with `Mapper.load`
 from kvhandoff.fit.pipeline import fit_mapper
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.cache import prefill
-from kvhandoff.runtime.handoff import catch_up, handoff_cache, handoff_generate
+from kvhandoff.runtime.handoff import MappedCache, catch_up, handoff_cache, handoff_generate, map_for_target
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
+from kvhandoff.runtime.prefix_store import PrefixStore
+from kvhandoff.runtime.seam import KVCache
 from kvhandoff.runtime.session import SwitchingSession
 
 __all__ = [
+    "DEFAULT_RECOMPUTE",
     "FitConfig",
+    "HandoffPlan",
+    "KVCache",
     "KVHandoffError",
+    "MappedCache",
     "Mapper",
+    "PrefixStore",
+    "RecomputePolicy",
     "SwitchingSession",
     "catch_up",
     "fit_mapper",
     "handoff_cache",
     "handoff_generate",
+    "map_for_target",
     "prefill",
 ]
 __version__ = "0.1.0"

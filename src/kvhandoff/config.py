@@ -1,4 +1,6 @@
-"""The one place that defines kvhandoff's settings: fit configuration and on-disk locations."""
+"""The fit's settings (FitConfig, CalibrationSpec, MLPConfig, RefineConfig), the one positive-value check, and
+where kvhandoff keeps its files. The runtime's, the server's and the models' placement settings live with them
+(`runtime.policy`, `serving.config`, `model.placement`)."""
 
 from __future__ import annotations
 
@@ -33,10 +35,10 @@ CALIBRATION_GROUPS: dict[str, tuple[str, ...]] = {
     "math": ("math-solutions",),
     "tasks": ("task-train",),
 }
-#: the default mix: prose alone left few-shot prompts unreadable after a handoff (MMLU); worked solutions cut the
-#: chain-of-thought dev KL by about a third in both directions (docs/RESULTS.md)
+#: the default mix: prose, and the few-shot and chain-of-thought layouts a handoff meets (docs/RESULTS.md compares
+#: the mixes)
 DEFAULT_CALIBRATION_MIX: tuple[str, ...] = ("prose", "exams", "math")
-#: the only mix before mixes existed; cache keys leave it out so statistics cached then stay valid
+#: the prose-only mix: a spec with it keys its statistics as a spec that names no mix (`CalibrationSpec.to_dict`)
 PROSE_ONLY_MIX: tuple[str, ...] = ("prose",)
 
 #: k values the layer-selection sweep considers ("all" = every source layer).
@@ -183,8 +185,8 @@ class FitConfig:
         return self.heads != "all" or bool(self.k_tolerance) or bool(self.rank)
 
     def key_dict(self) -> dict:
-        """The config as cache keys see it: every field, less the compact-mapper settings at their defaults (so keys
-        of mappers cached before they existed stay the same)."""
+        """The config as cache keys see it: every field, less the compact-mapper settings at their defaults (the key
+        of a full ridge map names none of them)."""
         data = asdict(self)
         for name, default in _COMPACT_DEFAULTS.items():
             if data[name] == default:
@@ -207,8 +209,8 @@ class FitConfig:
         return PROBE_LAMBDA if self.ridge_lambda in ("gcv", "heldout") else float(self.ridge_lambda)
 
     def to_dict(self) -> dict:
-        """The config as manifests and cache keys see it; the default source_inputs is left out, so mappers
-        fitted before the option existed still match."""
+        """The config as manifests see it: the settings that differ from the full ridge map's defaults (source_inputs,
+        the compact settings) only."""
         data = asdict(self)
         if self.source_inputs == "own":
             del data["source_inputs"]
@@ -222,9 +224,8 @@ class FitConfig:
 class CalibrationSpec:
     """How much real text the default fit reads: `num_sequences` windows of `seq_len` tokens.
 
-    The default (120 × 512 = 61,440 tokens, a third each prose, exam questions and worked math solutions,
-    15,360 kept at stride 4) runs both models of 0.5B↔1.5B over the windows in about 21 minutes on a 2-core
-    CPU; the cost is linear in num_sequences × seq_len.
+    The default reads 120 windows of 512 tokens, a third each prose, exam questions and worked math solutions,
+    through both models; the cost is linear in num_sequences × seq_len.
     mix: the text groups of `CALIBRATION_GROUPS`; the windows are shared out equally between them (the first
     groups take the remainder), each group packed on its own, so a mix's windows of one group are exactly
     those a calibration of that group alone would read first.
@@ -257,8 +258,7 @@ class CalibrationSpec:
         return {group: share + (i < extra) for i, group in enumerate(self.mix)}
 
     def to_dict(self) -> dict:
-        """The spec as cache keys see it. The prose-only mix is left out, so keys (and cached statistics) of
-        specs written before `mix` existed stay valid."""
+        """The spec as cache keys see it; the prose-only mix is left out (`PROSE_ONLY_MIX`)."""
         data = asdict(self)
         if self.mix == PROSE_ONLY_MIX:
             del data["mix"]

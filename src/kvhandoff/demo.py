@@ -1,110 +1,142 @@
-"""The main job: fit (or reuse) the default pair's mapper, then hand a long real context from one model
-to the other and compare, side by side in one run, with the target re-prefilling the same context."""
+"""The product's face: a short real conversation on a model pair through `SwitchingSession`.
+
+The opening model answers a routine turn, the conversation switches to the other model for a hard turn, and back.
+At each switch the handoff — the receiving model reads the new turn itself on top of the mapped history, what the
+README recommends — is timed against the receiving model re-prefilling the whole conversation, back to back in one
+process, and both answers are kept. One extra row shows the paper's condition at the first switch: the source
+read the new question too, so the whole context is mapped and the receiving model reads only its last token.
+"""
 
 from __future__ import annotations
 
-import statistics
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from kvhandoff.config import CalibrationSpec, FitConfig
+from kvhandoff.coqa import coqa_conversation
+from kvhandoff.errors import ConfigError
+from kvhandoff.model.loading import end_of_text_ids
 from kvhandoff.model.placement import ModelPlacement
-from kvhandoff.errors import AssetError
-from kvhandoff.model.cache import feed, kl_divergence, prefill, rollback
-from kvhandoff.runtime.handoff import patch_mapped_cache, recompute_policy
-from kvhandoff.workflow import NamedPair, load_named_pair, load_pair_mapper, obtain_mapper, on_source_device
-from kvhandoff_lab.evaluation.multiturn import Conversation, load_coqa_conversations
-from kvhandoff_lab.evaluation.scoring import OpenContext, check_mapped, greedy_from
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff.workflow import (
+    NamedPair,
+    describe_fit,
+    load_named_pair,
+    load_pair_mapper,
+    obtain_mapper,
+    on_source_device,
+)
 
-MIN_CONTEXT_TOKENS = 1000
+logger = logging.getLogger(__name__)
+
+#: a switch saves little on a short context, so the demo's story must be at least this long (in tokens)
+MIN_STORY_TOKENS = 1000
+#: the CoQA story the demo talks about: the longest of the validation split (CoQA is held out from calibration)
+DEMO_STORY_ID = "34z02eimisdylvztwmit917ni020tb"
+SYSTEM_PROMPT = "Answer the question about the story in a few words."
+
+#: how the receiving model got the conversation at a switch (`Switch.condition`)
+TURN_BOUNDARY = "turn boundary"  # the history mapped, the new turn read by the receiving model
+QUESTION_MAPPED = "question mapped too"  # the paper's condition: the source had read the new question as well
 
 
 @dataclass(frozen=True)
-class DemoContext:
-    conversation_id: str
-    history: str  # the story and the earlier questions with their answers
-    new_turn: str  # the open question, "Q: …\n\nA:"
-    gold_answers: tuple[str, ...]
+class Question:
+    text: str
+    reference: str  # the answer the story gives
+
+
+@dataclass(frozen=True)
+class Script:
+    """What the demo talks about: a story and the questions asked about it, one per turn; the models take turns,
+    the first one opening."""
+
+    title: str
+    story: str
+    questions: tuple[Question, ...]
+
+
+#: routine, hard (a number told only near the story's end), routine
+DEMO_QUESTIONS = (
+    Question("What was the man's name?", "Henry"),
+    Question("How long ago did Henry's wife disappear?", "nineteen years"),
+    Question("Who are Henry's two friends?", "Tom and Joe"),
+)
+
+
+def demo_script() -> Script:
+    """The default script: `DEMO_QUESTIONS` on the CoQA story `DEMO_STORY_ID` from the shipped data package."""
+    story = coqa_conversation(DEMO_STORY_ID).story
+    return Script(f"CoQA story {DEMO_STORY_ID}", story, DEMO_QUESTIONS)
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    token_ids: tuple[int, ...]
+    ttft_seconds: float  # from the call to the first new token: the switch, the forward that reads the turn
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One switch of the conversation, the handoff beside the receiving model's re-prefill of the same tokens."""
+
+    turn: int  # 1-based
+    source: str
+    target: str
+    condition: str  # TURN_BOUNDARY or QUESTION_MAPPED
+    mapped_tokens: int  # positions mapped for the target at this switch
+    read_tokens: int  # tokens the target reads itself before it answers
+    handoff: Answer
+    reprefill: Answer
 
     @property
-    def text(self) -> str:
-        return self.history + self.new_turn
+    def speedup(self) -> float:
+        return self.reprefill.ttft_seconds / self.handoff.ttft_seconds
+
+    @property
+    def same_answer(self) -> bool:
+        return self.handoff.token_ids == self.reprefill.token_ids
 
 
-def demo_context(tokenizer, min_tokens: int = MIN_CONTEXT_TOKENS) -> DemoContext:
-    """A CoQA story with its earlier questions and gold answers, ending in an open question (≥ min_tokens).
-
-    CoQA is held out from calibration (no calibration group draws on it).
-    """
-    conversations: list[Conversation] = load_coqa_conversations(min_turns=10, num_turns=None)
-
-    def render(conv: Conversation, upto: int) -> DemoContext:
-        turns = "".join(f"Q: {t.question}\n\nA: {t.answers[0]}\n\n" for t in conv.turns[:upto])
-        return DemoContext(conv.id, f"{conv.story}\n\n{turns}", f"Q: {conv.turns[upto].question}\n\nA:",
-                           conv.turns[upto].answers)
-
-    best = None
-    for conv in sorted(conversations, key=lambda c: c.id):
-        context = render(conv, len(conv.turns) - 1)
-        length = len(tokenizer(context.text)["input_ids"])
-        if length >= min_tokens:
-            return context
-        if best is None or length > best[0]:
-            best = (length, conv)
-    raise AssetError(f"no CoQA conversation reaches {min_tokens} tokens (longest: {best and best[0]})")
+@dataclass(frozen=True)
+class TurnRecord:
+    turn: int  # 1-based
+    model: str
+    question: Question
+    answer: Answer  # the answer that joined the conversation (after the handoff, at a switch)
+    context_tokens: int  # the conversation the model answered, the new turn included
 
 
-def mapped_length(tokenizer, context: DemoContext, ids: list[int], mapped: str) -> int:
-    """Leading tokens of ``ids`` (the whole context) whose cache is mapped (``mapped``: one of
-    `evaluation.scoring.MAPPED_PARTS`): all but the last for "all" — the source prefilled the whole context,
-    question included; for "history", the tokens the history shares with the whole context — the source read
-    the conversation so far, the target prefills the new question itself."""
-    if check_mapped(mapped) == "all":
-        return len(ids) - 1
-    history = tokenizer(context.history)["input_ids"]
-    shared = 0
-    for a, b in zip(history, ids, strict=False):
-        if a != b:
-            break
-        shared += 1
-    return min(shared, len(ids) - 1)
+@dataclass(frozen=True)
+class MapperUse:
+    direction: str
+    folder: str
+    reused: bool  # loaded from the cache or a saved folder, not fitted in this run
+    fit: str  # `workflow.describe_fit`
 
 
-def _timed(fn, repeats: int):
-    """Run fn `repeats` times; return (last result, median seconds, all seconds)."""
-    seconds, result = [], None
-    for _ in range(repeats):
-        started = time.perf_counter()
-        result = fn()
-        seconds.append(time.perf_counter() - started)
-    return result, statistics.median(seconds), seconds
+@dataclass(frozen=True)
+class DemoResult:
+    source: str  # opens the conversation
+    target: str  # takes the hard turn
+    mappers: tuple[MapperUse, ...]
+    story: str  # the script's title
+    story_tokens: int
+    turns: tuple[TurnRecord, ...]
+    switches: tuple[Switch, ...]  # at the turn boundaries in turn order, then the paper's condition
 
-
-def _answer(model, cache, length: int, next_logprobs, tokenizer, max_new_tokens: int) -> tuple[str, list[int]]:
-    state = OpenContext(model, cache, length, next_logprobs)
-    text, ids = greedy_from(state, tokenizer, max_new_tokens, stop=("\n", "Q:"))
-    rollback(cache, length)
-    return text.strip(), ids
-
-
-@torch.inference_mode()
-def agreement(target, own_cache, mapped_cache, length: int, own_first, mapped_first, continuation: list[int]):
-    """Top-1 agreement and mean KL(own ‖ handoff) of the target's next-token distributions along `continuation`
-    (teacher-forced: both caches read the same tokens)."""
-    own = [own_first[None]]
-    mapped = [mapped_first[None]]
-    if len(continuation) > 1:
-        own.append(feed(target, own_cache, continuation[:-1]))
-        mapped.append(feed(target, mapped_cache, continuation[:-1]))
-        rollback(own_cache, length)
-        rollback(mapped_cache, length)
-    p_log, q_log = torch.cat(own), torch.cat(mapped)
-    kl = kl_divergence(p_log, q_log)
-    top1 = (p_log.argmax(-1) == q_log.argmax(-1)).float()
-    return {"positions": int(p_log.shape[0]), "top1_agreement": float(top1.mean()), "mean_kl": float(kl.mean())}
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        for row, switch in zip(data["switches"], self.switches, strict=True):
+            row["speedup"] = switch.speedup
+        return data
 
 
 def run_demo(
@@ -112,142 +144,193 @@ def run_demo(
     target_spec: str,
     config: FitConfig = FitConfig(),  # noqa: B008 - frozen
     calibration: CalibrationSpec = CalibrationSpec(),  # noqa: B008 - frozen
-    max_new_tokens: int = 40,
-    repeats: int = 1,
-    min_context_tokens: int = MIN_CONTEXT_TOKENS,
+    max_new_tokens: int = 32,
     progress: bool = True,
     refit: bool = False,
-    mapped: str = "all",
     mapper_path: str | Path | None = None,
+    reverse_mapper_path: str | Path | None = None,
     recompute=None,
     placement: ModelPlacement = ModelPlacement(),  # noqa: B008 - frozen
-) -> dict:
-    """Everything the demo prints, measured in this call.
+    script: Script | None = None,
+    min_story_tokens: int = MIN_STORY_TOKENS,
+) -> DemoResult:
+    """Load the pair, fit or reuse a mapper each way, and hold the `script`'s conversation (default `demo_script`):
+    ``source_spec`` opens it and serves every other turn, ``target_spec`` the turns between.
 
-    placement: the models' dtype and device map (`config.ModelPlacement`; default float32 on the CPU).
-
-    mapper_path: a saved mapper to show (e.g. a refined one, `kvhandoff refine`) instead of fitting or reusing the
-    pair's cached mapper of `config` and `calibration`; it must have been fitted for exactly this pair.
-
-    mapped: "all" — the source prefilled the whole context, question included, and the target reads on from
-    the mapped cache; "history" — the switch happens at the new question: the source's cache of the conversation
-    so far is mapped and the target prefills the question itself (its time counts in the handoff's).
-
-    recompute: the handoff's selective-recompute policy ("deviation:10%", a `RecomputePolicy`; None = the
-    mapper's default), timed as part of the handoff.
+    mapper_path / reverse_mapper_path: a saved mapper of source → target / target → source (e.g. a refined one)
+    instead of the pair's default, which is fitted (one calibration pass serves both directions) or reused from the
+    cache under `config` and `calibration`. recompute: the handoffs' selective-recompute policy (a `RecomputePolicy`
+    or a spec; None: the default). placement: the models' dtype and device map.
     """
-    check_mapped(mapped)  # before the models load
+    if source_spec == target_spec:
+        raise ConfigError(f"the demo switches between two models; both are {source_spec!r}")
+    script = script or demo_script()
     pair = load_named_pair(source_spec, target_spec, placement.dtype, progress, device_map=placement.device_map)
-    fit_started = time.perf_counter()
-    if mapper_path is not None:
-        mapper_dir, reused = Path(mapper_path), True
-        mapper = load_pair_mapper(mapper_dir, pair)
+    story_tokens = check_story(pair.tokenizer, script, min_story_tokens)  # before a fit that may take long
+    forward = _pair_mapper(pair, mapper_path, config, calibration, progress, refit)
+    backward = _pair_mapper(pair.reversed(), reverse_mapper_path, config, calibration, progress, refit)
+    models = {source_spec: pair.source, target_spec: pair.target}
+    mappers = {(source_spec, target_spec): forward[0], (target_spec, source_spec): backward[0]}
+    turns, switches = converse(models, mappers, pair.tokenizer, script, max_new_tokens, recompute)
+    return DemoResult(source_spec, target_spec, (forward[1], backward[1]), script.title, story_tokens, turns,
+                      switches)
+
+
+def _pair_mapper(pair: NamedPair, folder, config, calibration, progress: bool, refit: bool):
+    """(mapper, `MapperUse`) of the pair's direction: the saved one in ``folder``, else the cached default."""
+    if folder is not None:
+        mapper, reused = load_pair_mapper(folder, pair), True
     else:
-        mapper, mapper_dir, reused = obtain_mapper(pair, config, calibration, progress, refit)
-    fit_seconds = time.perf_counter() - fit_started
+        mapper, folder, reused = obtain_mapper(pair, config, calibration, progress, refit, both_directions=True)
     on_source_device(mapper, pair.source)
-    context = demo_context(pair.tokenizer, min_context_tokens)
-    ids = pair.tokenizer(context.text, return_tensors="pt")["input_ids"]
-    n_mapped = mapped_length(pair.tokenizer, context, ids[0].tolist(), mapped)
-    measured = compare_paths(pair, mapper, ids, n_mapped, repeats, max_new_tokens, recompute)
-    return {
-        "source": source_spec,
-        "target": target_spec,
-        "mapper_dir": str(mapper_dir),
-        "mapper_reused": reused,
-        "mapper_fit_or_load_seconds": fit_seconds,
-        "mapper_r2_k": mapper.manifest["fit_metrics"]["r2_k_mean"],
-        "mapper_r2_v": mapper.manifest["fit_metrics"]["r2_v_mean"],
-        "mapper_settings": ", ".join(f"{k}={v}" for k, v in mapper.manifest["config"].items()),
-        "calibration_tokens": mapper.manifest["calibration"].get("num_tokens"),
-        "context_id": context.conversation_id,
-        "context_tokens": ids.shape[1],
-        "mapped": mapped,
-        "mapped_tokens": n_mapped,
-        "recompute": recompute_policy(mapper, recompute).spec,
-        "target_prefilled_tokens": ids.shape[1] - n_mapped,
-        **measured,
-        "gold_answers": list(context.gold_answers),
-    }
+    return mapper, MapperUse(f"{pair.source_spec} → {pair.target_spec}", str(folder), reused, describe_fit(mapper))
+
+
+def check_story(tokenizer, script: Script, min_tokens: int = MIN_STORY_TOKENS) -> int:
+    """The story's length in tokens; ConfigError when it is shorter than ``min_tokens``, when the script has no
+    switch (fewer than two questions), or when the tokenizer has no chat template to render the turns."""
+    if len(script.questions) < 2:
+        raise ConfigError(f"the demo needs at least two questions (one switch), got {len(script.questions)}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("the tokenizer has no chat template: the demo renders its turns as a chat")
+    length = len(tokenizer(script.story, add_special_tokens=False)["input_ids"])
+    if length < min_tokens:
+        raise ConfigError(f"the story has {length} tokens; the demo needs at least {min_tokens} (a switch saves "
+                          f"little on a short context)")
+    return length
 
 
 @torch.inference_mode()
-def compare_paths(pair: NamedPair, mapper, ids: torch.Tensor, n_mapped: int, repeats: int,
-                  max_new_tokens: int, recompute=None) -> dict:
-    """Time the handoff of the source's cache of ``ids[:, :n_mapped]`` (the target reads the rest) against the
-    target's re-prefill of all of ``ids``, interleaved `repeats` times; then both answers and their agreement."""
-    source, target, tokenizer = pair.source, pair.target, pair.tokenizer
-    length = ids.shape[1]
-    prefill(source, ids[:, :8])  # warm up both models' kernels before anything is timed
-    prefill(target, ids[:, :8])
-    (source_cache, _), source_seconds, _ = _timed(lambda: prefill(source, ids[:, :n_mapped]), 1)
-
-    def handoff():
-        cache = mapper.transfer(source_cache, dtype=target.dtype)
-        patch_mapped_cache(cache, target, ids[:, :n_mapped], mapper, recompute=recompute, source_model=source,
-                           source_cache=source_cache)
-        return cache, feed(target, cache, ids[0, n_mapped:].tolist())[-1]
-
-    def reprefill():
-        cache, logits = prefill(target, ids)
-        return cache, logits[0].float().log_softmax(-1)
-
-    handoff_times, reprefill_times = [], []
-    for _ in range(repeats):  # interleaved, so both paths see the same machine load
-        (mapped_cache, mapped_first), seconds, _ = _timed(handoff, 1)
-        handoff_times.append(seconds)
-        (own_cache, own_first), seconds, _ = _timed(reprefill, 1)
-        reprefill_times.append(seconds)
-    own_text, own_ids = _answer(target, own_cache, length, own_first, tokenizer, max_new_tokens)
-    handoff_text, _ = _answer(target, mapped_cache, length, mapped_first, tokenizer, max_new_tokens)
-    continuation = own_ids or [int(own_first.argmax())]
-    agree = agreement(target, own_cache, mapped_cache, length, own_first, mapped_first, continuation)
-    handoff_s, reprefill_s = statistics.median(handoff_times), statistics.median(reprefill_times)
-    return {
-        "source_prefill_seconds": source_seconds,
-        "handoff_ttft_seconds": handoff_s,
-        "reprefill_ttft_seconds": reprefill_s,
-        "speedup": reprefill_s / handoff_s,
-        "repeats": repeats,
-        "answer_reprefill": own_text,
-        "answer_handoff": handoff_text,
-        **{f"agreement_{k}": v for k, v in agree.items()},
-    }
+def converse(models: dict, mappers: dict, tokenizer, script: Script, max_new_tokens: int = 32,
+             recompute=None) -> tuple[tuple[TurnRecord, ...], tuple[Switch, ...]]:
+    """Hold the script's conversation: the models (name → model, the first opens) take turns, switching through a
+    `SwitchingSession` with ``mappers`` ((from, to) → `Mapper`). Greedy answers of at most ``max_new_tokens``,
+    ended by the tokenizer's end-of-text tokens. Returns the turns and the switches (see `DemoResult`)."""
+    names = list(models)
+    generation = _generation_settings(tokenizer, max_new_tokens)
+    session = _session(models, mappers, recompute)
+    turns: list[TurnRecord] = []
+    at_boundaries: list[Switch] = []
+    question_mapped: list[Switch] = []
+    answers: list[str] = []
+    for index, question in enumerate(script.questions):
+        server = names[index % len(names)]
+        full = chat_ids(tokenizer, chat_messages(script, answers, question))
+        if index == 0:
+            _warm_up(models, full)
+        new = _new_turn(session, full)
+        if session.owner in (None, server):
+            answer = _timed_generate(session, server, new, tokenizer, generation)
+        else:
+            rows = _measure_switch(session, models[server], server, index + 1, full, new, tokenizer, generation,
+                                   paper=not question_mapped)
+            at_boundaries.append(rows[0])
+            question_mapped += rows[1:]
+            answer = rows[0].handoff
+        logger.info("turn %d (%s): %s", index + 1, server, answer.text)
+        turns.append(TurnRecord(index + 1, server, question, answer, len(full)))
+        answers.append(tokenizer.decode(list(answer.token_ids), skip_special_tokens=True))
+    return tuple(turns), (*at_boundaries, *question_mapped)
 
 
-def render_demo(result: dict, console=None) -> None:
-    from rich.console import Console  # rich is only needed to print, not to compute
-    from rich.table import Table
+def _measure_switch(session: SwitchingSession, model, server: str, turn: int, full: list[int], new: list[int],
+                    tokenizer, generation: dict, paper: bool) -> list[Switch]:
+    """The switch to ``server`` for the new turn ``new`` (``full``: the whole conversation with it), back to back:
+    ``server`` re-prefilling ``full`` on its own, then (``paper``) the paper's condition on a copy of the session,
+    then the handoff, which carries the conversation on. Returns the turn-boundary row, then the paper's."""
+    source = session.owner
+    mapped = len(session.tokens) - session.cached_length(server)
+    reprefill = _timed_generate(_session({server: model}, {}, None), server, full, tokenizer, generation)
+    rows = []
+    if paper:
+        answer = _question_mapped(session, source, server, new, tokenizer, generation)
+        rows.append(Switch(turn, source, server, QUESTION_MAPPED, mapped + len(new) - 1, 1, answer, reprefill))
+    handoff = _timed_generate(session, server, new, tokenizer, generation)
+    return [Switch(turn, source, server, TURN_BOUNDARY, mapped, len(new), handoff, reprefill), *rows]
 
-    console = console or Console()
-    table = Table(title=f"kvhandoff demo: {result['source']} → {result['target']}")
-    table.add_column("measure")
-    table.add_column("value", overflow="fold")
-    reuse = "reused from cache" if result["mapper_reused"] else "fitted now"
-    rows = [
-        ("mapper", f"{reuse} ({result['mapper_fit_or_load_seconds']:.1f} s): {result['mapper_dir']}"),
-        ("mapper fit R² (K / V)", f"{result['mapper_r2_k']:.3f} / {result['mapper_r2_v']:.3f}"),
-        ("mapper settings", result["mapper_settings"]),
-        ("calibration tokens", str(result["calibration_tokens"])),
-        ("context", f"CoQA {result['context_id']}, {result['context_tokens']} tokens"),
-        ("handed over", f"{result['mapped_tokens']} tokens mapped, {result['target_prefilled_tokens']} "
-                        f"prefilled by the target"
-                        + (" (the new question)" if result.get("mapped") == "history" else "")
-                        + (f"; recompute {result['recompute']}" if result.get("recompute", "none") != "none"
-                           else "")),
-        ("source prefill (done before the switch)", f"{result['source_prefill_seconds']:.3f} s"),
-        ("time to first token: handoff", f"{result['handoff_ttft_seconds']:.3f} s"),
-        ("time to first token: re-prefill", f"{result['reprefill_ttft_seconds']:.3f} s"),
-        ("speed-up (re-prefill ÷ handoff)", f"{result['speedup']:.1f}×  (median of {result['repeats']})"),
-        ("answer after re-prefill", result["answer_reprefill"]),
-        ("answer after handoff", result["answer_handoff"]),
-        ("gold answer", " | ".join(result["gold_answers"][:3])),
-        (
-            f"top-1 agreement over {result['agreement_positions']} positions",
-            f"{result['agreement_top1_agreement']:.3f}",
-        ),
-        ("mean KL(target ‖ handoff), nats", f"{result['agreement_mean_kl']:.3f}"),
-    ]
-    for name, value in rows:
-        table.add_row(name, value)
-    console.print(table)
+
+def chat_messages(script: Script, answers: list[str], question: Question) -> list[dict]:
+    """The chat so far (the story comes with the first question) with ``question`` as the new user turn."""
+    asked = [q.text for q in script.questions[: len(answers)]] + [question.text]
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for index, text in enumerate(asked):
+        messages.append({"role": "user", "content": f"{script.story}\n\n{text}" if index == 0 else text})
+        if index < len(answers):
+            messages.append({"role": "assistant", "content": answers[index]})
+    return messages
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of ``messages`` in the tokenizer's chat template, ready for the assistant's answer (as the
+    server renders a chat request)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _new_turn(session: SwitchingSession, full: list[int]) -> list[int]:
+    """The tokens of ``full`` (the whole conversation, rendered) past what the session holds. Where an answer
+    renders to other tokens than were generated, the session is cut back to the tokens both agree on, as a server
+    does with a chat request."""
+    shared = 0
+    for held, rendered in zip(session.tokens, full, strict=False):
+        if held != rendered:
+            break
+        shared += 1
+    if shared < len(session.tokens):
+        session.truncate(shared)
+    return full[shared:]
+
+
+# -- the calls into the runtime, kept together ----------------------------------------------------------------------
+def _session(models: dict, mappers: dict, recompute) -> SwitchingSession:
+    plan = None if recompute is None else HandoffPlan.of(recompute=recompute)
+    return SwitchingSession(models, mappers, plan=plan)
+
+
+def _question_mapped(session: SwitchingSession, source: str, target: str, new: list[int], tokenizer,
+                     generation: dict) -> Answer:
+    """The paper's condition on a copy of the session: ``source`` reads the new turn but its last token (before the
+    switch, not timed), then ``target`` is handed everything and reads that last token."""
+    twin = session.fork()
+    twin.read(source, new[:-1])
+    return _timed_generate(twin, target, new[-1:], tokenizer, generation)
+
+
+def _timed_generate(session: SwitchingSession, server: str, ids: list[int], tokenizer, generation: dict) -> Answer:
+    """``server`` reads ``ids`` and answers (`SwitchingSession.generate`: a switch first when another model served
+    last); the time to its first new token is taken by the decoding loop's streamer."""
+    clock = FirstTokenClock()
+    started = time.perf_counter()
+    token_ids = session.generate(server, ids, streamer=clock, **generation)
+    text = tokenizer.decode(token_ids, skip_special_tokens=True).strip()
+    return Answer(text, tuple(token_ids), clock.first_token_at - started)
+
+
+class FirstTokenClock(BaseStreamer):
+    """A `generate` streamer that notes when the first new token comes out (its first `put` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first_token_at = float("nan")
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _generation_settings(tokenizer, max_new_tokens: int) -> dict:
+    """Greedy decoding that ends at any of the tokenizer's end-of-text tokens (a chat turn ends at its EOS)."""
+    ends = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
+    ends += [i for i in end_of_text_ids(tokenizer) if i not in ends]
+    return {"max_new_tokens": max_new_tokens, "do_sample": False, "eos_token_id": ends or None,
+            "pad_token_id": ends[0] if ends else None}
+
+
+def _warm_up(models: dict, ids: list[int]) -> None:
+    """One short forward per model, so no timed path pays a model's first-call costs."""
+    for model in models.values():
+        model(input_ids=torch.tensor([ids[:8]], device=model.device))

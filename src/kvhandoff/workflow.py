@@ -5,14 +5,15 @@ kept, so a mapper for any k or λ is a solve away. A pass asked for both directi
 target's Gram too, so the reverse direction's fit reuses it instead of running a pass of its own. Cache
 entries are keyed by both models' identities (`geometry.model_fingerprint`: the pairing keys, tokenizer hash
 included, and the weights checksum) and the settings, so a changed model under the same folder name never reuses
-old statistics. A cached mapper is
-reused only when its manifest matches the fit config; otherwise it is refitted and saved (atomically).
+old statistics. A cached mapper is reused only when its manifest matches the fit config; otherwise it is refitted
+and saved (atomically). Why a cache entry is not used is logged (`logging`, this module's logger).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,11 +43,14 @@ from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.cache import model_device
 from kvhandoff.model.geometry import PAIRING_KEYS, check_pair, model_fingerprint
 from kvhandoff.model.loading import ModelPair, load_pair
+from kvhandoff.progress import Progress, shows_bars
 
 #: version of the cache keys (part of every key: raising it makes every entry written before a miss)
 CACHE_SCHEMA = 2
 #: the fingerprint entries a cache entry depends on: what pairs a mapper, plus the weights themselves
 IDENTITY_KEYS = (*PAIRING_KEYS, "weights_checksum")
+
+logger = logging.getLogger(__name__)
 
 
 def identity_of(fingerprint: dict) -> str:
@@ -103,11 +107,12 @@ class NamedPair:
         return self.source.config.max_position_embeddings, self.target.config.max_position_embeddings
 
 
-def load_named_pair(source: str, target: str, dtype: torch.dtype | str = torch.float32, progress: bool = True,
-                    ranks: Ranks | None = None, device_map: str | None = None) -> NamedPair:
-    """`assets.load_pair` (which refuses pairs whose tokenizers differ), with the names and cache identities.
+def load_named_pair(source: str, target: str, dtype: torch.dtype | str = torch.float32,
+                    progress: Progress | bool = False, ranks: Ranks | None = None,
+                    device_map: str | None = None) -> NamedPair:
+    """`loading.load_pair` (which refuses pairs whose tokenizers differ), with the names and cache identities.
 
-    dtype, device_map: see `assets.load_model` and `config.ModelPlacement`. ranks (a distributed run): rank 0
+    dtype, device_map: see `loading.load_model` and `placement.ModelPlacement`. ranks (a distributed run): rank 0
     loads first (converting registry models once), then the other ranks; every rank must end up with the same two
     models (`DistributedError` otherwise); a planned device map spreads each rank's models over its own share of
     the node's GPUs (`distributed.local_gpus`)."""
@@ -172,9 +177,9 @@ def _identities(pair: NamedPair) -> dict:
     return {"source_identity": pair.source_identity, "target_identity": pair.target_identity}
 
 
-def _load_cached_statistics(path: Path, pair: NamedPair, progress: bool, target_gram: bool = False,
+def _load_cached_statistics(path: Path, pair: NamedPair, target_gram: bool = False,
                             kv_cross: bool = False) -> tuple[CalibrationStats, dict] | None:
-    """(stats, info) saved at `path` for exactly `pair`, or None (with a one-line note) when stale or unreadable.
+    """(stats, info) saved at `path` for exactly `pair`, or None (with a warning) when stale or unreadable.
     target_gram, kv_cross: with those moments (the file must hold them)."""
     try:
         stats = CalibrationStats.load(path, target_gram=target_gram, kv_cross=kv_cross)
@@ -185,8 +190,7 @@ def _load_cached_statistics(path: Path, pair: NamedPair, progress: bool, target_
         if all(info.get(key) == value for key, value in _identities(pair).items()):
             return stats, info
         problem = "stale (written for other models)"
-    if progress:
-        print(f"cached statistics {path} {problem}; collecting again")
+    logger.warning("cached statistics %s %s; collecting again", path, problem)
     return None
 
 
@@ -205,8 +209,8 @@ def _shortfall(path: Path, flip: bool, kv_cross: bool) -> tuple[SumsContent | No
     return held, None
 
 
-def _cached_statistics(pair: NamedPair, config, calibration, features: bool, progress: bool,
-                       keep_gram: bool = False, kv_cross: bool = False):
+def _cached_statistics(pair: NamedPair, config, calibration, features: bool, keep_gram: bool = False,
+                       kv_cross: bool = False):
     """(stats, info) of a cached pass over `calibration`'s windows in either direction, or None. Statistics
     collected for the opposite direction serve when they hold its target's Gram (a pass for both directions).
     keep_gram: keep the target's Gram where the cached pass of this direction has one; kv_cross: the pass must
@@ -220,12 +224,11 @@ def _cached_statistics(pair: NamedPair, config, calibration, features: bool, pro
             continue
         held, problem = _shortfall(candidate, flip, kv_cross)
         if problem is not None:
-            if progress:
-                print(f"cached statistics {candidate} {problem}")
+            logger.info("cached statistics %s %s", candidate, problem)
             continue
         # reversed, the Gram is the input covariance
         gram = flip or (keep_gram and held is not None and held.target_gram)
-        loaded = _load_cached_statistics(candidate, candidate_pair, progress, gram, kv_cross)
+        loaded = _load_cached_statistics(candidate, candidate_pair, gram, kv_cross)
         if loaded is None:
             continue
         stats, info = loaded
@@ -262,7 +265,8 @@ def _split_mix(calibration: CalibrationSpec, leading: int) -> tuple[CalibrationS
 
 
 def obtain_statistics(
-    pair: NamedPair, config: FitConfig, calibration: CalibrationSpec, progress: bool = True, features: bool = False,
+    pair: NamedPair, config: FitConfig, calibration: CalibrationSpec, progress: Progress | bool = False,
+    features: bool = False,
     ranks: Ranks | None = None, both_directions: bool = False, kv_cross: bool | None = None,
 ) -> tuple[CalibrationStats, dict]:
     """Load the pair's calibration statistics, or collect and save them. Returns (stats, calibration info).
@@ -280,18 +284,19 @@ def obtain_statistics(
     statistics are these (`CalibrationStats.reversed`); statistics already cached are used as they are.
     kv_cross: the statistics must hold the K–V cross moments (None: when `config`'s maps read source K and V
     together); a cached pass without them is run again with them (under the same key: it then serves every map).
+    progress: a bar over a pass run here (`kvhandoff.progress`); why a cached pass is not used is logged.
     """
     kv_cross = config.joint_inputs if kv_cross is None else kv_cross
     if features and ranks is not None and ranks.distributed:
         raise ConfigError("a distributed calibration collects statistics only: settings that need the calibration "
                           "rows (top_k='heldout', the MLP mapper) run in one process (without torchrun)")
-    cached = _cached_statistics(pair, config, calibration, features, progress, kv_cross=kv_cross)
+    cached = _cached_statistics(pair, config, calibration, features, kv_cross=kv_cross)
     if cached is not None:
         return cached
     if not features:
         for leading in range(len(calibration.mix) - 1, 0, -1):
             parts = _split_mix(calibration, leading)
-            lead = parts and _cached_statistics(pair, config, parts[0], False, progress, both_directions, kv_cross)
+            lead = parts and _cached_statistics(pair, config, parts[0], False, both_directions, kv_cross)
             if lead:
                 return _extend(pair, config, calibration, parts, lead, progress, ranks, both_directions, kv_cross)
     feature_folder = features_dir(pair, config, calibration) if features else None
@@ -314,9 +319,8 @@ def _extend(pair: NamedPair, config, calibration, parts, lead, progress, ranks=N
     """Statistics of `calibration` = the cached pass `lead` over its leading groups + a pass over the rest
     (`parts`: the two specs); with the target's Gram when both passes have it (`both_directions`)."""
     (lead_spec, rest_spec), (lead_stats, lead_info) = parts, lead
-    if progress:
-        print(f"extending the cached pass over {list(lead_spec.mix)} with {rest_spec.num_sequences} windows of "
-              f"{list(rest_spec.mix)}")
+    logger.info("extending the cached pass over %s with %d windows of %s", list(lead_spec.mix), rest_spec.num_sequences,
+                list(rest_spec.mix))
     rest_stats, rest_info = obtain_statistics(pair, config, rest_spec, progress, ranks=ranks,
                                               both_directions=both_directions, kv_cross=kv_cross)
     # the leading groups' windows come first in the mix: the new pass's window i is window lead + i of the mix
@@ -387,7 +391,7 @@ def load_pair_mapper(folder: str | Path, pair: NamedPair) -> Mapper:
     return Mapper.load(folder, pair.source, pair.target, pair.models.source_tokenizer, pair.models.target_tokenizer)
 
 
-def _cached(folder: Path, pair: NamedPair, expected: dict, progress: bool) -> Mapper | None:
+def _cached(folder: Path, pair: NamedPair, expected: dict) -> Mapper | None:
     """The mapper saved in `folder` if it loads, fits this pair and its manifest matches `expected`."""
     if not folder.exists():
         return None
@@ -399,8 +403,7 @@ def _cached(folder: Path, pair: NamedPair, expected: dict, progress: bool) -> Ma
         if all(mapper.manifest.get(key) == value for key, value in expected.items()):
             return mapper
         problem = "stale (fitted with other settings)"
-    if progress:
-        print(f"cached mapper in {folder} {problem}; refitting")
+    logger.warning("cached mapper in %s %s; refitting", folder, problem)
     return None
 
 
@@ -408,7 +411,7 @@ def obtain_mapper(
     pair: NamedPair,
     config: FitConfig = FitConfig(),  # noqa: B008 - frozen
     calibration: CalibrationSpec = CalibrationSpec(),  # noqa: B008 - frozen
-    progress: bool = True,
+    progress: Progress | bool = False,
     refit: bool = False,
     mlp: MLPConfig | None = None,
     ranks: Ranks | None = None,
@@ -422,7 +425,8 @@ def obtain_mapper(
     are dismissed once the statistics are there; only rank 0 solves and saves.
     layer_block: without cached statistics of the pair, fit the target layers in blocks of this many
     (`fit_in_layer_blocks`; the mapper is cached, the statistics are not).
-    both_directions: a pass run for it keeps what the reverse direction's fit needs too (`obtain_statistics`)."""
+    both_directions: a pass run for it keeps what the reverse direction's fit needs too (`obtain_statistics`).
+    progress: bars over the passes and the MLP's training (`kvhandoff.progress`)."""
     if mlp is not None and config.compact:
         raise ConfigError("the MLP corrects the full ridge map; fit it without heads, k_tolerance or rank")
     if layer_block is not None and config.compact:
@@ -431,7 +435,7 @@ def obtain_mapper(
     folder = (mapper_dir(pair, config, calibration) if mlp is None
               else mlp_mapper_dir(pair, config, calibration, mlp))
     expected = {"config": config.to_dict(), **({} if mlp is None else {"mlp_config": mlp.to_dict()})}
-    cached = None if refit else _cached(folder, pair, expected, progress)
+    cached = None if refit else _cached(folder, pair, expected)
     if cached is not None:
         _dismiss(ranks)
         return cached, folder, True
@@ -449,13 +453,14 @@ def obtain_mapper(
     del stats  # the sums are on disk: free them before the MLP trains and the save copies the maps
     if mlp is not None:
         features = info["features"]
-        mapper = fit_mlp_mapper(mapper, features["folder"], r2, mlp, reverse=features["reverse"], progress=progress)
+        mapper = fit_mlp_mapper(mapper, features["folder"], r2, mlp, reverse=features["reverse"],
+                                progress=shows_bars(progress))
     mapper.save(folder)
     return mapper, folder, False
 
 
 def fit_in_layer_blocks(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec, layer_block: int,
-                        progress: bool = True, ranks: Ranks | None = None) -> Mapper:
+                        progress: Progress | bool = False, ranks: Ranks | None = None) -> Mapper:
     """The ridge mapper of `config` from one pass over `calibration`'s windows per block of `layer_block` target
     layers (`fit.fit_in_blocks`): the statistics held at once are one block's, and none are kept on disk.
     ranks (rank 0 of a distributed run): every pass is shared with the ranks in `serve_calibration` (no checkpoint).
@@ -463,7 +468,7 @@ def fit_in_layer_blocks(pair: NamedPair, config: FitConfig, calibration: Calibra
     return _blocked_mapper(pair, _corpus(pair.tokenizer, calibration), config, layer_block, progress, ranks)
 
 
-def _blocked_mapper(pair: NamedPair, corpus, config: FitConfig, layer_block: int, progress: bool = True,
+def _blocked_mapper(pair: NamedPair, corpus, config: FitConfig, layer_block: int, progress: Progress | bool = False,
                     ranks: Ranks | None = None) -> Mapper:
     """`fit_in_layer_blocks` over the windows of `corpus` (`corpus.CalibrationBatches`)."""
     if config.top_k == "heldout":
@@ -512,9 +517,10 @@ def _ridge_mapper(stats, info: dict, config: FitConfig, pair: NamedPair, r2_matr
 
 
 def fit_on_texts(pair: NamedPair, texts: Path, config: FitConfig, sequences: int, seq_len: int,
-                 seed: int = 0, ranks: Ranks | None = None, layer_block: int | None = None) -> Mapper:
+                 seed: int = 0, ranks: Ranks | None = None, layer_block: int | None = None,
+                 progress: Progress | bool = False) -> Mapper:
     """A ridge mapper calibrated on a UTF-8 text file (paragraphs split on blank lines), not cached.
-    layer_block: the target layers in blocks (`fit_in_layer_blocks`).
+    layer_block: the target layers in blocks (`fit_in_layer_blocks`). progress: bars over the passes.
     ranks (rank 0 of a distributed run): the pass is shared with the ranks in `serve_calibration` (no checkpoint:
     nothing of a text-file fit is cached)."""
     if config.top_k == "heldout":
@@ -523,13 +529,13 @@ def fit_on_texts(pair: NamedPair, texts: Path, config: FitConfig, sequences: int
     corpus = pack_texts(pair.tokenizer, paragraphs, sequences, seq_len, seed=seed, name=str(texts))
     if layer_block is not None:
         check_pair(pair.source, pair.target, pair.models.source_tokenizer, pair.models.target_tokenizer)
-        return _blocked_mapper(pair, corpus, config, layer_block, ranks=ranks)
+        return _blocked_mapper(pair, corpus, config, layer_block, progress, ranks)
     if ranks is not None and ranks.distributed:
         check_pair(pair.source, pair.target, pair.models.source_tokenizer, pair.models.target_tokenizer)
         started = time.perf_counter()
         try:
             stats, record = lead_collection(ranks, pair.source, pair.target, corpus.input_ids, config,
-                                            corpus.batch_size)
+                                            corpus.batch_size, progress=progress)
         finally:
             _dismiss(ranks)
         mapper = mapper_from_statistics(stats, config, *pair.fingerprints(),
@@ -541,7 +547,8 @@ def fit_on_texts(pair: NamedPair, texts: Path, config: FitConfig, sequences: int
     return fit_mapper(pair.source, pair.target, corpus, config, pair.models.source_tokenizer,
                       pair.models.target_tokenizer,
                       calibration={**corpus.describe(), "source_model": pair.source_spec,
-                                   "target_model": pair.target_spec, **_one_process_record(corpus.num_sequences)})
+                                   "target_model": pair.target_spec, **_one_process_record(corpus.num_sequences)},
+                      progress=progress)
 
 
 def describe_fit(mapper: Mapper) -> str:
@@ -567,7 +574,7 @@ def describe_size(mapper: Mapper) -> str:
 
 
 def refine_saved_mapper(pair: NamedPair, mapper_path: Path, config: RefineConfig, windows: int, seq_len: int,
-                        mix: tuple[str, ...], progress: bool = True) -> Mapper:
+                        mix: tuple[str, ...], progress: Progress | bool = False) -> Mapper:
     """Refine the linear mapper saved at `mapper_path` end to end on `windows` built-in corpus windows of
     `seq_len` tokens (`refine.refine_mapper`); the corpus is shuffled with `config.seed`."""
     if seq_len < config.window_length():

@@ -51,7 +51,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.errors import ConfigError
@@ -64,6 +63,7 @@ from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.capture import ContentKV, capture_content_kv
 from kvhandoff.model.geometry import decoder_layers, model_fingerprint, read_geometry
 from kvhandoff.model.rope import apply_rope, rope_frequencies
+from kvhandoff.progress import Progress, as_progress
 from kvhandoff.workflow import NamedPair, load_pair_mapper, obtain_statistics
 from kvhandoff_lab.evaluation.runner import mapper_identity
 from kvhandoff_lab.figures import save_figure
@@ -264,12 +264,13 @@ def run_analysis(
     retention=None,
     source_name: str | None = None,
     target_name: str | None = None,
-    progress: bool = True,
+    progress: Progress | bool = False,
 ) -> dict:
     """Analyse `mappers` (and mappers fitted from `stats` for each k in `ks`) on held-out `batches`
     ([batch, tokens] token ids). Returns the result dict; with `out_dir`, writes analysis.json and the figures.
     `calibration_r2` ([K/V, target, source], from `layer_r2_matrix` of the calibration statistics) may be
     given instead of `stats` when the mappers are already fitted (the statistics can then be freed first).
+    progress: a bar over the held-out windows (`kvhandoff.progress`); `summary_table` shows the summary.
 
     Result: format, source, target, calibration_r2 ([K/V][target][source], when stats are given),
     heldout_key_r2 {"post_rope", "content"} ([target][source]), mappers {name: {top_k, selected_layers,
@@ -300,21 +301,17 @@ def run_analysis(
     result["correlations"] = correlations(rows)
     if out_dir is not None:
         render_analysis(result, out_dir)
-    if progress:
-        from rich.console import Console  # rich is only needed to print, not to compute
-
-        Console().print(summary_table(rows, result["correlations"]))
     return result
 
 
 def heldout_pass(source_model, target_model, batches: Sequence[torch.Tensor], mappers: Mapping[str, Mapper],
-                 ridge_lambda: float, rope_token_stride: int = 2, progress: bool = True):
+                 ridge_lambda: float, rope_token_stride: int = 2, progress: Progress | bool = False):
     """One pass over the held-out windows: (the held-out key R² maps [post-RoPE / content, target, source],
     each mapper's accumulated `MapperDiagnostics`)."""
     key_stats = CalibrationStats(feature_layout(source_model), feature_layout(target_model))
     spectrum = query_spectrum(target_model)
     diagnostics: dict[str, MapperDiagnostics] = {}
-    for ids in tqdm(batches, desc="held-out windows", unit="window", disable=not progress):
+    for ids in as_progress(progress)(batches, desc="held-out windows", unit="window"):
         source = capture_content_kv(source_model, ids)
         target = capture_content_kv(target_model, ids, with_queries=True)
         add_key_statistics(key_stats, source_model, target_model, source, target, rope_token_stride)
@@ -365,15 +362,17 @@ def analyze_pair(
     windows: int = 4,
     seq_len: int = 512,
     retention=None,
+    progress: Progress | bool = False,
 ) -> dict:
     """`run_analysis` of a saved mapper and/or mappers solved for each k in `ks` from the pair's calibration
     statistics (`stats_path`, or the pair's cached default statistics, collected if absent), on `windows`
-    held-out windows of `seq_len` tokens; writes analysis.json and the figures into `out`."""
+    held-out windows of `seq_len` tokens; writes analysis.json and the figures into `out`. progress: bars over a
+    calibration pass and the held-out windows."""
     mappers = {} if mapper_path is None else {mapper_path.name: load_pair_mapper(mapper_path, pair)}
     if stats_path is not None:
         calibration = CalibrationStats.load(stats_path)
     else:
-        calibration, _ = obtain_statistics(pair, FitConfig(ridge_lambda=ridge_lambda), CalibrationSpec())
+        calibration, _ = obtain_statistics(pair, FitConfig(ridge_lambda=ridge_lambda), CalibrationSpec(), progress)
     calibration_r2 = layer_r2_matrix(calibration, ridge_lambda)
     if ks:
         mappers.update(fit_for_ks(calibration, ks, ridge_lambda, *pair.fingerprints(), pair.max_positions(),
@@ -382,7 +381,7 @@ def analyze_pair(
     batches = heldout_batches(pair.tokenizer, windows, seq_len)
     return run_analysis(pair.source, pair.target, batches, mappers=mappers, calibration_r2=calibration_r2,
                         ridge_lambda=ridge_lambda, out_dir=out, retention=retention, source_name=pair.source_spec,
-                        target_name=pair.target_spec)
+                        target_name=pair.target_spec, progress=progress)
 
 
 # -- retention and the summary --------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ path is run `warmup` times untimed and `repeats` times timed:
   `exact_prefix` leading ones and the picks of the `recompute` policy, `kvhandoff.runtime.recompute`; "select") + ONE
   target forward ("target_forward", `handoff.MappedCache.read`) that recomputes those positions in place and reads
   the N new tokens on top of the mapped cache, up to the logits of the last (`new_turn` = 1: the all-mapped
-  handoff; N > 1: a switch at a turn boundary, as `kvhandoff eval --mapped history` and `SwitchingSession` do);
+  handoff; N > 1: a switch at a turn boundary, as `kvhandoff-lab eval --mapped history` and `SwitchingSession` do);
 - stored-prefix handoff ("stored_prefix", with `prefix_store` and an exact prefix) = the handoff with the target's
   own K/V of the exact prefix copied from a `handoff.PrefixStore` (primed untimed by a prefill of those tokens:
   a router's conversations open alike, so after the first switch of an opening this is every switch): the one
@@ -48,6 +48,7 @@ prefill FLOPs per token ÷ mapper FLOPs per token.
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import statistics
@@ -62,16 +63,24 @@ from kvhandoff.config import MAPPER_FORMAT_VERSION, FitConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
 from kvhandoff.fit.selection import resolve_k
+from kvhandoff.mapper.dense import DenseMapper
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.cache import prefill
 from kvhandoff.model.capture import FeatureLayout
 from kvhandoff.model.geometry import model_fingerprint, read_geometry
-from kvhandoff.runtime.handoff import PrefixStore, defer_recompute, patch_exact_prefix, recompute_policy
-from kvhandoff.runtime.recompute import SelectionInfo, apply_policy, budget_count
+from kvhandoff.progress import Progress, as_progress
+from kvhandoff.runtime.handoff import MappedCache
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy, SelectionInfo, budget_count
+from kvhandoff.runtime.prefix_store import PrefixStore
+from kvhandoff.runtime.seam import Pending, as_kv_cache
 from kvhandoff.workflow import NamedPair, load_pair_mapper, obtain_mapper
 from kvhandoff_lab.figures import save_figure
 
-BENCH_FORMAT = "kvhandoff-bench/4"  # /4: the stored-prefix handoff ("stored_prefix")
+logger = logging.getLogger(__name__)
+
+#: the result's format (its rows hold the stored-prefix handoff, "stored_prefix")
+BENCH_FORMAT = "kvhandoff-bench/4"
 DEFAULT_LENGTHS = (64, 256, 1024, 2048, 4096, 8192)
 MEMORY_NOTE = (
     "peak live bytes allocated through torch's CPU allocator during the first (warm-up) run of the path, above the "
@@ -187,7 +196,7 @@ def mapper_flops_per_token(mapper: Mapper) -> int:
     return mapper.flops_per_token()
 
 
-def synthetic_mapper(source_model, target_model, top_k: int | str = "all", seed: int = 0) -> Mapper:
+def synthetic_mapper(source_model, target_model, top_k: int | str = "all", seed: int = 0) -> DenseMapper:
     """A mapper of the right shape for this pair with random weights: for timing only (a transfer's cost does
     not depend on the weights' values). Its manifest says `method: synthetic`."""
     source = read_geometry(source_model)
@@ -213,7 +222,7 @@ def synthetic_mapper(source_model, target_model, top_k: int | str = "all", seed:
         "target_layout": tgt.__dict__,
         "selected_layers": selected.tolist(),
     }
-    return Mapper(weight, bias, selected, manifest)
+    return DenseMapper(weight, bias, selected, manifest)
 
 
 def _model_summary(model, name: str | None) -> dict:
@@ -236,11 +245,11 @@ def _vocab_size(source_model, target_model) -> int:
 
 # -- the benchmark ------------------------------------------------------------------------------------------
 def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, repeats: int, warmup: int,
-                 measure_memory: bool = True, new_turn: int = 1, recompute=None, two_step: bool = True,
-                 prefix_store: bool = True) -> dict:
+                 measure_memory: bool = True, new_turn: int = 1, recompute: RecomputePolicy | None = None,
+                 two_step: bool = True, prefix_store: bool = True) -> dict:
     """Time handoff and re-prefill (and the two-step handoff, with ``two_step``; the stored-prefix handoff, with
     ``prefix_store`` and an exact prefix) for one context `ids` [1, T] whose last `new_turn` tokens are the new turn
-    (see the module docstring; ``recompute``: the selective-recompute policy, None = the mapper's default)."""
+    (see the module docstring; ``recompute``: the selective-recompute policy, None = `DEFAULT_RECOMPUTE`)."""
     tokens = ids.shape[1]
     if not 1 <= new_turn < tokens:
         raise ConfigError(f"new_turn must be at least 1 and shorter than the context ({tokens}), got {new_turn}")
@@ -274,14 +283,19 @@ def bench_length(source_model, target_model, mapper: Mapper, ids: torch.Tensor, 
     return row
 
 
-def recomputed_tokens(mapper, recompute, mapped: int) -> int:
+def _policy(recompute: RecomputePolicy | None) -> RecomputePolicy:
+    return DEFAULT_RECOMPUTE if recompute is None else recompute
+
+
+def recomputed_tokens(mapper, recompute: RecomputePolicy | None, mapped: int) -> int:
     """Positions the recompute policy has the target recompute in a handoff of ``mapped`` positions."""
-    policy = recompute_policy(mapper, recompute)
+    policy = _policy(recompute)
     candidates = max(mapped - min(mapper.exact_prefix, mapped), 0)
     return budget_count(policy.budget, candidates) if policy.active else 0
 
 
-def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_turn: int, recompute=None,
+def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_turn: int,
+           recompute: RecomputePolicy | None = None,
            source_model=None, two_step: bool = True, prefix_store: bool = True) -> dict:
     """The timed paths to the target's next-token logits, each a function () → (logits, {part: seconds}):
     "handoff" (transfer, select, one target forward), "stored_prefix" (the same with the exact prefix copied from a
@@ -290,39 +304,46 @@ def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_tu
     "reprefill"."""
     target_dtype = next(target_model.parameters()).dtype
     history, turn = ids[:, :-new_turn], ids[:, -new_turn:]
-    policy = recompute_policy(mapper, recompute)
+    policy = _policy(recompute)
+    plan = HandoffPlan(None, policy)  # the mapper's exact prefix
     prefix = min(mapper.exact_prefix, history.shape[1])  # the exact prefix is never counted in the budget
 
     def handoff():
         t0 = time.perf_counter()
         cache = mapper.transfer(source_cache, dtype=target_dtype)
         t1 = time.perf_counter()
-        mapped = defer_recompute(cache, target_model, history, mapper, recompute=policy, source_model=source_model,
-                                 source_cache=source_cache)
+        mapped = MappedCache.from_mapped(cache, target_model, history, mapper, plan, source_model=source_model,
+                                         source_cache=source_cache)
         t2 = time.perf_counter()
         logits = mapped.read(target_model, turn)[:, -1]
         t3 = time.perf_counter()
         return logits, {"transfer": t1 - t0, "select": t2 - t1, "target_forward": t3 - t2}
 
     store = PrefixStore()
+    stored_plan = HandoffPlan(None, policy, store)
     if prefix_store and prefix:
         store.prime(target_model, history[:, :prefix])
 
     def stored_prefix_handoff():
         t0 = time.perf_counter()
         cache = mapper.transfer(source_cache, dtype=target_dtype)
-        mapped = defer_recompute(cache, target_model, history, mapper, recompute=policy, source_model=source_model,
-                                 source_cache=source_cache, prefix_store=store)
+        mapped = MappedCache.from_mapped(cache, target_model, history, mapper, stored_plan,
+                                         source_model=source_model, source_cache=source_cache)
         t1 = time.perf_counter()
         logits = mapped.read(target_model, turn)[:, -1]
         return logits, {"stored_prefix_target_forward": time.perf_counter() - t1, "stored_prefix_map": t1 - t0}
 
     def two_step_handoff():
         cache = mapper.transfer(source_cache, dtype=target_dtype)
-        patch_exact_prefix(cache, target_model, history, mapper.exact_prefix)
-        if policy.active and prefix < history.shape[1]:
-            apply_policy(policy, target_model, cache, history, SelectionInfo(start=prefix), source_model,
-                         source_cache)
+        mapped = as_kv_cache(cache)
+        if prefix:  # the exact prefix by a prefill of its own
+            own = mapped.empty()
+            own.read(target_model, history[:, :prefix])
+            mapped.write(0, own.export())
+        if policy.active and prefix < history.shape[1]:  # the policy's picks by a sparse prefill
+            picked = policy.positions(target_model, cache, history, SelectionInfo(start=prefix), source_model,
+                                      source_cache)
+            mapped.recompute(target_model, Pending(history, picked))
         return target_model(input_ids=turn, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1], {}
 
     def reprefill():
@@ -370,14 +391,14 @@ def run_bench(
     repeats: int = 5,
     warmup: int = 1,
     out_dir: str | Path | None = None,
-    progress: bool = True,
+    progress: Progress | bool = False,
     seed: int = 0,
     measure_memory: bool = True,
     time_budget_s: float | None = None,
     source_name: str | None = None,
     target_name: str | None = None,
     new_turn: int = 1,
-    recompute=None,
+    recompute: RecomputePolicy | None = None,
     two_step: bool = True,
     resident: bool = False,
     prefix_store: bool = True,
@@ -387,14 +408,16 @@ def run_bench(
 
     lengths: context lengths T > new_turn (the caller picks how far memory and time allow);
     new_turn: tokens at the end of each context that the target reads itself (1: the all-mapped handoff);
-    recompute: the selective-recompute policy of the handoff (a `RecomputePolicy` or spec, e.g. "deviation:10%";
-    None = the mapper's default), run in the handoff's one target forward (its selection timed apart: "select");
+    recompute: the selective-recompute policy of the handoff (a `RecomputePolicy`, e.g. `Deviation(0.1)`;
+    None = `DEFAULT_RECOMPUTE`), run in the handoff's one target forward (its selection timed apart: "select");
     two_step: also time the handoff with the recompute in forwards of its own before the target's read
     ("two_step"); prefix_store: also time the handoff whose exact prefix comes from a primed `PrefixStore`
     ("stored_prefix"); resident: first copy both models' weights out of their file-backed memory maps
     (`keep_resident`);
     time_budget_s: stop before a new length once this much wall time has passed (remaining lengths are
     listed under "skipped"); a length that runs out of memory is recorded under "failed" and ends the run.
+    progress: a bar over the lengths (`kvhandoff.progress`); each length's timings are logged, and `bench_table`
+    shows the result.
     Result fields: format, source, target, mapper (parameters, parameter_bytes, memory_bytes, disk_bytes,
     top_k, method, flops_per_token), settings, notes, and per length (`results`): tokens, new_turn_tokens,
     handoff / transfer / select / target_forward / stored_prefix / stored_prefix_map /
@@ -404,7 +427,7 @@ def run_bench(
     bytes}, flops {...}, flop_bound, flop_bound_stored_prefix, top1_agree.
     """
     lengths = _checked_lengths(source_model, target_model, lengths, new_turn, repeats, warmup)
-    policy = recompute_policy(mapper, recompute)
+    policy = _policy(recompute)
     result = _bench_header(source_model, target_model, mapper, source_name, target_name,
                            {"repeats": repeats, "warmup": warmup, "new_turn": new_turn, "seed": seed,
                             "recompute": policy.spec, "two_step": two_step, "prefix_store": prefix_store,
@@ -414,24 +437,23 @@ def run_bench(
     vocab = _vocab_size(source_model, target_model)
     gen = torch.Generator().manual_seed(seed)
     context = torch.randint(0, vocab, (1, lengths[-1]), generator=gen)  # every length is a prefix of it
-    console = _console() if progress else None
     started = time.perf_counter()
-    _measure_lengths(result, source_model, target_model, mapper, context, lengths, repeats, warmup, measure_memory,
-                     new_turn, time_budget_s, console, policy, two_step, prefix_store)
+    with as_progress(progress)(total=len(lengths), desc="context lengths", unit="length") as bar:
+        _measure_lengths(result, source_model, target_model, mapper, context, lengths, repeats, warmup,
+                         measure_memory, new_turn, time_budget_s, bar, policy, two_step, prefix_store)
     result["wall_seconds"] = time.perf_counter() - started
     if out_dir is not None:
         render_bench(result, out_dir)
-    if console is not None:
-        console.print(bench_table(result))
     return result
 
 
 def _measure_lengths(result: dict, source_model, target_model, mapper: Mapper, context: torch.Tensor,
                      lengths: list[int], repeats: int, warmup: int, measure_memory: bool, new_turn: int,
-                     time_budget_s: float | None, console, recompute=None, two_step: bool = True,
+                     time_budget_s: float | None, bar, recompute: RecomputePolicy | None = None,
+                     two_step: bool = True,
                      prefix_store: bool = True) -> None:
     """Append a row per length to result["results"] (a prefix of `context` each), until the time budget is
-    spent (the rest under "skipped") or a length runs out of memory ("failed")."""
+    spent (the rest under "skipped") or a length runs out of memory ("failed"); `bar` counts the lengths."""
     started = time.perf_counter()
     for index, tokens in enumerate(lengths):
         if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
@@ -452,17 +474,19 @@ def _measure_lengths(result: dict, source_model, target_model, mapper: Mapper, c
             row["flop_bound_stored_prefix"] = row_flops(constants, per_token, tokens, new_turn, 0,
                                                         row["recompute_tokens"])["flop_bound"]
         result["results"].append(row)
-        if console is not None:
-            two = f", two-step {_ms(row['two_step']['median'])}" if "two_step" in row else ""
-            if "stored_prefix" in row:
-                two += (f", prefix stored {_ms(row['stored_prefix']['median'])} "
-                        f"(×{row['speedup_stored_prefix']:.1f})")
-            console.print(
-                f"T={tokens:>6}: handoff {_ms(row['handoff']['median'])} (transfer "
-                f"{_ms(row['transfer']['median'])}, target forward {_ms(row['target_forward']['median'])} with "
-                f"{row['recompute_tokens']} recomputed tokens){two}, re-prefill {_ms(row['reprefill']['median'])}: "
-                f"×{row['speedup']:.1f} (FLOP bound ×{row['flop_bound']:.1f})", highlight=False,
-            )
+        logger.info("%s", length_line(row))
+        bar.update()
+
+
+def length_line(row: dict) -> str:
+    """One length's timings in a line."""
+    two = f", two-step {_ms(row['two_step']['median'])}" if "two_step" in row else ""
+    if "stored_prefix" in row:
+        two += f", prefix stored {_ms(row['stored_prefix']['median'])} (×{row['speedup_stored_prefix']:.1f})"
+    return (f"T={row['tokens']:>6}: handoff {_ms(row['handoff']['median'])} (transfer "
+            f"{_ms(row['transfer']['median'])}, target forward {_ms(row['target_forward']['median'])} with "
+            f"{row['recompute_tokens']} recomputed tokens){two}, re-prefill {_ms(row['reprefill']['median'])}: "
+            f"×{row['speedup']:.1f} (FLOP bound ×{row['flop_bound']:.1f})")
 
 
 def _checked_lengths(source_model, target_model, lengths, new_turn: int, repeats: int, warmup: int) -> list[int]:
@@ -538,7 +562,7 @@ def row_flops(target_constants: dict, mapper_per_token: int, tokens: int, new_tu
 
 
 def bench_mapper(pair: NamedPair, mapper_path: Path | None = None, synthetic: bool = False,
-                 top_k: int | str = "all", progress: bool = True) -> tuple[Mapper, str]:
+                 top_k: int | str = "all", progress: Progress | bool = False) -> tuple[Mapper, str]:
     """The mapper to time and a line saying which: a saved one, a random one of the pair's shape (`synthetic`),
     or the pair's default mapper of `top_k` (fitted or reused from the cache)."""
     if mapper_path is not None:
@@ -550,12 +574,6 @@ def bench_mapper(pair: NamedPair, mapper_path: Path | None = None, synthetic: bo
 
 
 # -- output -------------------------------------------------------------------------------------------------
-def _console():
-    from rich.console import Console  # rich is only needed to print, not to measure
-
-    return Console()
-
-
 def _ms(seconds: float | None) -> str:
     if seconds is None:
         return "-"

@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.errors import ConfigError
@@ -40,6 +39,7 @@ from kvhandoff.files import atomic_write_json
 from kvhandoff.fit.pipeline import capture_batch, empty_statistics, estimate_memory, mapper_from_statistics
 from kvhandoff.fit.statistics import CalibrationStats
 from kvhandoff.model.capture import run_body
+from kvhandoff.progress import Progress, as_progress
 
 FIT_BENCH_FORMAT = 1
 #: the fields read from /proc/self/status (kB there, bytes here)
@@ -138,10 +138,10 @@ def summarize_cost(rows: list[dict], solve_seconds: float, project_windows: int)
 def measure_fit_cost(source_model, target_model, windows: Sequence[torch.Tensor],
                      config: FitConfig = FitConfig(),  # noqa: B008 - frozen
                      target_gram: bool = False, project_windows: int = CalibrationSpec().num_sequences,
-                     progress: bool = True) -> dict:
+                     progress: Progress | bool = False) -> dict:
     """The fit's wall time and peak memory against forward-only passes over `windows` ([batch, tokens] token id
     batches), measured in this process (module docstring). target_gram: the pass sums the target's Gram too (a
-    pass for both directions)."""
+    pass for both directions). progress: a bar over the windows (`kvhandoff.progress`)."""
     if not windows:
         raise ConfigError("the fit bench needs at least one calibration window")
     time_forward_only(source_model, target_model, windows[0])  # warm-up: weights read, hooks and kernels ready
@@ -153,7 +153,7 @@ def measure_fit_cost(source_model, target_model, windows: Sequence[torch.Tensor]
     stats = empty_statistics(source_model, target_model, target_gram=target_gram, kv_cross=config.joint_inputs)
     reset_peak()
     rows = [measure_window(i, window, source_model, target_model, stats, config)
-            for i, window in enumerate(tqdm(windows, desc="fit bench", unit="window", disable=not progress))]
+            for i, window in enumerate(as_progress(progress)(windows, desc="fit bench", unit="window"))]
     pass_peak = peak_above(baseline)
     reset_peak()
     started = time.perf_counter()
@@ -216,7 +216,8 @@ def describe_fit_cost(result: dict) -> list[str]:
 
 def run_fit_bench(source_model, target_model, windows: Sequence[torch.Tensor], out_dir: str | Path,
                   config: FitConfig = FitConfig(),  # noqa: B008 - frozen
-                  target_gram: bool = False, description: dict | None = None, progress: bool = True) -> dict:
+                  target_gram: bool = False, description: dict | None = None,
+                  progress: Progress | bool = False) -> dict:
     """`measure_fit_cost`, written to OUT/bench-fit.json with `description` (the models, the windows)."""
     result = {**measure_fit_cost(source_model, target_model, windows, config, target_gram, progress=progress),
               "description": description or {}}

@@ -16,14 +16,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.fit.pipeline import mapper_from_statistics
 from kvhandoff.fit.selection import layer_r2_matrix
 from kvhandoff.model.cache import feed, kl_divergence, prefill, rollback
+from kvhandoff.progress import Progress, as_progress
 from kvhandoff.runtime.handoff import handoff_cache
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import NoRecompute
 
 
 @dataclass
@@ -79,14 +81,15 @@ class HandoffDivergence:
         shortest = min(len(doc.prefix) for doc in self.documents)
         if not 0 <= target_tail < shortest - 1:
             raise ConfigError(f"target_tail must be in 0..{shortest - 2} (the shortest dev prefix), got {target_tail}")
+        plan = HandoffPlan(exact_prefix, NoRecompute())
 
         def mapped(doc):
             source_cache = doc.source_cache  # of prefix[:-1]; the tail is left to the target
             if target_tail:
                 source_cache = copy.deepcopy(source_cache)
                 rollback(source_cache, len(doc.prefix) - 1 - target_tail)
-            cache = handoff_cache(self.source, self.target, mapper, torch.tensor([doc.prefix[:-1]]), exact_prefix,
-                                  source_cache=source_cache, target_tail=target_tail, recompute="none")
+            cache = handoff_cache(self.source, self.target, mapper, torch.tensor([doc.prefix[:-1]]), plan,
+                                  source_cache=source_cache, target_tail=target_tail)
             return feed(self.target, cache, [doc.prefix[-1], *doc.continuation[:-1]])
 
         return self._divergence(mapped)
@@ -126,14 +129,14 @@ def sweep(
     target_fingerprint: dict,
     max_position_embeddings: tuple[int, int],
     exact_prefixes: Sequence[int] = (0,),
-    progress: bool = True,
+    progress: Progress | bool = False,
     target_tails: Sequence[int] = (0,),
 ) -> list[dict]:
     """Score each candidate config (solved from `stats`), with each exact-prefix length, on the dev set;
-    best (lowest KL) first."""
+    best (lowest KL) first. progress: a bar over the candidates (`kvhandoff.progress`)."""
     r2_by_lambda: dict[float, torch.Tensor] = {}
     rows = []
-    for config in tqdm(configs, desc="candidates", disable=not progress):
+    for config in as_progress(progress)(configs, desc="candidates"):
         started = time.perf_counter()
         if config.ridge_lambda not in r2_by_lambda:
             r2_by_lambda[config.ridge_lambda] = layer_r2_matrix(stats, config.probe_lambda)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import typer
 
 from kvhandoff.cli import demo, models, serve
-from kvhandoff.cli.group import CommandGroup
+from kvhandoff.cli.group import CommandGroup, show_library_messages
 
 app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
 app.command()(models.prepare)
@@ -22,4 +22,5 @@ app.command()(serve.serve)
 
 def main() -> None:
     """The console script `kvhandoff`."""
+    show_library_messages("kvhandoff")
     app()

@@ -1,4 +1,4 @@
-"""`demo`: one long real context handed over, side by side with the target's re-prefill."""
+"""`demo`: a short real conversation that switches models and back, each switch beside a re-prefill."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from kvhandoff.cli.options import (
     DEFAULT_DTYPE,
@@ -25,47 +27,82 @@ from kvhandoff.cli.options import (
     Source,
     Target,
     TopK,
-    one_of,
     option_errors,
     positive_int,
 )
 from kvhandoff.config import CalibrationSpec, FitConfig
-from kvhandoff.model.placement import ModelPlacement
-from kvhandoff.demo import render_demo, run_demo
+from kvhandoff.demo import QUESTION_MAPPED, DemoResult, Switch, run_demo
 from kvhandoff.files import atomic_write_json
-from kvhandoff_lab.evaluation.scoring import MAPPED_PARTS
+from kvhandoff.model.placement import ModelPlacement
 
 
 def demo(
-    reverse: Annotated[bool, typer.Option(help="hand off large → small instead")] = False,
+    reverse: Annotated[bool, typer.Option(help="let TARGET open the conversation and SOURCE take the hard turn")]
+    = False,
     source: Source = DEFAULT_SOURCE,
     target: Target = DEFAULT_TARGET,
     k: TopK = DEFAULT_TOP_K,
     sequences: Sequences = DEFAULT_SEQUENCES,
     seq_len: SeqLen = DEFAULT_SEQ_LEN,
     groups: Mix = DEFAULT_MIX,
-    max_new_tokens: Annotated[int, typer.Option(parser=positive_int)] = 40,
-    repeats: Annotated[int, typer.Option(parser=positive_int, help="timed repeats of each path (median reported)")]
-    = 1,
+    max_new_tokens: Annotated[int, typer.Option(parser=positive_int, help="most tokens of an answer")] = 32,
     refit: Annotated[bool, typer.Option(help="fit again even if a cached mapper matches")] = False,
     json_out: JsonOut = None,
-    mapped: Annotated[str, typer.Option(parser=one_of(MAPPED_PARTS), help=(
-        "'all': the source prefilled the whole context, new question included; 'history': the switch comes "
-        "with the new question, which the target prefills itself on top of the mapped conversation"))] = "all",
-    mapper: Annotated[Path | None, typer.Option(help="show this saved mapper (fitted for SOURCE → TARGET, e.g. "
-                                                     "from `kvhandoff refine`) instead of the pair's default")] = None,
+    mapper: Annotated[Path | None, typer.Option(help="a saved mapper of the first switch's direction (SOURCE → "
+                                                     "TARGET, e.g. from `kvhandoff refine`) instead of the default")]
+    = None,
+    reverse_mapper: Annotated[Path | None, typer.Option(help="a saved mapper of the way back (TARGET → SOURCE) "
+                                                             "instead of the default")] = None,
     recompute: Recompute = None,
     dtype: Dtype = DEFAULT_DTYPE,
     device_map: DeviceMap = None,
 ) -> None:
-    """Fit (or reuse) the pair's mapper, hand a long CoQA context over, compare with the target's re-prefill."""
+    """A real conversation on the pair: SOURCE answers a routine turn, TARGET a hard one, SOURCE the next; each
+    switch's time to first token and answer beside TARGET's (or SOURCE's) re-prefill of the whole conversation."""
     if reverse:
         source, target = target, source
     with option_errors("--sequences", "--mix"):
         calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, mix=groups)
-    result = run_demo(source, target, FitConfig(top_k=k), calibration, max_new_tokens=max_new_tokens,
-                      repeats=repeats, refit=refit, mapped=mapped, mapper_path=mapper, recompute=recompute,
+    result = run_demo(source, target, FitConfig(top_k=k), calibration, max_new_tokens=max_new_tokens, refit=refit,
+                      mapper_path=mapper, reverse_mapper_path=reverse_mapper, recompute=recompute,
                       placement=ModelPlacement(dtype, device_map))
     render_demo(result)
     if json_out:
-        atomic_write_json(json_out, result)
+        atomic_write_json(json_out, result.to_dict())
+
+
+def render_demo(result: DemoResult, console: Console | None = None) -> None:
+    """The conversation turn by turn, then the switches: the handoff's time to first token and answer beside the
+    re-prefill's."""
+    console = console or Console()
+    console.print(f"[bold]kvhandoff demo[/bold]: {result.source} ⇄ {result.target} on {result.story} "
+                  f"({result.story_tokens:,} tokens)")
+    for use in result.mappers:
+        console.print(f"mapper {use.direction}: {'reused' if use.reused else 'fitted now'}, {use.fit} ({use.folder})")
+
+    turns = Table(title="The conversation (the story comes with turn 1)")
+    for column in ("turn", "model", "question", "answer", "the story says"):
+        turns.add_column(column, overflow="fold")
+    for turn in result.turns:
+        turns.add_row(str(turn.turn), turn.model, turn.question.text, turn.answer.text, turn.question.reference)
+    console.print(turns)
+
+    switches = Table(title="Each switch: time to first token, handoff vs the receiving model re-prefilling it all")
+    for column in ("switch", "handed over", "handoff", "re-prefill", "speed-up", "answer after handoff",
+                   "answer after re-prefill", "same"):
+        switches.add_column(column, overflow="fold", justify="right" if column in ("handoff", "re-prefill",
+                                                                                  "speed-up") else "left")
+    for switch in result.switches:
+        switches.add_row(*_switch_cells(switch))
+    console.print(switches)
+    console.print("handoff: the receiving model reads the new turn itself on top of the mapped history (a switch at "
+                  "a turn boundary); the last row is the paper's condition, the new question mapped too.")
+
+
+def _switch_cells(switch: Switch) -> tuple[str, ...]:
+    label = f"turn {switch.turn}: {switch.source} → {switch.target}"
+    if switch.condition == QUESTION_MAPPED:
+        label = f"paper's condition, {QUESTION_MAPPED} ({label})"
+    return (label, f"{switch.mapped_tokens:,} mapped, {switch.read_tokens} read",
+            f"{switch.handoff.ttft_seconds:.2f} s", f"{switch.reprefill.ttft_seconds:.2f} s", f"{switch.speedup:.1f}×",
+            switch.handoff.text, switch.reprefill.text, "yes" if switch.same_answer else "no")

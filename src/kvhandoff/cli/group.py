@@ -1,12 +1,14 @@
-"""How the command line reports failures: one line on stderr, never a traceback.
+"""How the command line reports: failures on one line on stderr, never a traceback; the library's log messages.
 
 A bad value on the command line (click's usage errors, and `typer.BadParameter` from the option parsers) →
 ``error: Invalid value for '--top-k': …`` and exit code 2; a KVHandoffError from the library → ``error: …``
-and exit code 1.
+and exit code 1. The library logs what it does (a conversion's steps, a cache entry it cannot use) at INFO and
+WARNING; `show_library_messages` puts those lines on stderr.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import typer
@@ -16,6 +18,20 @@ from kvhandoff.errors import KVHandoffError
 
 USAGE_EXIT = 2
 LIBRARY_EXIT = 1
+#: how a library log message reads on the console
+MESSAGE_FORMAT = "[kvhandoff] %(message)s"
+
+
+def show_library_messages(*packages: str) -> None:
+    """Log records of ``packages`` (and their modules) at INFO and above on stderr, one line each; the loggers of
+    other libraries keep their own settings. A logger that already has a handler is left as it is."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(MESSAGE_FORMAT))
+    for name in packages:
+        package_logger = logging.getLogger(name)
+        if not package_logger.handlers:
+            package_logger.addHandler(handler)
+            package_logger.setLevel(logging.INFO)
 
 
 def _one_line(text: str) -> str:

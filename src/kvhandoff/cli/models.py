@@ -122,8 +122,8 @@ def fit(
         "choose --layer-block as the largest block whose statistics, solve and maps fit in SIZE per process "
         "(e.g. 480GiB; the models not counted)"))] = None,
     both_directions: Annotated[bool, typer.Option("--both-directions", help=(
-        "a calibration pass run here also sums the target's Gram (the default pair: 0.77 GiB more, 2.6× the float64 "
-        "work per window), so that fitting TARGET → SOURCE later reuses this pass"))] = False,
+        "a calibration pass run here also sums the target's Gram (more memory and float64 work per window), so "
+        "that fitting TARGET → SOURCE later reuses this pass"))] = False,
 ) -> None:
     """Fit a mapper from SOURCE's KV cache to TARGET's and save it to OUT.
 
@@ -152,11 +152,11 @@ def fit(
             if stats_memory is not None:
                 layer_block = block_for_memory(pair, config, stats_memory)
             if calibration is not None:  # the built-in corpus: statistics (and rows) are cached per pair and reused
-                mapper = obtain_mapper(pair, config, calibration, mlp=mlp, ranks=ranks, layer_block=layer_block,
-                                       both_directions=both_directions)[0]
+                mapper = obtain_mapper(pair, config, calibration, progress=True, mlp=mlp, ranks=ranks,
+                                       layer_block=layer_block, both_directions=both_directions)[0]
             else:
                 mapper = fit_on_texts(pair, texts, config, sequences, seq_len, seed, ranks=ranks,
-                                      layer_block=layer_block)
+                                      layer_block=layer_block, progress=True)
         finally:
             dismiss(ranks)  # a failure before any pass must not leave the other ranks waiting
         mapper.save(out)
@@ -237,7 +237,8 @@ def refine(
     if seq_len < config.window_length():
         raise typer.BadParameter(f"windows of {seq_len} tokens are shorter than max context + continuation "
                                  f"({config.window_length()})", param_hint="--seq-len")
-    refined = refine_saved_mapper(load_named_pair(source, target), mapper, config, windows, seq_len, groups)
+    refined = refine_saved_mapper(load_named_pair(source, target, progress=True), mapper, config, windows, seq_len,
+                                  groups, progress=True)
     refined.save(out)
     record = refined.manifest["refinement"]
     typer.echo(f"saved {out}; held-out KL {record['validation_kl_before']:.4f} → {record['validation_kl_after']:.4f} "

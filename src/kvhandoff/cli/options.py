@@ -21,7 +21,8 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.fit.selection import parse_ks
 from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.model.placement import MODEL_DTYPES, PLANNED_DEVICE_MAPS, ModelPlacement
-from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RECOMPUTE_RULES, RecomputePolicy
+from kvhandoff.runtime import policy
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RULES, RecomputePolicy
 
 __all__ = ["DEFAULT_MIX", "DEFAULT_SOURCE", "DEFAULT_TARGET"]
 
@@ -37,10 +38,11 @@ def positive_int(value) -> int:
         raise typer.BadParameter(f"give a positive integer, got {value!r}") from None
 
 
-def recompute_spec(value) -> str:
-    """A selective-recompute policy "RULE:BUDGET" (`config.RecomputePolicy.parse`), as its canonical spec."""
+def recompute_policy(value) -> RecomputePolicy:
+    """A selective-recompute policy from its spec "RULE:BUDGET" (`kvhandoff.runtime.policy.parse`): the option is
+    parsed here, once; the commands below hold the policy object."""
     try:
-        return RecomputePolicy.parse(value).spec
+        return policy.parse(value)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -221,12 +223,11 @@ Sequences = Annotated[int, typer.Option("--sequences", parser=positive_int, help
 SeqLen = Annotated[int, typer.Option("--seq-len", parser=positive_int, help="tokens per calibration window")]
 Stride = Annotated[int, typer.Option("--stride", parser=positive_int, help="keep every n-th calibration token")]
 JsonOut = Annotated[Path | None, typer.Option("--json", help="also write the results here")]
-Recompute = Annotated[str | None, typer.Option(
-    "--recompute", parser=recompute_spec, metavar="RULE:BUDGET",
+Recompute = Annotated[RecomputePolicy | None, typer.Option(
+    "--recompute", parser=recompute_policy, metavar="RULE:BUDGET",
     help=f"selective recompute after the handoff: the target recomputes BUDGET (a fraction or a percentage) of the "
-         f"mapped positions itself, chosen by RULE ({', '.join(RECOMPUTE_RULES)}; 'mix(sinks=0.2,...)' for other "
-         f"shares), e.g. deviation:10%, or none; default: the mapper's setting ({DEFAULT_RECOMPUTE} unless fitted with "
-         f"another)")]
+         f"mapped positions itself, chosen by RULE ({', '.join(RULES)}; 'mix(sinks=0.2,...)' for other "
+         f"shares), e.g. deviation:10%, or none; default: {DEFAULT_RECOMPUTE.spec}")]
 #: the models' placement for their forwards (`config.ModelPlacement`), on every command that loads a pair
 Dtype = Annotated[str, typer.Option("--dtype", parser=model_dtype, metavar="DTYPE", help=(
     "dtype of the model forwards: fp32, bf16 or fp16 (or float32, bfloat16, float16); calibration statistics are "

@@ -75,5 +75,6 @@ def serve(
                              guard_threshold=guard_threshold, max_sessions=max_sessions, session_ttl_s=session_ttl,
                              cache_memory_bytes=cache_memory, max_context=max_context, recompute=recompute,
                              log_level=log_level)
-    run_server(*load_family(*family_specs(models, mapper), dtype=dtype, device_map=device_map), config)
+    run_server(*load_family(*family_specs(models, mapper), dtype=dtype, progress=True, device_map=device_map),
+               config)
 

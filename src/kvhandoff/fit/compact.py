@@ -7,190 +7,27 @@ The full map gives every (K|V, target layer) all KV heads of its k source layers
 - k_tolerance > 0: each target layer reads the fewest source layers whose in-sample R² is within the tolerance
   of top_k's (`choose_layer_ks`).
 - rank r > 0: every target layer's K (V) map reads one shared rank-r projection of all source layers' K (V)
-  (`LowRankMapper`): reduced-rank ridge ("rrr") or principal components of the source Gram ("pca").
+  (`mapper.lowrank.LowRankMapper`): reduced-rank ridge ("rrr") or principal components of the source Gram ("pca").
 
-The first two are `BlockMapper`s: dense blocks, each reading a set of source columns and writing a set of target
-columns, blocks of one shape applied as one batched GEMM. Weight storage in float16/bfloat16
+The first two are `mapper.blocks.BlockMapper`s: dense blocks, each reading a set of source columns and writing a
+set of target columns, blocks of one shape applied as one batched GEMM. This module solves them; the solution's
+tensors are what the mapper class reads (`pipeline.compact_mapper`). Weight storage in float16/bfloat16
 (`FitConfig.storage_dtype`) applies to every mapper (`Mapper.save`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from kvhandoff.config import LAYER_KS, FitConfig
-from kvhandoff.errors import ConfigError, MapperFormatError
+from kvhandoff.errors import ConfigError
 from kvhandoff.fit.selection import select_layers
 from kvhandoff.fit.solve import residual_variance, ridge_from_covariance
 from kvhandoff.fit.statistics import CalibrationStats
-from kvhandoff.mapper.manifest import MapperManifest
-from kvhandoff.mapper.mapper import Mapper, check_mapper_dtype, register_method
+from kvhandoff.mapper.blocks import BLOCK_PARTS
 from kvhandoff.model.capture import MODALITIES, FeatureLayout
-
-# -- applying ----------------------------------------------------------------------------------------------------
-
-
-class BlockMapper(Mapper):
-    """A map made of dense blocks. Block i of group g reads source columns ``inputs[g][i]`` of the flattened
-    content row (the `FeatureLayout` order: K of every source layer, then V) and writes target columns
-    ``outputs[g][i]``: y[outputs] = x[inputs] @ weight[g][i] + bias[g][i]. Every target column is written by
-    exactly one block. Blocks of a group share their shape, so a group is one batched GEMM."""
-
-    def __init__(self, weights, biases, inputs, outputs, selected: torch.Tensor, manifest: MapperManifest | Mapping):
-        self._adopt_manifest(manifest)
-        self.selected = selected.long()
-        if len({len(weights), len(biases), len(inputs), len(outputs)}) != 1 or not weights:
-            raise MapperFormatError("a block mapper needs as many weight, bias, input and output groups (≥ 1)")
-        self.inputs = [index.long() for index in inputs]
-        self.outputs = [index.long() for index in outputs]
-        self._check_blocks(weights, biases)
-        self.weights = [w.float().contiguous() for w in weights]
-        self.biases = [b.float().contiguous() for b in biases]
-
-    def _check_blocks(self, weights, biases) -> None:
-        covered = torch.zeros(self.target.width, dtype=torch.long)
-        for g, (w, b, i, o) in enumerate(zip(weights, biases, self.inputs, self.outputs, strict=True)):
-            if w.dim() != 3 or tuple(i.shape) != tuple(w.shape[:2]) or tuple(o.shape) != (w.shape[0], w.shape[2]) \
-                    or tuple(b.shape) != tuple(o.shape):
-                raise MapperFormatError(f"block group {g}: weight {tuple(w.shape)}, bias {tuple(b.shape)}, inputs "
-                                        f"{tuple(i.shape)}, outputs {tuple(o.shape)} do not fit; re-fit the mapper")
-            if i.numel() and not 0 <= int(i.min()) <= int(i.max()) < self.source.width:
-                raise MapperFormatError(f"block group {g} reads columns outside the source's {self.source.width}")
-            if not 0 <= int(o.min()) <= int(o.max()) < self.target.width:
-                raise MapperFormatError(f"block group {g} writes columns outside the target's {self.target.width}")
-            covered += torch.bincount(o.reshape(-1), minlength=self.target.width)
-        if not bool((covered == 1).all()):
-            raise MapperFormatError("the blocks do not write every target column exactly once; re-fit the mapper")
-
-    @property
-    def device(self) -> torch.device:
-        return self.weights[0].device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.weights[0].dtype
-
-    def to(self, device=None, dtype=None) -> BlockMapper:
-        check_mapper_dtype(dtype)
-        self.weights = [w.to(device=device, dtype=dtype) for w in self.weights]
-        self.biases = [b.to(device=device, dtype=dtype) for b in self.biases]
-        self.inputs = [i.to(device) for i in self.inputs]
-        self.outputs = [o.to(device) for o in self.outputs]
-        self.selected = self.selected.to(device)
-        self._rope_tables = {}
-        return self
-
-    def parameter_tensors(self) -> list[torch.Tensor]:
-        return [*self.weights, *self.biases]
-
-    def index_tensors(self) -> list[torch.Tensor]:
-        return [*self.inputs, *self.outputs]
-
-    def flops_per_token(self) -> int:
-        return sum(2 * w.numel() + b.numel() for w, b in zip(self.weights, self.biases, strict=True))
-
-    def map_tensors(self):
-        raise ConfigError("a block mapper is not refined end to end; refine the full ridge mapper")
-
-    def map_rows(self, x: torch.Tensor) -> torch.Tensor:
-        src, tgt = self.source, self.target
-        _, batch, tokens = x.shape[:3]
-        rows = batch * tokens
-        flat = x.reshape(2, rows, src.modality_width).transpose(0, 1).reshape(rows, src.width)
-        y = torch.empty(rows, tgt.width, dtype=flat.dtype, device=flat.device)
-        for weight, bias, inputs, outputs in zip(self.weights, self.biases, self.inputs, self.outputs, strict=True):
-            gathered = flat[:, inputs].transpose(0, 1)  # [blocks, N, in]
-            out = torch.baddbmm(bias[:, None], gathered, weight)  # [blocks, N, out]
-            y[:, outputs.reshape(-1)] = out.transpose(0, 1).reshape(rows, -1)
-        return y.view(batch, tokens, 2, tgt.num_layers, tgt.num_kv_heads, tgt.head_dim).permute(2, 0, 1, 3, 4, 5)
-
-    def saved_tensors(self) -> dict[str, torch.Tensor]:
-        tensors = {"selected": self.selected}
-        for g, parts in enumerate(zip(self.weights, self.biases, self.inputs, self.outputs, strict=True)):
-            tensors.update({f"blocks.{g}.{name}": t for name, t in zip(_BLOCK_PARTS, parts, strict=True)})
-        return tensors
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], manifest: MapperManifest) -> BlockMapper:
-        groups = 0
-        while f"blocks.{groups}.weight" in tensors:
-            groups += 1
-        wanted = ["selected", *(f"blocks.{g}.{name}" for g in range(groups) for name in _BLOCK_PARTS)]
-        missing = [name for name in wanted if name not in tensors]
-        if missing or not groups:
-            raise MapperFormatError(f"the block mapper file lacks tensors {missing or ['blocks.0.weight']}; re-fit")
-        parts = [[tensors[f"blocks.{g}.{name}"] for g in range(groups)] for name in _BLOCK_PARTS]
-        return cls(*parts, tensors["selected"], manifest)
-
-
-_BLOCK_PARTS = ("weight", "bias", "inputs", "outputs")
-
-
-class LowRankMapper(Mapper):
-    """Per modality (K, V) one projection of all source layers to rank r, shared by every target layer:
-    z = x_m @ projection[m] [N, r]; y_m = z @ weight[m] + bias[m] [N, all target layers' K (V)]."""
-
-    def __init__(self, projection: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, selected: torch.Tensor,
-                 manifest: MapperManifest | Mapping):
-        self._adopt_manifest(manifest)
-        self.selected = selected.long()
-        rank = projection.shape[-1]
-        shapes = (tuple(projection.shape), tuple(weight.shape), tuple(bias.shape))
-        expected = ((2, self.source.modality_width, rank), (2, rank, self.target.modality_width),
-                    (2, self.target.modality_width))
-        if shapes != expected:
-            raise MapperFormatError(f"low-rank mapper tensors have shapes {shapes}, expected {expected}; re-fit")
-        self.projection = projection.float().contiguous()
-        self.weight = weight.float().contiguous()
-        self.bias = bias.float().contiguous()
-
-    @property
-    def rank(self) -> int:
-        return int(self.projection.shape[-1])
-
-    def to(self, device=None, dtype=None) -> LowRankMapper:
-        check_mapper_dtype(dtype)
-        self.projection = self.projection.to(device=device, dtype=dtype)
-        self.weight = self.weight.to(device=device, dtype=dtype)
-        self.bias = self.bias.to(device=device, dtype=dtype)
-        self.selected = self.selected.to(device)
-        self._rope_tables = {}
-        return self
-
-    def parameter_tensors(self) -> list[torch.Tensor]:
-        return [self.projection, self.weight, self.bias]
-
-    def flops_per_token(self) -> int:
-        return 2 * (self.projection.numel() + self.weight.numel()) + self.bias.numel()
-
-    def map_tensors(self):
-        raise ConfigError("a low-rank mapper is not refined end to end; refine the full ridge mapper")
-
-    def map_rows(self, x: torch.Tensor) -> torch.Tensor:
-        tgt = self.target
-        _, batch, tokens = x.shape[:3]
-        z = torch.bmm(x.reshape(2, batch * tokens, -1), self.projection)  # [2, N, r]
-        y = torch.baddbmm(self.bias[:, None], z, self.weight)
-        return y.view(2, batch, tokens, tgt.num_layers, tgt.num_kv_heads, tgt.head_dim)
-
-    def saved_tensors(self) -> dict[str, torch.Tensor]:
-        return {"projection": self.projection, "weight": self.weight, "bias": self.bias, "selected": self.selected}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], manifest: MapperManifest) -> LowRankMapper:
-        missing = [n for n in ("projection", "weight", "bias", "selected") if n not in tensors]
-        if missing:
-            raise MapperFormatError(f"the low-rank mapper file lacks tensors {missing}; re-fit the mapper")
-        return cls(tensors["projection"], tensors["weight"], tensors["bias"], tensors["selected"], manifest)
-
-
-register_method("blocks", BlockMapper)
-register_method("lowrank", LowRankMapper)
-
-# -- solving -----------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -269,8 +106,8 @@ def group_blocks(solved) -> dict[str, torch.Tensor]:
     tensors = {}
     for g, members in enumerate(by_shape.values()):
         idx_x, idx_y, weight, bias = (torch.stack(parts) for parts in zip(*members, strict=True))
-        tensors.update({f"blocks.{g}.weight": weight.float(), f"blocks.{g}.bias": bias.float(),
-                        f"blocks.{g}.inputs": idx_x, f"blocks.{g}.outputs": idx_y})
+        parts = (weight.float(), bias.float(), idx_x, idx_y)
+        tensors.update({f"blocks.{g}.{name}": t for name, t in zip(BLOCK_PARTS, parts, strict=True)})
     return tensors
 
 

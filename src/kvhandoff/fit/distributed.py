@@ -8,8 +8,8 @@ list of windows it covers (one file, written atomically). A re-run skips those w
 ranks: sums over disjoint windows add exactly, so N processes give the one-process statistics up to float64
 round-off (only the order of the additions differs).
 Under torchrun's c10d rendezvous (`--rdzv-backend c10d --max-restarts R`) a restart after a dead rank resumes by
-itself; with the static rendezvous (`--master-addr/--master-port`, torch 2.13) the restarted ranks failed to
-connect to each other (gloo: connection refused) when tried, so there run the command again instead.
+itself; with the static rendezvous (`--master-addr/--master-port`) restarted ranks cannot reconnect to each other
+(gloo: connection refused), so there run the command again, which resumes from the checkpoint.
 
 Rank 0 leads: it runs the ordinary fit-or-reuse workflow and, when a pass is needed, sends the windows to the
 other ranks (`lead_collection`), which wait for work in `follow` until rank 0 dismisses them. A collective that
@@ -20,6 +20,7 @@ collective is a no-op, so the same code runs (and resumes from a checkpoint) in 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -31,13 +32,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from kvhandoff.config import FitConfig, require_positive
 from kvhandoff.errors import ConfigError, DistributedError, KVHandoffError
 from kvhandoff.files import sha256_bytes
 from kvhandoff.fit.pipeline import add_batch, empty_statistics
 from kvhandoff.fit.statistics import CalibrationStats
+from kvhandoff.progress import Progress, as_progress
+
+logger = logging.getLogger(__name__)
 
 #: seconds a collective waits for the other ranks (env KVHANDOFF_DIST_TIMEOUT overrides)
 DEFAULT_TIMEOUT_S = 1800.0
@@ -247,10 +250,10 @@ def _checkpoint_info(ids_hash: str, config: FitConfig, windows: list[int], runs:
             "skip_first_tokens": config.skip_first_tokens, "windows": sorted(windows), "runs": runs}
 
 
-def load_checkpoint(path: Path, empty: CalibrationStats, ids_hash: str, config: FitConfig,
-                    progress: bool = True) -> tuple[CalibrationStats, list[int], list[dict]] | None:
+def load_checkpoint(path: Path, empty: CalibrationStats, ids_hash: str,
+                    config: FitConfig) -> tuple[CalibrationStats, list[int], list[dict]] | None:
     """(statistics, windows they cover, the runs that reduced them) saved at `path` for exactly these windows,
-    models and settings, or None (with a note when one was there but does not fit). A checkpoint holding more
+    models and settings, or None (with a warning logged when one was there but does not fit). A checkpoint holding more
     moments than the pass sums resumes it (they are not read); one holding fewer cannot."""
     if not path.is_file():
         return None
@@ -264,30 +267,29 @@ def load_checkpoint(path: Path, empty: CalibrationStats, ids_hash: str, config: 
         if info == expected and (stats.source, stats.target) == (empty.source, empty.target):
             return stats, list(info["windows"]), list(info["runs"])
         problem = "written for other windows, models or settings"
-    if progress:
-        print(f"checkpoint {path} {problem}; starting the pass from the first window")
+    logger.warning("checkpoint %s %s; starting the pass from the first window", path, problem)
     return None
 
 
 # -- the pass ---------------------------------------------------------------------------------------------------
-def resume_point(stats: CalibrationStats, checkpoint: Path | None, ids_hash: str, config: FitConfig, ranks: Ranks,
-                 progress: bool) -> tuple[CalibrationStats, list[int], list[dict]]:
+def resume_point(stats: CalibrationStats, checkpoint: Path | None, ids_hash: str, config: FitConfig,
+                 ranks: Ranks) -> tuple[CalibrationStats, list[int], list[dict]]:
     """(the sums to go on from, the windows already reduced, the runs that reduced them): rank 0 reads them from
     ``checkpoint`` when it holds these windows' sums, and every rank learns which windows to skip."""
     done: list[int] = []
     runs: list[dict] = []
     if ranks.is_root and checkpoint is not None:
-        loaded = load_checkpoint(checkpoint, stats, ids_hash, config, progress)
+        loaded = load_checkpoint(checkpoint, stats, ids_hash, config)
         if loaded is not None:
             stats, done, runs = loaded
     done = ranks.broadcast(done, "sharing the windows already reduced")
-    if progress and ranks.is_root and done:
-        print(f"resuming from {checkpoint}: {len(done)} window(s) already reduced ({_ranges(done)})")
+    if ranks.is_root and done:
+        logger.info("resuming from %s: %d window(s) already reduced (%s)", checkpoint, len(done), _ranges(done))
     return stats, done, runs
 
 
 def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: FitConfig, ranks: Ranks,
-                   batch_size: int = 1, checkpoint: Path | None = None, progress: bool = True,
+                   batch_size: int = 1, checkpoint: Path | None = None, progress: Progress | bool = False,
                    target_layers: range | None = None, source_sums: bool = True, target_gram: bool = False,
                    kv_cross: bool | None = None) -> tuple[CalibrationStats | None, dict]:
     """The statistics of windows `input_ids` [windows, tokens], shared out between the ranks (every rank calls
@@ -298,7 +300,8 @@ def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: 
     this run (windows_per_rank), and what a checkpoint contributed (resumed_from_checkpoint).
     target_layers, source_sums: a pass for one block of target layers (`fit.collect_statistics`); such a pass
     keeps no checkpoint. target_gram: sum the target's Gram too (statistics for both directions); kv_cross: the
-    K–V cross moments (None: when the config's maps read source K and V together).
+    K–V cross moments (None: when the config's maps read source K and V together). progress: rank 0's bar over its
+    windows (`kvhandoff.progress`; the other ranks draw none).
     """
     if target_layers is not None and checkpoint is not None:
         raise DistributedError("a pass over a block of target layers keeps no checkpoint")
@@ -306,7 +309,7 @@ def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: 
     ranks.require_same(ids_hash, "calibration windows (hash of their token ids)")
     kv_cross = config.joint_inputs if kv_cross is None else kv_cross
     stats = empty_statistics(source_model, target_model, target_layers, source_sums, target_gram, kv_cross)
-    stats, done, runs = resume_point(stats, checkpoint, ids_hash, config, ranks, progress)
+    stats, done, runs = resume_point(stats, checkpoint, ids_hash, config, ranks)
     resumed = {"windows": list(done), "runs": list(runs)} if done else None
     skip = set(done)
     shares = window_shares([w for w in range(int(input_ids.shape[0])) if w not in skip], ranks.world_size)
@@ -314,7 +317,7 @@ def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: 
     rounds = math.ceil(max(len(share) for share in shares) / every)
     mine = shares[ranks.rank]
     desc = "calibration" if not ranks.distributed else f"calibration (rank 0 of {ranks.world_size})"
-    bar = tqdm(total=len(mine), desc=desc, unit="window", disable=not (progress and ranks.is_root))
+    bar = as_progress(progress if ranks.is_root else False)(total=len(mine), desc=desc, unit="window")
     try:
         for round_index in range(rounds):
             chunk = slice(round_index * every, (round_index + 1) * every)
@@ -349,7 +352,7 @@ def collect_shared(source_model, target_model, input_ids: torch.Tensor, config: 
 
 # -- rank 0 leads, the others follow ----------------------------------------------------------------------------
 def lead_collection(ranks: Ranks, source_model, target_model, input_ids: torch.Tensor, config: FitConfig,
-                    batch_size: int = 1, checkpoint: Path | None = None, progress: bool = True,
+                    batch_size: int = 1, checkpoint: Path | None = None, progress: Progress | bool = False,
                     target_layers: range | None = None, source_sums: bool = True, target_gram: bool = False,
                     kv_cross: bool | None = None) -> tuple[CalibrationStats, dict]:
     """Rank 0: send the windows to the ranks waiting in `follow`, then run the pass with them (target_layers,
@@ -374,7 +377,7 @@ def follow(ranks: Ranks, source_model, target_model) -> list[dict]:
         if job is None:
             return records
         records.append(collect_shared(source_model, target_model, job["input_ids"], job["config"], ranks,
-                                      job["batch_size"], progress=False, target_layers=job["target_layers"],
+                                      job["batch_size"], target_layers=job["target_layers"],
                                       source_sums=job["source_sums"], target_gram=job["target_gram"],
                                       kv_cross=job["kv_cross"])[1])
 

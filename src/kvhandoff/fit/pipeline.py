@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import ConfigError, StatisticsError
@@ -24,10 +23,12 @@ from kvhandoff.fit.compact import solve_compact
 from kvhandoff.fit.selection import layer_r2_matrix, resolve_k, select_layers
 from kvhandoff.fit.solve import layers_per_solve, solve_layers
 from kvhandoff.fit.statistics import CalibrationStats, sum_shapes
+from kvhandoff.mapper.dense import DenseMapper
 from kvhandoff.mapper.manifest import MapperManifest
 from kvhandoff.mapper.mapper import Mapper, mapper_class
 from kvhandoff.model.capture import MODALITIES, ContentKV, FeatureLayout, capture_content_kv, nonfinite_layers
 from kvhandoff.model.geometry import check_pair, model_fingerprint, read_geometry
+from kvhandoff.progress import Progress, as_progress
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def collect_statistics(
     target_model,
     batches: Iterable[torch.Tensor],
     config: FitConfig = FitConfig(),  # noqa: B008 - frozen, immutable default
-    progress: bool = True,
+    progress: Progress | bool = False,
     feature_writer=None,
     target_layers: range | None = None,
     source_sums: bool = True,
@@ -109,6 +110,7 @@ def collect_statistics(
 ) -> CalibrationStats:
     """One pass over calibration batches [batch, tokens]: capture both models, accumulate statistics.
 
+    progress: a bar over the batches (`kvhandoff.progress`).
     feature_writer: a `features.FeatureShardWriter` that also receives every kept row (for the MLP mapper).
     target_layers: accumulate only these (consecutive) target layers' sums; source_sums=False: skip x and xxᵀ
     (a later block's pass, which adopts them from the first: `CalibrationStats.adopt_source_sums`).
@@ -120,7 +122,7 @@ def collect_statistics(
     total = len(batches) if hasattr(batches, "__len__") else None
     desc = "calibration" if target_layers is None else (f"calibration (target layers {target_layers.start}-"
                                                         f"{target_layers.stop - 1})")
-    for input_ids in tqdm(batches, total=total, desc=desc, unit="batch", disable=not progress):
+    for input_ids in as_progress(progress)(batches, total=total, desc=desc, unit="batch"):
         rows = add_batch(stats, source_model, target_model, input_ids, config, target_layers)
         if feature_writer is not None:
             feature_writer.append(*rows)
@@ -197,7 +199,7 @@ class FittedMaps:
                 **(extra_metrics or {}),
             },
         )
-        return Mapper(solution.weight, solution.bias, self.selected, manifest).stored()
+        return DenseMapper(solution.weight, solution.bias, self.selected, manifest).stored()
 
 
 def r2_metrics(r2: torch.Tensor) -> dict:
@@ -268,7 +270,7 @@ class RidgeSolution:
 
 def empty_weight(source: FeatureLayout, target: FeatureLayout, k: int, blocks: int) -> torch.Tensor:
     """Zero maps [2, target layers, blocks·k·Fs, Ft]. When every target layer reads every source layer they are a
-    view of the dense layout the mapper computes with (`Mapper._lay_out`), which then holds them without a copy."""
+    view of the dense layout the mapper computes with (`DenseMapper._lay_out`), which then holds them without a copy."""
     inputs, layers, width = blocks * k * source.layer_width, target.num_layers, target.layer_width
     if k != source.num_layers:
         return torch.zeros(2, layers, inputs, width)
@@ -373,7 +375,7 @@ def fit_mapper(
     source_tokenizer=None,
     target_tokenizer=None,
     calibration: dict | None = None,
-    progress: bool = True,
+    progress: Progress | bool = False,
     layer_block: int | None = None,
 ) -> Mapper:
     """Fit a content-space ridge mapper from `source_model`'s KV cache to `target_model`'s.
@@ -383,6 +385,7 @@ def fit_mapper(
     calibration: a description of the calibration data, stored in the manifest.
     layer_block: fit the target layers in blocks of this many, one pass over `batches` each, so the statistics
     held at once are one block's (`estimate_memory`); the mapper equals the whole pass's to round-off.
+    progress: a bar over each pass (`kvhandoff.progress`).
     """
     check_pair(source_model, target_model, source_tokenizer, target_tokenizer)
     fingerprints = model_fingerprint(source_model, source_tokenizer), model_fingerprint(target_model, target_tokenizer)

@@ -18,19 +18,20 @@ import time
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 
 from kvhandoff.config import RefineConfig
 from kvhandoff.errors import ConfigError
+from kvhandoff.mapper.dense import DenseMapper
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.cache import cache_copy, cache_of, cache_view, kl_divergence
 from kvhandoff.model.capture import cache_positions, capture_content_kv
 from kvhandoff.model.rope import apply_rope, rope_frequencies
+from kvhandoff.progress import Progress, as_progress
 
 
 def check_refinable(mapper: Mapper) -> None:
-    if type(mapper) is not Mapper:
+    if type(mapper) is not DenseMapper:
         raise ConfigError(
             f"only linear (ridge) mappers can be refined, this one is {mapper.manifest.method!r}; "
             "refine the ridge mapper it was built on"
@@ -62,9 +63,9 @@ def teacher_window(source, target, input_ids: torch.Tensor, exact_prefix: int) -
     return TeacherWindow(input_ids, rows, own.last_hidden_state[0].clone(), prefix)
 
 
-def mapped_cache(mapper: Mapper, target_config, source_rows: torch.Tensor, own_prefix=None) -> DynamicCache:
+def mapped_cache(mapper: DenseMapper, target_config, source_rows: torch.Tensor, own_prefix=None) -> DynamicCache:
     """The target cache for the source's content-space rows [2, B, T, Ls, Hs, Ds] (positions 0..T−1), mapped
-    and rotated by the target's RoPE, differentiable in the mapper's tensors (`Mapper.map_tensors`).
+    and rotated by the target's RoPE, differentiable in the mapper's tensors (`DenseMapper.map_tensors`).
     `own_prefix`: the target's own cache of the first positions (exact prefix), which replaces the mapped ones.
 
     The same arithmetic as `Mapper.transfer` + `handoff.patch_exact_prefix` (tested to agree), written with
@@ -85,7 +86,7 @@ def mapped_cache(mapper: Mapper, target_config, source_rows: torch.Tensor, own_p
     return cache_of(layers)
 
 
-def handoff_kl(mapper: Mapper, target, window: TeacherWindow, context: int, continuation: int) -> torch.Tensor:
+def handoff_kl(mapper: DenseMapper, target, window: TeacherWindow, context: int, continuation: int) -> torch.Tensor:
     """Mean KL(target on its own cache ‖ target on the mapped cache) over the `continuation` tokens that follow
     the first `context` tokens of `window`; differentiable in the map.
 
@@ -126,22 +127,23 @@ def refine_mapper(
     target,
     windows: torch.Tensor,
     config: RefineConfig = RefineConfig(),  # noqa: B008 - frozen
-    progress: bool = True,
+    progress: Progress | bool = False,
     description: dict | None = None,
-) -> Mapper:
+) -> DenseMapper:
     """A copy of `mapper` refined on `windows` [n, ≥ config.window_length()] of token ids (the last
     `validation_windows` are held out); the input mapper is left unchanged. The manifest gains a `refinement`
-    record: config, corpus description, validation KL before and after, the step kept, time."""
+    record: config, corpus description, validation KL before and after, the step kept, time. progress: bars over
+    the teacher windows and the steps (`kvhandoff.progress`)."""
     check_refinable(mapper)
     _check_windows(windows, config)
     started = time.perf_counter()
     windows = windows[:, : config.window_length()]
     prepared = [teacher_window(source, target, windows[i : i + 1], mapper.exact_prefix)
-                for i in tqdm(range(windows.shape[0]), desc="teacher", unit="window", disable=not progress)]
+                for i in as_progress(progress)(range(windows.shape[0]), desc="teacher", unit="window")]
     train, held_out = prepared[: -config.validation_windows], prepared[-config.validation_windows :]
     prepare_seconds = time.perf_counter() - started
 
-    refined = Mapper(mapper.weight.detach().clone(), mapper.bias.detach().clone(), mapper.selected,
+    refined = DenseMapper(mapper.weight.detach().clone(), mapper.bias.detach().clone(), mapper.selected,
                      dataclasses.replace(mapper.manifest, tensor_sha256=None))
     target_flags = [p.requires_grad for p in target.parameters()]
     target.requires_grad_(False)
@@ -155,7 +157,7 @@ def refine_mapper(
         "prepare_seconds": round(prepare_seconds, 1), "seconds": round(time.perf_counter() - started, 1),
     }
     manifest = dataclasses.replace(refined.manifest, refinement=record)
-    return Mapper(refined.weight.detach().clone(), refined.bias.detach().clone(), refined.selected, manifest)
+    return DenseMapper(refined.weight.detach().clone(), refined.bias.detach().clone(), refined.selected, manifest)
 
 
 def _check_windows(windows: torch.Tensor, config: RefineConfig) -> None:
@@ -171,15 +173,15 @@ def _check_windows(windows: torch.Tensor, config: RefineConfig) -> None:
         )
 
 
-def _validation_kl(mapper: Mapper, target, held_out: list[TeacherWindow], contexts: list[int],
+def _validation_kl(mapper: DenseMapper, target, held_out: list[TeacherWindow], contexts: list[int],
                    continuation: int) -> float:
     with torch.no_grad():
         return sum(float(handoff_kl(mapper, target, window, context, continuation))
                    for window, context in zip(held_out, contexts, strict=True)) / len(contexts)
 
 
-def _optimise(refined: Mapper, target, train: list[TeacherWindow], held_out: list[TeacherWindow],
-              config: RefineConfig, progress: bool) -> dict:
+def _optimise(refined: DenseMapper, target, train: list[TeacherWindow], held_out: list[TeacherWindow],
+              config: RefineConfig, progress: Progress | bool) -> dict:
     """Adam steps on ``refined``'s map tensors (in place); they end at the step with the lowest validation KL
     (step 0, the unrefined map, included). Returns the record's validation entries and history."""
     contexts = _validation_plan(config)
@@ -190,7 +192,7 @@ def _optimise(refined: Mapper, target, train: list[TeacherWindow], held_out: lis
     best_kl, best_step = history[0]["validation_kl"], 0
     best = [p.detach().clone() for p in parameters]
     train_kl = 0.0
-    with tqdm(total=config.steps, desc="refine", unit="step", disable=not progress) as bar:
+    with as_progress(progress)(total=config.steps, desc="refine", unit="step") as bar:
         for step in range(1, config.steps + 1):
             optimizer.zero_grad(set_to_none=True)
             for context in _context_lengths(config, config.batch_size, generator):

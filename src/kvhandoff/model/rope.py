@@ -1,4 +1,6 @@
-"""Rotary position embedding as two pure functions: apply to content keys, strip from cached keys.
+"""Rotary position embedding: apply it to content keys, strip it from cached keys (`apply_rope`, `strip_rope`),
+and, for a hot path that rotates many caches, one rotation (`rotate`) by cos/sin rows looked up in a per-model
+table (`RopeTable`).
 
 Frequencies come from transformers' own rope initialisers (`ROPE_INIT_FUNCTIONS`) so every rope type
 (default, linear, dynamic, llama3, yarn, longrope, partial rotary) matches the model bit for bit.
@@ -57,18 +59,41 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _cos_sin(
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x·cos + rotate_half(x)·sin (inverse: − rotate_half(x)·sin), written per half so rotate_half is never
+    materialised; negation is exact, so this is the model's rotation bit for bit. A new tensor."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = x * cos
+    if inverse:
+        out[..., :half] += x2 * sin[..., :half]
+        out[..., half:] -= x1 * sin[..., half:]
+    else:
+        out[..., :half] -= x2 * sin[..., :half]
+        out[..., half:] += x1 * sin[..., half:]
+    return out
+
+
+def scaled_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled cos/sin [batch, 1, tokens, rotary_dim] for positions [batch, tokens] (or [tokens]).
+    """Scaled cos/sin [..., tokens, rotary_dim] for integer positions [..., tokens].
 
-    Same operation order as transformers' rotary embedding, so apply_rope reproduces cached keys exactly.
+    Same operation order as transformers' rotary embedding, so a rotation by them reproduces cached keys exactly.
     """
-    if positions.dim() == 1:
-        positions = positions.unsqueeze(0)
     angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device, torch.float32)
     emb = torch.cat((angles, angles), dim=-1)
-    return (emb.cos() * attention_scaling)[:, None], (emb.sin() * attention_scaling)[:, None]
+    return emb.cos() * attention_scaling, emb.sin() * attention_scaling
+
+
+def _rotation_for_heads(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scaled_cos_sin` as [batch, 1, tokens, rotary_dim] for positions [batch, tokens] (or [tokens])."""
+    if positions.dim() == 1:
+        positions = positions.unsqueeze(0)
+    cos, sin = scaled_cos_sin(positions, inv_freq, attention_scaling)
+    return cos[:, None], sin[:, None]
 
 
 def apply_rope(
@@ -79,10 +104,10 @@ def apply_rope(
     Dims beyond 2 * len(inv_freq) (partial rotary) pass through unchanged.
     """
     rotary_dim = 2 * inv_freq.numel()
-    cos, sin = _cos_sin(positions, inv_freq, attention_scaling)
+    cos, sin = _rotation_for_heads(positions, inv_freq, attention_scaling)
     dtype = keys.dtype
     rot, rest = keys[..., :rotary_dim].float(), keys[..., rotary_dim:]
-    rotated = rot * cos + rotate_half(rot) * sin
+    rotated = rotate(rot, cos, sin)
     return torch.cat((rotated.to(dtype), rest), dim=-1) if rest.numel() else rotated.to(dtype)
 
 
@@ -94,8 +119,52 @@ def strip_rope(
     With scaled cos/sin the inverse rotation returns scaling² · content, hence the division.
     """
     rotary_dim = 2 * inv_freq.numel()
-    cos, sin = _cos_sin(positions, inv_freq, attention_scaling)
+    cos, sin = _rotation_for_heads(positions, inv_freq, attention_scaling)
     dtype = keys.dtype
     rot, rest = keys[..., :rotary_dim].float(), keys[..., rotary_dim:]
-    content = (rot * cos - rotate_half(rot) * sin) / (attention_scaling * attention_scaling)
+    content = rotate(rot, cos, sin, inverse=True) / (attention_scaling * attention_scaling)
     return torch.cat((content.to(dtype), rest), dim=-1) if rest.numel() else content.to(dtype)
+
+
+#: rope types whose frequencies do not depend on the sequence length: one table serves every context length
+LENGTH_FREE_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+#: a length-free table grows in steps of this many positions, so a growing context rebuilds it rarely
+TABLE_STEP = 1024
+
+
+class RopeTable:
+    """One model's scaled RoPE cos/sin by position, computed once and looked up by position after.
+
+    Rows are exactly what `apply_rope` computes for each position (the op is elementwise). Length-free rope types
+    keep one table, grown in steps of `TABLE_STEP` positions; types whose frequencies depend on the sequence length
+    (dynamic, longrope) get the table of the length asked for, rebuilt when it changes. A request on another
+    device rebuilds the table there.
+    """
+
+    def __init__(self, config):
+        self.config = config
+        self.length_free = rope_parameters(config)["rope_type"] in LENGTH_FREE_ROPE_TYPES
+        self._table: tuple[torch.Tensor, torch.Tensor, float] | None = None
+
+    def lookup(
+        self, positions: torch.Tensor | None, tokens: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Scaled cos/sin [b, T, rotary_dim] for integer positions [b, T] (None: 0..tokens−1) and the attention
+        scaling."""
+        seq_len = tokens if positions is None else int(positions.max()) + 1
+        cos, sin, scaling = self._rows(seq_len, torch.device(device))
+        if positions is None:
+            return cos[None, :tokens], sin[None, :tokens], scaling
+        return cos[positions], sin[positions], scaling
+
+    def _rows(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
+        table = self._table
+        if table is not None and table[0].device == device and (
+            table[0].shape[0] >= seq_len if self.length_free else table[0].shape[0] == seq_len
+        ):
+            return table
+        inv_freq, scaling = rope_frequencies(self.config, seq_len=seq_len)
+        length = -(-seq_len // TABLE_STEP) * TABLE_STEP if self.length_free else seq_len
+        cos, sin = scaled_cos_sin(torch.arange(length, device=device), inv_freq, scaling)
+        self._table = (cos, sin, scaling)
+        return self._table

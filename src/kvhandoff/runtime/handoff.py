@@ -1,30 +1,25 @@
-"""Handoff: the source prefills, the mapper converts its cache, the target decodes on."""
+"""Handoff: the source prefills, the mapper converts its cache, the target decodes on.
+
+The entry points: `map_for_target` (a `MappedCache` whose recompute is left to the target's next forward: `read`,
+`generate` or `settle`), `catch_up` (a cache the target kept, brought up to date), and the thin wrappers
+`handoff_cache` and `handoff_generate`; `kvhandoff.runtime.session.SwitchingSession` serves a conversation. What the
+target recomputes comes from one `HandoffPlan`. Caches are touched only through the cache seam (`KVCache`).
+"""
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from kvhandoff.errors import ConfigError, ContextTooLongError, MapperMismatchError
 from kvhandoff.mapper.mapper import Mapper
-from kvhandoff.model.cache import cache_view, model_device, prefill
-from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
-from kvhandoff.runtime.recompute import (
-    SelectionInfo,
-    attention_from_queries,
-    needs_source_attention,
-    policy_positions,
-    recompute_and_read,
-    recompute_positions,
-    record_queries,
-    takes_custom_mask,
-)
+from kvhandoff.model.cache import model_device
+from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
+from kvhandoff.runtime.policy import SelectionInfo
+from kvhandoff.runtime.prefix_store import PrefixStore
+from kvhandoff.runtime.recompute import attention_from_queries, record_queries
+from kvhandoff.runtime.seam import KVCache, Pending, as_kv_cache, new_cache
 
 
 def _check_ids(input_ids: torch.Tensor, minimum: int) -> None:
@@ -42,15 +37,6 @@ def verify_mapper(mapper, source_model=None, target_model=None) -> None:
         mapper.check_models(source_model, target_model)
 
 
-def recompute_policy(mapper, recompute=None) -> RecomputePolicy:
-    """The selective-recompute policy of a handoff: ``recompute`` (a `RecomputePolicy` or a spec such as
-    "deviation:10%"), or with None the mapper's default (its fit config's `recompute`, recorded in the manifest;
-    `config.DEFAULT_RECOMPUTE` for objects without a manifest)."""
-    if recompute is not None:
-        return RecomputePolicy.parse(recompute)
-    return RecomputePolicy.parse(DEFAULT_RECOMPUTE)
-
-
 def check_context(length: int, target_model=None, mapper=None) -> None:
     """ContextTooLongError unless a context of ``length`` tokens fits the target's context window (its config's
     max_position_embeddings, and the one the mapper was fitted for)."""
@@ -64,104 +50,40 @@ def check_context(length: int, target_model=None, mapper=None) -> None:
         )
 
 
+def _check_target_cache(cache: KVCache, mapper) -> None:
+    geometry = cache.geometry()
+    if not isinstance(mapper, Mapper) or geometry is None:
+        return
+    tgt = mapper.target
+    if geometry != (tgt.num_layers, tgt.num_kv_heads, tgt.head_dim):
+        layers, heads, head_dim = geometry
+        raise MapperMismatchError(
+            f"the target cache has {layers} layers × {heads} KV heads × head dim {head_dim}, but this mapper maps to "
+            f"{tgt.num_layers} × {tgt.num_kv_heads} × {tgt.head_dim}: use the mapper fitted for this target model"
+        )
+
+
 @torch.inference_mode()
-def patch_exact_prefix(mapped_cache, target_model, input_ids: torch.Tensor, exact_prefix: int | None):
-    """Overwrite the first `exact_prefix` cached positions with the target's own K/V for those tokens.
-
-    The leading positions act as attention sinks (they draw much of every query's attention), so an error
-    there reaches every later token; the target recomputes them from `exact_prefix` tokens alone (causal
-    attention makes that exact), a cost independent of the context length.
-    """
-    if not exact_prefix or exact_prefix <= 0:
-        return mapped_cache
-    n = min(exact_prefix, input_ids.shape[1], mapped_cache.get_seq_length())
-    own_cache, _ = prefill(target_model, input_ids[:, :n])
-    for mapped, own in zip(mapped_cache.layers, own_cache.layers, strict=True):
-        mapped.keys[:, :, :n] = own.keys
-        mapped.values[:, :, :n] = own.values
-    return mapped_cache
+def _prefill_prefix(cache: KVCache, target_model, input_ids: torch.Tensor, count: int) -> None:
+    """Overwrite the first ``count`` cached positions with the target's own K/V of those tokens, by a prefill of
+    them alone (exact: causal attention) — for a target that cannot recompute inside a forward."""
+    count = min(count, input_ids.shape[1], cache.length)
+    if count <= 0:
+        return
+    own = cache.empty()
+    own.read(target_model, input_ids[:, :count].to(model_device(target_model)))
+    cache.write(0, own.export())
 
 
-class PrefixStore:
-    """The target's own K/V of the exact prefix (the first tokens of a handed-over context), by model and token ids.
-
-    A router's conversations open alike (chat template, system prompt), so after the first handoff of an opening the
-    target's K/V of its exact prefix are copied from here instead of recomputed, and the target's first forward
-    after a switch reads only the new tokens. The K/V of positions 0..p−1 depend on those p tokens alone (causal
-    attention), so a copy is exact. Holds up to ``capacity`` openings per model, least recently used dropped first;
-    it assumes a model's weights do not change in place (`clear` it if they do). Thread-safe."""
-
-    def __init__(self, capacity: int = 256) -> None:
-        if capacity < 1:
-            raise ConfigError(f"a prefix store holds at least one opening, got capacity {capacity}")
-        self.capacity = capacity
-        self._entries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def __len__(self) -> int:
-        with self._lock:
-            return sum(len(entries) for entries in self._entries.values())
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-    def lookup(self, model, prefix_ids: torch.Tensor, dtype: torch.dtype):
-        """The stored K/V of ``prefix_ids`` [batch, p] as [(keys, values) [batch, kv_heads, p, head_dim] per layer],
-        or None unless every row is stored."""
-        keys = _row_keys(prefix_ids, dtype)
-        with self._lock:
-            entries = self._entries.get(model, {})
-            rows = [entries.get(key) for key in keys]
-            if any(row is None for row in rows):
-                self.misses += 1
-                return None
-            self.hits += 1
-            for key in keys:
-                entries.move_to_end(key)
-        return [(torch.cat([row[i][0] for row in rows]), torch.cat([row[i][1] for row in rows]))
-                for i in range(len(rows[0]))]
-
-    def remember(self, model, prefix_ids: torch.Tensor, cache) -> None:
-        """Store ``cache``'s positions 0..p−1 (the target's own K/V of ``prefix_ids`` [batch, p]), row by row."""
-        count = prefix_ids.shape[1]
-        keys = _row_keys(prefix_ids, cache.layers[0].keys.dtype)
-        with self._lock:
-            entries = self._entries.setdefault(model, OrderedDict())
-            for row, key in enumerate(keys):
-                entries[key] = [
-                    (layer.keys[row : row + 1, :, :count].clone(), layer.values[row : row + 1, :, :count].clone())
-                    for layer in cache.layers
-                ]
-                entries.move_to_end(key)
-            while len(entries) > self.capacity:
-                entries.popitem(last=False)
-
-    @torch.inference_mode()
-    def prime(self, model, prefix_ids: torch.Tensor) -> None:
-        """Store ``model``'s own K/V of ``prefix_ids`` [batch, p] (a prefill of those p tokens), e.g. a system
-        prompt's opening before the first switch."""
-        cache, _ = prefill(model, prefix_ids.to(model_device(model)))
-        self.remember(model, prefix_ids, cache)
-
-
-def _row_keys(prefix_ids: torch.Tensor, dtype: torch.dtype) -> list[tuple]:
-    """A `PrefixStore` key per row of ``prefix_ids`` [batch, p]: its token ids and the cache dtype."""
-    return [(tuple(row.tolist()), dtype) for row in prefix_ids]
-
-
-def _copy_prefix(cache, stored) -> None:
-    for layer, (keys, values) in zip(cache.layers, stored, strict=True):
-        count = keys.shape[2]
-        layer.keys[:, :, :count] = keys.to(layer.keys.device)
-        layer.values[:, :, :count] = values.to(layer.values.device)
+def _nothing(input_ids: torch.Tensor | None, device) -> torch.Tensor:
+    return torch.empty(1 if input_ids is None else input_ids.shape[0], 0, dtype=torch.long, device=device)
 
 
 @dataclass
 class MappedCache:
-    """A freshly mapped target cache of ``input_ids`` [batch, T] whose ``pending`` positions [batch, n] (sorted rows:
-    the exact prefix, then what the recompute policy picked) still hold mapped K/V that the target recomputes.
+    """A freshly mapped target cache (``cache``, a `KVCache`) of ``input_ids`` [batch, T] whose ``pending`` positions
+    [batch, n] (sorted rows: the exact prefix, then what the recompute policy picked) still hold mapped K/V that the
+    target recomputes.
 
     The recompute is left to the target's next forward: `read` recomputes them and reads the new tokens in one
     forward (the target's weights are read once, not twice); `generate` does the same in `generate`'s first forward;
@@ -169,74 +91,78 @@ class MappedCache:
     ``prefix_store``, the first ``unstored_prefix`` positions (an exact prefix the store did not hold) go into it
     once recomputed."""
 
-    cache: object
-    input_ids: torch.Tensor
+    cache: KVCache
+    input_ids: torch.Tensor | None
     pending: torch.Tensor
     prefix_store: PrefixStore | None = None
     unstored_prefix: int = 0
 
+    @classmethod
+    def from_mapped(cls, cache, target_model, input_ids: torch.Tensor, mapper, plan: HandoffPlan | None = None,
+                    selection_info: SelectionInfo | None = None, source_model=None, source_cache=None) -> MappedCache:
+        """A freshly mapped ``cache`` of ``input_ids`` with the positions ``plan`` has the target recompute left
+        pending: the exact prefix (None in the plan: the mapper's), then the recompute policy's picks among the rest
+        (``source_model``/``source_cache`` serve a policy that ranks by the source's attention when
+        ``selection_info`` carries none). A prefix the plan's store holds is copied in instead of left pending (else
+        it is stored once recomputed). A target that cannot recompute inside a forward recomputes the exact prefix
+        now, by a prefill of it (and cannot run a recompute policy): nothing is left pending."""
+        plan = plan or DEFAULT_PLAN
+        cache = as_kv_cache(cache)
+        source = None if source_cache is None else as_kv_cache(source_cache)
+        input_ids = input_ids.to(cache.device)
+        own = plan.prefix_length(mapper, input_ids.shape[1])
+        positions = _pending_positions(cache, target_model, input_ids, own, plan, selection_info, source_model,
+                                       source)
+        store = plan.prefix_store
+        stored = store.lookup(target_model, input_ids[:, :own], cache.dtype) if store is not None and own else None
+        if stored is not None:
+            cache.write(0, stored)
+            positions, own = positions[:, own:], 0
+        if not cache.supports_recompute(target_model):  # the prefix by a prefill; a policy's picks are refused
+            _prefill_prefix(cache, target_model, input_ids, own)
+            cache.recompute(target_model, Pending(input_ids, positions[:, own:]))
+            if store is not None and own:
+                store.remember(target_model, input_ids[:, :own], cache)
+            return cls(cache, input_ids, positions[:, :0])
+        return cls(cache, input_ids, positions, store, own if store is not None else 0)
+
+    def _pending(self) -> Pending | None:
+        return Pending(self.input_ids, self.pending) if self.pending.numel() else None
+
     def read(self, target_model, new_ids: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
         """The target recomputes the pending positions and reads ``new_ids`` [batch, N] on top (the cache grows to
         T + N), in one forward; the logits of the last ``logits_to_keep`` new tokens [batch, keep, vocab]."""
-        if not self.pending.numel():  # nothing pending: the plain read
-            out = target_model(input_ids=new_ids, cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
-            return out.logits
-        logits = recompute_and_read(target_model, self.cache, self.input_ids, self.pending, new_ids, logits_to_keep)
-        self._recomputed(target_model)
+        pending = self._pending()
+        logits = self.cache.read(target_model, new_ids, logits_to_keep, pending)
+        if pending is not None:
+            self._recomputed(target_model)
         return logits
 
-    def settle(self, target_model):
+    def settle(self, target_model) -> KVCache:
         """The target recomputes the pending positions alone (one forward; none when nothing is pending); returns
         the cache."""
-        if self.pending.numel():
-            recompute_positions(target_model, self.cache, self.input_ids, self.pending)
+        pending = self._pending()
+        if pending is not None:
+            self.cache.recompute(target_model, pending)
             self._recomputed(target_model)
         return self.cache
 
-    @torch.inference_mode()
     def generate(self, target_model, input_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
-        """``target_model.generate`` on this cache for ``input_ids`` [batch, T + N] (the mapped T tokens, then N ≥ 1
+        """The target's ``generate`` on this cache for ``input_ids`` [batch, T + N] (the mapped T tokens, then N ≥ 1
         new ones the target reads; generate_kwargs: max_new_tokens, do_sample, ... but no attention mask: the rows
         are unpadded). `generate`'s first forward is `read`: the pending recompute and the new tokens in one forward.
         Returns the full sequences [batch, T + N + generated], as `generate` does."""
-        total = self.cache.get_seq_length()
+        total = self.cache.length
         if input_ids.dim() != 2 or input_ids.shape[1] <= total:
             raise ConfigError(f"input_ids must be [batch, tokens] with more than the {total} cached tokens, got "
                               f"{tuple(input_ids.shape)}")
         if "attention_mask" in generate_kwargs:
             raise ConfigError("MappedCache.generate reads unpadded rows: pass no attention_mask")
-        with self._first_forward_reads(target_model):
-            return target_model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                         cache=self.cache, **generate_kwargs)
-
-    @contextmanager
-    def _first_forward_reads(self, target_model):
-        """While active, the model's first forward on this cache is `read` (the pending recompute included)."""
-        if not self.pending.numel():
-            yield
-            return
-
-        replaced = target_model.__dict__.get("forward")  # e.g. accelerate's device hook: kept
-
-        def restore() -> None:
-            if replaced is None:
-                target_model.__dict__.pop("forward", None)
-            else:
-                target_model.forward = replaced
-
-        def first_forward(input_ids=None, cache=None, logits_to_keep=0, **kwargs):
-            restore()  # later forwards: the model's own
-            if cache is not self.cache or input_ids is None:
-                return target_model.forward(input_ids=input_ids, cache=cache, logits_to_keep=logits_to_keep,
-                                            **kwargs)
-            keep = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep else input_ids.shape[1]
-            return CausalLMOutputWithPast(logits=self.read(target_model, input_ids, keep), cache=self.cache)
-
-        target_model.forward = first_forward
-        try:
-            yield
-        finally:
-            restore()
+        first_read = None
+        if self.pending.numel():
+            def first_read(new_ids, keep):
+                return self.read(target_model, new_ids, keep)
+        return self.cache.generate(target_model, input_ids, first_read, **generate_kwargs)
 
     def _recomputed(self, target_model) -> None:
         self.pending = self.pending[:, :0]
@@ -245,259 +171,144 @@ class MappedCache:
             self.unstored_prefix = 0
 
 
-def pending_positions(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
-                      recompute=None, recompute_info: SelectionInfo | None = None, source_model=None,
-                      source_cache=None) -> torch.Tensor:
+def _pending_positions(cache: KVCache, target_model, input_ids: torch.Tensor, own: int, plan: HandoffPlan,
+                       selection_info: SelectionInfo | None, source_model, source: KVCache | None) -> torch.Tensor:
     """The positions [batch, n] the target recomputes in a freshly mapped cache of ``input_ids`` [batch, T]: the first
-    `exact_prefix` (None = the mapper's setting; causal attention makes them exact from those tokens alone: they
-    act as attention sinks, so an error there reaches every later token), then the ones the recompute policy picks
-    among the rest (`recompute.policy_positions`; None = the mapper's default)."""
+    ``own`` (its exact prefix), then the ones the plan's recompute policy picks among the rest."""
     batch, total = input_ids.shape
-    own = _prefix_length(mapper, exact_prefix, total)
-    device = cache.layers[0].keys.device
-    positions = torch.arange(own, device=device).expand(batch, -1)
-    policy = recompute_policy(mapper, recompute)
+    positions = torch.arange(own, device=cache.device).expand(batch, -1)
+    policy = plan.recompute
     if policy.active and own < total:
-        info = replace(recompute_info or SelectionInfo(), start=own)
-        picked = policy_positions(policy, target_model, cache, input_ids, info, source_model, source_cache)
-        positions = torch.cat([positions, picked.to(device)], dim=1)
+        info = replace(selection_info or SelectionInfo(), start=own)
+        picked = policy.positions(target_model, cache.export(), input_ids, info, source_model,
+                                  None if source is None else source.export())
+        positions = torch.cat([positions, picked.to(cache.device)], dim=1)
     return positions
 
 
-def _prefix_length(mapper, exact_prefix: int | None, total: int) -> int:
-    prefix = mapper.exact_prefix if exact_prefix is None else exact_prefix
-    return min(max(prefix or 0, 0), total)
+@torch.inference_mode()
+def _source_prefill(source_model, input_ids: torch.Tensor, plan: HandoffPlan, info: SelectionInfo):
+    """The source's cache of ``input_ids``; its attention recorded into ``info`` when the plan's policy ranks by it."""
+    source = new_cache()
+    ids = input_ids.to(model_device(source_model))
+    if not plan.recompute.needs_source_attention:
+        source.read(source_model, ids)
+        return source, info
+    with record_queries(source_model, plan.recompute.window) as queries:
+        source.read(source_model, ids)
+    return source, replace(info, source_attention=attention_from_queries(source_model, queries, source.export()))
 
 
-def patch_mapped_cache(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
-                       recompute=None, recompute_info: SelectionInfo | None = None, source_model=None,
-                       source_cache=None):
-    """What the target does to a freshly mapped cache of ``input_ids`` [batch, T] before it reads on: recompute the
-    `pending_positions` (the exact prefix and the recompute policy's picks), in place, in one forward; returns
-    ``cache``. ``source_model``/``source_cache`` serve rule "source_attention" when ``recompute_info`` carries no
-    scores. A target whose attention takes no custom mask recomputes the exact prefix by a prefill of it (and
-    cannot run a recompute policy)."""
-    return defer_recompute(cache, target_model, input_ids, mapper, exact_prefix, recompute, recompute_info,
-                           source_model, source_cache).settle(target_model)
-
-
-def defer_recompute(cache, target_model, input_ids: torch.Tensor, mapper, exact_prefix: int | None = None,
-                    recompute=None, recompute_info: SelectionInfo | None = None, source_model=None,
-                    source_cache=None, prefix_store: PrefixStore | None = None) -> MappedCache:
-    """A freshly mapped ``cache`` of ``input_ids`` as a `MappedCache` whose `pending_positions` the target recomputes
-    at its next forward. With a ``prefix_store`` that holds the target's K/V of the exact prefix, they are copied in
-    and only the policy's picks stay pending (else the recomputed prefix is stored). A target whose attention takes
-    no custom mask recomputes the exact prefix now, by a prefill of it (and cannot run a recompute policy): nothing
-    is left pending."""
-    input_ids = input_ids.to(cache.layers[0].keys.device)
-    positions = pending_positions(cache, target_model, input_ids, mapper, exact_prefix, recompute, recompute_info,
-                                  source_model, source_cache)
-    own = _prefix_length(mapper, exact_prefix, input_ids.shape[1])
-    stored = None
-    if prefix_store is not None and own:
-        stored = prefix_store.lookup(target_model, input_ids[:, :own], cache.layers[0].keys.dtype)
-    if stored is not None:
-        _copy_prefix(cache, stored)
-        positions, own = positions[:, own:], 0
-    if not takes_custom_mask(target_model):  # no sparse forward: the prefix by a prefill; a policy is refused
-        patch_exact_prefix(cache, target_model, input_ids, own)
-        recompute_positions(target_model, cache, input_ids, positions[:, own:])
-        if prefix_store is not None and own:
-            prefix_store.remember(target_model, input_ids[:, :own], cache)
-        return MappedCache(cache, input_ids, positions[:, :0])
-    return MappedCache(cache, input_ids, positions, prefix_store, own if prefix_store is not None else 0)
-
-
-def map_for_target(
-    source_model,
-    target_model,
-    mapper: Mapper,
-    input_ids: torch.Tensor,
-    exact_prefix: int | None = None,
-    source_cache=None,
-    recompute=None,
-    recompute_info: SelectionInfo | None = None,
-    prefix_store: PrefixStore | None = None,
-) -> MappedCache:
+def map_for_target(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor,
+                   plan: HandoffPlan | None = None, source_cache=None,
+                   selection_info: SelectionInfo | None = None) -> MappedCache:
     """The mapped target cache of all of ``input_ids`` [batch, T], built from the source's prefill, with the
-    positions the target recomputes still pending (`MappedCache`: `read` does them with the target's next tokens in
-    one forward). Arguments as in `handoff_cache`; refused, before any work, as there."""
-    _check_ids(input_ids, 1)
-    verify_mapper(mapper, source_model, target_model)
-    check_context(input_ids.shape[1], target_model, mapper)
-    policy = recompute_policy(mapper, recompute)
-    info = recompute_info or SelectionInfo()
-    if source_cache is None:
-        if needs_source_attention(policy):
-            with record_queries(source_model, policy.window) as queries:
-                source_cache, _ = prefill(source_model, input_ids.to(model_device(source_model)))
-            info = replace(info, source_attention=attention_from_queries(source_model, queries, source_cache))
-        else:
-            source_cache, _ = prefill(source_model, input_ids.to(model_device(source_model)))
-    elif source_cache.get_seq_length() != input_ids.shape[1]:
-        raise ConfigError(
-            f"source_cache holds {source_cache.get_seq_length()} tokens, the mapped part of input_ids "
-            f"{input_ids.shape[1]}"
-        )
-    mapped = mapper.transfer(source_cache, dtype=target_model.dtype)
-    return defer_recompute(mapped, target_model, input_ids, mapper, exact_prefix, policy, info, source_model,
-                           source_cache, prefix_store)
+    positions the target recomputes (``plan``: the exact prefix and the recompute policy's picks; None: the
+    mapper's exact prefix and `DEFAULT_RECOMPUTE`) still pending: `MappedCache.read` does them with the target's
+    next tokens in one forward, `generate` in its first forward, `settle` alone.
 
-
-def handoff_cache(
-    source_model,
-    target_model,
-    mapper: Mapper,
-    input_ids: torch.Tensor,
-    exact_prefix: int | None = None,
-    source_cache=None,
-    target_tail: int = 0,
-    recompute=None,
-    recompute_info: SelectionInfo | None = None,
-    prefix_store: PrefixStore | None = None,
-):
-    """The target's cache for all of `input_ids`, built from the source's prefill (no target prefill of the
-    context; with `exact_prefix` > 0 the target recomputes only that many leading tokens; None = the
-    mapper's own setting). `source_cache`: the source's cache of exactly the mapped part of `input_ids` when
-    the caller already has one (e.g. a reused few-shot prefix extended by the rest); the source prefill is
-    then skipped.
-
-    target_tail: the last `target_tail` tokens are not mapped but prefilled by the target itself on top of
-    the mapped cache — what a switch looks like when the new turn has not been read by any model yet. It
-    costs a target prefill of that many tokens (independent of the context length) and keeps the positions
-    the next token attends to most exact. The target recomputes the exact prefix (and the recompute policy's
-    picks) in the same forward (`handoff_read`); without a tail, in one forward of its own.
-
-    prefix_store: where the target's own K/V of exact prefixes are kept (`PrefixStore`): a stored prefix is
-    copied, not recomputed; a recomputed one is stored.
+    source_cache: the source's cache of exactly ``input_ids`` when the caller already has one (a `KVCache` or a
+    `transformers` cache; e.g. a reused few-shot prefix extended by the rest); the source prefill is then skipped.
+    selection_info: what the recompute policy may know beyond the cache (turn starts, the source's attention).
 
     Refused before any work: a mapper fitted for another pair (MapperMismatchError; checked once per mapper and
     model) and a context longer than the target's window (ContextTooLongError).
+    """
+    plan = plan or DEFAULT_PLAN
+    _check_ids(input_ids, 1)
+    verify_mapper(mapper, source_model, target_model)
+    check_context(input_ids.shape[1], target_model, mapper)
+    info = selection_info or SelectionInfo()
+    if source_cache is None:
+        source, info = _source_prefill(source_model, input_ids, plan, info)
+    else:
+        source = as_kv_cache(source_cache)
+        if source.length != input_ids.shape[1]:
+            raise ConfigError(f"source_cache holds {source.length} tokens, the mapped part of input_ids "
+                              f"{input_ids.shape[1]}")
+    target = source.empty()
+    target.append(mapper.transfer(source.export(), dtype=target_model.dtype))
+    return MappedCache.from_mapped(target, target_model, input_ids, mapper, plan, info, source_model, source)
+
+
+@torch.inference_mode()
+def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, target_model=None,
+             input_ids: torch.Tensor | None = None, plan: HandoffPlan | None = None,
+             selection_info: SelectionInfo | None = None) -> MappedCache:
+    """Bring ``target_cache`` (positions 0..m−1: the target's own, or mapped at an earlier switch) up to
+    ``source_cache``'s length by mapping only the source's positions m..T−1 and appending them (in place); a
+    `MappedCache` whose pending positions are the plan's recompute policy's picks among the newly mapped ones (the
+    budget a fraction of them): `read` does them with the target's next tokens, `settle` alone.
+
+    What a model returning to a conversation needs: it keeps its own cache of the turns it served, so only the
+    turns another model served since are mapped, once. Nothing is mapped twice, so no position makes a round
+    trip through two mappers. An active policy needs ``target_model`` and ``input_ids`` (the conversation's T token
+    ids, [batch, T]). Either cache is a `KVCache` or a `transformers` cache.
+
+    Refused before any work: a target cache of another geometry than the mapper's target, models (when given)
+    the mapper was not fitted for (checked once per mapper and model), a context past the target's window.
+    """
+    plan = plan or DEFAULT_PLAN
+    target, source = as_kv_cache(target_cache), as_kv_cache(source_cache)
+    verify_mapper(mapper, source_model, target_model)
+    _check_target_cache(target, mapper)
+    have, total = target.length, source.length
+    check_context(total, target_model, mapper)
+    if have > total:
+        raise ConfigError(f"the target's cache holds {have} tokens, more than the source's {total}")
+    policy = plan.recompute
+    if have == total:
+        return MappedCache(target, input_ids, _nothing(input_ids, target.device))
+    if policy.active and (target_model is None or input_ids is None or input_ids.shape[-1] != total):
+        raise ConfigError(f"recompute {policy.spec!r} at a catch-up needs the target model and the conversation's "
+                          f"{total} token ids (input_ids); pass them, or a plan with recompute='none' to only map")
+    positions = torch.arange(have, total, device=source.device)
+    target.append(mapper.transfer(source.export(have), position_ids=positions, dtype=target.dtype))
+    if not policy.active:
+        return MappedCache(target, input_ids, _nothing(input_ids, target.device))
+    input_ids = input_ids.to(target.device)
+    info = replace(selection_info or SelectionInfo(), start=have)
+    picked = policy.positions(target_model, target.export(), input_ids, info, source_model, source.export())
+    return MappedCache(target, input_ids, picked.to(target.device))
+
+
+def handoff_cache(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor,
+                  plan: HandoffPlan | None = None, source_cache=None, target_tail: int = 0,
+                  selection_info: SelectionInfo | None = None):
+    """The target's cache for all of ``input_ids`` [batch, T], built from the source's prefill (no target prefill of
+    the context), the plan's recompute done: `map_for_target`, settled. Returns the engine's own cache object
+    (`KVCache.native`), which the target's ``generate`` takes.
+
+    target_tail: the last ``target_tail`` tokens are not mapped but read by the target itself on top of the mapped
+    cache — what a switch looks like when the new turn has not been read by any model yet; the recompute runs in
+    that same forward (`MappedCache.read`). source_cache: the source's cache of exactly the mapped part. Refused as
+    `map_for_target` is, before any work.
     """
     _check_ids(input_ids, 1)
     if not 0 <= target_tail < input_ids.shape[1]:
         raise ConfigError(
             f"target_tail must be in 0..{input_ids.shape[1] - 1} (at least one token is mapped), got {target_tail}"
         )
-    if target_tail:
-        return handoff_read(source_model, target_model, mapper, input_ids, target_tail, exact_prefix, source_cache,
-                            recompute, recompute_info, prefix_store=prefix_store)[0]
-    mapped = map_for_target(source_model, target_model, mapper, input_ids, exact_prefix, source_cache, recompute,
-                            recompute_info, prefix_store)
-    return mapped.settle(target_model)
-
-
-@torch.inference_mode()
-def handoff_read(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor, new_tokens: int = 1,
-                 exact_prefix: int | None = None, source_cache=None, recompute=None,
-                 recompute_info: SelectionInfo | None = None, logits_to_keep: int = 1,
-                 prefix_store: PrefixStore | None = None):
-    """A handoff up to the target's next-token logits: all but the last ``new_tokens`` of ``input_ids`` [batch, T]
-    are mapped (as `handoff_cache`; ``source_cache``: the source's cache of exactly that part), and the target reads
-    the last ``new_tokens`` itself in one forward that also recomputes the exact prefix and the recompute policy's
-    picks (`MappedCache.read`). Returns (the target's cache of all T tokens, the logits of the last
-    ``logits_to_keep`` tokens [batch, keep, vocab]). prefix_store: as in `handoff_cache`."""
-    _check_ids(input_ids, 2)
-    if not 1 <= new_tokens < input_ids.shape[1]:
-        raise ConfigError(f"new_tokens must be in 1..{input_ids.shape[1] - 1} (at least one token is mapped), "
-                          f"got {new_tokens}")
     verify_mapper(mapper, source_model, target_model)
     check_context(input_ids.shape[1], target_model, mapper)
-    cut = input_ids.shape[1] - new_tokens
-    mapped = map_for_target(source_model, target_model, mapper, input_ids[:, :cut], exact_prefix, source_cache,
-                            recompute, recompute_info, prefix_store)
-    logits = mapped.read(target_model, input_ids[:, cut:].to(mapped.input_ids.device), logits_to_keep)
-    return mapped.cache, logits
+    cut = input_ids.shape[1] - target_tail
+    mapped = map_for_target(source_model, target_model, mapper, input_ids[:, :cut], plan, source_cache,
+                            selection_info)
+    if target_tail:
+        mapped.read(target_model, input_ids[:, cut:])
+        return mapped.cache.native
+    return mapped.settle(target_model).native
 
 
-@torch.inference_mode()
-def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, target_model=None, input_ids=None,
-             recompute=None, recompute_info: SelectionInfo | None = None):
-    """Bring ``target_cache`` (positions 0..m−1: the target's own, or mapped at an earlier switch) up to
-    ``source_cache``'s length by mapping only the source's positions m..T−1 and appending them.
-
-    What a model returning to a conversation needs: it keeps its own cache of the turns it served, so only the
-    turns another model served since are mapped, once. Nothing is mapped twice, so no position makes a round
-    trip through two mappers. Returns ``target_cache``, extended in place.
-
-    recompute: as in `handoff_cache` (None = the mapper's default); only the newly mapped positions m..T−1 are
-    candidates, and the budget is a fraction of them. An active policy needs ``target_model`` and ``input_ids``
-    (the conversation's T token ids, [batch, T]). `catch_up_mapped` leaves that recompute to the target's next
-    forward.
-
-    Refused before any work: a target cache of another geometry than the mapper's target, models (when given)
-    the mapper was not fitted for (checked once per mapper and model), a context past the target's window.
-    """
-    return catch_up_mapped(target_cache, source_cache, mapper, source_model, target_model, input_ids, recompute,
-                           recompute_info).settle(target_model)
-
-
-@torch.inference_mode()
-def catch_up_mapped(target_cache, source_cache, mapper: Mapper, source_model=None, target_model=None,
-                    input_ids=None, recompute=None, recompute_info: SelectionInfo | None = None) -> MappedCache:
-    """`catch_up`, with the recompute policy's picks left pending (`MappedCache`: the target recomputes them in
-    the forward that reads its next tokens)."""
-    verify_mapper(mapper, source_model, target_model)
-    _check_target_cache(target_cache, mapper)
-    have, total = target_cache.get_seq_length(), source_cache.get_seq_length()
-    check_context(total, target_model, mapper)
-    if have > total:
-        raise ConfigError(f"the target's cache holds {have} tokens, more than the source's {total}")
-    device = target_cache.layers[0].keys.device
-    nothing = torch.empty(1 if input_ids is None else input_ids.shape[0], 0, dtype=torch.long, device=device)
-    policy = recompute_policy(mapper, recompute)
-    if have == total:
-        return MappedCache(target_cache, input_ids, nothing)
-    if policy.active and (target_model is None or input_ids is None or input_ids.shape[-1] != total):
-        raise ConfigError(f"recompute {policy.spec!r} at a catch-up needs the target model and the conversation's "
-                          f"{total} token ids (input_ids); pass them, or recompute='none' to only map")
-    dtype = target_cache.layers[0].keys.dtype
-    positions = torch.arange(have, total, device=source_cache.layers[0].keys.device)
-    mapped = mapper.transfer(cache_view(source_cache, have), position_ids=positions, dtype=dtype)
-    for own, new in zip(target_cache.layers, mapped.layers, strict=True):
-        own.keys = torch.cat([own.keys, new.keys.to(own.keys.device)], dim=-2)
-        own.values = torch.cat([own.values, new.values.to(own.values.device)], dim=-2)
-    if not policy.active:
-        return MappedCache(target_cache, input_ids, nothing)
-    input_ids = input_ids.to(device)
-    info = replace(recompute_info or SelectionInfo(), start=have)
-    picked = policy_positions(policy, target_model, target_cache, input_ids, info, source_model, source_cache)
-    return MappedCache(target_cache, input_ids, picked.to(device))
-
-
-def _check_target_cache(cache, mapper) -> None:
-    if not isinstance(mapper, Mapper) or not cache.layers:
-        return
-    tgt = mapper.target
-    _, heads, _, head_dim = cache.layers[0].keys.shape
-    if (len(cache.layers), heads, head_dim) != (tgt.num_layers, tgt.num_kv_heads, tgt.head_dim):
-        raise MapperMismatchError(
-            f"the target cache has {len(cache.layers)} layers × {heads} KV heads × head dim {head_dim}, but this "
-            f"mapper maps to {tgt.num_layers} × {tgt.num_kv_heads} × {tgt.head_dim}: use the mapper fitted for "
-            "this target model"
-        )
-
-
-@torch.inference_mode()
-def handoff_generate(
-    source_model,
-    target_model,
-    mapper: Mapper,
-    input_ids: torch.Tensor,
-    exact_prefix: int | None = None,
-    target_tail: int = 0,
-    recompute=None,
-    prefix_store: PrefixStore | None = None,
-    **generate_kwargs,
-):
-    """Source prefills all but the last token (all but the last 1 + `target_tail`, which the target reads
+def handoff_generate(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor,
+                     plan: HandoffPlan | None = None, target_tail: int = 0, **generate_kwargs) -> torch.Tensor:
+    """The source prefills all but the last token (all but the last 1 + ``target_tail``, which the target reads
     itself: see `handoff_cache`); the mapped cache goes to the target, which generates. `generate`'s first forward
-    reads the unmapped tokens and recomputes the exact prefix and the recompute policy's picks (recompute; None =
-    the mapper's default): one target forward before the first new token (`MappedCache.generate`).
-    prefix_store: as in `handoff_cache`.
+    reads the unmapped tokens and recomputes what ``plan`` says (`MappedCache.generate`): one target forward before
+    the first new token.
 
-    generate_kwargs go to `target_model.generate` (max_new_tokens, do_sample, temperature, ...).
-    Returns the full sequences [batch, tokens + new], as `generate` does.
+    generate_kwargs go to the target's ``generate`` (max_new_tokens, do_sample, temperature, ...).
+    Returns the full sequences [batch, tokens + new], as ``generate`` does.
     """
     _check_ids(input_ids, 2)
     if not 0 <= target_tail < input_ids.shape[1] - 1:
@@ -505,6 +316,5 @@ def handoff_generate(
             f"target_tail must be in 0..{input_ids.shape[1] - 2} (at least one token is mapped), got {target_tail}"
         )
     cut = input_ids.shape[1] - 1 - target_tail
-    mapped = map_for_target(source_model, target_model, mapper, input_ids[:, :cut], exact_prefix, recompute=recompute,
-                            prefix_store=prefix_store)
-    return mapped.generate(target_model, input_ids.to(mapped.input_ids.device), **generate_kwargs)
+    mapped = map_for_target(source_model, target_model, mapper, input_ids[:, :cut], plan)
+    return mapped.generate(target_model, input_ids.to(mapped.cache.device), **generate_kwargs)

@@ -1,124 +1,406 @@
-"""The selective-recompute policy of a handoff: which mapped positions the target recomputes itself."""
+"""The selective-recompute policy of a handoff (CacheBlend, arXiv 2405.16444; EPIC, arXiv 2410.15332): which mapped
+positions the target recomputes itself.
+
+One small frozen class per rule (`NoRecompute`, `Sinks`, `Recent`, `Deviation`, `SourceAttention`, `Mix`), each
+ranking the candidate positions its own way; a policy at a budget takes the first `budget_count` of its ranking
+(`RecomputePolicy.positions`). `RULES` names the classes; `parse` reads a spec such as "recent:5%" — at the edges
+only (a command-line option, a server's settings, a stored result), so everything below holds policy objects.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
-from kvhandoff.config import require_positive
+import torch
+
 from kvhandoff.errors import ConfigError
+from kvhandoff.model.geometry import decoder_layers
+from kvhandoff.model.rope import apply_rope, rope_frequencies
+from kvhandoff.runtime.recompute import source_attention_scores
 
-#: selective-recompute rules (`kvhandoff.runtime.recompute`): which mapped positions the target recomputes itself
-RECOMPUTE_RULES: tuple[str, ...] = ("none", "sinks", "recent", "deviation", "source_attention", "mix")
 #: the budgets (fractions of the mapped history) a retention-vs-speed sweep measures
 RECOMPUTE_BUDGETS: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 #: the default shares of rule "mix"
 DEFAULT_RECOMPUTE_MIX: tuple[tuple[str, float], ...] = (("sinks", 0.2), ("recent", 0.3), ("deviation", 0.5))
+#: how many of the history's last queries rule "source_attention" reads by default
+DEFAULT_WINDOW = 32
+#: special tokens that open a chat turn (a role marker); `turn_marker_ids` looks them up in a tokenizer
+TURN_MARKERS: tuple[str, ...] = (
+    "<|im_start|>", "<|start_header_id|>", "[INST]", "<start_of_turn>", "<|user|>", "<|assistant|>", "<|system|>",
+)
+
+
+@dataclass(frozen=True)
+class SelectionInfo:
+    """What the rules may know beyond the cache and the tokens.
+
+    start: the first mapped position; positions before it are the target's own (its exact prefix, or the cache it
+        kept) and are never selected; the budget is a fraction of the T − start mapped positions.
+    turn_starts: positions where a turn begins (shared by the batch), for "sinks".
+    marker_ids: token ids that open a turn (e.g. `<|im_start|>`, see `turn_marker_ids`), for "sinks".
+    source_attention: [batch, T] attention the source paid each position (`source_attention_scores`).
+    """
+
+    start: int = 0
+    turn_starts: tuple[int, ...] = ()
+    marker_ids: tuple[int, ...] = ()
+    source_attention: torch.Tensor | None = field(default=None, compare=False)
+
+
+def turn_marker_ids(tokenizer) -> tuple[int, ...]:
+    """Ids of the `TURN_MARKERS` the tokenizer has."""
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    return tuple(vocab[token] for token in TURN_MARKERS if token in vocab)
+
+
+def budget_count(budget: float, candidates: int) -> int:
+    """Positions a budget (fraction of ``candidates``) buys: rounded half up, never more than there are."""
+    if not 0 <= budget <= 1:
+        raise ConfigError(f"a recompute budget is a fraction in [0, 1], got {budget!r}")
+    return min(candidates, math.floor(budget * candidates + 0.5))
+
+
+def _empty(batch: int, device) -> torch.Tensor:
+    return torch.empty(batch, 0, dtype=torch.long, device=device)
+
+
+def _by_score(scores: torch.Tensor, start: int) -> torch.Tensor:
+    """Candidates start..T−1 by descending score [batch, T] (ties: the earlier position first)."""
+    order = torch.sort(-scores[:, start:].float(), dim=1, stable=True).indices
+    return order + start
+
+
+def _check_window(window) -> None:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"recompute window must be a positive integer, got {window!r}")
+
+
+# -- the base --------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class RecomputePolicy:
-    """Selective recompute at a handoff (CacheBlend / EPIC): after the cache is mapped, the target runs the tokens
-    at a chosen `budget` fraction of the mapped positions through all its layers, at their true positions, and
-    their fresh K/V replace the mapped ones (`kvhandoff.runtime.recompute`).
+    """A rule and a ``budget``: the fraction of the mapped positions in [0, 1] the target recomputes (0: nothing;
+    1: everything — the target's own prefill, at the cost of one). After the cache is mapped the target runs the
+    tokens at the chosen positions through all its layers, at their true positions, and their fresh K/V replace the
+    mapped ones (`kvhandoff.runtime.recompute`).
 
-    rule: one of `RECOMPUTE_RULES` — "none"; "sinks" (the first tokens of the context and of every turn);
-    "recent" (the last tokens); "deviation" (the tokens whose mapped K/V at the target's layer 0 deviate most
-    from the target's own); "source_attention" (the tokens the source's last `window` queries attended to
-    most); "mix" (shares of the other rules, `mix`).
-    budget: fraction of the mapped positions in [0, 1] (0: nothing recomputed; 1: everything — the target's own
-        prefill, at the cost of one).
-    mix: (rule, share) pairs of rule "mix" (shares > 0, summing to 1).
-    window: how many of the history's last queries "source_attention" reads.
-    Written as a spec "RULE:BUDGET" (`parse`, `spec`): "deviation:10%", "recent:0.05", "none",
-    "mix(sinks=0.2,recent=0.3,deviation=0.5):10%".
+    A subclass names its ``rule`` and ranks the candidates (`rank`); `positions` takes the first of the ranking.
+    Written as a spec "RULE:BUDGET" (`spec`; `parse` reads it back).
     """
 
-    rule: str = "none"
     budget: float = 0.0
-    mix: tuple[tuple[str, float], ...] = DEFAULT_RECOMPUTE_MIX
-    window: int = 32
+    rule: ClassVar[str]
 
     def __post_init__(self) -> None:
-        if self.rule not in RECOMPUTE_RULES:
-            raise ConfigError(f"recompute rule must be one of {', '.join(RECOMPUTE_RULES)}, got {self.rule!r}")
-        require_positive("recompute budget", self.budget, float, minimum=0)
-        if self.budget > 1:
-            raise ConfigError(f"recompute budget must be a fraction in [0, 1] of the mapped positions, got "
-                              f"{self.budget!r}")
-        require_positive("recompute window", self.window)
-        mix = tuple((str(rule), float(share)) for rule, share in self.mix)
-        object.__setattr__(self, "mix", mix)
-        bad = [rule for rule, _ in mix if rule in ("none", "mix") or rule not in RECOMPUTE_RULES]
-        if not mix or bad or len({rule for rule, _ in mix}) != len(mix):
-            raise ConfigError(f"recompute mix must name distinct rules among "
-                              f"{', '.join(RECOMPUTE_RULES[1:-1])}, got {self.mix!r}")
-        for rule, share in mix:
-            require_positive(f"recompute mix share of {rule}", share, float)
-        if abs(sum(share for _, share in mix) - 1) > 1e-6:
-            raise ConfigError(f"recompute mix shares must sum to 1, got {self.mix!r}")
+        budget = self.budget
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 <= budget <= 1:
+            raise ConfigError(f"recompute budget must be a fraction in [0, 1] of the mapped positions, got {budget!r}")
+        object.__setattr__(self, "budget", float(budget))
 
     @property
     def active(self) -> bool:
         """Whether a handoff under this policy recomputes anything."""
-        return self.rule != "none" and self.budget > 0
+        return self.budget > 0
 
     @property
-    def rules(self) -> tuple[str, ...]:
-        """The rules this policy ranks positions by (the mix's parts for "mix")."""
-        return tuple(rule for rule, _ in self.mix) if self.rule == "mix" else (self.rule,)
+    def needs_source_attention(self) -> bool:
+        """Whether the policy ranks by the source's attention (the source's queries are recorded at its prefill)."""
+        return False
+
+    @property
+    def window(self) -> int:
+        """How many of the history's last source queries the source's attention is read from."""
+        return DEFAULT_WINDOW
 
     @property
     def spec(self) -> str:
         """The policy as a spec string (`parse` reads it back)."""
         if not self.active:
             return "none"
-        rule = self.rule
-        if rule == "mix" and self.mix != DEFAULT_RECOMPUTE_MIX:
-            rule += "(" + ",".join(f"{name}={share:g}" for name, share in self.mix) + ")"
-        window = "" if self.window == 32 else f":window={self.window}"
-        return f"{rule}:{self.budget * 100:g}%{window}"
+        options = "" if self.window == DEFAULT_WINDOW else f":window={self.window}"
+        return f"{self._rule_spec()}:{self.budget * 100:g}%{options}"
 
-    @classmethod
-    def parse(cls, spec) -> RecomputePolicy:
-        """A policy from a spec "RULE:BUDGET[:window=N]" (budget a fraction "0.1" or a percentage "10%"; rule
-        "mix(RULE=SHARE,...)" for other shares; "none" alone), or a policy as it is. ConfigError otherwise."""
-        if isinstance(spec, cls):
-            return spec
-        if not isinstance(spec, str):
-            raise ConfigError(f"a recompute policy is a spec such as 'deviation:10%', got {spec!r}")
-        text = spec.strip()
-        if text in ("none", ""):
-            return cls()
-        head, sep, rest = text.partition(":")
-        if not sep:
-            raise ConfigError(f"recompute spec {spec!r} must be RULE:BUDGET (e.g. 'deviation:10%', 'recent:0.05') "
-                              "or 'none'")
-        budget_text, _, option = rest.partition(":")
-        kwargs: dict = {}
-        if option:
-            key, _, value = option.partition("=")
-            if key.strip() != "window" or not value.strip().isdigit():
-                raise ConfigError(f"recompute spec {spec!r}: the only option is window=N, got {option!r}")
-            kwargs["window"] = int(value)
-        rule = head.strip()
-        if rule.startswith("mix(") and rule.endswith(")"):
-            try:
-                parts = [part.split("=") for part in rule[4:-1].split(",")]
-                kwargs["mix"] = tuple((name.strip(), float(share)) for name, share in parts)
-            except ValueError as exc:
-                raise ConfigError(f"recompute spec {spec!r}: mix shares are RULE=SHARE,... ({exc})") from exc
-            rule = "mix"
-        budget_text = budget_text.strip()
+    def _rule_spec(self) -> str:
+        return self.rule
+
+    def rank(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
+        """Every candidate position start..T−1, most wanted first [batch, T − start]."""
+        raise NotImplementedError
+
+    def positions(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
+                  source_model=None, source_cache=None) -> torch.Tensor:
+        """The positions [batch, n] (each row sorted; n = `budget_count` of the T − start candidates) this policy
+        picks on ``cache`` (the target's mapped rows of ``input_ids`` [batch, T], as the cache seam exports them),
+        recomputing nothing. Without ``info.source_attention`` a policy that needs it reads it from
+        ``source_model`` and ``source_cache`` (`source_attention_scores`)."""
+        info = info or SelectionInfo()
+        if not self.active:
+            return _empty(input_ids.shape[0], input_ids.device)
+        if input_ids.dim() != 2 or not 0 <= info.start < input_ids.shape[1]:
+            raise ConfigError(f"input_ids must be [batch, T] with start in 0..T−1, got {tuple(input_ids.shape)} and "
+                              f"start {info.start}")
+        count = budget_count(self.budget, input_ids.shape[1] - info.start)
+        if count == 0:
+            return _empty(input_ids.shape[0], input_ids.device)
+        if self.needs_source_attention and info.source_attention is None:
+            if source_model is None or source_cache is None:
+                raise ConfigError(f"recompute rule {self.rule!r} needs the source's attention: the source model and "
+                                  "its cache (or SelectionInfo.source_attention, from source_attention_scores)")
+            scores = source_attention_scores(source_model, source_cache, input_ids, self.window)
+            info = replace(info, source_attention=scores)
+        return self._pick(target_model, cache, input_ids, info, count)
+
+    def _pick(self, target_model, cache, input_ids, info: SelectionInfo, count: int) -> torch.Tensor:
+        return self.rank(target_model, cache, input_ids, info)[:, :count].sort(dim=1).values
+
+
+# -- the rules -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NoRecompute(RecomputePolicy):
+    """Nothing recomputed: the target reads the mapped cache as it is (whatever the budget says)."""
+
+    rule: ClassVar[str] = "none"
+
+    @property
+    def active(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Sinks(RecomputePolicy):
+    """The first tokens of the context (from `start`) and of every turn, round-robin over the turns: first every turn
+    start, then the token after each, and so on."""
+
+    rule: ClassVar[str] = "sinks"
+
+    def rank(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
+        batch, total = input_ids.shape
+        device = input_ids.device
+        ids = torch.arange(total, device=device)
+        starts = torch.zeros(batch, total, dtype=torch.bool, device=device)
+        starts[:, info.start] = True
+        turns = [p for p in info.turn_starts if info.start <= p < total]
+        if turns:
+            starts[:, turns] = True
+        if info.marker_ids:
+            starts |= torch.isin(input_ids, torch.tensor(info.marker_ids, device=device)) & (ids >= info.start)
+        segment = torch.where(starts, ids, -1).cummax(dim=1).values  # the latest turn start at or before each position
+        offset = ids - segment
+        return _by_score(-(offset * total + ids).double(), info.start)
+
+
+@dataclass(frozen=True)
+class Recent(RecomputePolicy):
+    """The latest tokens first."""
+
+    rule: ClassVar[str] = "recent"
+
+    def rank(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
+        batch, total = input_ids.shape
+        return torch.arange(start=total - 1, end=info.start - 1, step=-1, device=input_ids.device).expand(batch, -1)
+
+
+@torch.inference_mode()
+def layer0_kv(target_model, input_ids: torch.Tensor):
+    """The target's own K (post-RoPE, at positions 0..T−1) and V of layer 0 [batch, kv_heads, T, head_dim]: a
+    function of each token alone (embedding → input norm → projections), so no attention runs."""
+    body = getattr(target_model, "model", target_model)
+    layer = decoder_layers(target_model)[0]
+    attn = layer.self_attn
+    hidden = layer.input_layernorm(body.embed_tokens(input_ids))
+    head_dim = attn.head_dim
+    keys = attn.k_proj(hidden).unflatten(-1, (-1, head_dim))
+    if hasattr(attn, "k_norm"):
+        keys = attn.k_norm(keys)
+    values = attn.v_proj(hidden).unflatten(-1, (-1, head_dim)).transpose(1, 2)
+    inv_freq, scaling = rope_frequencies(target_model.config, seq_len=input_ids.shape[1])
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    keys = apply_rope(keys.transpose(1, 2), positions, inv_freq.to(keys.device), scaling)
+    return keys, values
+
+
+def deviation_scores(target_model, cache, input_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, T]: how far each position's cached layer-0 K and V are from the target's own, each squared error
+    relative to the mean squared norm of the target's own (K and V weigh equally)."""
+    cached_keys, cached_values = cache.layers[0].keys, cache.layers[0].values
+    own_keys, own_values = layer0_kv(target_model, input_ids.to(cached_keys.device))
+    scores = 0
+    for own, cached in ((own_keys, cached_keys), (own_values, cached_values)):
+        own = own.float()
+        error = (cached.float() - own).pow(2).sum(dim=(1, 3))
+        scores = scores + error / own.pow(2).sum(dim=(1, 3)).mean(dim=1, keepdim=True).clamp_min(1e-12)
+    return scores
+
+
+@dataclass(frozen=True)
+class Deviation(RecomputePolicy):
+    """The positions whose mapped K/V at the target's layer 0 deviate most from its own (`deviation_scores`)."""
+
+    rule: ClassVar[str] = "deviation"
+
+    def rank(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
+        return _by_score(deviation_scores(target_model, cache, input_ids).to(input_ids.device), info.start)
+
+
+@dataclass(frozen=True)
+class SourceAttention(RecomputePolicy):
+    """The positions the source's last ``window`` queries attended to most (``info.source_attention``,
+    `source_attention_scores`)."""
+
+    source_window: int = DEFAULT_WINDOW
+    rule: ClassVar[str] = "source_attention"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_window(self.source_window)
+
+    @property
+    def needs_source_attention(self) -> bool:
+        return True
+
+    @property
+    def window(self) -> int:
+        return self.source_window
+
+    def rank(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
+        if info.source_attention is None:
+            raise ConfigError("rule 'source_attention' needs the source's attention (SelectionInfo.source_attention, "
+                              "from source_attention_scores); hand off with the source model and its cache")
+        return _by_score(info.source_attention.to(input_ids.device), info.start)
+
+
+@dataclass(frozen=True)
+class Mix(RecomputePolicy):
+    """Shares of the other rules: each rule of ``shares`` ((rule, share) pairs, shares > 0 summing to 1) takes its
+    share of the budget (largest remainders round) from its ranking, skipping what the rules before it took.
+    ``source_window``: as in `SourceAttention`, for a share of "source_attention"."""
+
+    shares: tuple[tuple[str, float], ...] = DEFAULT_RECOMPUTE_MIX
+    source_window: int = DEFAULT_WINDOW
+    rule: ClassVar[str] = "mix"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_window(self.source_window)
         try:
-            budget = float(budget_text[:-1]) / 100 if budget_text.endswith("%") else float(budget_text)
+            shares = tuple((str(rule), float(share)) for rule, share in self.shares)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"recompute mix shares are (rule, share) pairs, got {self.shares!r}") from exc
+        object.__setattr__(self, "shares", shares)
+        names = [rule for rule, _ in shares]
+        if not shares or any(name not in _MIXABLE for name in names) or len(set(names)) != len(names):
+            raise ConfigError(f"recompute mix must name distinct rules among {', '.join(_MIXABLE)}, got "
+                              f"{self.shares!r}")
+        if any(not share > 0 for _, share in shares):
+            raise ConfigError(f"recompute mix shares must be positive, got {self.shares!r}")
+        if abs(sum(share for _, share in shares) - 1) > 1e-6:
+            raise ConfigError(f"recompute mix shares must sum to 1, got {self.shares!r}")
+
+    @property
+    def needs_source_attention(self) -> bool:
+        return any(rule == SourceAttention.rule for rule, _ in self.shares)
+
+    @property
+    def window(self) -> int:
+        return self.source_window
+
+    def _rule_spec(self) -> str:
+        if self.shares == DEFAULT_RECOMPUTE_MIX:
+            return self.rule
+        return f"{self.rule}(" + ",".join(f"{name}={share:g}" for name, share in self.shares) + ")"
+
+    def _parts(self) -> list[RecomputePolicy]:
+        return [RULES[name](1.0) for name, _ in self.shares]
+
+    def _pick(self, target_model, cache, input_ids, info: SelectionInfo, count: int) -> torch.Tensor:
+        batch, total = input_ids.shape
+        exact = [share * count for _, share in self.shares]
+        quotas = [math.floor(q) for q in exact]
+        for i in sorted(range(len(quotas)), key=lambda i: quotas[i] - exact[i])[: count - sum(quotas)]:
+            quotas[i] += 1
+        parts = self._parts()
+        rows = []
+        for row in range(batch):
+            taken = torch.zeros(total, dtype=torch.bool, device=input_ids.device)
+            row_info = info if info.source_attention is None else replace(
+                info, source_attention=info.source_attention[row : row + 1])
+            for part, quota in zip(parts, quotas, strict=True):
+                if quota == 0:
+                    continue
+                ranking = part.rank(target_model, cache, input_ids[row : row + 1], row_info)[0]
+                fresh = ranking[~taken[ranking]][:quota]
+                taken[fresh] = True
+            rows.append(taken.nonzero().flatten())
+        return torch.stack(rows)
+
+
+#: the recompute rules by name: the one registry `parse` and `policy_for` read
+RULES: dict[str, type[RecomputePolicy]] = {
+    policy.rule: policy for policy in (NoRecompute, Sinks, Recent, Deviation, SourceAttention, Mix)
+}
+#: the rules a "mix" may share its budget between
+_MIXABLE = tuple(name for name in RULES if name not in (NoRecompute.rule, Mix.rule))
+
+#: the handoffs' default selective-recompute policy: the target recomputes the last 5% of the mapped positions.
+#: Chosen on the switch benchmark's dev pool (docs/RESULTS.md "Switch benchmark").
+DEFAULT_RECOMPUTE: RecomputePolicy = Recent(0.05)
+
+
+def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
+    """The policy of rule ``rule`` (a name in `RULES`) at ``budget``; options: ``shares`` ("mix"), ``window``
+    ("source_attention", "mix"). ConfigError for an unknown rule or an option the rule lacks."""
+    if rule not in RULES:
+        raise ConfigError(f"recompute rule must be one of {', '.join(RULES)}, got {rule!r}")
+    kind = RULES[rule]
+    if "window" in options:
+        if kind not in (SourceAttention, Mix):
+            raise ConfigError(f"recompute rule {rule!r} takes no window (only source_attention and mix do)")
+        options["source_window"] = options.pop("window")
+    try:
+        return kind(budget, **options)
+    except TypeError as exc:
+        raise ConfigError(f"recompute rule {rule!r} takes no option {', '.join(options)}") from exc
+
+
+def parse(spec: str | RecomputePolicy) -> RecomputePolicy:
+    """A policy from a spec "RULE:BUDGET[:window=N]" (budget a fraction "0.1" or a percentage "10%"; rule
+    "mix(RULE=SHARE,...)" for other shares; "none" alone), or a policy as it is. For the edges: a command-line
+    option, a server's settings, a stored result. ConfigError otherwise."""
+    if isinstance(spec, RecomputePolicy):
+        return spec
+    if not isinstance(spec, str):
+        raise ConfigError(f"a recompute policy is a spec such as 'deviation:10%', got {spec!r}")
+    text = spec.strip()
+    if text in ("none", ""):
+        return NoRecompute()
+    head, sep, rest = text.partition(":")
+    if not sep:
+        raise ConfigError(f"recompute spec {spec!r} must be RULE:BUDGET (e.g. 'deviation:10%', 'recent:0.05') "
+                          "or 'none'")
+    budget_text, _, option = rest.partition(":")
+    options: dict = {}
+    if option:
+        key, _, value = option.partition("=")
+        if key.strip() != "window" or not value.strip().isdigit():
+            raise ConfigError(f"recompute spec {spec!r}: the only option is window=N, got {option!r}")
+        options["window"] = int(value)
+    rule = head.strip()
+    if rule.startswith("mix(") and rule.endswith(")"):
+        try:
+            parts = [part.split("=") for part in rule[4:-1].split(",")]
+            options["shares"] = tuple((name.strip(), float(share)) for name, share in parts)
         except ValueError as exc:
-            raise ConfigError(f"recompute spec {spec!r}: the budget must be a fraction or a percentage, got "
-                              f"{budget_text!r}") from exc
-        return cls(rule=rule, budget=budget, **kwargs)
-
-
-#: the handoffs' default selective-recompute policy (`FitConfig.recompute`): the target recomputes the last 5% of
-#: the mapped positions. Chosen on the switch benchmark's dev pool (docs/RESULTS.md "Switch benchmark"): it lowered
-#: the choice KL to the target alone in both directions and keeps ≥ 5× (small → large) and ≥ 2.5× (large → small)
-#: of the speed-up at 2K tokens of history.
-DEFAULT_RECOMPUTE = "recent:5%"
+            raise ConfigError(f"recompute spec {spec!r}: mix shares are RULE=SHARE,... ({exc})") from exc
+        rule = Mix.rule
+    budget_text = budget_text.strip()
+    try:
+        budget = float(budget_text[:-1]) / 100 if budget_text.endswith("%") else float(budget_text)
+    except ValueError as exc:
+        raise ConfigError(f"recompute spec {spec!r}: the budget must be a fraction or a percentage, got "
+                          f"{budget_text!r}") from exc
+    return policy_for(rule, budget, **options)

@@ -6,16 +6,13 @@ up to its own (mapped K/V where not in S, its own fresh K/V where in S — a lay
 that layer attends), and the fresh K/V replace the mapped ones in place. Cost ∝ |S| tokens (plus |S| × T
 attention); S = every position gives the target's own prefill.
 
-Which positions: the rules below rank the mapped positions (`RANKINGS`); a rule at a budget takes the first
-`budget_count` of its ranking (`select`, and one function per rule: `sinks`, `recent`, `deviation`,
-`source_attention`, `mix`). `apply_policy` runs a `config.RecomputePolicy` on a cache.
+The source's attention (`record_queries`, `attention_from_queries`, `source_attention_scores`) serves the policies
+that rank positions by it (`kvhandoff.runtime.policy`), which choose the positions.
 """
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import AttentionInterface
@@ -27,12 +24,7 @@ from kvhandoff.model.cache import cache_view, prefill
 from kvhandoff.model.capture import projection_hooks
 from kvhandoff.model.geometry import decoder_layers
 from kvhandoff.model.rope import apply_rope, rope_frequencies
-from kvhandoff.runtime.policy import RecomputePolicy
 
-#: special tokens that open a chat turn (a role marker); `turn_marker_ids` looks them up in a tokenizer
-TURN_MARKERS: tuple[str, ...] = (
-    "<|im_start|>", "<|start_header_id|>", "[INST]", "<start_of_turn>", "<|user|>", "<|assistant|>", "<|system|>",
-)
 #: attention implementations whose masks a custom 4D additive mask replaces
 MASKED_ATTENTION = ("eager", "sdpa")
 #: the attention a sparse forward of an "sdpa" model runs (`stacked_query_attention`)
@@ -72,36 +64,6 @@ def _stacked_attention(model):
     finally:
         if previous == "sdpa":
             config._attn_implementation = previous
-
-
-@dataclass(frozen=True)
-class SelectionInfo:
-    """What the rules may know beyond the cache and the tokens.
-
-    start: the first mapped position; positions before it are the target's own (its exact prefix, or the cache it
-        kept) and are never selected; the budget is a fraction of the T − start mapped positions.
-    turn_starts: positions where a turn begins (shared by the batch), for "sinks".
-    marker_ids: token ids that open a turn (e.g. `<|im_start|>`, see `turn_marker_ids`), for "sinks".
-    source_attention: [batch, T] attention the source paid each position (`source_attention_scores`).
-    """
-
-    start: int = 0
-    turn_starts: tuple[int, ...] = ()
-    marker_ids: tuple[int, ...] = ()
-    source_attention: torch.Tensor | None = field(default=None, compare=False)
-
-
-def turn_marker_ids(tokenizer) -> tuple[int, ...]:
-    """Ids of the `TURN_MARKERS` the tokenizer has."""
-    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    return tuple(vocab[token] for token in TURN_MARKERS if token in vocab)
-
-
-def budget_count(budget: float, candidates: int) -> int:
-    """Positions a budget (fraction of ``candidates``) buys: rounded half up, never more than there are."""
-    if not 0 <= budget <= 1:
-        raise ConfigError(f"a recompute budget is a fraction in [0, 1], got {budget!r}")
-    return min(candidates, math.floor(budget * candidates + 0.5))
 
 
 # -- the sparse prefill --------------------------------------------------------------------------------------------
@@ -223,173 +185,6 @@ def recompute_and_read(target_model, cache, input_ids: torch.Tensor, positions, 
     return _sparse_forward(target_model, cache, input_ids, positions, new_ids, logits_to_keep).logits
 
 
-# -- rankings: every candidate position (start..T−1), most wanted first, [batch, T − start] ------------------------
-
-
-def _positions(batch: int, total: int, start: int, device) -> torch.Tensor:
-    return torch.arange(start, total, device=device).expand(batch, -1)
-
-
-def _by_score(scores: torch.Tensor, start: int) -> torch.Tensor:
-    """Candidates start..T−1 by descending score [batch, T] (ties: the earlier position first)."""
-    candidates = scores[:, start:].float()
-    order = torch.sort(-candidates, dim=1, stable=True).indices
-    return order + start
-
-
-def rank_sinks(target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
-    """The first tokens of the context (from `start`) and of every turn, round-robin over the turns: first every
-    turn start, then the token after each, and so on."""
-    batch, total = input_ids.shape
-    device = input_ids.device
-    ids = torch.arange(total, device=device)
-    starts = torch.zeros(batch, total, dtype=torch.bool, device=device)
-    starts[:, info.start] = True
-    turns = [p for p in info.turn_starts if info.start <= p < total]
-    if turns:
-        starts[:, turns] = True
-    if info.marker_ids:
-        starts |= torch.isin(input_ids, torch.tensor(info.marker_ids, device=device)) & (ids >= info.start)
-    segment = torch.where(starts, ids, -1).cummax(dim=1).values  # the latest turn start at or before each position
-    offset = ids - segment
-    return _by_score(-(offset * total + ids).double(), info.start)
-
-
-def rank_recent(target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
-    """The latest tokens first."""
-    batch, total = input_ids.shape
-    return _positions(batch, total, info.start, input_ids.device).flip(1)
-
-
-@torch.inference_mode()
-def layer0_kv(target_model, input_ids: torch.Tensor):
-    """The target's own K (post-RoPE, at positions 0..T−1) and V of layer 0 [batch, kv_heads, T, head_dim]: a
-    function of each token alone (embedding → input norm → projections), so no attention runs."""
-    body = getattr(target_model, "model", target_model)
-    layer = decoder_layers(target_model)[0]
-    attn = layer.self_attn
-    hidden = layer.input_layernorm(body.embed_tokens(input_ids))
-    head_dim = attn.head_dim
-    keys = attn.k_proj(hidden).unflatten(-1, (-1, head_dim))
-    if hasattr(attn, "k_norm"):
-        keys = attn.k_norm(keys)
-    values = attn.v_proj(hidden).unflatten(-1, (-1, head_dim)).transpose(1, 2)
-    inv_freq, scaling = rope_frequencies(target_model.config, seq_len=input_ids.shape[1])
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    keys = apply_rope(keys.transpose(1, 2), positions, inv_freq.to(keys.device), scaling)
-    return keys, values
-
-
-def deviation_scores(target_model, cache, input_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, T]: how far each position's cached layer-0 K and V are from the target's own, each squared error
-    relative to the mean squared norm of the target's own (K and V weigh equally)."""
-    own_keys, own_values = layer0_kv(target_model, input_ids.to(cache.layers[0].keys.device))
-    scores = 0
-    for own, cached in ((own_keys, cache.layers[0].keys), (own_values, cache.layers[0].values)):
-        own = own.float()
-        error = (cached.float() - own).pow(2).sum(dim=(1, 3))
-        scores = scores + error / own.pow(2).sum(dim=(1, 3)).mean(dim=1, keepdim=True).clamp_min(1e-12)
-    return scores
-
-
-def rank_deviation(target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
-    """The positions whose mapped K/V at the target's layer 0 deviate most from its own (`deviation_scores`)."""
-    return _by_score(deviation_scores(target_model, cache, input_ids).to(input_ids.device), info.start)
-
-
-def rank_source_attention(target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
-    """The positions the source attended to most (``info.source_attention``, `source_attention_scores`)."""
-    if info.source_attention is None:
-        raise ConfigError("rule 'source_attention' needs the source's attention (SelectionInfo.source_attention, "
-                          "from source_attention_scores); hand off with the source model and its cache")
-    return _by_score(info.source_attention.to(input_ids.device), info.start)
-
-
-RANKINGS = {
-    "sinks": rank_sinks,
-    "recent": rank_recent,
-    "deviation": rank_deviation,
-    "source_attention": rank_source_attention,
-}
-
-
-def _sorted_first(ranking: torch.Tensor, count: int) -> torch.Tensor:
-    return ranking[:, :count].sort(dim=1).values
-
-
-def _check_start(input_ids: torch.Tensor, info: SelectionInfo) -> None:
-    if input_ids.dim() != 2 or not 0 <= info.start < input_ids.shape[1]:
-        raise ConfigError(f"input_ids must be [batch, T] with start in 0..T−1, got {tuple(input_ids.shape)} and "
-                          f"start {info.start}")
-
-
-def select(rule: str, target_model, cache, input_ids: torch.Tensor, budget: float, info: SelectionInfo | None = None,
-           mix=None) -> torch.Tensor:
-    """The positions [batch, n] (each row sorted) ``rule`` picks at ``budget`` (a fraction of the mapped positions
-    start..T−1; n = `budget_count`). ``mix``: (rule, share) pairs of rule "mix" (default: the policy's)."""
-    info = info or SelectionInfo()
-    _check_start(input_ids, info)
-    batch, total = input_ids.shape
-    count = budget_count(budget, total - info.start)
-    if rule == "mix":
-        return _select_mix(target_model, cache, input_ids, count, info, mix or RecomputePolicy().mix)
-    if rule not in RANKINGS:
-        raise ConfigError(f"unknown recompute rule {rule!r} (rules: {', '.join(RANKINGS)}, mix)")
-    if count == 0:
-        return torch.empty(batch, 0, dtype=torch.long, device=input_ids.device)
-    return _sorted_first(RANKINGS[rule](target_model, cache, input_ids, info), count)
-
-
-def _select_mix(target_model, cache, input_ids, count: int, info: SelectionInfo, mix) -> torch.Tensor:
-    """Each rule of ``mix`` takes its share of ``count`` (largest remainders round), from its ranking, skipping
-    what the rules before it took."""
-    batch, total = input_ids.shape
-    if count == 0:
-        return torch.empty(batch, 0, dtype=torch.long, device=input_ids.device)
-    exact = [share * count for _, share in mix]
-    quotas = [math.floor(q) for q in exact]
-    for i in sorted(range(len(mix)), key=lambda i: quotas[i] - exact[i])[: count - sum(quotas)]:
-        quotas[i] += 1
-    rows = []
-    for row in range(batch):
-        taken = torch.zeros(total, dtype=torch.bool, device=input_ids.device)
-        for (rule, _), quota in zip(mix, quotas, strict=True):
-            if quota == 0:
-                continue
-            ranking = RANKINGS[rule](target_model, cache, input_ids[row : row + 1], _row_info(info, row))[0]
-            fresh = ranking[~taken[ranking]][:quota]
-            taken[fresh] = True
-        rows.append(taken.nonzero().flatten())
-    return torch.stack(rows)
-
-
-def _row_info(info: SelectionInfo, row: int) -> SelectionInfo:
-    if info.source_attention is None:
-        return info
-    return replace(info, source_attention=info.source_attention[row : row + 1])
-
-
-def _rule(name: str):
-    def rule(target_model, cache, input_ids, budget, info=None):
-        return select(name, target_model, cache, input_ids, budget, info)
-
-    rule.__name__ = rule.__qualname__ = name
-    rule.__doc__ = f"`select` with rule {name!r}: {RANKINGS[name].__doc__}"
-    return rule
-
-
-sinks = _rule("sinks")
-recent = _rule("recent")
-deviation = _rule("deviation")
-source_attention = _rule("source_attention")
-
-
-def mix(target_model, cache, input_ids, budget, info=None, shares=None):
-    """`select` with rule "mix": each rule of ``shares`` ((rule, share) pairs; default the policy's) takes its share
-    of the budget."""
-    return select("mix", target_model, cache, input_ids, budget, info, mix=shares)
-
-
 # -- the source's attention ------------------------------------------------------------------------------------------
 
 
@@ -443,38 +238,3 @@ def source_attention_scores(source_model, source_cache, input_ids: torch.Tensor,
     with record_queries(source_model, count) as queries:
         prefill(source_model, input_ids[:, total - count :].to(source_cache.layers[0].keys.device), view)
     return attention_from_queries(source_model, queries, source_cache)
-
-
-# -- a policy on a cache ---------------------------------------------------------------------------------------------
-
-
-def needs_source_attention(policy: RecomputePolicy) -> bool:
-    return policy.active and "source_attention" in policy.rules
-
-
-def policy_positions(policy, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
-                     source_model=None, source_cache=None) -> torch.Tensor:
-    """The positions [batch, n] a `RecomputePolicy` (or spec) picks on ``cache`` (of ``input_ids`` [batch, T];
-    positions before ``info.start`` are the target's own), recomputing nothing. For "source_attention" without
-    ``info.source_attention`` the scores come from ``source_model`` and ``source_cache``
-    (`source_attention_scores`)."""
-    policy = RecomputePolicy.parse(policy)
-    info = info or SelectionInfo()
-    if not policy.active:
-        return torch.empty(input_ids.shape[0], 0, dtype=torch.long, device=input_ids.device)
-    if needs_source_attention(policy) and info.source_attention is None:
-        if source_model is None or source_cache is None:
-            raise ConfigError("recompute rule 'source_attention' needs the source model and its cache")
-        scores = source_attention_scores(source_model, source_cache, input_ids, policy.window)
-        info = replace(info, source_attention=scores)
-    return select(policy.rule, target_model, cache, input_ids, policy.budget, info, mix=policy.mix)
-
-
-def apply_policy(policy, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
-                 source_model=None, source_cache=None) -> torch.Tensor:
-    """Run a `RecomputePolicy` (or spec) on ``cache``: select the positions (`policy_positions`), recompute them in
-    place. Returns the positions [batch, n]."""
-    positions = policy_positions(policy, target_model, cache, input_ids, info, source_model, source_cache)
-    if positions.numel():
-        recompute_positions(target_model, cache, input_ids, positions)
-    return positions

@@ -6,20 +6,12 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.model.cache import cache_copy, prefill, rollback
-from kvhandoff.runtime.handoff import (
-    MappedCache,
-    PrefixStore,
-    catch_up_mapped,
-    check_context,
-    map_for_target,
-    recompute_policy,
-    verify_mapper,
-)
-from kvhandoff.runtime.recompute import SelectionInfo
+from kvhandoff.runtime.handoff import MappedCache, catch_up, check_context, map_for_target, verify_mapper
+from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
+from kvhandoff.runtime.policy import SelectionInfo
+from kvhandoff.runtime.seam import KVCache, new_cache
 
 #: how a conversation is handed over at a switch: "all" — the current server's whole cache is mapped for the new
 #: server; "incremental" — every model keeps its own cache and only the positions it has not cached are mapped
@@ -31,13 +23,12 @@ class SwitchingSession:
 
     models: name → model (one family, one tokenizer); mappers: (from name, to name) → `Mapper`.
     handover: see `HANDOVERS` ("incremental": a model returning to the conversation keeps its cache and catches
-    up on the turns it missed, so no position is mapped twice). exact_prefix: leading positions a model
-    recomputes itself the first time it is handed the conversation (None = the mapper's own setting).
-    recompute: the selective-recompute policy of every handover (a `RecomputePolicy` or a spec such as
-    "sinks:10%"; None = each mapper's default): the receiving model recomputes that share of the positions just
-    mapped for it. prefix_store: a `PrefixStore` the models' exact prefixes are copied from and kept in (shared by
-    the sessions of one server, whose conversations open alike). The session knows where each turn (each `read`,
-    each generated answer) starts, for "sinks".
+    up on the turns it missed, so no position is mapped twice). plan: the `HandoffPlan` of every handover (None:
+    `DEFAULT_PLAN`): the exact prefix a model recomputes itself the first time it is handed the conversation, the
+    recompute policy by which the receiving model recomputes a share of the positions just mapped for it, and the
+    `PrefixStore` the models' exact prefixes are copied from and kept in (shared by the sessions of one server,
+    whose conversations open alike). The session knows where each turn (each `read`, each generated answer)
+    starts, for "sinks". Each model's cache sits behind the cache seam (`KVCache`).
 
     `read(server, ids)` lets ``server`` read the next tokens of the conversation, switching to it first when
     another model served last; `generate(server, ids, ...)` also answers, and the answer joins the conversation.
@@ -49,10 +40,11 @@ class SwitchingSession:
     work (ContextTooLongError).
     """
 
-    def __init__(self, models, mappers, handover: str = "incremental", exact_prefix: int | None = None,
-                 recompute=None, prefix_store: PrefixStore | None = None) -> None:
+    def __init__(self, models, mappers, handover: str = "incremental", plan: HandoffPlan | None = None) -> None:
         if handover not in HANDOVERS:
             raise ConfigError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
+        if plan is not None and not isinstance(plan, HandoffPlan):
+            raise ConfigError(f"a session's plan is a HandoffPlan (HandoffPlan.of reads the settings), got {plan!r}")
         self.models, self.mappers = dict(models), dict(mappers)
         for (source, target), mapper in self.mappers.items():
             unknown = [name for name in (source, target) if name not in self.models]
@@ -60,12 +52,11 @@ class SwitchingSession:
                 raise ConfigError(f"mapper {source} → {target} names unknown model(s) {unknown}; the session "
                                   f"serves {', '.join(self.models)}")
             verify_mapper(mapper, self.models[source], self.models[target])
-        self.handover, self.exact_prefix, self.prefix_store = handover, exact_prefix, prefix_store
-        self.recompute = None if recompute is None else recompute_policy(None, recompute)
+        self.handover, self.plan = handover, plan or DEFAULT_PLAN
         self._turn_starts: list[int] = []  # where each read turn and each generated answer began
         self.tokens: list[int] = []
         self.owner: str | None = None  # the model that read the conversation last
-        self._caches: dict[str, object] = {}
+        self._caches: dict[str, KVCache] = {}
 
     def require_model(self, server: str) -> None:
         """ConfigError unless ``server`` is one of the session's models."""
@@ -73,14 +64,23 @@ class SwitchingSession:
             raise ConfigError(f"unknown model {server!r}; the session serves {', '.join(self.models)}")
 
     def cache(self, server: str):
-        """``server``'s cache of the conversation (None before it has one)."""
-        return self._caches.get(server)
+        """``server``'s cache of the conversation as its engine holds it (`KVCache.native`; None before it has
+        one)."""
+        kv = self._caches.get(server)
+        return None if kv is None else kv.native
+
+    def cached_length(self, server: str) -> int:
+        """Positions ``server``'s cache holds (0 before it has one)."""
+        kv = self._caches.get(server)
+        return 0 if kv is None else kv.length
 
     def switch_to(self, server: str):
-        """Make ``server`` the owner; returns its cache of `tokens` (mapped as `handover` says, the positions the
-        model recomputes after a handover already recomputed)."""
+        """Make ``server`` the owner; returns its cache of `tokens` (as `cache` does: mapped as `handover` says,
+        the positions the model recomputes after a handover already recomputed)."""
         mapped = self._switch(server)
-        return mapped.settle(self.models[server]) if mapped is not None else self._caches.get(server)
+        if mapped is not None:
+            mapped.settle(self.models[server])
+        return self.cache(server)
 
     def _switch(self, server: str) -> MappedCache | None:
         """Make ``server`` the owner; at a handover, its cache of `tokens` as a `MappedCache` whose recompute (the
@@ -95,15 +95,14 @@ class SwitchingSession:
             if mapper is None:
                 raise ConfigError(f"no mapper for the handoff {owner} → {server}")
             current = self._caches[owner] if self.handover == "incremental" else self._caches.pop(owner)
-            ids = torch.tensor([self.tokens], device=current.layers[0].keys.device)
+            ids = torch.tensor([self.tokens], device=current.device)
             info = SelectionInfo(turn_starts=tuple(p for p in self._turn_starts if p < len(self.tokens)))
             if server in self._caches:
-                mapped = catch_up_mapped(self._caches[server], current, mapper, self.models[owner],
-                                         self.models[server], ids, self.recompute, info)
+                mapped = catch_up(self._caches[server], current, mapper, self.models[owner], self.models[server],
+                                  ids, self.plan, info)
             else:
-                mapped = map_for_target(self.models[owner], self.models[server], mapper, ids, self.exact_prefix,
-                                        source_cache=current, recompute=self.recompute, recompute_info=info,
-                                        prefix_store=self.prefix_store)
+                mapped = map_for_target(self.models[owner], self.models[server], mapper, ids, self.plan, current,
+                                        info)
                 self._caches[server] = mapped.cache
             self.owner = server
             return mapped
@@ -118,9 +117,13 @@ class SwitchingSession:
         input_ids = torch.tensor([ids], device=model.device)
         if mapped is not None:
             return mapped.read(model, input_ids, keep)
-        out = model(input_ids=input_ids, cache=self._caches.get(server), use_cache=True, logits_to_keep=keep)
-        self._caches[server] = out.cache
-        return out.logits
+        return self._own_cache(server).read(model, input_ids, keep)
+
+    def _own_cache(self, server: str) -> KVCache:
+        """``server``'s cache, an empty one before the conversation's first turn."""
+        if server not in self._caches:
+            self._caches[server] = new_cache()
+        return self._caches[server]
 
     @torch.inference_mode()
     def read(self, server: str, ids) -> torch.Tensor:
@@ -149,18 +152,15 @@ class SwitchingSession:
         if mapped is not None:  # at a handover, generate's first forward also recomputes (`MappedCache.generate`)
             cache = mapped.cache
             out = mapped.generate(model, input_ids, **generate_kwargs)
-        else:
-            cache = self._caches.get(server)
-            if cache is None:  # the conversation's first turn: generate prefills it
-                cache = self._caches[server] = DynamicCache()
-            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), cache=cache,
-                                 **generate_kwargs)
+        else:  # on the conversation's first turn generate prefills it
+            cache = self._own_cache(server)
+            out = cache.generate(model, input_ids, **generate_kwargs)
         answer = out[0, input_ids.shape[1]:].tolist()
         self._mark_turns(len(self.tokens), input_ids.shape[1])  # the turn read, then the answer
         everything = out[0].tolist()
-        missing = everything[cache.get_seq_length():]  # generate does not feed its last token back
+        missing = everything[cache.length:]  # generate does not feed its last token back
         if missing:
-            prefill(model, torch.tensor([missing], device=model.device), cache)
+            cache.read(model, torch.tensor([missing], device=model.device))
         self.tokens = everything
         return answer
 
@@ -177,8 +177,8 @@ class SwitchingSession:
         """Drop what ``server``'s cache holds past `tokens` (e.g. an answer the caller decoded and will feed back
         later as part of the next turn)."""
         cache = self._caches[server]
-        if cache.get_seq_length() > len(self.tokens):
-            rollback(cache, len(self.tokens))
+        if cache.length > len(self.tokens):
+            cache.truncate(len(self.tokens))
 
     # -- for a server (kvhandoff.serving): roll back to a common prefix, read with scores, re-prefill, size ---------
     def truncate(self, length: int) -> None:
@@ -193,8 +193,8 @@ class SwitchingSession:
             self.owner = None
             return
         for cache in self._caches.values():
-            if cache.get_seq_length() > length:
-                rollback(cache, length)
+            if cache.length > length:
+                cache.truncate(length)
 
     @torch.inference_mode()
     def read_logprobs(self, server: str, ids, keep: int = 1) -> torch.Tensor:
@@ -220,26 +220,22 @@ class SwitchingSession:
             raise ConfigError("reprefill needs a conversation of at least one token")
         self._caches.pop(server, None)
         model = self.models[server]
-        cache, logits = prefill(model, torch.tensor([self.tokens], device=model.device))
-        self._caches[server] = cache
+        cache = self._caches[server] = new_cache()
+        logits = cache.read(model, torch.tensor([self.tokens], device=model.device))
         self.owner = server
-        return logits[0].float().log_softmax(-1)
+        return logits[0, -1].float().log_softmax(-1)
 
     def fork(self) -> SwitchingSession:
         """A copy of the conversation that shares the models and mappers but owns copies of the caches: what the
         fork reads, generates or hands over leaves this session as it was (e.g. to try a switch another way)."""
         twin = copy.copy(self)
         twin.tokens, twin._turn_starts = list(self.tokens), list(self._turn_starts)
-        twin._caches = {name: cache_copy(cache) for name, cache in self._caches.items()}
+        twin._caches = {name: cache.copy() for name, cache in self._caches.items()}
         return twin
 
     def cache_bytes(self) -> int:
         """Bytes of memory the session's caches hold (storage shared by several views counted once)."""
         storages: dict[tuple, int] = {}
         for cache in self._caches.values():
-            for layer in cache.layers:
-                for tensor in (layer.keys, layer.values):
-                    if tensor is not None:
-                        storage = tensor.untyped_storage()
-                        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+            storages.update(cache.storages())
         return sum(storages.values())

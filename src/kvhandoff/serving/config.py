@@ -6,7 +6,10 @@ from dataclasses import asdict, dataclass
 
 from kvhandoff.config import require_positive
 from kvhandoff.errors import ConfigError
-from kvhandoff.runtime.policy import RecomputePolicy
+from kvhandoff.runtime import policy
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
+from kvhandoff.runtime.prefix_store import PrefixStore
 
 #: signals the serving quality guard can score a mapped cache with (`kvhandoff.serving.guard`): "logloss" — the
 #: receiving model's mean log-loss on the new turn over the mapped history minus the previous model's on the same
@@ -30,8 +33,9 @@ class ServeConfig:
     models). default_max_tokens: answer length when a request names none. max_queue: requests waiting per model
     worker (past it: 503). guard: score a mapped cache before it serves and re-prefill when the score exceeds
     guard_threshold (signal: one of `GUARD_SIGNALS`; guard_window: the new turn's last positions it scores).
-    handover / exact_prefix / recompute: as in `SwitchingSession` (None: the mapper's own setting; recompute is a
-    `RecomputePolicy` spec such as "sinks:10%").
+    handover: as in `SwitchingSession`. exact_prefix / recompute: the handoffs' `HandoffPlan` (`plan`; exact_prefix
+    None: the mapper's own setting); recompute is a `RecomputePolicy`, given as one or as a spec such as
+    "sinks:10%" and stored parsed (None: `DEFAULT_RECOMPUTE`).
     """
 
     host: str = "127.0.0.1"
@@ -43,14 +47,14 @@ class ServeConfig:
     default_max_tokens: int = 512
     max_queue: int = 64
     guard: bool = True
-    # chosen on dev conversations of the default pair (`kvhandoff guard-eval`, docs/SERVING.md); another family
+    # chosen on dev conversations of the default pair (`kvhandoff-lab guard-eval`, docs/SERVING.md); another family
     # should measure its own
     guard_signal: str = "entropy"
     guard_threshold: float = 1.79
     guard_window: int = 64
     handover: str = "incremental"
     exact_prefix: int | None = None
-    recompute: str | None = None
+    recompute: RecomputePolicy | str | None = DEFAULT_RECOMPUTE
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -76,10 +80,16 @@ class ServeConfig:
             raise ConfigError(f"serve handover must be 'all' or 'incremental', got {self.handover!r}")
         if self.exact_prefix is not None:
             require_positive("serve exact_prefix", self.exact_prefix, minimum=0)
-        if self.recompute is not None:
-            RecomputePolicy.parse(self.recompute)  # a ConfigError naming the bad rule or budget
+        # parsed here, once: the engine and its sessions hold the policy object
+        object.__setattr__(self, "recompute", DEFAULT_RECOMPUTE if self.recompute is None
+                           else policy.parse(self.recompute))
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ConfigError(f"serve log_level must be a uvicorn log level, got {self.log_level!r}")
 
+    def plan(self, prefix_store: PrefixStore | None = None) -> HandoffPlan:
+        """The handoffs' plan under these settings, the exact prefixes kept in ``prefix_store``."""
+        return HandoffPlan(self.exact_prefix, self.recompute, prefix_store)
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings as plain values (the recompute policy as its spec)."""
+        return {**asdict(self), "recompute": self.recompute.spec}

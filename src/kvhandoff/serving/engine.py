@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvhandoff.errors import ConfigError, KVHandoffError
-from kvhandoff.runtime.handoff import PrefixStore
+from kvhandoff.runtime.prefix_store import PrefixStore
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.decoding import choose_token, end_ids, held_back, make_generator, stop_index
@@ -250,6 +250,7 @@ class Engine:
         }
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()  # least recently used first
         self.prefix_store = PrefixStore()  # the conversations' openings, shared: a switch copies its exact prefix
+        self.plan = config.plan(self.prefix_store)  # every session's handoffs
         self._running: set[Generation] = set()  # admitted and not finished
         self.metrics.track(lambda: len(self._sessions), self.cache_bytes)
 
@@ -346,8 +347,7 @@ class Engine:
 
     def _new_session(self) -> SwitchingSession:
         return SwitchingSession({name: hosted.model for name, hosted in self._models.items()}, self._mappers,
-                                self.config.handover, self.config.exact_prefix, self.config.recompute,
-                                self.prefix_store)
+                                self.config.handover, self.plan)
 
     def _evict(self, key: str, reason: str) -> None:
         del self._sessions[key]
@@ -414,8 +414,7 @@ class Engine:
         session.truncate(common)
         new = prompt[common:]
         previous = session.owner
-        own = session.cache(server)
-        mapped = common - (own.get_seq_length() if own is not None else 0) if previous not in (None, server) else 0
+        mapped = common - session.cached_length(server) if previous not in (None, server) else 0
         status, source, guard = "none", None, None
         if mapped > 0 and mode == "reprefill":
             status, source, mapped = "reprefill", previous, 0

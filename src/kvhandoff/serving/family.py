@@ -1,6 +1,6 @@
 """The model family a server hosts: name → (model, tokenizer), and a mapper for every ordered pair of names.
 
-By default the embedded pair (`assets.DEFAULT_SOURCE`, `assets.DEFAULT_TARGET`: qwen2.5-coder:0.5b and :1.5b) with
+By default the embedded pair (`loading.DEFAULT_SOURCE`, `loading.DEFAULT_TARGET`: qwen2.5-coder:0.5b and :1.5b) with
 the cached default mapper of each direction (`workflow.obtain_mapper`: fitted on first use); otherwise models given
 as name → spec (registry name, local folder or hub id) and saved mappers as (from, to) → folder, the missing
 directions obtained like the default's.
@@ -17,6 +17,7 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.geometry import check_pair
 from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET, ModelPair, load_model, load_pair
+from kvhandoff.progress import Progress
 from kvhandoff.workflow import NamedPair, obtain_mapper, on_source_device
 
 
@@ -53,11 +54,13 @@ def parse_mapper_dirs(items: Iterable[str], names: Iterable[str]) -> dict[tuple[
 
 
 def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str, str], Path] | None = None,
-                dtype: torch.dtype | str = torch.float32, progress: bool = True, device_map: str | None = None):
+                dtype: torch.dtype | str = torch.float32, progress: Progress | bool = False,
+                device_map: str | None = None):
     """(models, mappers) to serve: models name → (model, tokenizer), mappers (from, to) → `Mapper` for every ordered
     pair. ``specs`` None: the embedded default pair under its registry names. A pair in ``mapper_dirs`` is loaded
     (and checked against its models); any other is the cached default mapper of that direction (fitted and cached
-    on first use, which takes long: see README). dtype, device_map: the models' placement (`assets.load_model`)."""
+    on first use, which takes long: see README). dtype, device_map: the models' placement (`loading.load_model`);
+    progress: bars over a first-use conversion or fit (`kvhandoff.progress`)."""
     specs = dict(specs) if specs else {DEFAULT_SOURCE: DEFAULT_SOURCE, DEFAULT_TARGET: DEFAULT_TARGET}
     mapper_dirs = dict(mapper_dirs or {})
     names = list(specs)

@@ -26,8 +26,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.model.cache import kl_divergence, rollback
-from kvhandoff.runtime.handoff import recompute_policy
+from kvhandoff.model.cache import kl_divergence
+from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
+from kvhandoff.runtime.policy import RecomputePolicy
+from kvhandoff.runtime.seam import as_kv_cache
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.config import GUARD_SIGNALS, REFERENCE_GUARD_SIGNALS
 from kvhandoff.serving.decoding import greedy_answer
@@ -37,12 +39,11 @@ from kvhandoff.serving.decoding import greedy_answer
 def reference_logprobs(model, cache, ids: Sequence[int], keep: int) -> torch.Tensor:
     """``model`` reads ``ids`` on top of its own ``cache`` and forgets them again (the cache is rolled back);
     float32 log-probs of the last ``keep`` positions [min(keep, len(ids)), vocab]."""
-    length = cache.get_seq_length()
-    device = cache.layers[0].keys.device
-    out = model(input_ids=torch.tensor([list(ids)], device=device), cache=cache, use_cache=True,
-                logits_to_keep=min(keep, len(ids)))
-    rollback(cache, length)
-    return out.logits[0].float().log_softmax(-1)
+    kv = as_kv_cache(cache)
+    length = kv.length
+    logits = kv.read(model, torch.tensor([list(ids)], device=kv.device), min(keep, len(ids)))
+    kv.truncate(length)
+    return logits[0].float().log_softmax(-1)
 
 
 def check_signal(signal: str) -> str:
@@ -180,17 +181,17 @@ def summarize_guard(records: Iterable[GuardRecord], signal: str,
 @torch.inference_mode()
 def guard_records(models, mappers, conversations, signal: str = "logloss", max_new_tokens: int = 16,
                   window: int = 64, stop_ids=(), handover: str = "incremental",
-                  exact_prefix: int | None = None, recompute=None) -> list[GuardRecord]:
+                  plan: HandoffPlan | None = None) -> list[GuardRecord]:
     """Run dev conversations through a `SwitchingSession` and record every handoff.
 
     conversations: each a sequence of (model name, new turn's token ids). At each turn the named model reads the
     turn and answers greedily (``max_new_tokens``, stopping before ``stop_ids``). At a switch the guard scores the
     mapped cache, the receiving model answers over it, then re-prefills the conversation and answers again; the
     record says whether the two answers differ. The conversation goes on with the re-prefilled answer, so later
-    turns do not inherit earlier mapping errors.
+    turns do not inherit earlier mapping errors. handover / plan: as in `SwitchingSession`.
     """
     return guard_records_by_signal(models, mappers, conversations, (signal,), max_new_tokens, window, stop_ids,
-                                   handover, exact_prefix, recompute)[signal]
+                                   handover, plan)[signal]
 
 
 @dataclass(frozen=True)
@@ -204,12 +205,12 @@ class _Answering:
         return tuple(greedy_answer(session, server, logprobs, self.max_new_tokens, self.stop_ids, feed_last))
 
 
-def _escalated_answer(session: SwitchingSession, server: str, ids: list[int], escalate,
+def _escalated_answer(session: SwitchingSession, server: str, ids: list[int], escalated: HandoffPlan,
                       answering: _Answering) -> tuple[int, ...]:
-    """The answer after the same switch handed over with the ``escalate`` recompute policy, on a fork of the
-    session (the session itself is left as it was)."""
+    """The answer after the same switch handed over under the ``escalated`` plan, on a fork of the session (the
+    session itself is left as it was)."""
     twin = session.fork()
-    twin.recompute = escalate
+    twin.plan = escalated
     return answering.answer(twin, server, twin.read_logprobs(server, ids)[-1])
 
 
@@ -231,29 +232,29 @@ class WithinTime:
 @torch.inference_mode()
 def guard_records_by_signal(models, mappers, conversations, signals: Sequence[str] = GUARD_SIGNALS,
                             max_new_tokens: int = 16, window: int = 64, stop_ids=(), handover: str = "incremental",
-                            exact_prefix: int | None = None, recompute=None,
-                            time_limit_s: float | None = None, escalate=None) -> dict[str, list[GuardRecord]]:
+                            plan: HandoffPlan | None = None, time_limit_s: float | None = None,
+                            escalate: RecomputePolicy | None = None) -> dict[str, list[GuardRecord]]:
     """`guard_records` for several signals in one pass (the answers do not depend on the signal): signal → records.
     With ``time_limit_s`` no conversation starts after that many seconds (the records of those that ran). With
-    ``escalate`` (a recompute policy or spec, e.g. "recent:50%") every switch is also handed over with that policy
+    ``escalate`` (a `RecomputePolicy`, e.g. `Recent(0.5)`) every switch is also handed over with that policy
     and its answer recorded (`GuardRecord.escalated`): what a guard raising the recompute budget would serve."""
     signals = tuple(check_signal(signal) for signal in signals)
     reference_needed = any(needs_reference(signal) for signal in signals)
     answering = _Answering(max_new_tokens, frozenset(stop_ids))
-    escalate = None if escalate is None else recompute_policy(None, escalate)
+    escalated = None if escalate is None else (plan or DEFAULT_PLAN).with_recompute(escalate)
     records: dict[str, list[GuardRecord]] = {signal: [] for signal in signals}
     for c, turns in enumerate(WithinTime(conversations, time_limit_s)):
-        session = SwitchingSession(models, mappers, handover, exact_prefix, recompute)
+        session = SwitchingSession(models, mappers, handover, plan)
         for t, (server, ids) in enumerate(turns):
             ids = list(ids)
             previous = session.owner
             if previous is None or previous == server:
                 answering.answer(session, server, session.read_logprobs(server, ids)[-1], feed_last=True)
                 continue
-            cached = session.cache(server)
             before = len(session.tokens)
-            mapped_tokens = before - (cached.get_seq_length() if cached is not None else 0)
-            escalated = None if escalate is None else _escalated_answer(session, server, ids, escalate, answering)
+            mapped_tokens = before - session.cached_length(server)
+            escalated_answer = (None if escalated is None
+                                else _escalated_answer(session, server, ids, escalated, answering))
             reference = (reference_logprobs(models[previous], session.cache(previous), ids, window)
                          if reference_needed else None)
             served = session.read_logprobs(server, ids, window)
@@ -267,7 +268,7 @@ def guard_records_by_signal(models, mappers, conversations, signals: Sequence[st
             own = answering.answer(session, server, own_logprobs, feed_last=True)
             for signal in signals:
                 records[signal].append(GuardRecord(c, t, previous, server, mapped_tokens, scores[signal],
-                                                   handed != own, first_kl, handed, own, escalated))
+                                                   handed != own, first_kl, handed, own, escalated_answer))
     return records
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from kvhandoff.cli.group import CommandGroup
+from kvhandoff.cli.group import CommandGroup, show_library_messages
 from kvhandoff_lab.cli import analyze, bench, evaluate, measure, switch, tune
 
 app = typer.Typer(cls=CommandGroup, add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
@@ -27,4 +27,5 @@ app.command("guard-eval")(measure.guard_eval)
 
 def main() -> None:
     """The console script `kvhandoff-lab`."""
+    show_library_messages("kvhandoff", "kvhandoff_lab")
     app()

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 
 from kvhandoff.cli.options import (
     DEFAULT_SOURCE,
@@ -18,7 +19,7 @@ from kvhandoff.cli.options import (
     positive_int,
 )
 from kvhandoff.workflow import load_named_pair
-from kvhandoff_lab.analyze import analyze_pair
+from kvhandoff_lab.analyze import analyze_pair, summary_table
 
 DEFAULT_KS = "1,2,4,8,all"
 
@@ -43,5 +44,7 @@ def analyze(
     """R² heatmaps, R² vs k, layer selection, attention-output cosine and error concentration on held-out text."""
     if ks is None:
         ks = () if mapper is not None else k_list(DEFAULT_KS)
-    analyze_pair(load_named_pair(source, target), out, mapper, ks, stats, lam, windows, seq_len, retention)
+    result = analyze_pair(load_named_pair(source, target, progress=True), out, mapper, ks, stats, lam, windows,
+                          seq_len, retention, progress=True)
+    Console().print(summary_table(result["summary"], result["correlations"]))
     typer.echo(f"wrote {out / 'analysis.json'} and figures (heatmaps, r2_vs_k, selection, attention) in {out}")

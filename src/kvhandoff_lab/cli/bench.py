@@ -8,6 +8,7 @@ from typing import Annotated
 
 import torch
 import typer
+from rich.console import Console
 
 from kvhandoff.cli.options import (
     DEFAULT_DTYPE,
@@ -36,7 +37,7 @@ from kvhandoff.cli.options import (
 from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.fit.corpus import calibration_batches
 from kvhandoff.workflow import load_named_pair, on_source_device
-from kvhandoff_lab.bench import DEFAULT_LENGTHS, bench_mapper, run_bench
+from kvhandoff_lab.bench import DEFAULT_LENGTHS, bench_mapper, bench_table, run_bench
 from kvhandoff_lab.fitbench import describe_fit_cost, run_fit_bench
 
 
@@ -77,14 +78,15 @@ def bench(
     re-prefill, per context length, with peak tensor memory and the FLOP bound."""
     if threads is not None:
         torch.set_num_threads(threads)
-    pair = load_named_pair(source, target, dtype, device_map=device_map)
-    the_mapper, note = bench_mapper(pair, mapper, synthetic, k)
+    pair = load_named_pair(source, target, dtype, progress=True, device_map=device_map)
+    the_mapper, note = bench_mapper(pair, mapper, synthetic, k, progress=True)
     on_source_device(the_mapper, pair.source)
     typer.echo(note)
     result = run_bench(pair.source, pair.target, the_mapper, lengths, repeats=repeats, warmup=warmup, out_dir=out,
                        time_budget_s=budget, measure_memory=memory, source_name=source, target_name=target,
                        new_turn=new_turn, recompute=recompute, two_step=two_step, resident=resident,
-                       prefix_store=prefix_store)
+                       prefix_store=prefix_store, progress=True)
+    Console().print(bench_table(result))
     typer.echo(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     if result["failed"] or result["skipped"]:
         typer.echo(f"not measured: skipped {result['skipped']}, failed {[f['tokens'] for f in result['failed']]}")

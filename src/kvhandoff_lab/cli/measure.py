@@ -17,9 +17,10 @@ from kvhandoff.cli.options import (
     positive_float,
     positive_int,
     positive_ints,
-    recompute_spec,
+    recompute_policy,
 )
 from kvhandoff.cli.serve import GuardSignal, GuardSwitch, GuardThreshold, Mappers, Models, family_specs
+from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.family import load_family
 from kvhandoff_lab.serving.bench import DEFAULT_SERVE_LENGTHS, DIRECTIONS, run_serve_bench, serve_bench_table
@@ -30,7 +31,8 @@ TimeLimit = Annotated[float | None, typer.Option("--time-limit", parser=positive
     "seconds; no new measurement starts after it"))]
 
 
-def _server_config(guard: str, guard_signal: str, guard_threshold: float, recompute: str | None) -> ServeConfig:
+def _server_config(guard: str, guard_signal: str, guard_threshold: float,
+                   recompute: RecomputePolicy | None) -> ServeConfig:
     with option_errors("--guard-threshold"):
         return ServeConfig(guard=guard == "on", guard_signal=guard_signal, guard_threshold=guard_threshold,
                            recompute=recompute, log_level="warning")
@@ -64,7 +66,7 @@ def bench_serve(
     """Time to first token over HTTP at a model switch: the handoff vs the target re-prefilling, side by side on one
     server on a free loopback port."""
     config = _server_config(guard, guard_signal, guard_threshold, recompute)
-    family = load_family(*family_specs(models, mapper))
+    family = load_family(*family_specs(models, mapper), progress=True)
     result = run_serve_bench(*family, config, lengths=lengths, direction=direction, repeats=repeats,
                              max_tokens=max_tokens, warmup=warmup, time_limit_s=time_limit, out=out, plot=plot,
                              echo=typer.echo)
@@ -93,7 +95,7 @@ def load_test(
     """Concurrent conversations switching models every 2–3 turns against a server on a free loopback port:
     throughput, time to first token per handoff status, errors, memory."""
     config = _server_config(guard, guard_signal, guard_threshold, recompute)
-    family = load_family(*family_specs(models, mapper))
+    family = load_family(*family_specs(models, mapper), progress=True)
     report = run_load_test(*family, config, conversations=conversations, turns=turns, max_tokens=max_tokens,
                            time_limit_s=time_limit, story_chars=story_chars, out=out)
     _print(load_table(report))
@@ -121,7 +123,7 @@ def guard_eval(
     time_limit: TimeLimit = None,
     story_chars: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "cut each story to this many characters (default: whole stories)"))] = None,
-    escalate: Annotated[str | None, typer.Option(parser=recompute_spec, metavar="RULE:BUDGET", help=(
+    escalate: Annotated[RecomputePolicy | None, typer.Option(parser=recompute_policy, metavar="RULE:BUDGET", help=(
         "also hand every switch over with this recompute policy (e.g. recent:50%) and compare escalating with "
         "falling back"))] = None,
     recompute: Recompute = None,
@@ -131,7 +133,7 @@ def guard_eval(
     conversations and its catch / false-fallback rates on held-out ones."""
     if heldout_every < 2:
         raise typer.BadParameter("give an integer >= 2", param_hint="--heldout-every")
-    family = load_family(*family_specs(models, mapper))
+    family = load_family(*family_specs(models, mapper), progress=True)
     result = run_guard_eval(*family, conversations=conversations, turns=turns, switch_every=switch_every,
                             signals=signals, max_new_tokens=max_new_tokens, window=window,
                             heldout_every=heldout_every, max_false_fallback=max_false_fallback,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -26,8 +25,7 @@ from kvhandoff.cli.options import (
     positive_int,
 )
 from kvhandoff.model.geometry import tokenizer_hash
-from kvhandoff.runtime.handoff import recompute_policy
-from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RECOMPUTE_RULES
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RULES
 from kvhandoff.workflow import load_named_pair
 from kvhandoff_lab.evaluation.options import EvalOptions
 from kvhandoff_lab.evaluation.pipeline import MapperSource, pair_mappers
@@ -56,9 +54,10 @@ def _comma_list(value: str, parse, what: str) -> tuple:
 
 def rule_list(value) -> tuple[str, ...]:
     rules = _comma_list(value, str, "rules")
-    bad = [r for r in rules if r not in RECOMPUTE_RULES or r == "none"]
+    swept = [name for name in RULES if name != "none"]
+    bad = [r for r in rules if r not in swept]
     if bad:
-        raise typer.BadParameter(f"unknown recompute rule(s) {', '.join(bad)}; use {', '.join(RECOMPUTE_RULES[1:])}")
+        raise typer.BadParameter(f"unknown recompute rule(s) {', '.join(bad)}; use {', '.join(swept)}")
     return rules
 
 
@@ -162,8 +161,6 @@ def eval_switch(
     pair = load_named_pair(source, target, dtype, progress, device_map=device_map)
     directions = pair_directions(pair, MapperSource(mapper, reverse_mapper=reverse, both_directions=both_directions),
                                  out, progress)
-    if not sweep:  # without --recompute: the forward mapper's default policy, in both directions
-        settings = replace(settings, policies=(recompute_policy(directions[0].mapper, recompute).spec,))
     tok_id = tokenizer_hash(pair.tokenizer)
     if sweep:
         result = run_recompute_sweep(directions, pair.tokenizer, tok_id, settings, out, ttft_lengths, ttft_repeats,

@@ -73,7 +73,7 @@ def tune(
         configs = config_grid(ks, lams, inputs, stride)
         calibration = CalibrationSpec(num_sequences=sequences, seq_len=seq_len, mix=groups)
     dev_set = DevSet(dev, docs, prefix_len, continuation_len)
-    result = tune_pair(load_named_pair(source, target), dev_set, configs, calibration, exact_prefixes,
-                       target_tails, mappers or (), features)
+    result = tune_pair(load_named_pair(source, target, progress=True), dev_set, configs, calibration, exact_prefixes,
+                       target_tails, mappers or (), features, progress=True)
     Console().print(tune_table(result))
     atomic_write_json(out, result)

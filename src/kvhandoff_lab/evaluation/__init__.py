@@ -3,7 +3,7 @@ transfer mapping the whole context or, ``mapped="history"``, only the few-shot h
 retention with paired bootstrap intervals, conditional perplexity, multi-turn model switching, the k sweep.
 
 Entry points: :func:`run_eval` (resumable runner), :func:`choose_k`, :func:`conditional_perplexity`,
-:func:`multiturn_switching`, :func:`render_results`; the ``kvhandoff eval`` command lives in ``kvhandoff.cli``.
+:func:`multiturn_switching`, :func:`render_results`; the ``kvhandoff-lab eval`` command lives in ``kvhandoff.cli``.
 """
 
 from kvhandoff_lab.evaluation.metrics import (

@@ -1,4 +1,4 @@
-"""`kvhandoff tune`: dev sets for `tuning.HandoffDivergence` and the sweep of fit settings scored on them.
+"""`kvhandoff-lab tune`: dev sets for `tuning.HandoffDivergence` and the sweep of fit settings scored on them.
 
 The dev sets are never calibration text and never reported evaluation items: held-out LAMBADA documents
 ("prose"), 5-shot MMLU validation prompts ("mmlu"), 8-shot GSM8K dev-pool prompts ("gsm8k") or dev-pool items
@@ -14,6 +14,7 @@ from pathlib import Path
 from kvhandoff.config import CalibrationSpec, FitConfig, require_positive
 from kvhandoff.errors import ConfigError
 from kvhandoff.fit.corpus import heldout_documents
+from kvhandoff.progress import Progress
 from kvhandoff.workflow import NamedPair, load_pair_mapper, obtain_statistics
 from kvhandoff_lab.evaluation.tasks import gsm8k_dev_examples, mmlu_dev_examples, zeroshot_dev_examples
 from kvhandoff_lab.tuning import HandoffDivergence, score_saved_mapper, sweep
@@ -71,18 +72,20 @@ def tune_pair(
     target_tails: Sequence[int] = (0,),
     mappers: Sequence[Path] = (),
     features: bool = False,
+    progress: Progress | bool = False,
 ) -> dict:
     """Score every candidate config (solved from one set of the pair's statistics, collected or reused with the
     first config's token stride) and every saved mapper on the dev set, with each exact prefix and target tail.
-    Returns the sweep's record: pair, dev set, calibration, the source model's own reference, rows (best first)."""
+    Returns the sweep's record: pair, dev set, calibration, the source model's own reference, rows (best first).
+    progress: bars over a calibration pass and the candidates (`kvhandoff.progress`)."""
     if not configs:
         raise ConfigError("the sweep needs at least one candidate config")
-    stats, _ = obtain_statistics(pair, FitConfig(token_stride=configs[0].token_stride), calibration,
+    stats, _ = obtain_statistics(pair, FitConfig(token_stride=configs[0].token_stride), calibration, progress,
                                  features=features, kv_cross=any(config.joint_inputs for config in configs))
     divergence, dev_info = dev_divergence(pair, dev)
     fingerprints = pair.fingerprints()
     rows = sweep(stats, configs, divergence, *fingerprints, pair.max_positions(), exact_prefixes=exact_prefixes,
-                 target_tails=target_tails)
+                 target_tails=target_tails, progress=progress)
     for folder in mappers:
         rows.extend(score_saved_mapper(load_pair_mapper(folder, pair), divergence, exact_prefixes, str(folder),
                                        target_tails))

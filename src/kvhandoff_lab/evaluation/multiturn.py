@@ -24,18 +24,18 @@ references CoQA provides).
 
 from __future__ import annotations
 
-import ast
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+# the CoQA reader is the product's (the demo reads its story); re-exported here for the lab's callers
+from kvhandoff.coqa import Conversation, Turn, load_coqa_conversations  # noqa: F401
 from kvhandoff.errors import ConfigError
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.runtime.session import HANDOVERS, SwitchingSession
-from kvhandoff_lab.evaluation.data import oe_requests
 from kvhandoff_lab.evaluation.metrics import max_f1, mean, token_f1
 from kvhandoff_lab.evaluation.scoring import (
     OpenContext,
@@ -44,56 +44,6 @@ from kvhandoff_lab.evaluation.scoring import (
 )
 
 STOP = ("\n",)
-
-
-@dataclass(frozen=True)
-class Turn:
-    question: str
-    answers: tuple[str, ...]  # gold references
-
-
-@dataclass(frozen=True)
-class Conversation:
-    id: str
-    story: str
-    turns: tuple[Turn, ...]
-
-
-def load_coqa_conversations(min_turns: int = 10, num_turns: int | None = 10) -> list[Conversation]:
-    """CoQA validation conversations with at least ``min_turns`` turns, cut to their first ``num_turns``."""
-    if num_turns is not None and num_turns > min_turns:
-        raise ConfigError(f"num_turns ({num_turns}) cannot exceed min_turns ({min_turns})")
-    grouped: dict[str, dict[int, dict]] = {}
-    stories: dict[str, str] = {}
-    for record in oe_requests("coqa/bpb_0shot"):
-        doc = record["doc"]
-        match = re.fullmatch(r"(.*)_turn(\d+)", str(doc["id"]))
-        if not match:
-            continue
-        conv, turn = match.group(1), int(match.group(2))
-        grouped.setdefault(conv, {})[turn] = doc
-        stories[conv] = doc["story"]
-    conversations = []
-    for conv, turns in grouped.items():
-        n = len(turns)
-        if n < min_turns or sorted(turns) != list(range(n)):
-            continue
-        docs = [turns[i] for i in range(n if num_turns is None else num_turns)]
-        conversations.append(
-            Conversation(
-                id=conv,
-                story=stories[conv],
-                turns=tuple(Turn(d["question"], tuple(_answers(d))) for d in docs),
-            )
-        )
-    return conversations
-
-
-def _answers(doc: dict) -> list[str]:
-    answers = doc.get("answers") or doc.get("choices") or []
-    if isinstance(answers, str):
-        answers = ast.literal_eval(answers)
-    return [str(a) for a in answers]
 
 
 def first_segment(conversation: Conversation) -> str:
@@ -138,15 +88,16 @@ def run_conversation(
     max_new_tokens: int = 50,
     exact_prefix: int = 0,
     handover: str = "all",
-    recompute=None,
+    recompute: RecomputePolicy | None = None,
 ) -> dict:
     """Answer every turn with the scheduled model, handing the conversation over at each switch
     (`kvhandoff.runtime.session.SwitchingSession` with ``handover``; a first handoff to a model lets it recompute the
     first ``exact_prefix`` positions itself; ``recompute``: the selective-recompute policy of every handover,
-    None = each mapper's default)."""
+    None = `DEFAULT_RECOMPUTE`)."""
     if len(schedule) != len(conversation.turns):
         raise ConfigError(f"schedule has {len(schedule)} turns, conversation {len(conversation.turns)}")
-    session = SwitchingSession(models, mappers, handover, exact_prefix, recompute=recompute)
+    plan = HandoffPlan(exact_prefix, DEFAULT_RECOMPUTE if recompute is None else recompute)
+    session = SwitchingSession(models, mappers, handover, plan)
     answers: list[str] = []
     with torch.inference_mode():
         for server, turn in zip(schedule, conversation.turns, strict=True):

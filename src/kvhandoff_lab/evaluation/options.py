@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kvhandoff.config import require_positive
 from kvhandoff.errors import ConfigError
+from kvhandoff.runtime import policy
 from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff_lab.evaluation.scoring import check_mapped
 from kvhandoff_lab.evaluation.tasks import parse_tasks
@@ -25,8 +26,8 @@ class EvalOptions:
     mapped: what the transfer condition maps on benchmark tasks: "all" (the whole context) or "history" (the
         few-shot history; the target prefills the question itself).
     exact_prefix: leading positions the target recomputes after every handoff (None = the mapper's own setting).
-    recompute: the selective-recompute policy of every handoff, a spec such as "deviation:10%" (None = the
-        mapper's default; kept as the canonical spec, `config.RecomputePolicy`).
+    recompute: the selective-recompute policy of every handoff, a `RecomputePolicy` or a spec such as
+        "deviation:10%" (stored parsed; None = `DEFAULT_RECOMPUTE`).
     """
 
     tasks: str | tuple[str, ...] = "core"
@@ -34,7 +35,7 @@ class EvalOptions:
     seed: int = 0
     mapped: str = "all"
     exact_prefix: int | None = None
-    recompute: str | None = None
+    recompute: RecomputePolicy | str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -52,7 +53,7 @@ class EvalOptions:
         ):
             raise ConfigError(f"exact_prefix must be an integer >= 0 or None, got {self.exact_prefix!r}")
         if self.recompute is not None:
-            object.__setattr__(self, "recompute", RecomputePolicy.parse(self.recompute).spec)
+            object.__setattr__(self, "recompute", policy.parse(self.recompute))
 
     def benchmark_tasks(self) -> tuple[str, ...]:
         return tuple(name for name in self.tasks if name not in EXTRA_TASKS)
@@ -89,7 +90,7 @@ class OutputOptions:
     result_name: str = "results"
     source_name: str | None = None
     target_name: str | None = None
-    progress: bool = True
+    progress: bool = False
     render: bool = True
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import sha256_bytes
+from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff_lab.evaluation.scoring import Condition, continuation_logprobs, standard_conditions
 
 
@@ -76,8 +77,10 @@ def conditional_perplexity(
     continuation_len: int = 1024,
     conditions: Sequence[str] = ("target", "transfer"),
     exact_prefix: int | None = None,
+    recompute: RecomputePolicy | None = None,
 ) -> dict:
-    """Target perplexity of each document's continuation with its own prefix cache vs. a mapped one.
+    """Target perplexity of each document's continuation with its own prefix cache vs. a mapped one (exact_prefix,
+    recompute: the transfer's, as in `standard_conditions`).
 
     documents: token-id sequences (e.g. from ``kvhandoff.fit.corpus.heldout_documents``); shorter ones are skipped.
     Returns ``{"conditions": {name: {"perplexity", "documents", "tokens"}}, "ratio": transfer ÷ target,
@@ -86,7 +89,7 @@ def conditional_perplexity(
     docs = usable_documents(documents, prefix_len, continuation_len)
     if not docs:
         raise ConfigError(f"no document has the {prefix_len + continuation_len} tokens needed")
-    available = standard_conditions(source_model, target_model, mapper, exact_prefix)
+    available = standard_conditions(source_model, target_model, mapper, exact_prefix, recompute=recompute)
     unknown = set(conditions) - set(available)
     if unknown:
         raise ConfigError(f"unknown conditions {sorted(unknown)}; choose from {sorted(available)}")

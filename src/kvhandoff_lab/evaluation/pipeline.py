@@ -1,4 +1,4 @@
-"""The `kvhandoff eval` pipeline: which mappers to evaluate, both directions' runs, the summary.
+"""The `kvhandoff-lab eval` pipeline: which mappers to evaluate, both directions' runs, the summary.
 
 The forward mapper is a saved one, one built from calibration statistics (for a given k or the k chosen on the
 dev pool, `choose_k`), or the pair's default mapper (fitted or reused from the cache, `workflow.obtain_mapper`);
@@ -87,7 +87,7 @@ def pair_mappers(pair: NamedPair, source: MapperSource, options: EvalOptions, ou
 
 
 def evaluate_directions(pair: NamedPair, forward, backward, options: EvalOptions, scoring: ScoringOptions,
-                        out: Path, progress: bool = True) -> tuple[Path, Path]:
+                        out: Path, progress: bool = False) -> tuple[Path, Path]:
     """Run the forward evaluation (OUT/forward.*) and, with a reverse mapper, the reverse one (OUT/reverse.*,
     CoQA left out: it already switches both ways); render both into OUT/summary.{md,png}, returned."""
     files = [out / "forward.json"]

@@ -28,13 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json, sha256_json
 from kvhandoff.fit.corpus import heldout_documents
 from kvhandoff.model.geometry import model_fingerprint, tokenizer_hash
-from kvhandoff.runtime.handoff import recompute_policy
+from kvhandoff.progress import Progress, as_progress
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, NoRecompute, RecomputePolicy
 from kvhandoff_lab.evaluation.metrics import mean, summarise_conditions
 from kvhandoff_lab.evaluation.multiturn import (
     load_coqa_conversations,
@@ -59,7 +58,8 @@ from kvhandoff_lab.evaluation.tasks import (
     pool_of,
 )
 
-#: 2: records keyed by `geometry.model_fingerprint` and `geometry.tokenizer_hash`, every setting in the header
+#: version of the per-item records, part of their keys (records are keyed by `geometry.model_fingerprint` and
+#: `geometry.tokenizer_hash`; a store's header holds every setting)
 RECORD_VERSION = 2
 RESULT_FORMAT = "kvhandoff-eval/2"
 
@@ -196,7 +196,7 @@ def run_records(
     items: Sequence[Any],
     runs: Sequence[RecordRun],
     store_dir: Path | None,
-    progress: bool = False,
+    progress: Progress | bool = False,
     on_item: ItemHook | None = None,
     item_id: Callable[[Any], str] = lambda item: item.id,
 ) -> dict[str, dict[str, dict]]:
@@ -212,8 +212,7 @@ def run_records(
     }
     ids = [item_id(item) for item in items]
     done = sum(i in stores[run.name] for i in ids for run in runs)
-    bar = tqdm(total=len(ids) * len(runs), initial=done, desc=task, disable=not progress, leave=False,
-               dynamic_ncols=True)
+    bar = as_progress(progress)(total=len(ids) * len(runs), initial=done, desc=task, leave=False, dynamic_ncols=True)
     try:
         for index in prefix_grouped_order(items):
             item, i = items[index], ids[index]
@@ -282,10 +281,10 @@ def task_summary(
 # -- the runner -----------------------------------------------------------------------------------------------
 
 
-def recompute_setting(recompute: str) -> dict:
-    """The recompute policy as a record-run setting: left out while "none", so records stored before the
-    setting existed still match."""
-    return {} if recompute == "none" else {"recompute": recompute}
+def recompute_setting(recompute: RecomputePolicy) -> dict:
+    """The recompute policy as a record-run setting (its spec); "none" adds nothing, so the records of runs without a
+    policy keep keys that do not mention it."""
+    return {} if not recompute.active else {"recompute": recompute.spec}
 
 
 def _standalone_run(name: str, model, tok_id: str, settings: dict, compute) -> RecordRun:
@@ -309,7 +308,7 @@ def _transfer_run(name: str, source, target, mapper, tok_id: str, settings: dict
 def benchmark_runs(
     source_model, target_model, mapper, tokenizer, spec: TaskSpec, max_new_tokens: int = 256,
     conditions: Sequence[str] = ("target", "source", "transfer"), tok_id: str | None = None,
-    exact_prefix: int = 0, mapped: str = "all", recompute: str = "none",
+    exact_prefix: int = 0, mapped: str = "all", recompute: RecomputePolicy = NoRecompute(),  # noqa: B008 - frozen
 ) -> list[RecordRun]:
     """The record runs (target, source, transfer) of one benchmark task (mapped, recompute: see
     `standard_conditions`)."""
@@ -350,7 +349,7 @@ class _Evaluation:
     on_item: ItemHook | None
     exact_prefix: int
     tok_id: str
-    recompute: str = "none"
+    recompute: RecomputePolicy = NoRecompute()  # noqa: RUF009 - frozen
 
 
 def run_eval(
@@ -380,7 +379,7 @@ def run_eval(
         raise ConfigError("the 'coqa' multi-turn task needs the reverse mapper (target → source) as well")
     # the mapper's own setting when none is given, recorded explicitly in the results
     exact_prefix = getattr(mapper, "exact_prefix", 0) if options.exact_prefix is None else options.exact_prefix
-    recompute = recompute_policy(mapper, options.recompute).spec
+    recompute = DEFAULT_RECOMPUTE if options.recompute is None else options.recompute
     run = _Evaluation(source_model, target_model, mapper, tokenizer, options, scoring, output, on_item,
                       exact_prefix, tokenizer_hash(tokenizer), recompute)
     result = _result_header(run)
@@ -404,7 +403,7 @@ def _result_header(run: _Evaluation) -> dict:
         "mapper": mapper_identity(run.mapper),
         "tokenizer": run.tok_id,
         "exact_prefix": run.exact_prefix,
-        "recompute": run.recompute,
+        "recompute": run.recompute.spec,
         "mapped": options.mapped,
         "seed": options.seed,
         "limit": options.limit,
@@ -484,7 +483,8 @@ def _run_perplexity(run: _Evaluation, documents) -> dict:
     return {**summary, "prefix_len": prefix_len, "continuation_len": continuation_len, "document_ids": ids}
 
 
-def _coqa_compute(schedule, handover, models, mappers, tokenizer, max_new_tokens, exact_prefix, recompute="none"):
+def _coqa_compute(schedule, handover, models, mappers, tokenizer, max_new_tokens, exact_prefix,
+                  recompute: RecomputePolicy = NoRecompute()):  # noqa: B008 - frozen
     return lambda conv: run_conversation(conv, schedule, models, mappers, tokenizer, max_new_tokens, exact_prefix,
                                          handover, recompute)
 

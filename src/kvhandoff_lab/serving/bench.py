@@ -1,5 +1,5 @@
 """Time to first token over HTTP at a model switch, with the handoff and with a re-prefill, side by side on one
-server (`kvhandoff bench-serve`).
+server (`kvhandoff-lab bench-serve`).
 
 The server runs in this process on a free loopback port (`server.serve_in_thread`). For each history length L and
 direction (source → target) a conversation is built from real text: the first user turn is a document of L tokens
@@ -178,7 +178,7 @@ def run_serve_bench(models, mappers, config: ServeConfig = ServeConfig(),  # noq
         "settings": {"lengths": lengths, "direction": direction, "repeats": repeats, "max_tokens": max_tokens,
                      "warmup": warmup, "time_limit_s": time_limit_s, "guard": config.guard,
                      "guard_signal": config.guard_signal, "guard_threshold": config.guard_threshold,
-                     "handover": config.handover, "recompute": config.recompute, "temperature": 0.0,
+                     "handover": config.handover, "recompute": config.recompute.spec, "temperature": 0.0,
                      "text": "CoQA validation stories (workload.document), question and follow-up of the first",
                      "ttft": "client: request sent → first SSE chunk with content (streaming, loopback HTTP)",
                      "torch_threads": torch.get_num_threads()},

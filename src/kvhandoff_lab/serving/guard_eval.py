@@ -1,4 +1,4 @@
-"""Measuring the quality guard on real conversations (`kvhandoff guard-eval`): AUROC of each signal for "the answer
+"""Measuring the quality guard on real conversations (`kvhandoff-lab guard-eval`): AUROC of each signal for "the answer
 after the handoff differs from the answer after a re-prefill", a threshold chosen on dev conversations, and its
 catch rate and false-fallback rate on held-out ones.
 
@@ -32,6 +32,7 @@ import torch
 import kvhandoff
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
+from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.decoding import end_ids
 from kvhandoff.serving.engine import CHATML_TEMPLATE
@@ -198,7 +199,7 @@ def escalation(result: dict, signal: str, threshold: float | None) -> dict:
 def resummarize(result: dict, served_threshold: float = ServeConfig().guard_threshold) -> dict:
     """``result`` (a `run_guard_eval` result, e.g. read back from its JSON) with its per-signal numbers computed
     again from its records by this version of `evaluate_signal`: "signals" for the label "answer_changed", "labels"
-    for every label of `LABELS` (stored results from before a label existed get the labels they can), and
+    for every label of `LABELS` (a stored result gets those its records hold), and
     "escalation" per signal at its dev threshold when the run handed switches over with an escalation policy."""
     heldout = {r["conversation"] for r in result["records"] if r["split"] == "heldout"}
     settings = result["settings"]
@@ -233,11 +234,11 @@ def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, swi
                    signals=GUARD_SIGNALS, max_new_tokens: int = 16, window: int = 64, heldout_every: int = 2,
                    max_false_fallback: float | None = None, time_limit_s: float | None = None,
                    story_chars: int | None = None, dialogues=None, config: ServeConfig = ServeConfig(),  # noqa: B008
-                   escalate: str | None = None, out: str | Path | None = None) -> dict:
+                   escalate: RecomputePolicy | None = None, out: str | Path | None = None) -> dict:
     """Measure the guard of ``models`` (name → (model, tokenizer)) with ``mappers`` on CoQA conversations (module
     docstring); writes the result to ``out`` (JSON) when given and returns it. ``config`` supplies the session's
     handover, exact prefix and recompute settings and the served threshold the result compares against;
-    ``escalate`` (a recompute spec) also hands every switch over with that policy (`escalation`)."""
+    ``escalate`` (a `RecomputePolicy`) also hands every switch over with that policy (`escalation`)."""
     names, signals = list(models), tuple(signals)
     if len(names) < 2:
         raise ConfigError("the guard measurement needs two hosted models")
@@ -252,7 +253,7 @@ def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, swi
     started, timed = time.monotonic(), WithinTime(built, time_limit_s)
     records = guard_records_by_signal({name: model for name, (model, _) in models.items()}, mappers, timed,
                                       signals, max_new_tokens, window, stop_ids, config.handover,
-                                      config.exact_prefix, config.recompute, escalate=escalate)
+                                      config.plan(), escalate=escalate)
     wall, ran = time.monotonic() - started, timed.started
     first = records[signals[0]]
     heldout = {i for i in range(ran) if i % heldout_every == heldout_every - 1}
@@ -264,7 +265,7 @@ def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, swi
                 "signals": list(signals), "max_new_tokens": max_new_tokens, "window": window,
                 "heldout_every": heldout_every, "max_false_fallback": max_false_fallback, "time_limit_s": time_limit_s,
                 "story_chars": story_chars, "handover": config.handover,
-                "recompute": None if config.recompute is None else str(config.recompute), "escalate": escalate,
+                "recompute": config.recompute.spec, "escalate": None if escalate is None else escalate.spec,
                 "labels": list(LABELS), "text": "CoQA validation conversations in the chat template"}
     result = {
         "format": GUARD_EVAL_FORMAT,

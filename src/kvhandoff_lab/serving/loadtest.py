@@ -1,4 +1,4 @@
-"""A load test of the server (`kvhandoff load-test`): concurrent agent-like conversations over loopback HTTP.
+"""A load test of the server (`kvhandoff-lab load-test`): concurrent agent-like conversations over loopback HTTP.
 
 Each conversation is a CoQA story with its questions (real text, `workload.coqa_dialogues`): the first user turn is
 the story and the first question, every later turn the next question, each turn streamed with the answers sent
@@ -195,7 +195,7 @@ def run_load_test(models, mappers, config: ServeConfig = ServeConfig(),  # noqa:
                                             time_limit_s, dialogues=dialogues, story_chars=story_chars))
     report["settings"].update({"guard": config.guard, "guard_signal": config.guard_signal,
                                "guard_threshold": config.guard_threshold, "handover": config.handover,
-                               "recompute": config.recompute, "models": list(models)})
+                               "recompute": config.recompute.spec, "models": list(models)})
     if out is not None:
         atomic_write_json(Path(out), report)
     return report

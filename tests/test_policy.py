@@ -1,0 +1,197 @@
+"""The selective-recompute policies (kvhandoff.runtime.policy): one class per rule, the registry, the spec grammar,
+the runtime's default."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvhandoff import FitConfig, HandoffPlan, fit_mapper, handoff_cache, prefill
+from kvhandoff.errors import ConfigError
+from kvhandoff.mapper.manifest import MapperManifest
+from kvhandoff.runtime import policy
+from kvhandoff.runtime.policy import (
+    DEFAULT_RECOMPUTE,
+    RECOMPUTE_BUDGETS,
+    RULES,
+    Deviation,
+    Mix,
+    NoRecompute,
+    Recent,
+    RecomputePolicy,
+    SelectionInfo,
+    Sinks,
+    SourceAttention,
+    budget_count,
+    policy_for,
+    turn_marker_ids,
+)
+
+from conftest import exactly_related, random_batches, tiny_model, tiny_tokenizer
+
+EXACT_FIT = FitConfig(top_k="all", ridge_lambda=1e-10, token_stride=1)
+RANKED = ("sinks", "recent", "deviation", "source_attention", "mix")
+
+
+def ids_of(batch=1, tokens=40, seed=3):
+    return torch.randint(0, 128, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def max_kv_diff(a, b):
+    return max(max((x.keys - y.keys).abs().max().item(), (x.values - y.values).abs().max().item())
+               for x, y in zip(a.layers, b.layers, strict=True))
+
+
+@pytest.fixture(scope="module")
+def exact():
+    source = tiny_model("qwen2", layers=3)
+    target = exactly_related(source)
+    return source, target, fit_mapper(source, target, random_batches(), EXACT_FIT, progress=False)
+
+
+@pytest.fixture(scope="module")
+def inexact():
+    source = tiny_model("qwen2", layers=2, seed=0)
+    target = tiny_model("qwen2", layers=3, head_dim=32, seed=1)
+    return source, target, fit_mapper(source, target, random_batches(count=2), FitConfig(top_k=1), progress=False)
+
+
+def test_budget_rounding():
+    assert [budget_count(b, 30) for b in RECOMPUTE_BUDGETS] == [0, 1, 2, 3, 6, 15, 30]
+    assert budget_count(0.05, 10) == 1 and budget_count(0.04, 10) == 0 and budget_count(1.0, 0) == 0
+    with pytest.raises(ConfigError):
+        budget_count(1.5, 10)
+
+
+def test_one_registry_names_every_rule_class():
+    assert tuple(RULES) == ("none", "sinks", "recent", "deviation", "source_attention", "mix")
+    assert all(kind.rule == name and issubclass(kind, RecomputePolicy) for name, kind in RULES.items())
+    assert policy_for("recent", 0.2) == Recent(0.2) and policy_for("none") == NoRecompute()
+    assert policy_for("source_attention", 0.1, window=8) == SourceAttention(0.1, source_window=8)
+    for rule, options in (("nearby", {}), ("recent", {"window": 8}), ("sinks", {"shares": ()})):
+        with pytest.raises(ConfigError):
+            policy_for(rule, 0.1, **options)
+
+
+@pytest.mark.parametrize("rule", RANKED)
+def test_every_rule_at_zero_and_full_budget(exact, rule):
+    source, target, mapper = exact
+    ids = ids_of(batch=2, tokens=30)
+    cache = handoff_cache(source, target, mapper, ids, HandoffPlan(exact_prefix=0))
+    info = SelectionInfo(start=4, turn_starts=(10, 20), source_attention=torch.rand(2, 30))
+    assert policy_for(rule, 0.0).positions(target, cache, ids, info).shape == (2, 0)
+    assert torch.equal(policy_for(rule, 1.0).positions(target, cache, ids, info), torch.arange(4, 30).expand(2, -1))
+    for budget in RECOMPUTE_BUDGETS:
+        picked = policy_for(rule, budget).positions(target, cache, ids, info)
+        assert picked.shape == (2, budget_count(budget, 26))
+        assert bool((picked >= 4).all()) and all(len(set(row)) == len(row) for row in picked.tolist())
+        assert torch.equal(picked, picked.sort(dim=1).values)
+
+
+def test_sinks_take_the_first_tokens_of_the_context_and_of_every_turn():
+    ids = ids_of(tokens=40)
+    assert Sinks(0.1).positions(None, None, ids, SelectionInfo()).tolist() == [[0, 1, 2, 3]]
+    info = SelectionInfo(start=2, turn_starts=(15, 30))
+    assert Sinks(3 / 38).positions(None, None, ids, info).tolist() == [[2, 15, 30]]
+    assert Sinks(6 / 38).positions(None, None, ids, info).tolist() == [[2, 3, 15, 16, 30, 31]]
+    marked = ids.clone()
+    marked[0, [9, 25]] = 127
+    detected = Sinks(3 / 40).positions(None, None, marked, SelectionInfo(marker_ids=(127,)))
+    assert detected.tolist() == [[0, 9, 25]]
+
+
+def test_turn_markers_come_from_the_tokenizer():
+    from tokenizers import AddedToken
+
+    tokenizer = tiny_tokenizer()
+    assert turn_marker_ids(tokenizer) == ()
+    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken("<|im_start|>", special=True)]})
+    assert turn_marker_ids(tokenizer) == (tokenizer.convert_tokens_to_ids("<|im_start|>"),)
+
+
+def test_recent_takes_the_last_tokens():
+    assert Recent(0.2).positions(None, None, ids_of(tokens=20), SelectionInfo()).tolist() == [[16, 17, 18, 19]]
+
+
+def test_deviation_finds_the_positions_whose_mapped_kv_were_corrupted(exact):
+    source, target, mapper = exact
+    ids = ids_of(batch=2, tokens=40)
+    cache = handoff_cache(source, target, mapper, ids, HandoffPlan(exact_prefix=0))
+    corrupt = [[5, 17, 33, 38], [1, 2, 20, 21]]
+    for row, positions in enumerate(corrupt):
+        cache.layers[0].keys[row, :, positions] += 3.0
+        cache.layers[0].values[row, :, positions[:2]] *= -2.0
+    assert Deviation(0.1).positions(target, cache, ids).tolist() == corrupt
+
+
+def test_mix_shares_the_budget_between_rules_without_overlap(exact):
+    source, target, mapper = exact
+    ids = ids_of(tokens=40)
+    cache = handoff_cache(source, target, mapper, ids, HandoffPlan(exact_prefix=0))
+    picked = Mix(0.25, shares=(("sinks", 0.5), ("recent", 0.5))).positions(target, cache, ids, SelectionInfo())
+    assert picked.tolist() == [[0, 1, 2, 3, 4, 35, 36, 37, 38, 39]]
+    overlap = Mix(1.0, shares=(("recent", 0.5), ("sinks", 0.5))).positions(target, cache, ids, SelectionInfo())
+    assert overlap.tolist() == [list(range(40))]
+    assert Mix(0.1).positions(target, cache, ids).shape == (1, 4)  # the default shares
+
+
+def test_a_policy_ranking_by_the_source_attention_needs_the_source(inexact):
+    source, target, mapper = inexact
+    ids = ids_of(tokens=20)
+    cache = handoff_cache(source, target, mapper, ids, HandoffPlan(exact_prefix=0))
+    assert NoRecompute().positions(target, cache, ids).shape == (1, 0)
+    assert Recent(0.1).positions(target, cache, ids, SelectionInfo(start=5)).tolist() == [[18, 19]]
+    with pytest.raises(ConfigError, match="source model"):
+        SourceAttention(0.1).positions(target, cache, ids)
+    source_cache, _ = prefill(source, ids)
+    picked = SourceAttention(0.1).positions(target, cache, ids, source_model=source, source_cache=source_cache)
+    assert picked.shape == (1, 2)
+    assert SourceAttention(0.1).needs_source_attention and Mix(0.1, (("source_attention", 1.0),)).needs_source_attention
+    assert not Mix(0.1).needs_source_attention and not Recent(0.1).needs_source_attention
+
+
+def test_policy_parses_and_validates():
+    assert policy.parse("deviation:10%") == Deviation(0.1)
+    assert policy.parse("recent:0.05").spec == "recent:5%"
+    assert policy.parse("none") == NoRecompute() and not NoRecompute().active
+    assert not policy.parse("sinks:0").active and policy.parse("sinks:0").spec == "none"
+    custom = policy.parse("mix(sinks=0.25,deviation=0.75):20%:window=8")
+    assert custom.shares == (("sinks", 0.25), ("deviation", 0.75)) and custom.window == 8
+    assert policy.parse(custom.spec) == custom
+    assert isinstance(policy.parse("source_attention:2%"), SourceAttention)
+    assert policy.parse("source_attention:2%:window=8").window == 8
+    assert policy.parse(Recent(0.1)) == Recent(0.1)  # a policy as it is
+    for bad in ("deviation", "nearby:10%", "recent:150%", "recent:-1", "recent:x", "mix(sinks=0.5):10%",
+                "mix(sinks=0.5,mix=0.5):10%", "recent:10%:depth=2", "recent:10%:window=8", 3):
+        with pytest.raises(ConfigError):
+            policy.parse(bad)
+    for bad_policy in (lambda: Recent(1.5), lambda: Recent("0.1"), lambda: SourceAttention(0.1, source_window=0),
+                       lambda: Mix(0.1, (("recent", 0.4),))):
+        with pytest.raises(ConfigError):
+            bad_policy()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Recent(0.1).budget = 0.2
+
+
+def test_the_default_lives_in_the_runtime_not_in_the_fit_config(exact):
+    """The runtime's default is Recent(5%); FitConfig has no recompute setting; a manifest written with an old config
+    `recompute` entry still loads; a plan's recompute is what a handoff runs."""
+    assert Recent(0.05) == DEFAULT_RECOMPUTE and DEFAULT_RECOMPUTE.spec == "recent:5%"
+    assert HandoffPlan().recompute is DEFAULT_RECOMPUTE and HandoffPlan.of().recompute is DEFAULT_RECOMPUTE
+    assert not any(field.name == "recompute" for field in dataclasses.fields(FitConfig))
+    assert "recompute" not in FitConfig().to_dict()
+    with pytest.raises(TypeError):
+        FitConfig(recompute="none")
+
+    source, target, mapper = exact
+    record = mapper.manifest.to_dict()
+    record["config"] = {**record["config"], "recompute": "sinks:100%"}  # written before the setting moved
+    assert MapperManifest.from_dict(record).config == mapper.manifest.config
+
+    # a plan that recomputes everything makes a handoff exact even with a broken map; the default plan does not
+    broken = type(mapper)(torch.zeros_like(mapper.weight), mapper.bias, mapper.selected, mapper.manifest)
+    ids = ids_of(tokens=30)
+    own, _ = prefill(target, ids)
+    assert max_kv_diff(own, handoff_cache(source, target, broken, ids, HandoffPlan.of(recompute="sinks:100%"))) <= 1e-4
+    assert max_kv_diff(own, handoff_cache(source, target, broken, ids)) > 1e-2
+    assert max_kv_diff(own, handoff_cache(source, target, broken, ids, HandoffPlan.of(recompute="none"))) > 1e-2
