@@ -43,7 +43,7 @@ from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.cache import model_device
 from kvhandoff.model.geometry import PAIRING_KEYS, check_pair, model_fingerprint
 from kvhandoff.model.loading import ModelPair, load_pair
-from kvhandoff.progress import Progress, shows_bars
+from kvhandoff.progress import Progress
 
 #: version of the cache keys (part of every key: raising it makes every entry written before a miss)
 CACHE_SCHEMA = 2
@@ -454,7 +454,7 @@ def obtain_mapper(
     if mlp is not None:
         features = info["features"]
         mapper = fit_mlp_mapper(mapper, features["folder"], r2, mlp, reverse=features["reverse"],
-                                progress=shows_bars(progress))
+                                progress=progress)
     mapper.save(folder)
     return mapper, folder, False
 

@@ -1,7 +1,7 @@
 """Compact mappers, solved from the same float64 statistics as the full ridge map (no further calibration).
 
-The full map gives every (K|V, target layer) all KV heads of its k source layers: 44 M parameters for the
-0.5B → 1.5B pair. Three structures cut that (`FitConfig`):
+The full map gives every (K|V, target layer) all KV heads of its k source layers (its size: `Mapper.nbytes`).
+Three structures cut that (`FitConfig`):
 
 - heads="aligned": target KV head h reads only its group of source KV heads (`head_groups`).
 - k_tolerance > 0: each target layer reads the fewest source layers whose in-sample R² is within the tolerance

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from kvhandoff.config import MLPConfig
 from kvhandoff.errors import StatisticsError
@@ -27,6 +26,7 @@ from kvhandoff.fit.selection import select_layers
 from kvhandoff.mapper.dense import DenseMapper
 from kvhandoff.mapper.mlp import MLPMapper, ResidualMLP
 from kvhandoff.model.capture import FeatureLayout, nonfinite_layers
+from kvhandoff.progress import Progress, as_progress
 
 
 def input_columns(layout: FeatureLayout, input_layers: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ def fit_mlp_mapper(
     r2_matrix: torch.Tensor,
     config: MLPConfig = MLPConfig(),  # noqa: B008 - frozen
     reverse: bool = False,
-    progress: bool = True,
+    progress: Progress | bool = False,
 ) -> MLPMapper:
     """Train the residual MLPs on the calibration rows in `features` around the ridge mapper `base`.
 
@@ -158,7 +158,7 @@ def _validation_loss(model: ResidualMLP, rows: _Rows) -> torch.Tensor:
     return total / rows.val_rows.numel()
 
 
-def _train(model: ResidualMLP, rows: _Rows, config: MLPConfig, progress: bool) -> _Training:
+def _train(model: ResidualMLP, rows: _Rows, config: MLPConfig, progress: Progress | bool) -> _Training:
     """Adam epochs over the train rows; every layer keeps the epoch with its lowest held-out loss (epoch 0, the
     ridge alone, included). ``model`` ends with the kept parameters."""
     layers = model.w1.shape[0]
@@ -168,7 +168,7 @@ def _train(model: ResidualMLP, rows: _Rows, config: MLPConfig, progress: bool) -
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
     history = []
     steps = math.ceil(rows.train_rows.numel() / config.batch_size)
-    bar = tqdm(total=config.epochs * steps, desc="mlp", unit="step", disable=not progress)
+    bar = as_progress(progress)(total=config.epochs * steps, desc="mlp", unit="step")
     for epoch in range(1, config.epochs + 1):
         order = rows.train_rows[torch.randperm(rows.train_rows.numel())]
         train_total = 0.0
