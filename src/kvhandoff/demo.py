@@ -62,10 +62,10 @@ class Script:
     questions: tuple[Question, ...]
 
 
-#: routine, hard (a number told only near the story's end), routine
+#: routine, hard (a number told once, late in the story), routine
 DEMO_QUESTIONS = (
     Question("What was the man's name?", "Henry"),
-    Question("How long ago did Henry's wife disappear?", "nineteen years"),
+    Question("How many people came to the dance on the first Saturday?", "twenty-seven"),
     Question("Who are Henry's two friends?", "Tom and Joe"),
 )
 
@@ -215,7 +215,7 @@ def converse(models: dict, mappers: dict, tokenizer, script: Script, max_new_tok
     answers: list[str] = []
     for index, question in enumerate(script.questions):
         server = names[index % len(names)]
-        full = chat_ids(tokenizer, chat_messages(script, answers, question))
+        full = chat_ids(tokenizer, chat_messages(script, answers))
         if index == 0:
             _warm_up(models, full)
         new = _new_turn(session, full)
@@ -249,12 +249,13 @@ def _measure_switch(session: SwitchingSession, model, server: str, turn: int, fu
     return [Switch(turn, source, server, TURN_BOUNDARY, mapped, len(new), handoff, reprefill), *rows]
 
 
-def chat_messages(script: Script, answers: list[str], question: Question) -> list[dict]:
-    """The chat so far (the story comes with the first question) with ``question`` as the new user turn."""
-    asked = [q.text for q in script.questions[: len(answers)]] + [question.text]
+def chat_messages(script: Script, answers: list[str]) -> list[dict]:
+    """The chat so far — the script's questions with their ``answers`` — and the next question as the new user turn
+    (the story comes with the first question)."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
-    for index, text in enumerate(asked):
-        messages.append({"role": "user", "content": f"{script.story}\n\n{text}" if index == 0 else text})
+    for index, question in enumerate(script.questions[: len(answers) + 1]):
+        text = f"{script.story}\n\n{question.text}" if index == 0 else question.text
+        messages.append({"role": "user", "content": text})
         if index < len(answers):
             messages.append({"role": "assistant", "content": answers[index]})
     return messages

@@ -58,7 +58,7 @@ def demo(
     device_map: DeviceMap = None,
 ) -> None:
     """A real conversation on the pair: SOURCE answers a routine turn, TARGET a hard one, SOURCE the next; each
-    switch's time to first token and answer beside TARGET's (or SOURCE's) re-prefill of the whole conversation."""
+    switch's time to first token and answer beside the receiving model re-prefilling the whole conversation."""
     if reverse:
         source, target = target, source
     with option_errors("--sequences", "--mix"):
@@ -81,10 +81,11 @@ def render_demo(result: DemoResult, console: Console | None = None) -> None:
         console.print(f"mapper {use.direction}: {'reused' if use.reused else 'fitted now'}, {use.fit} ({use.folder})")
 
     turns = Table(title="The conversation (the story comes with turn 1)")
-    for column in ("turn", "model", "question", "answer", "the story says"):
+    for column in ("turn", "model", "question", "answer", "the story says", "first token"):
         turns.add_column(column, overflow="fold")
     for turn in result.turns:
-        turns.add_row(str(turn.turn), turn.model, turn.question.text, turn.answer.text, turn.question.reference)
+        turns.add_row(str(turn.turn), turn.model, turn.question.text, turn.answer.text, turn.question.reference,
+                      f"{turn.answer.ttft_seconds:.2f} s")
     console.print(turns)
 
     switches = Table(title="Each switch: time to first token, handoff vs the receiving model re-prefilling it all")
