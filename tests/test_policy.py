@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from kvhandoff import FitConfig, HandoffPlan, fit_mapper, handoff_cache, prefill
+from _runtime_support import exact_pair, ids_of, inexact_pair, max_kv_diff
+from kvhandoff import FitConfig, HandoffPlan, handoff_cache, prefill
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.manifest import MapperManifest
 from kvhandoff.runtime import policy
@@ -27,33 +28,21 @@ from kvhandoff.runtime.policy import (
     turn_marker_ids,
 )
 
-from conftest import exactly_related, random_batches, tiny_model, tiny_tokenizer
+from conftest import tiny_tokenizer
 
-EXACT_FIT = FitConfig(top_k="all", ridge_lambda=1e-10, token_stride=1)
 RANKED = ("sinks", "recent", "deviation", "source_attention", "mix")
 
 
-def ids_of(batch=1, tokens=40, seed=3):
-    return torch.randint(0, 128, (batch, tokens), generator=torch.Generator().manual_seed(seed))
-
-
-def max_kv_diff(a, b):
-    return max(max((x.keys - y.keys).abs().max().item(), (x.values - y.values).abs().max().item())
-               for x, y in zip(a.layers, b.layers, strict=True))
 
 
 @pytest.fixture(scope="module")
 def exact():
-    source = tiny_model("qwen2", layers=3)
-    target = exactly_related(source)
-    return source, target, fit_mapper(source, target, random_batches(), EXACT_FIT, progress=False)
+    return exact_pair()
 
 
 @pytest.fixture(scope="module")
 def inexact():
-    source = tiny_model("qwen2", layers=2, seed=0)
-    target = tiny_model("qwen2", layers=3, head_dim=32, seed=1)
-    return source, target, fit_mapper(source, target, random_batches(count=2), FitConfig(top_k=1), progress=False)
+    return inexact_pair()
 
 
 def test_budget_rounding():

@@ -4,6 +4,7 @@ the plan's policy threaded through every handoff path."""
 import pytest
 import torch
 
+from _runtime_support import exact_pair, ids_of, inexact_pair, max_kv_diff
 from kvhandoff import FitConfig, HandoffPlan, SwitchingSession, catch_up, fit_mapper, handoff_cache, prefill
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import cache_of, cache_view
@@ -16,14 +17,10 @@ from kvhandoff.runtime.recompute import (
     source_attention_scores,
 )
 
-from conftest import exactly_related, random_batches, tiny_model
+from conftest import random_batches, tiny_model
 
-EXACT_FIT = FitConfig(top_k="all", ridge_lambda=1e-10, token_stride=1)
 RULES = ("sinks", "recent", "deviation", "source_attention", "mix")
 
-
-def ids_of(batch=1, tokens=40, seed=3):
-    return torch.randint(0, 128, (batch, tokens), generator=torch.Generator().manual_seed(seed))
 
 
 def junk_like(cache, seed=0):
@@ -38,25 +35,15 @@ def next_logits(model, cache, later):
         return model(input_ids=later, cache=cache_view(cache, 0), use_cache=True).logits
 
 
-def max_kv_diff(a, b, positions=slice(None)):
-    return max(max((x.keys[:, :, positions] - y.keys[:, :, positions]).abs().max().item(),
-                   (x.values[:, :, positions] - y.values[:, :, positions]).abs().max().item())
-               for x, y in zip(a.layers, b.layers, strict=True))
-
 
 @pytest.fixture(scope="module")
 def exact():
-    source = tiny_model("qwen2", layers=3)
-    target = exactly_related(source)
-    return source, target, fit_mapper(source, target, random_batches(), EXACT_FIT, progress=False)
+    return exact_pair()
 
 
 @pytest.fixture(scope="module")
 def inexact():
-    """Two unrelated tiny models and a ridge mapper between them: the mapped cache is far from the target's own."""
-    source = tiny_model("qwen2", layers=2, seed=0)
-    target = tiny_model("qwen2", layers=3, head_dim=32, seed=1)
-    return source, target, fit_mapper(source, target, random_batches(count=2), FitConfig(top_k=1), progress=False)
+    return inexact_pair()
 
 
 # -- the sparse prefill ----------------------------------------------------------------------------------------------
