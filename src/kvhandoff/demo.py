@@ -62,10 +62,10 @@ class Script:
     questions: tuple[Question, ...]
 
 
-#: routine, hard (a number told once, late in the story), routine
+#: routine, hard (a count the story gives once, near its end, next to another count), routine
 DEMO_QUESTIONS = (
     Question("What was the man's name?", "Henry"),
-    Question("How many people came to the dance on the first Saturday?", "twenty-seven"),
+    Question("How many of Henry's friends still come to the dance?", "only two now"),
     Question("Who are Henry's two friends?", "Tom and Joe"),
 )
 
@@ -116,7 +116,8 @@ class TurnRecord:
 
 @dataclass(frozen=True)
 class MapperUse:
-    direction: str
+    source: str
+    target: str
     folder: str
     reused: bool  # loaded from the cache or a saved folder, not fitted in this run
     fit: str  # `workflow.describe_fit`
@@ -183,7 +184,7 @@ def _pair_mapper(pair: NamedPair, folder, config, calibration, progress: bool, r
     else:
         mapper, folder, reused = obtain_mapper(pair, config, calibration, progress, refit, both_directions=True)
     on_source_device(mapper, pair.source)
-    return mapper, MapperUse(f"{pair.source_spec} → {pair.target_spec}", str(folder), reused, describe_fit(mapper))
+    return mapper, MapperUse(pair.source_spec, pair.target_spec, str(folder), reused, describe_fit(mapper))
 
 
 def check_story(tokenizer, script: Script, min_tokens: int = MIN_STORY_TOKENS) -> int:

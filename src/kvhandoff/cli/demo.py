@@ -75,35 +75,49 @@ def render_demo(result: DemoResult, console: Console | None = None) -> None:
     """The conversation turn by turn, then the switches: the handoff's time to first token and answer beside the
     re-prefill's."""
     console = console or Console()
-    console.print(f"[bold]kvhandoff demo[/bold]: {result.source} ⇄ {result.target} on {result.story} "
-                  f"({result.story_tokens:,} tokens)")
+    names = short_names(result.source, result.target)
+    console.print(f"[bold]kvhandoff demo[/bold]: {names[result.source]} ({result.source}) ⇄ {names[result.target]} "
+                  f"({result.target}) on {result.story}, {result.story_tokens:,} tokens")
     for use in result.mappers:
-        console.print(f"mapper {use.direction}: {'reused' if use.reused else 'fitted now'}, {use.fit} ({use.folder})")
+        console.print(f"mapper {names[use.source]} → {names[use.target]}: {'reused' if use.reused else 'fitted now'}, "
+                      f"{use.fit} ({use.folder})")
 
     turns = Table(title="The conversation (the story comes with turn 1)")
-    for column in ("turn", "model", "question", "answer", "the story says", "first token"):
+    for column in ("turn", "model", "question", "answer", "the story says"):
         turns.add_column(column, overflow="fold")
     for turn in result.turns:
-        turns.add_row(str(turn.turn), turn.model, turn.question.text, turn.answer.text, turn.question.reference,
-                      f"{turn.answer.ttft_seconds:.2f} s")
+        turns.add_row(str(turn.turn), names[turn.model], turn.question.text, turn.answer.text, turn.question.reference)
     console.print(turns)
 
-    switches = Table(title="Each switch: time to first token, handoff vs the receiving model re-prefilling it all")
-    for column in ("switch", "handed over", "handoff", "re-prefill", "speed-up", "answer after handoff",
-                   "answer after re-prefill", "same"):
-        switches.add_column(column, overflow="fold", justify="right" if column in ("handoff", "re-prefill",
-                                                                                  "speed-up") else "left")
+    switches = Table(title="Each switch: the handoff beside the receiving model re-prefilling the whole conversation")
+    for column, justify in (("switch", "left"), ("handed over", "left"), ("first token: handoff", "right"),
+                            ("re-prefill", "right"), ("speed-up", "right"), ("answer after handoff", "left"),
+                            ("after re-prefill", "left"), ("same", "left")):
+        switches.add_column(column, overflow="fold", justify=justify)
     for switch in result.switches:
-        switches.add_row(*_switch_cells(switch))
+        switches.add_row(*_switch_cells(switch, names))
     console.print(switches)
-    console.print("handoff: the receiving model reads the new turn itself on top of the mapped history (a switch at "
-                  "a turn boundary); the last row is the paper's condition, the new question mapped too.")
+    console.print("handoff: the history is mapped and the receiving model reads the new turn itself (a switch at a "
+                  f"turn boundary); {QUESTION_MAPPED}: the paper's condition, the source had read the new question "
+                  "as well; same: the same answer tokens.")
 
 
-def _switch_cells(switch: Switch) -> tuple[str, ...]:
-    label = f"turn {switch.turn}: {switch.source} → {switch.target}"
+def short_names(first: str, second: str) -> dict[str, str]:
+    """Each model's name less the start both share up to a separator ("qwen2.5-coder:0.5b" → "0.5b")."""
+    shared = 0
+    for index, (a, b) in enumerate(zip(first, second, strict=False)):
+        if a != b:
+            break
+        if not a.isalnum() and a != ".":
+            shared = index + 1
+    short = {name: name[shared:] or name for name in (first, second)}
+    return short if len(set(short.values())) == 2 else {first: first, second: second}
+
+
+def _switch_cells(switch: Switch, names: dict[str, str]) -> tuple[str, ...]:
+    label = f"turn {switch.turn}, {names[switch.source]} → {names[switch.target]}"
     if switch.condition == QUESTION_MAPPED:
-        label = f"paper's condition, {QUESTION_MAPPED} ({label})"
+        label += f", {QUESTION_MAPPED} (the paper's condition)"
     return (label, f"{switch.mapped_tokens:,} mapped, {switch.read_tokens} read",
             f"{switch.handoff.ttft_seconds:.2f} s", f"{switch.reprefill.ttft_seconds:.2f} s", f"{switch.speedup:.1f}×",
             switch.handoff.text, switch.reprefill.text, "yes" if switch.same_answer else "no")
