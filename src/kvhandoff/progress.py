@@ -49,8 +49,3 @@ def as_progress(progress: Progress | bool | None) -> Progress:
     if progress is False or progress is None:
         return SilentBar
     return progress
-
-
-def shows_bars(progress: Progress | bool | None) -> bool:
-    """Whether ``progress`` draws anything (for code that takes a flag)."""
-    return as_progress(progress) is not SilentBar
