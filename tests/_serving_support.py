@@ -9,8 +9,9 @@ import functools
 import torch
 
 from kvhandoff import FitConfig, fit_mapper
+from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
 from kvhandoff.serving.config import ServeConfig
-from kvhandoff.serving.engine import CHATML_TEMPLATE, Engine
+from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.server import serve_in_thread
 
 from conftest import chat_tokenizer, exactly_related, random_batches, tiny_model
@@ -50,7 +51,7 @@ def running(models=None, mappers=None, **settings):
 
 def chat_ids(tokenizer, messages) -> list[int]:
     """The prompt ids the server builds for ``messages`` (ChatML, the generation prompt added)."""
-    text = tokenizer.apply_chat_template(messages, chat_template=CHATML_TEMPLATE, add_generation_prompt=True,
+    text = tokenizer.apply_chat_template(messages, chat_template=DEFAULT_CHAT_TEMPLATE, add_generation_prompt=True,
                                          tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

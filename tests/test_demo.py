@@ -19,7 +19,7 @@ from kvhandoff.demo import (
 )
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.mapper import Mapper
-from kvhandoff.serving.engine import CHATML_TEMPLATE
+from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
 
 from conftest import chat_tokenizer, exactly_related, random_batches, tiny_model
 
@@ -40,7 +40,7 @@ def story(characters: int) -> str:
 
 def chat_template_tokenizer():
     tokenizer = chat_tokenizer()
-    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     return tokenizer
 
 

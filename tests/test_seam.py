@@ -1,13 +1,17 @@
 """The cache seam (kvhandoff.runtime.seam): `TransformersCache` implements the `KVCache` lifecycle on a DynamicCache —
 export rows, append and write rows, the forward that recomputes pending positions and reads new tokens, truncate,
-copy, the memory held."""
+copy, the memory held; each model's fresh cache comes from the `CacheFactory` of the side that runs it (a handoff's
+target cache never from the source's kind)."""
+
+from __future__ import annotations
 
 import inspect
 
 import pytest
 import torch
 
-from kvhandoff import KVCache, prefill
+from kvhandoff import HandoffPlan, KVCache, SwitchingSession, handoff_cache, map_for_target, prefill
+from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import cache_of
 from kvhandoff.runtime import handoff, session
 from kvhandoff.runtime.seam import Pending, TransformersCache, as_kv_cache, new_cache
@@ -109,3 +113,89 @@ def test_the_handoff_and_the_session_touch_caches_only_through_the_seam():
                          "cache_view"):
             assert internal not in source, (module.__name__, internal)
     assert issubclass(TransformersCache, KVCache) and inspect.isabstract(KVCache)
+
+
+# -- where a fresh cache comes from: the side that runs the model (`CacheFactory`) ---------------------------------
+class EngineCache(TransformersCache):
+    """A `TransformersCache` standing in for one engine's cache: it knows which engine (``engine``) made it."""
+
+    def __init__(self, engine: str, cache=None) -> None:
+        super().__init__(cache)
+        self.engine = engine
+
+    def empty(self) -> EngineCache:
+        return EngineCache(self.engine)
+
+    def copy(self) -> EngineCache:
+        return EngineCache(self.engine, TransformersCache.copy(self).native)
+
+
+class SourceOnlyCache(EngineCache):
+    """A source engine's cache whose kind cannot hold the target's K/V: asked for an empty one, it refuses."""
+
+    def empty(self):
+        raise AssertionError("the target's cache was made by the source's kind")
+
+
+class SameRows:
+    """A stand-in mapper between two models of one geometry: the rows as they are (cast to ``dtype``)."""
+
+    exact_prefix = 3
+
+    def transfer(self, rows, position_ids=None, dtype=None):
+        return cache_of((layer.keys.to(dtype), layer.values.to(dtype)) for layer in rows.layers)
+
+
+class Factory:
+    """A `CacheFactory` that makes an `EngineCache` of the model's engine and records what it made for whom."""
+
+    def __init__(self, engines) -> None:
+        self.engines, self.made = engines, []
+
+    def __call__(self, model) -> EngineCache:
+        cache = EngineCache(self.engines[id(model)])
+        self.made.append(cache)
+        return cache
+
+
+@pytest.fixture(scope="module")
+def other(model):
+    return tiny_model("qwen2", layers=2, seed=1)  # the geometry of ``model``, other weights
+
+
+def test_the_mapped_cache_comes_from_the_targets_factory_not_the_sources_kind(model, other):
+    ids = ids_of(tokens=20)
+    source = SourceOnlyCache("source", prefill(model, ids[:, :16])[0])
+    factory = Factory({id(model): "target"})
+    mapped = map_for_target(model, model, SameRows(), ids[:, :16], HandoffPlan.of(3, "none"), source,
+                            cache_factory=factory)
+    assert [made.engine for made in factory.made] == ["target"] and mapped.cache is factory.made[0]
+    assert mapped.pending.tolist() == [[0, 1, 2]]
+    logits = mapped.read(model, ids[:, 16:])  # the target's pending recompute and read run on its own cache
+    _, reference = prefill(model, ids)
+    assert mapped.cache.length == 20 and (logits[:, -1] - reference).abs().max() <= 1e-5
+    # without a source cache the source's prefill cache comes from the factory too, made for the source
+    factory = Factory({id(model): "source", id(other): "target"})
+    native = handoff_cache(model, other, SameRows(), ids, HandoffPlan.of(0, "none"), cache_factory=factory)
+    assert [made.engine for made in factory.made] == ["source", "target"] and native is factory.made[1].native
+    with pytest.raises(ConfigError, match="starts empty"):
+        map_for_target(model, model, SameRows(), ids, source_cache=prefill(model, ids)[0],
+                       cache_factory=lambda m: as_kv_cache(prefill(m, ids[:, :2])[0]))
+
+
+def test_a_session_makes_each_models_cache_with_that_models_factory(model, other):
+    factory = Factory({id(model): "a", id(other): "b"})
+    mappers = {("a", "b"): SameRows(), ("b", "a"): SameRows()}
+    conversation = SwitchingSession({"a": model, "b": other}, mappers, plan=HandoffPlan.of(0, "none"),
+                                    cache_factory=factory)
+    ids = ids_of(tokens=30)[0].tolist()
+    conversation.read("a", ids[:12])  # a's first turn: a's own engine
+    conversation.read("b", ids[12:20])  # the handover maps a's cache into one b's engine made
+    conversation.read("a", ids[20:])  # a catches up on its own cache
+    assert [made.engine for made in factory.made] == ["a", "b"]
+    assert all(conversation.cache(name) is made.native for name, made in zip("ab", factory.made, strict=True))
+    assert conversation.cached_length("a") == 30 and conversation.cached_length("b") == 20
+    conversation.reprefill("b")
+    assert [made.engine for made in factory.made] == ["a", "b", "b"]
+    assert conversation.cache("b") is factory.made[2].native
+    assert conversation.fork().cache_factory is factory

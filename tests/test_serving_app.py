@@ -237,23 +237,47 @@ BAD_REQUESTS = [
     ({"model": "small"}, 400, "messages"),
     ({"model": "small", "messages": []}, 400, "messages"),
     ({"model": "small", "messages": "hello"}, 400, "messages"),
-    ({"model": "small", "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
-    ({"model": "small", "messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ({"model": "small", "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),
+    ({"model": "small", "messages": [{"role": "critic", "content": "x"}]}, 400, "messages[0].role"),
+    ({"model": "small", "messages": [{"role": "user"}]}, 400, "messages[0]"),
+    ({"model": "small", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400,
+     "messages[0].content"),
     ({"model": 5, "messages": [{"role": "user", "content": "x"}]}, 400, "model"),
     ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, 400, "max_tokens"),
-    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
-    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "n": 17}, 400, "n"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True}, 400,
+     "top_logprobs"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}],
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+      "tools": [{"type": "function", "function": {"name": "bad name"}}]}, 400, "tools[0].function.name"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+          "type": "function", "function": {"name": "g"}}}, 400, "tool_choice.function.name"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, 400,
+     "functions"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+     400, "response_format"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     400, "response_format.type"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"100000": 1}}, 400,
+     "logit_bias"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "stop_token_ids": [100000]}, 400,
+     "stop_token_ids"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, 400,
+     "presence_penalty"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400, "temperature"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, 400, "top_p"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, 400,
      "stop"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "stream"),
-    ({"model": "small", "messages": [{"role": "user", "content": "x" * 600}]}, 413, "messages"),
+    ({"model": "small", "messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "kv_handoff": {"mode": "never"}}, 400,
      "kv_handoff.mode"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "kv_handoff": "reprefill"}, 400,
@@ -265,9 +289,10 @@ BAD_COMPLETIONS = [
     ({"model": "small", "prompt": ["one", "two"]}, 400, "prompt"),
     ({"model": "small", "prompt": [1, 2, 100000]}, 400, "prompt"),
     ({"model": "small", "prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ({"model": "small", "prompt": "x", "echo": True}, 400, "echo"),
+    ({"model": "small", "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"model": "small", "prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ({"model": "small", "prompt": ""}, 400, "prompt"),
-    ({"model": "large", "prompt": "x" * 600}, 413, "prompt"),
+    ({"model": "large", "prompt": "x" * 600}, 400, "prompt"),
     ({"model": "small", "prompt": "x", "kv_handoff": {"mode": 1}}, 400, "kv_handoff.mode"),
 ]
 
@@ -292,7 +317,7 @@ def test_malformed_json_and_unknown_routes_get_error_objects(server):
     with pytest.raises(openai.NotFoundError):
         client_of(server).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
-        client_of(server).chat.completions.create(model="small", messages=[{"role": "user", "content": "x"}], n=3)
+        client_of(server).chat.completions.create(model="small", messages=[{"role": "user", "content": "x"}], n=17)
 
 
 def test_field_path_leaves_out_union_tags():

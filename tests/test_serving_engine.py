@@ -14,6 +14,7 @@ from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, Sinks
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.config import ServeConfig
+from kvhandoff.serving.decoding import SamplingParams
 from kvhandoff.serving.engine import Engine, GenerationRequest, RequestError, common_prefix
 
 pytestmark = pytest.mark.timeout(120)
@@ -82,8 +83,12 @@ def test_engine_refuses_an_incomplete_family():
 
 
 async def ask(engine, model, prompt=None, messages=None, session=None, max_tokens=24, **sampling):
+    """``model``'s answer on ``engine``: messages as (role, text) pairs; sampling settings (default greedy) as
+    `SamplingParams` fields."""
+    if messages is not None:
+        messages = tuple({"role": role, "content": text} for role, text in messages)
     request = GenerationRequest(model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
-                                temperature=sampling.pop("temperature", 0.0), session_id=session, **sampling)
+                                sampling=SamplingParams(**{"temperature": 0.0, **sampling}), session_id=session)
     generation = await engine.start(request)
     return await generation.text(), generation.report, generation
 

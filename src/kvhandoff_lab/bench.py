@@ -308,6 +308,8 @@ def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_tu
     plan = HandoffPlan(None, policy)  # the mapper's exact prefix
     prefix = min(mapper.exact_prefix, history.shape[1])  # the exact prefix is never counted in the budget
 
+    # every handoff path calls `Mapper.transfer` on the source's transformers cache itself rather than through
+    # `map_for_target`, so that the raw transfer is timed apart ("transfer") from the selection and the forward
     def handoff():
         t0 = time.perf_counter()
         cache = mapper.transfer(source_cache, dtype=target_dtype)
@@ -334,17 +336,16 @@ def _paths(target_model, mapper: Mapper, source_cache, ids: torch.Tensor, new_tu
         return logits, {"stored_prefix_target_forward": time.perf_counter() - t1, "stored_prefix_map": t1 - t0}
 
     def two_step_handoff():
-        cache = mapper.transfer(source_cache, dtype=target_dtype)
-        mapped = as_kv_cache(cache)
-        if prefix:  # the exact prefix by a prefill of its own
+        mapped = as_kv_cache(mapper.transfer(source_cache, dtype=target_dtype))  # the target's cache, behind the seam
+        if prefix:  # the exact prefix by a prefill of its own, in a fresh cache of the target's kind
             own = mapped.empty()
             own.read(target_model, history[:, :prefix])
             mapped.write(0, own.export())
         if policy.active and prefix < history.shape[1]:  # the policy's picks by a sparse prefill
-            picked = policy.positions(target_model, cache, history, SelectionInfo(start=prefix), source_model,
-                                      source_cache)
+            picked = policy.positions(target_model, mapped.export(), history, SelectionInfo(start=prefix),
+                                      source_model, source_cache)
             mapped.recompute(target_model, Pending(history, picked))
-        return target_model(input_ids=turn, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1], {}
+        return mapped.read(target_model, turn)[:, -1], {}  # the target's read, nothing left pending
 
     def reprefill():
         return prefill(target_model, ids)[1], {}

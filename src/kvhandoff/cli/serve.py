@@ -22,6 +22,7 @@ from kvhandoff.cli.options import (
 from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs
 from kvhandoff.serving.server import run_server
+from kvhandoff.serving.tools import TOOL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -65,15 +66,21 @@ def serve(
     max_context: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "tokens a conversation may reach (default: the hosted models' smallest max_position_embeddings)"))] = None,
     recompute: Recompute = None,
+    api_key: Annotated[str | None, typer.Option(envvar="KVHANDOFF_API_KEY", help=(
+        "require 'Authorization: Bearer KEY' on every request (env KVHANDOFF_API_KEY)"))] = None,
+    open_probes: Annotated[bool, typer.Option(help="/health and /metrics answer without the API key")] = True,
+    tool_call_parser: Annotated[str, typer.Option(parser=one_of(tuple(TOOL_PARSERS)), help=(
+        "how tool calls are read out of the models' answers"))] = ServeConfig.tool_parser,
     log_level: Annotated[str, typer.Option(parser=one_of(LOG_LEVELS), help="uvicorn's log level")] = "info",
     dtype: Dtype = DEFAULT_DTYPE,
     device_map: DeviceMap = None,
 ) -> None:
     """Serve a model family behind an OpenAI-compatible API; a conversation that switches models is handed over."""
-    with option_errors("--host", "--port", "--guard-threshold", "--max-context"):
+    with option_errors("--host", "--port", "--guard-threshold", "--max-context", "--api-key"):
         config = ServeConfig(host=host, port=port, guard=guard == "on", guard_signal=guard_signal,
                              guard_threshold=guard_threshold, max_sessions=max_sessions, session_ttl_s=session_ttl,
                              cache_memory_bytes=cache_memory, max_context=max_context, recompute=recompute,
+                             api_key=api_key, open_probes=open_probes, tool_parser=tool_call_parser,
                              log_level=log_level)
     run_server(*load_family(*family_specs(models, mapper), dtype=dtype, progress=True, device_map=device_map),
                config)

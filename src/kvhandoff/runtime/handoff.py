@@ -19,7 +19,7 @@ from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
 from kvhandoff.runtime.policy import SelectionInfo
 from kvhandoff.runtime.prefix_store import PrefixStore
 from kvhandoff.runtime.recompute import attention_from_queries, record_queries
-from kvhandoff.runtime.seam import KVCache, Pending, as_kv_cache, new_cache
+from kvhandoff.runtime.seam import CacheFactory, KVCache, Pending, as_kv_cache, new_cache
 
 
 def _check_ids(input_ids: torch.Tensor, minimum: int) -> None:
@@ -187,9 +187,11 @@ def _pending_positions(cache: KVCache, target_model, input_ids: torch.Tensor, ow
 
 
 @torch.inference_mode()
-def _source_prefill(source_model, input_ids: torch.Tensor, plan: HandoffPlan, info: SelectionInfo):
-    """The source's cache of ``input_ids``; its attention recorded into ``info`` when the plan's policy ranks by it."""
-    source = new_cache()
+def _source_prefill(source_model, input_ids: torch.Tensor, plan: HandoffPlan, info: SelectionInfo,
+                    cache_factory: CacheFactory):
+    """The source's cache of ``input_ids`` (``cache_factory(source_model)`` prefilled); its attention recorded into
+    ``info`` when the plan's policy ranks by it."""
+    source = cache_factory(source_model)
     ids = input_ids.to(model_device(source_model))
     if not plan.recompute.needs_source_attention:
         source.read(source_model, ids)
@@ -201,7 +203,8 @@ def _source_prefill(source_model, input_ids: torch.Tensor, plan: HandoffPlan, in
 
 def map_for_target(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor,
                    plan: HandoffPlan | None = None, source_cache=None,
-                   selection_info: SelectionInfo | None = None) -> MappedCache:
+                   selection_info: SelectionInfo | None = None, *,
+                   cache_factory: CacheFactory = new_cache) -> MappedCache:
     """The mapped target cache of all of ``input_ids`` [batch, T], built from the source's prefill, with the
     positions the target recomputes (``plan``: the exact prefix and the recompute policy's picks; None: the
     mapper's exact prefix and `DEFAULT_RECOMPUTE`) still pending: `MappedCache.read` does them with the target's
@@ -210,6 +213,10 @@ def map_for_target(source_model, target_model, mapper: Mapper, input_ids: torch.
     source_cache: the source's cache of exactly ``input_ids`` when the caller already has one (a `KVCache` or a
     `transformers` cache; e.g. a reused few-shot prefix extended by the rest); the source prefill is then skipped.
     selection_info: what the recompute policy may know beyond the cache (turn starts, the source's attention).
+    cache_factory: makes each model's fresh cache, ``cache_factory(model)`` → an empty `KVCache` of the engine that
+    runs it (`CacheFactory`; default `new_cache`, a `TransformersCache`): the target's, which the mapped rows go
+    into, and the source's for its prefill (none when ``source_cache`` is given). The target's cache never comes
+    from the source's kind: the two may live in different engines.
 
     Refused before any work: a mapper fitted for another pair (MapperMismatchError; checked once per mapper and
     model) and a context longer than the target's window (ContextTooLongError).
@@ -220,13 +227,16 @@ def map_for_target(source_model, target_model, mapper: Mapper, input_ids: torch.
     check_context(input_ids.shape[1], target_model, mapper)
     info = selection_info or SelectionInfo()
     if source_cache is None:
-        source, info = _source_prefill(source_model, input_ids, plan, info)
+        source, info = _source_prefill(source_model, input_ids, plan, info, cache_factory)
     else:
         source = as_kv_cache(source_cache)
         if source.length != input_ids.shape[1]:
             raise ConfigError(f"source_cache holds {source.length} tokens, the mapped part of input_ids "
                               f"{input_ids.shape[1]}")
-    target = source.empty()
+    target = cache_factory(target_model)  # the target's engine makes its cache; the source's kind may differ
+    if target.length:
+        raise ConfigError(f"the cache factory made a cache of {target.length} positions for the target; a mapped "
+                          "cache starts empty")
     target.append(mapper.transfer(source.export(), dtype=target_model.dtype))
     return MappedCache.from_mapped(target, target_model, input_ids, mapper, plan, info, source_model, source)
 
@@ -274,15 +284,16 @@ def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, targ
 
 def handoff_cache(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor,
                   plan: HandoffPlan | None = None, source_cache=None, target_tail: int = 0,
-                  selection_info: SelectionInfo | None = None):
+                  selection_info: SelectionInfo | None = None, *, cache_factory: CacheFactory = new_cache):
     """The target's cache for all of ``input_ids`` [batch, T], built from the source's prefill (no target prefill of
     the context), the plan's recompute done: `map_for_target`, settled. Returns the engine's own cache object
     (`KVCache.native`), which the target's ``generate`` takes.
 
     target_tail: the last ``target_tail`` tokens are not mapped but read by the target itself on top of the mapped
     cache — what a switch looks like when the new turn has not been read by any model yet; the recompute runs in
-    that same forward (`MappedCache.read`). source_cache: the source's cache of exactly the mapped part. Refused as
-    `map_for_target` is, before any work.
+    that same forward (`MappedCache.read`). source_cache: the source's cache of exactly the mapped part.
+    cache_factory: each model's fresh cache, as in `map_for_target`. Refused as `map_for_target` is, before any
+    work.
     """
     _check_ids(input_ids, 1)
     if not 0 <= target_tail < input_ids.shape[1]:
@@ -293,7 +304,7 @@ def handoff_cache(source_model, target_model, mapper: Mapper, input_ids: torch.T
     check_context(input_ids.shape[1], target_model, mapper)
     cut = input_ids.shape[1] - target_tail
     mapped = map_for_target(source_model, target_model, mapper, input_ids[:, :cut], plan, source_cache,
-                            selection_info)
+                            selection_info, cache_factory=cache_factory)
     if target_tail:
         mapped.read(target_model, input_ids[:, cut:])
         return mapped.cache.native
@@ -301,13 +312,15 @@ def handoff_cache(source_model, target_model, mapper: Mapper, input_ids: torch.T
 
 
 def handoff_generate(source_model, target_model, mapper: Mapper, input_ids: torch.Tensor,
-                     plan: HandoffPlan | None = None, target_tail: int = 0, **generate_kwargs) -> torch.Tensor:
+                     plan: HandoffPlan | None = None, target_tail: int = 0, *,
+                     cache_factory: CacheFactory = new_cache, **generate_kwargs) -> torch.Tensor:
     """The source prefills all but the last token (all but the last 1 + ``target_tail``, which the target reads
     itself: see `handoff_cache`); the mapped cache goes to the target, which generates. `generate`'s first forward
     reads the unmapped tokens and recomputes what ``plan`` says (`MappedCache.generate`): one target forward before
     the first new token.
 
-    generate_kwargs go to the target's ``generate`` (max_new_tokens, do_sample, temperature, ...).
+    cache_factory: each model's fresh cache, as in `map_for_target`. generate_kwargs go to the target's
+    ``generate`` (max_new_tokens, do_sample, temperature, ...).
     Returns the full sequences [batch, tokens + new], as ``generate`` does.
     """
     _check_ids(input_ids, 2)
@@ -316,5 +329,6 @@ def handoff_generate(source_model, target_model, mapper: Mapper, input_ids: torc
             f"target_tail must be in 0..{input_ids.shape[1] - 2} (at least one token is mapped), got {target_tail}"
         )
     cut = input_ids.shape[1] - 1 - target_tail
-    mapped = map_for_target(source_model, target_model, mapper, input_ids[:, :cut], plan)
+    mapped = map_for_target(source_model, target_model, mapper, input_ids[:, :cut], plan,
+                            cache_factory=cache_factory)
     return mapped.generate(target_model, input_ids.to(mapped.cache.device), **generate_kwargs)

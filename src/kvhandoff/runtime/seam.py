@@ -6,6 +6,10 @@ of `kvhandoff.runtime.recompute`). An engine's own cache (llama.cpp's sequence s
 blocks) implements the same methods; the handoff never learns which cache it holds. Rows travel between caches and
 the mapper as a `DynamicCache` of [batch, kv_heads, positions, head_dim] tensors per layer: what `Mapper.transfer`
 reads and returns.
+
+A model's fresh cache comes from a `CacheFactory`, ``factory(model)``: the side that runs ``model`` makes it (the
+source's engine its prefill's cache, the target's engine the cache the mapped rows go into), so a source and a target
+in different engines or contexts each get their own kind. `new_cache` is the default factory (`TransformersCache`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -98,7 +103,9 @@ class KVCache(ABC):
 
     @abstractmethod
     def empty(self) -> KVCache:
-        """A new, empty cache of this kind (a target's cache that mapped rows are appended to)."""
+        """A new, empty cache of this kind, in this cache's engine (e.g. for the target's own prefill of a prefix it
+        writes into the cache it holds). A model's first cache comes from a `CacheFactory`, not from another model's
+        cache."""
 
     @abstractmethod
     def storages(self) -> dict[tuple, int]:
@@ -253,8 +260,14 @@ def as_kv_cache(cache) -> KVCache:
     return cache if isinstance(cache, KVCache) else TransformersCache(cache)
 
 
-def new_cache() -> KVCache:
-    """An empty cache of the default kind (`TransformersCache`), for a model's first prefill."""
+#: how the runtime gets a model's fresh, empty cache: ``factory(model)`` → a `KVCache` of the engine that runs
+#: ``model`` (what a handoff's target cache, a source's prefill and a session's first turn start from)
+CacheFactory = Callable[[Any], KVCache]
+
+
+def new_cache(model=None) -> KVCache:
+    """An empty cache of the default kind (`TransformersCache`) for ``model`` (a `transformers` model; the kind does
+    not depend on which): the default `CacheFactory`."""
     return TransformersCache()
 
 

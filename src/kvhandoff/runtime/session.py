@@ -11,7 +11,7 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.handoff import MappedCache, catch_up, check_context, map_for_target, verify_mapper
 from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
 from kvhandoff.runtime.policy import SelectionInfo
-from kvhandoff.runtime.seam import KVCache, new_cache
+from kvhandoff.runtime.seam import CacheFactory, KVCache, new_cache
 
 #: how a conversation is handed over at a switch: "all" — the current server's whole cache is mapped for the new
 #: server; "incremental" — every model keeps its own cache and only the positions it has not cached are mapped
@@ -28,7 +28,10 @@ class SwitchingSession:
     recompute policy by which the receiving model recomputes a share of the positions just mapped for it, and the
     `PrefixStore` the models' exact prefixes are copied from and kept in (shared by the sessions of one server,
     whose conversations open alike). The session knows where each turn (each `read`, each generated answer)
-    starts, for "sinks". Each model's cache sits behind the cache seam (`KVCache`).
+    starts, for "sinks". Each model's cache sits behind the cache seam (`KVCache`); cache_factory makes a model's
+    fresh one, ``cache_factory(model)`` (`CacheFactory`; default `new_cache`, a `TransformersCache`): at its first
+    turn, at a re-prefill, and when a handover maps the conversation for it — always by the model's own engine,
+    never of the kind of the cache it is mapped from.
 
     `read(server, ids)` lets ``server`` read the next tokens of the conversation, switching to it first when
     another model served last; `generate(server, ids, ...)` also answers, and the answer joins the conversation.
@@ -40,7 +43,8 @@ class SwitchingSession:
     work (ContextTooLongError).
     """
 
-    def __init__(self, models, mappers, handover: str = "incremental", plan: HandoffPlan | None = None) -> None:
+    def __init__(self, models, mappers, handover: str = "incremental", plan: HandoffPlan | None = None, *,
+                 cache_factory: CacheFactory = new_cache) -> None:
         if handover not in HANDOVERS:
             raise ConfigError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
         if plan is not None and not isinstance(plan, HandoffPlan):
@@ -52,7 +56,7 @@ class SwitchingSession:
                 raise ConfigError(f"mapper {source} → {target} names unknown model(s) {unknown}; the session "
                                   f"serves {', '.join(self.models)}")
             verify_mapper(mapper, self.models[source], self.models[target])
-        self.handover, self.plan = handover, plan or DEFAULT_PLAN
+        self.handover, self.plan, self.cache_factory = handover, plan or DEFAULT_PLAN, cache_factory
         self._turn_starts: list[int] = []  # where each read turn and each generated answer began
         self.tokens: list[int] = []
         self.owner: str | None = None  # the model that read the conversation last
@@ -102,7 +106,7 @@ class SwitchingSession:
                                   ids, self.plan, info)
             else:
                 mapped = map_for_target(self.models[owner], self.models[server], mapper, ids, self.plan, current,
-                                        info)
+                                        info, cache_factory=self.cache_factory)
                 self._caches[server] = mapped.cache
             self.owner = server
             return mapped
@@ -122,7 +126,7 @@ class SwitchingSession:
     def _own_cache(self, server: str) -> KVCache:
         """``server``'s cache, an empty one before the conversation's first turn."""
         if server not in self._caches:
-            self._caches[server] = new_cache()
+            self._caches[server] = self.cache_factory(self.models[server])
         return self._caches[server]
 
     @torch.inference_mode()
@@ -220,7 +224,7 @@ class SwitchingSession:
             raise ConfigError("reprefill needs a conversation of at least one token")
         self._caches.pop(server, None)
         model = self.models[server]
-        cache = self._caches[server] = new_cache()
+        cache = self._caches[server] = self.cache_factory(model)
         logits = cache.read(model, torch.tensor([self.tokens], device=model.device))
         self.owner = server
         return logits[0, -1].float().log_softmax(-1)

@@ -1,20 +1,28 @@
-"""The HTTP routes (FastAPI): OpenAI's chat and text completions (JSON or server-sent events), the model list,
-health and Prometheus metrics. Routes only: every decision is the engine's (`engine.py`)."""
+"""The HTTP routes (FastAPI): OpenAI's chat and text completions (JSON or server-sent events) with function calling
+and structured output, the model list, vLLM's tokenizer routes, version, health and Prometheus metrics. Routes
+parse and answer; every decision about caches and decoding is the engine's (`engine.py`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import json
+import logging
+import threading
 import time
 import uuid
 
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvhandoff
-from kvhandoff.serving.engine import Engine, Generation, GenerationRequest, RequestError
+from kvhandoff.errors import ConfigError
+from kvhandoff.serving.decoding import SamplingParams
+from kvhandoff.serving.engine import Choice, Engine, Generation, GenerationRequest, RequestError, TokenEntry
+from kvhandoff.serving.grammar import GrammarSpec, JsonObject, JsonSchema, ToolCalls
 from kvhandoff.serving.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -22,36 +30,64 @@ from kvhandoff.serving.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChoiceLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorBody,
     ErrorResponse,
+    FunctionCallDelta,
+    FunctionCallOut,
     GuardInfo,
     HandoffInfo,
     ModelCard,
     ModelList,
     PromptTokensDetails,
     SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenLogprob,
+    ToolCallDelta,
+    ToolCallOut,
+    TopLogprob,
     Usage,
     dump,
+    unknown_fields,
 )
+from kvhandoff.serving.tools import ContentDelta, ToolSettings, parse_tools, tool_parser, validate_arguments
+from kvhandoff.serving.tools import ToolCallDelta as ParsedCallDelta
+
+logger = logging.getLogger(__name__)
 
 #: HTTP status and OpenAI error type of each `engine.ERROR_KINDS`
 ERROR_STATUS = {
     "invalid_request": (400, "invalid_request_error"),
     "not_found": (404, "not_found_error"),
-    "too_long": (413, "invalid_request_error"),
+    "too_long": (400, "invalid_request_error"),
     "too_many_sessions": (429, "rate_limit_error"),
     "overloaded": (503, "server_error"),
     "cancelled": (499, "invalid_request_error"),
     "internal": (500, "server_error"),
 }
-#: header naming the session (before the body's prompt_cache_key and user)
+#: headers naming the session, in the order they are read (before the body's prompt_cache_key and user)
 SESSION_HEADER = "X-Session-ID"
+LITELLM_SESSION_HEADER = "x-litellm-session-id"
 #: response header saying what happened to the cache: applied | fallback | reprefill | none
 HANDOFF_HEADER = "X-KV-Handoff"
+#: the router vocabulary (vLLM semantic-router): whether a KV transfer served the request, the mapper that did it
+#: (its manifest checksum), and the conversation cache it went into
+TRANSFER_STATUS_HEADER = "x-vsr-kv-transfer-status"
+MAPPER_ID_HEADER = "x-vsr-kv-mapper-id"
+CACHE_ID_HEADER = "x-vsr-kv-cache-id"
+#: the router status of each handoff status: "unsupported" where no transfer took part (no switch)
+TRANSFER_STATUS = {"applied": "applied", "fallback": "fallback_reprefill", "reprefill": "fallback_reprefill",
+                   "none": "unsupported"}
+#: routes that answer without the API key when the server opens its probes
+PROBE_PATHS = ("/health", "/metrics")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 
 
@@ -74,10 +110,88 @@ def field_path(location) -> str | None:
     return path or None
 
 
-def session_of(header: str | None, body: SamplingRequest) -> str | None:
-    """The session a request belongs to: header X-Session-ID, else the body's prompt_cache_key, else its user
-    (None: stateless)."""
-    return header or body.prompt_cache_key or body.user or None
+def session_of(request: Request, body: SamplingRequest) -> str | None:
+    """The session a request belongs to: header X-Session-ID, else x-litellm-session-id, else the body's
+    prompt_cache_key, else its user (None: stateless)."""
+    headers = request.headers
+    return (headers.get(SESSION_HEADER) or headers.get(LITELLM_SESSION_HEADER) or body.prompt_cache_key
+            or body.user or None)
+
+
+@contextlib.contextmanager
+def refused_as(param: str | None):
+    """A `ConfigError` raised while parsing a request field becomes a 400 naming ``param`` (None: the field its
+    message begins with, as in ``tools[1].function.name: ...``)."""
+    try:
+        yield
+    except ConfigError as exc:
+        message = str(exc)
+        if param is None:
+            head = message.split(":", 1)[0]
+            param = head if head and " " not in head else None
+        raise RequestError("invalid_request", message, param=param) from exc
+
+
+class UnknownFieldLog:
+    """Names each request field the server ignores once in its log."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def note(self, body: SamplingRequest) -> None:
+        for name in unknown_fields(body):
+            with self._lock:
+                if name in self._seen:
+                    continue
+                self._seen.add(name)
+            logger.warning("requests carry the field %r, which this server does not read; it is ignored", name)
+
+
+def sampling_of(body: SamplingRequest) -> SamplingParams:
+    with refused_as(None):
+        return SamplingParams(**body.sampling_fields())
+
+
+def grammar_of(body: ChatCompletionRequest, tools: ToolSettings | None) -> GrammarSpec | None:
+    """The constraint the answers follow: a forced tool call (tool_choice required or named), or the
+    response_format's JSON."""
+    response_format = body.response_format
+    wants_json = response_format is not None and response_format.type != "text"
+    if tools is not None and tools.choice.mode in ("required", "named"):
+        if wants_json:
+            raise RequestError("invalid_request", "response_format cannot be combined with a forced tool call "
+                               f"(tool_choice {tools.choice.mode!r}); send one of them", param="response_format")
+        with refused_as("tool_choice"):
+            return ToolCalls(tuple((tool.name, tool.parameters) for tool in tools.tools), tools.choice.name,
+                             tools.parallel_tool_calls)
+    if not wants_json:
+        return None
+    with refused_as("response_format"):
+        if response_format.type == "json_object":
+            return JsonObject()
+        spec = response_format.json_schema
+        return JsonSchema(spec.schema_, spec.name, bool(spec.strict))
+
+
+def chat_request(body: ChatCompletionRequest, session_id: str | None) -> tuple[GenerationRequest, ToolSettings]:
+    with refused_as(None):
+        tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    template_tools = tools.template_tools()
+    request = GenerationRequest(
+        model=body.model, messages=tuple(message.template_message() for message in body.messages),
+        tools=tuple(template_tools) if template_tools else None, max_tokens=body.answer_limit(),
+        sampling=sampling_of(body), stop=body.stop_strings(), grammar=grammar_of(body, tools), choices=body.choices(),
+        logprobs=body.logprob_alternatives(), session_id=session_id, handoff_mode=body.handoff_mode())
+    return request, tools
+
+
+def completion_request(body: CompletionRequest, session_id: str | None) -> GenerationRequest:
+    prompt = body.prompt if isinstance(body.prompt, str) else tuple(body.prompt)
+    return GenerationRequest(
+        model=body.model, prompt=prompt, max_tokens=body.answer_limit(), sampling=sampling_of(body),
+        stop=body.stop_strings(), choices=body.choices(), logprobs=body.logprob_alternatives(),
+        echo=bool(body.echo), session_id=session_id, handoff_mode=body.handoff_mode())
 
 
 def handoff_info(generation: Generation) -> HandoffInfo:
@@ -91,6 +205,38 @@ def usage_of(generation: Generation) -> Usage:
     prompt, answer = generation.prompt_tokens, generation.completion_tokens
     return Usage(prompt_tokens=prompt, completion_tokens=answer, total_tokens=prompt + answer,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=generation.report.cached_tokens))
+
+
+def chat_logprobs(entries: list[TokenEntry]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(content=[
+        TokenLogprob(token=e.token, logprob=e.logprob, bytes=list(e.bytes),
+                     top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(b)) for t, lp, b in e.top])
+        for e in entries])
+
+
+def completion_logprobs(entries: list[TokenEntry], start: int = 0) -> CompletionLogprobs:
+    """The legacy log-probs of ``entries``, their text offsets counted from ``start``."""
+    offsets = []
+    for entry in entries:
+        offsets.append(start)
+        start += len(entry.token)
+    return CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
+                              top_logprobs=[{t: lp for t, lp, _ in e.top} if e.logprob is not None else None
+                                            for e in entries],
+                              text_offset=offsets)
+
+
+def headers_of(engine: Engine, request: GenerationRequest, generation: Generation) -> dict[str, str]:
+    """What happened to the cache, in kvhandoff's header and the router vocabulary's, and the session."""
+    report = generation.report
+    headers = {HANDOFF_HEADER: report.status, TRANSFER_STATUS_HEADER: TRANSFER_STATUS[report.status]}
+    if report.source is not None:
+        headers[MAPPER_ID_HEADER] = engine.mapper_id(report.source, report.target)
+    if generation.cache_id is not None:
+        headers[CACHE_ID_HEADER] = generation.cache_id
+    if request.session_id:
+        headers[SESSION_HEADER] = request.session_id
+    return headers
 
 
 def sse(data: dict | str) -> str:
@@ -128,83 +274,205 @@ def install_error_handlers(app: FastAPI, requests) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error", None, "internal")
 
 
-async def respond(engine: Engine, request: GenerationRequest, body: SamplingRequest, chat: bool):
-    """Run ``request`` on ``engine`` and answer it: a JSON completion, or with ``body.stream`` server-sent events;
-    the handoff status and session in the headers either way."""
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    requests = engine.metrics.requests
-    generation = await engine.start(request)
-    headers = {HANDOFF_HEADER: generation.report.status}
-    if request.session_id:
-        headers[SESSION_HEADER] = request.session_id
-    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    created = int(time.time())
-    if body.stream:
-        requests.labels(path, "200").inc()
-        return StreamingResponse(stream_events(generation, request, body, chat, ident, created),
-                                 media_type="text/event-stream", headers=headers)
+def install_api_key(app: FastAPI, engine: Engine) -> None:
+    """With ``config.api_key`` set, every route but the open probes needs ``Authorization: Bearer <key>``."""
+    key = engine.config.api_key
+    if not key:
+        return
+    expected = f"Bearer {key}".encode()
+    open_paths = PROBE_PATHS if engine.config.open_probes else ()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        given = request.headers.get("authorization", "").encode()
+        if request.url.path in open_paths or hmac.compare_digest(given, expected):
+            return await call_next(request)
+        engine.metrics.requests.labels(request.url.path, "401").inc()
+        return error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>' with "
+                              "the key the server was started with (--api-key)", "invalid_request_error", None,
+                              "invalid_api_key")
+
+
+async def complete(generation: Generation) -> list[Choice]:
     try:
-        text = await generation.text()
+        return await generation.complete()
     except asyncio.CancelledError:
         generation.cancel()
         raise
-    usage, info = usage_of(generation), handoff_info(generation)
-    if chat:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=generation.finish_reason)
-        result = ChatCompletion(id=ident, created=created, model=request.model, choices=[choice], usage=usage,
-                                kv_handoff=info)
-    else:
-        choice = CompletionChoice(text=text, finish_reason=generation.finish_reason)
-        result = Completion(id=ident, created=created, model=request.model, choices=[choice], usage=usage,
-                            kv_handoff=info)
-    requests.labels(path, "200").inc()
+
+
+def chat_choice(choice: Choice, request: GenerationRequest, tools: ToolSettings, parser) -> ChatChoice:
+    """An answer as OpenAI's chat choice: tool calls parsed out of its text by ``parser`` when the request has
+    tools."""
+    content, calls, finish = choice.text, None, choice.finish_reason
+    if tools.parses_calls:
+        parsed = parser.parse(choice.text)
+        content = parsed.content
+        if parsed.tool_calls:
+            for call in parsed.tool_calls:
+                problem = validate_arguments(call, tools.tools)
+                if problem is not None:  # returned as the model wrote it
+                    logger.info("a tool call of model %s does not fit its tool: %s", request.model, problem)
+            calls = [ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+                     for call in parsed.tool_calls]
+            finish = "tool_calls" if finish == "stop" else finish
+    logprobs = chat_logprobs(choice.logprobs) if request.logprobs is not None else None
+    return ChatChoice(index=choice.index, message=AssistantMessage(content=content, tool_calls=calls),
+                      finish_reason=finish, logprobs=logprobs)
+
+
+async def respond_chat(engine: Engine, request: GenerationRequest, tools: ToolSettings, body: ChatCompletionRequest):
+    parser = tool_parser(engine.config.tool_parser)
+    generation = await engine.start(request)
+    headers = headers_of(engine, request, generation)
+    ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    requests = engine.metrics.requests
+    if body.streams():
+        requests.labels("/v1/chat/completions", "200").inc()
+        return StreamingResponse(stream_chat(generation, request, tools, parser, body, ident, created),
+                                 media_type="text/event-stream", headers=headers)
+    choices = await complete(generation)
+    result = ChatCompletion(id=ident, created=created, model=request.model,
+                            choices=[chat_choice(choice, request, tools, parser) for choice in choices],
+                            usage=usage_of(generation), kv_handoff=handoff_info(generation))
+    requests.labels("/v1/chat/completions", "200").inc()
     return JSONResponse(dump(result), headers=headers)
 
 
-async def stream_events(generation: Generation, request: GenerationRequest, body: SamplingRequest, chat: bool,
-                        ident: str, created: int):
-    """The answer as OpenAI chunks (the handoff report in the first), optionally a usage chunk, then [DONE]; an
-    error mid-stream as an error object. A client that goes away cancels the generation."""
-    info = handoff_info(generation)
+def completion_choice(choice: Choice, request: GenerationRequest, generation: Generation) -> CompletionChoice:
+    text, entries = choice.text, list(choice.logprobs)
+    if generation.echo is not None:
+        prompt_text, prompt_entries = generation.echo
+        text, entries = prompt_text + text, prompt_entries + entries
+    logprobs = completion_logprobs(entries) if request.logprobs is not None else None
+    return CompletionChoice(index=choice.index, text=text, finish_reason=choice.finish_reason, logprobs=logprobs)
 
-    def chunk(content: str | None, finish: str | None = None, first: bool = False) -> str:
-        if chat:
-            delta = Delta(role="assistant", content="") if first else Delta(content=content)
-            return sse(dump(ChatCompletionChunk(
-                id=ident, created=created, model=request.model, kv_handoff=info if first else None,
-                choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])))
-        return sse(dump(Completion(id=ident, created=created, model=request.model,
-                                   kv_handoff=info if first else None,
-                                   choices=[CompletionChoice(text=content or "", finish_reason=finish)])))
+
+async def respond_completion(engine: Engine, request: GenerationRequest, body: CompletionRequest):
+    generation = await engine.start(request)
+    headers = headers_of(engine, request, generation)
+    ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    requests = engine.metrics.requests
+    if body.streams():
+        requests.labels("/v1/completions", "200").inc()
+        return StreamingResponse(stream_completion(generation, request, body, ident, created),
+                                 media_type="text/event-stream", headers=headers)
+    choices = await complete(generation)
+    result = Completion(id=ident, created=created, model=request.model,
+                        choices=[completion_choice(choice, request, generation) for choice in choices],
+                        usage=usage_of(generation), kv_handoff=handoff_info(generation))
+    requests.labels("/v1/completions", "200").inc()
+    return JSONResponse(dump(result), headers=headers)
+
+
+def stream_error(exc: RequestError) -> str:
+    kind = ERROR_STATUS[exc.kind][1]
+    return sse(dump(ErrorResponse(error=ErrorBody(message=exc.message, type=kind, param=exc.param, code=exc.code))))
+
+
+async def stream_chat(generation: Generation, request: GenerationRequest, tools: ToolSettings, parser,
+                      body: ChatCompletionRequest, ident: str, created: int):
+    """The answers as OpenAI chunks: per choice a first chunk with the role (the very first one carries the handoff
+    report), its content or tool-call deltas, its finish reason; optionally a usage chunk, then [DONE]. An error
+    mid-stream is an error object; a client that goes away cancels the generation."""
+    info = handoff_info(generation)
+    parsers = {}
+    calls = {}  # choice → tool calls streamed
+
+    def chunk(index: int, delta: Delta, finish: str | None = None, entries=None, first: bool = False) -> str:
+        logprobs = chat_logprobs(entries) if request.logprobs is not None and entries else None
+        return sse(dump(ChatCompletionChunk(
+            id=ident, created=created, model=request.model, kv_handoff=info if first else None,
+            choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)])))
+
+    def pieces(index: int, events, entries) -> list[str]:
+        out = []
+        for event in events:
+            if isinstance(event, ContentDelta):
+                out.append(chunk(index, Delta(content=event.text), entries=entries))
+            elif isinstance(event, ParsedCallDelta):
+                calls[index] = calls.get(index, 0) + (event.id is not None)
+                call = ToolCallDelta(index=event.index, id=event.id, type="function" if event.id else None,
+                                     function=FunctionCallDelta(name=event.name, arguments=event.arguments))
+                out.append(chunk(index, Delta(tool_calls=[call]), entries=entries))
+            entries = None
+        if entries:  # log-probs of text the parser holds back
+            out.append(chunk(index, Delta(content=""), entries=entries))
+        return out
 
     try:
-        if chat:
-            yield chunk(None, first=True)
-        first = not chat
-        async for piece in generation.deltas():
-            yield chunk(piece, first=first)
-            first = False
-        yield chunk(None if chat else "", generation.finish_reason, first=first)
+        for index in range(request.choices):
+            yield chunk(index, Delta(role="assistant", content=""), first=index == 0)
+            parsers[index] = parser.stream() if tools.parses_calls else None
+        async for choice, text, entries in generation.events():
+            stream = parsers[choice.index]
+            if text is not None:
+                events = stream.feed(text) if stream is not None else [ContentDelta(text)]
+                for piece in pieces(choice.index, events, entries):
+                    yield piece
+                continue
+            for piece in pieces(choice.index, stream.finish() if stream is not None else [], entries):
+                yield piece
+            finish = choice.finish_reason
+            if calls.get(choice.index) and finish == "stop":
+                finish = "tool_calls"
+            yield chunk(choice.index, Delta(), finish)
         if body.include_usage():
-            kind = ChatCompletionChunk if chat else Completion
-            yield sse(dump(kind(id=ident, created=created, model=request.model, choices=[],
-                                usage=usage_of(generation))))
+            yield sse(dump(ChatCompletionChunk(id=ident, created=created, model=request.model, choices=[],
+                                               usage=usage_of(generation))))
         yield sse("[DONE]")
     except RequestError as exc:
-        kind = ERROR_STATUS[exc.kind][1]
-        yield sse(dump(ErrorResponse(error=ErrorBody(message=exc.message, type=kind, param=exc.param,
-                                                     code=exc.code))))
+        yield stream_error(exc)
         yield sse("[DONE]")
     finally:
-        generation.cancel()  # a no-op once the answer is complete; otherwise the client went away
+        generation.cancel()  # a no-op once the answers are complete; otherwise the client went away
+
+
+async def stream_completion(generation: Generation, request: GenerationRequest, body: CompletionRequest,
+                            ident: str, created: int):
+    """The answers as text-completion chunks (the first carries the handoff report; an echoed prompt comes first in
+    each choice), optionally a usage chunk, then [DONE]."""
+    info = handoff_info(generation)
+    first = True
+
+    def chunk(index: int, text: str, finish: str | None = None, entries=None) -> str:
+        nonlocal first
+        logprobs = completion_logprobs(entries) if request.logprobs is not None and entries else None
+        body_ = Completion(id=ident, created=created, model=request.model, kv_handoff=info if first else None,
+                           choices=[CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)])
+        first = False
+        return sse(dump(body_))
+
+    try:
+        started = set()
+        async for choice, text, entries in generation.events():
+            if generation.echo is not None and choice.index not in started:
+                yield chunk(choice.index, generation.echo[0], entries=generation.echo[1])
+            started.add(choice.index)
+            yield chunk(choice.index, text or "", None if text is not None else choice.finish_reason, entries)
+        if body.include_usage():
+            yield sse(dump(Completion(id=ident, created=created, model=request.model, choices=[],
+                                      usage=usage_of(generation))))
+        yield sse("[DONE]")
+    except RequestError as exc:
+        yield stream_error(exc)
+        yield sse("[DONE]")
+    finally:
+        generation.cancel()
 
 
 def create_app(engine: Engine) -> FastAPI:
     """The FastAPI application serving ``engine`` (routes: POST /v1/chat/completions, POST /v1/completions,
-    GET /v1/models, GET /health, GET /metrics)."""
+    GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /version, GET /health,
+    GET /metrics)."""
     app = FastAPI(title="kvhandoff", version=kvhandoff.__version__)
     app.state.engine = engine
     install_error_handlers(app, engine.metrics.requests)
+    install_api_key(app, engine)
+    ignored = UnknownFieldLog()
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=engine.created, max_model_len=engine.max_context)
 
     @app.get("/health")
     async def health():
@@ -215,29 +483,40 @@ def create_app(engine: Engine) -> FastAPI:
         body, content_type = engine.metrics.render()
         return Response(body, media_type=content_type)
 
+    @app.get("/version")
+    async def version():
+        return {"version": kvhandoff.__version__}
+
     @app.get("/v1/models")
     async def models():
-        return dump(ModelList(data=[ModelCard(id=name, created=engine.created) for name in engine.model_names()]))
+        return dump(ModelList(data=[card(name) for name in engine.model_names()]))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        engine.hosted(model_id)
+        return dump(card(model_id))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ignored.note(body)
+        messages = None if body.messages is None else [message.template_message() for message in body.messages]
+        tokens = await asyncio.to_thread(engine.tokenize, body.model, body.prompt, messages, body.tools,
+                                         body.add_generation_prompt, body.add_special_tokens)
+        return dump(TokenizeResponse(count=len(tokens), max_model_len=engine.max_context, tokens=tokens))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return dump(DetokenizeResponse(prompt=engine.detokenize(body.model, body.tokens)))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest,
-                               x_session_id: str | None = Header(default=None, alias=SESSION_HEADER)):
-        request = GenerationRequest(
-            model=body.model, messages=tuple((m.template_role(), m.text()) for m in body.messages),
-            max_tokens=body.answer_limit(), temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-            stop=body.stop_strings(), session_id=session_of(x_session_id, body), handoff_mode=body.handoff_mode(),
-        )
-        return await respond(engine, request, body, chat=True)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        ignored.note(body)
+        generation_request, tools = chat_request(body, session_of(request, body))
+        return await respond_chat(engine, generation_request, tools, body)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest,
-                          x_session_id: str | None = Header(default=None, alias=SESSION_HEADER)):
-        prompt = body.prompt if isinstance(body.prompt, str) else tuple(body.prompt)
-        request = GenerationRequest(
-            model=body.model, prompt=prompt, max_tokens=body.answer_limit(), temperature=body.temperature,
-            top_p=body.top_p, seed=body.seed, stop=body.stop_strings(), session_id=session_of(x_session_id, body),
-            handoff_mode=body.handoff_mode(),
-        )
-        return await respond(engine, request, body, chat=False)
+    async def completions(body: CompletionRequest, request: Request):
+        ignored.note(body)
+        return await respond_completion(engine, completion_request(body, session_of(request, body)), body)
 
     return app

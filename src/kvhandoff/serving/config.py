@@ -10,6 +10,7 @@ from kvhandoff.runtime import policy
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.runtime.prefix_store import PrefixStore
+from kvhandoff.serving.tools import tool_parser
 
 #: signals the serving quality guard can score a mapped cache with (`kvhandoff.serving.guard`): "logloss" — the
 #: receiving model's mean log-loss on the new turn over the mapped history minus the previous model's on the same
@@ -33,9 +34,11 @@ class ServeConfig:
     models). default_max_tokens: answer length when a request names none. max_queue: requests waiting per model
     worker (past it: 503). guard: score a mapped cache before it serves and re-prefill when the score exceeds
     guard_threshold (signal: one of `GUARD_SIGNALS`; guard_window: the new turn's last positions it scores).
-    handover: as in `SwitchingSession`. exact_prefix / recompute: the handoffs' `HandoffPlan` (`plan`; exact_prefix
-    None: the mapper's own setting); recompute is a `RecomputePolicy`, given as one or as a spec such as
-    "sinks:10%" and stored parsed (None: `DEFAULT_RECOMPUTE`).
+    api_key: when set, every request but the probes (``/health``, ``/metrics``, while ``open_probes``) must carry
+    ``Authorization: Bearer <api_key>``. tool_parser: how tool calls are read out of answers (a name of
+    `tools.TOOL_PARSERS`). handover: as in `SwitchingSession`. exact_prefix / recompute: the handoffs'
+    `HandoffPlan` (`plan`; exact_prefix None: the mapper's own setting); recompute is a `RecomputePolicy`, given
+    as one or as a spec such as "sinks:10%" and stored parsed (None: `DEFAULT_RECOMPUTE`).
     """
 
     host: str = "127.0.0.1"
@@ -52,6 +55,9 @@ class ServeConfig:
     guard_signal: str = "entropy"
     guard_threshold: float = 1.79
     guard_window: int = 64
+    api_key: str | None = None
+    open_probes: bool = True
+    tool_parser: str = "hermes"
     handover: str = "incremental"
     exact_prefix: int | None = None
     recompute: RecomputePolicy | str | None = DEFAULT_RECOMPUTE
@@ -76,6 +82,11 @@ class ServeConfig:
         if isinstance(self.guard_threshold, bool) or not isinstance(self.guard_threshold, int | float) \
                 or self.guard_threshold != self.guard_threshold:
             raise ConfigError(f"serve guard_threshold must be a number, got {self.guard_threshold!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ConfigError("serve api_key must be a non-empty string (or None: no key)")
+        if not isinstance(self.open_probes, bool):
+            raise ConfigError(f"serve open_probes must be True or False, got {self.open_probes!r}")
+        tool_parser(self.tool_parser)  # an unknown name is refused, listing the known ones
         if self.handover not in ("all", "incremental"):
             raise ConfigError(f"serve handover must be 'all' or 'incremental', got {self.handover!r}")
         if self.exact_prefix is not None:
@@ -91,5 +102,5 @@ class ServeConfig:
         return HandoffPlan(self.exact_prefix, self.recompute, prefix_store)
 
     def to_dict(self) -> dict:
-        """The settings as plain values (the recompute policy as its spec)."""
-        return {**asdict(self), "recompute": self.recompute.spec}
+        """The settings as plain values (the recompute policy as its spec; the API key never written)."""
+        return {**asdict(self), "recompute": self.recompute.spec, "api_key": "set" if self.api_key else None}

@@ -23,25 +23,22 @@ import functools
 import queue
 import threading
 import time
+import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.runtime.prefix_store import PrefixStore
 from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff.serving.chat import render
 from kvhandoff.serving.config import ServeConfig
-from kvhandoff.serving.decoding import choose_token, end_ids, held_back, make_generator, stop_index
+from kvhandoff.serving.decoding import Sampler, SamplingParams, end_ids, held_back, stop_index
+from kvhandoff.serving.grammar import GrammarSpec, ToolCalls
 from kvhandoff.serving.guard import guard_score, needs_reference, reference_logprobs
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.protocol import HANDOFF_MODES
-
-#: the chat template of a tokenizer that has none (ChatML, the layout of Qwen chat models)
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 #: what went wrong with a request (`RequestError.kind`); app.py gives each its HTTP status
 ERROR_KINDS = ("invalid_request", "not_found", "too_long", "too_many_sessions", "overloaded", "cancelled", "internal")
@@ -60,25 +57,42 @@ class RequestError(KVHandoffError):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One request: chat ``messages`` ((role, text) pairs, the chat template applied by the engine) or a completion
-    ``prompt`` (text or token ids); sampling settings (temperature 0: greedy); ``session_id`` None: stateless;
-    ``handoff_mode`` (`protocol.HANDOFF_MODES`) "auto", or "reprefill": at a switch the receiving model re-prefills
-    the conversation instead of mapping it (the path without handoff, for comparisons)."""
+    """One request: chat ``messages`` (OpenAI-shaped dicts, rendered by the model's chat template with ``tools``) or
+    a completion ``prompt`` (text or token ids). ``sampling``: how tokens are chosen; ``grammar``: a constraint every
+    answer follows (`grammar.GrammarSpec`); ``choices``: answers to generate (each from the same prompt);
+    ``logprobs``: alternatives per position to report (None: no log-probs); ``echo``: a completion's answer
+    starts with its prompt (log-probs included). ``session_id`` None: stateless; ``handoff_mode``
+    (`protocol.HANDOFF_MODES`) "auto", or "reprefill": at a switch the receiving model re-prefills the conversation
+    instead of mapping it (the path without handoff, for comparisons)."""
 
     model: str
-    messages: tuple[tuple[str, str], ...] | None = None
+    messages: tuple[dict, ...] | None = None
+    tools: tuple[dict, ...] | None = None
     prompt: str | tuple[int, ...] | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
+    grammar: GrammarSpec | None = None
+    choices: int = 1
+    logprobs: int | None = None
+    echo: bool = False
     session_id: str | None = None
     handoff_mode: str = "auto"
 
     @property
     def prompt_field(self) -> str:
         return "messages" if self.messages is not None else "prompt"
+
+
+@dataclass
+class Choice:
+    """One answer of a request as it is produced: its text so far, tokens, log-prob entries and finish reason."""
+
+    index: int
+    text: str = ""
+    tokens: int = 0
+    logprobs: list[TokenEntry] = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -111,22 +125,79 @@ def common_prefix(first, second) -> int:
     return n
 
 
-class Generation:
-    """A request in flight: its handoff report once the first token's distribution is known, then its text.
+@dataclass(frozen=True)
+class TokenEntry:
+    """One position's log-probs as reported: the token's text, its log-prob under the model (before any sampling
+    setting; None for a prompt's first token), its UTF-8 bytes, and the most likely alternatives (text, log-prob,
+    bytes)."""
 
-    The worker thread posts events; the event loop consumes them (`wait_ready`, then `deltas()`). `cancel()` (the
-    client went away) stops the worker at its next token and rolls the session back to what was delivered.
+    token: str
+    logprob: float | None
+    bytes: tuple[int, ...]
+    top: tuple[tuple[str, float, tuple[int, ...]], ...] = ()
+
+
+def token_entry(tokenizer, logprobs: torch.Tensor | None, token: int, alternatives: int) -> TokenEntry:
+    """The `TokenEntry` of ``token`` under ``logprobs`` [vocab] (None: no distribution, the prompt's first token)."""
+    def piece(token_id: int) -> tuple[str, tuple[int, ...]]:
+        text = tokenizer.decode([token_id])
+        return text, tuple(text.encode("utf-8"))
+
+    text, raw = piece(token)
+    if logprobs is None:
+        return TokenEntry(text, None, raw)
+    top = []
+    if alternatives:
+        values, ids = logprobs.float().topk(alternatives)
+        for value, token_id in zip(values.tolist(), ids.tolist(), strict=True):
+            alternative, alternative_bytes = piece(token_id)
+            top.append((alternative, value, alternative_bytes))
+    return TokenEntry(text, float(logprobs[token]), raw, tuple(top))
+
+
+def prompt_ids(tokenizer, vocab_size: int, messages=None, prompt=None, tools=None) -> list[int]:
+    """The token ids a request's model reads: chat ``messages`` (OpenAI-shaped dicts) rendered by the tokenizer's
+    chat template with ``tools``, or a completion ``prompt`` (text, or token ids checked against ``vocab_size``)."""
+    if messages is not None:
+        try:
+            return render(tokenizer, messages, tools)
+        except ConfigError as exc:
+            raise RequestError("invalid_request", str(exc), param="messages") from exc
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    ids = list(prompt or ())
+    if any(not 0 <= token < vocab_size for token in ids):
+        raise RequestError("invalid_request", f"token ids must be in 0..{vocab_size - 1}", param="prompt")
+    return ids
+
+
+class Generation:
+    """A request in flight: its handoff report once the first token's distribution is known, then its choices.
+
+    The worker thread posts events; the event loop consumes them (`wait_ready`, then `events()` or `complete()`).
+    `cancel()` (the client went away) stops the worker at its next token and rolls the session back to what was
+    delivered.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, prompt_tokens: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt_tokens: int, choices: int = 1,
+                 cache_id: str | None = None) -> None:
         self._loop = loop
+        self.cache_id = cache_id  # the conversation cache serving it (None: stateless)
         self._events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.prompt_tokens = prompt_tokens
-        self.delivered = 0  # answer tokens whose text the consumer has taken
+        self.choices = [Choice(index) for index in range(choices)]
+        self.delivered = [0] * choices  # answer tokens per choice whose text the consumer has taken
         self.report: HandoffReport | None = None
-        self.finish_reason: str | None = None
-        self.completion_tokens = 0
+        self.echo: tuple[str, list[TokenEntry]] | None = None  # an echoed prompt: its text and log-prob entries
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(choice.tokens for choice in self.choices)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
 
     def post(self, *event) -> None:
         """Hand an event to the event loop (from the worker thread)."""
@@ -144,21 +215,38 @@ class Generation:
         self.report = rest[0]
         return self.report
 
-    async def deltas(self):
-        """The answer's text, piece by piece; ends when the answer does (`finish_reason` is then set)."""
+    async def events(self):
+        """(choice, text, log-prob entries) for each piece of an answer and (choice, None, []) when that answer ends
+        (its `Choice.finish_reason` is then set); ends when every answer has."""
         while True:
             kind, *rest = await self._events.get()
             if kind == "delta":
-                self.delivered = rest[1]
-                yield rest[0]
+                index, text, tokens, entries = rest
+                choice = self.choices[index]
+                self.delivered[index] = choice.tokens = tokens
+                choice.text += text
+                choice.logprobs += entries
+                yield choice, text, entries
             elif kind == "done":
-                self.finish_reason, self.completion_tokens = rest
+                index, finish, tokens, entries = rest
+                choice = self.choices[index]
+                choice.finish_reason, choice.tokens = finish, tokens
+                choice.logprobs += entries
+                yield choice, None, entries
+            elif kind == "end":
                 return
             else:
                 raise rest[0]
 
+    async def complete(self) -> list[Choice]:
+        """Every answer, whole."""
+        async for _ in self.events():
+            pass
+        return self.choices
+
     async def text(self) -> str:
-        return "".join([piece async for piece in self.deltas()])
+        """The first answer's text, whole."""
+        return (await self.complete())[0].text
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -215,6 +303,8 @@ class SessionState:
     last_used: float = field(default_factory=time.monotonic)
     pending: int = 0  # requests admitted and not finished (waiting for the lock or running)
     bytes: int = 0
+    # an opaque name of this conversation cache for routers, revealing nothing of the session key
+    cache_id: str | None = field(default_factory=lambda: uuid.uuid4().hex)
 
     def idle(self) -> bool:
         return self.pending == 0 and not self.lock.locked()
@@ -264,6 +354,35 @@ class Engine:
     def cache_bytes(self) -> int:
         return sum(state.bytes for state in self._sessions.values())
 
+    def hosted(self, name: str) -> HostedModel:
+        """The hosted model ``name``, or a not-found `RequestError` listing the served names."""
+        hosted = self._models.get(name)
+        if hosted is None:
+            raise RequestError("not_found", f"the model {name!r} does not exist; this server hosts "
+                               f"{', '.join(self._models)}", param="model", code="model_not_found")
+        return hosted
+
+    def mapper_id(self, source: str, target: str) -> str:
+        """The identity of the mapper from ``source`` to ``target``: its manifest's checksum."""
+        return self._mappers[source, target].manifest.checksum()
+
+    def tokenize(self, model: str, prompt: str | None = None, messages=None, tools=None,
+                 add_generation_prompt: bool = True, add_special_tokens: bool = True) -> list[int]:
+        """The token ids ``model`` reads for a ``prompt`` or chat ``messages`` (as a request's would be built)."""
+        hosted = self.hosted(model)
+        if messages is None:
+            return list(hosted.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        try:
+            return render(hosted.tokenizer, messages, tools, add_generation_prompt)
+        except ConfigError as exc:
+            raise RequestError("invalid_request", str(exc), param="messages") from exc
+
+    def detokenize(self, model: str, tokens: list[int]) -> str:
+        hosted = self.hosted(model)
+        if any(not 0 <= token < hosted.vocab_size for token in tokens):
+            raise RequestError("invalid_request", f"token ids must be in 0..{hosted.vocab_size - 1}", param="tokens")
+        return hosted.tokenizer.decode(tokens)
+
     def session_tokens(self, session_id: str) -> list[int] | None:
         """The token ids a session has cached (None: no such session)."""
         state = self._sessions.get(session_id)
@@ -288,21 +407,20 @@ class Engine:
         """Admit ``request``; returns its `Generation` once the first token's distribution is known (its report
         set), or raises `RequestError`."""
         arrival = time.perf_counter()
-        hosted = self._models.get(request.model)
-        if hosted is None:
-            raise RequestError("not_found", f"the model {request.model!r} does not exist; this server hosts "
-                               f"{', '.join(self._models)}", param="model", code="model_not_found")
+        hosted = self.hosted(request.model)
         if request.handoff_mode not in HANDOFF_MODES:
             raise RequestError("invalid_request", f"kv_handoff.mode must be one of {', '.join(HANDOFF_MODES)}, got "
                                f"{request.handoff_mode!r}", param="kv_handoff.mode")
-        prompt = await asyncio.to_thread(self._prompt_ids, hosted, request)
+        prompt, constraints = await asyncio.to_thread(self._inputs, hosted, request)
         if not prompt:
             raise RequestError("invalid_request", "the prompt is empty", param=request.prompt_field)
         if len(prompt) >= self.max_context:
-            raise RequestError("too_long", f"the prompt has {len(prompt)} tokens; this server's context holds "
-                               f"{self.max_context} tokens, prompt and answer together", param=request.prompt_field,
-                               code="context_length_exceeded")
-        max_new = min(request.max_tokens or self.config.default_max_tokens, self.max_context - len(prompt))
+            raise RequestError("too_long", f"This model's maximum context length is {self.max_context} tokens, prompt "
+                               f"and answer together. However, your {request.prompt_field} resulted in "
+                               f"{len(prompt)} tokens. Please reduce the length of the {request.prompt_field}.",
+                               param=request.prompt_field, code="context_length_exceeded")
+        limit = self.config.default_max_tokens if request.max_tokens is None else request.max_tokens
+        max_new = min(limit, self.max_context - len(prompt))
         state = self._admit(request.session_id)
         state.pending += 1
         try:
@@ -310,8 +428,8 @@ class Engine:
         except BaseException:
             state.pending -= 1
             raise
-        generation = Generation(asyncio.get_running_loop(), len(prompt))
-        job = functools.partial(self._run, state, hosted, prompt, max_new, request, generation, arrival)
+        generation = Generation(asyncio.get_running_loop(), len(prompt), request.choices, state.cache_id)
+        job = functools.partial(self._run, state, hosted, prompt, max_new, request, generation, arrival, constraints)
         self._running.add(generation)
         try:
             hosted.worker.submit(job)
@@ -331,7 +449,7 @@ class Engine:
             if state.idle() and now - state.last_used > self.config.session_ttl_s:
                 self._evict(key, "ttl")
         if session_id is None:  # stateless: a session of its own, forgotten afterwards
-            return SessionState(None, self._new_session())
+            return SessionState(None, self._new_session(), cache_id=None)
         state = self._sessions.get(session_id)
         if state is None:
             if len(self._sessions) >= self.config.max_sessions:
@@ -368,26 +486,26 @@ class Engine:
                 self._evict(key, "memory")
 
     # -- compute (the model's worker thread) ----------------------------------------------------------------------
-    def _prompt_ids(self, hosted: HostedModel, request: GenerationRequest) -> list[int]:
-        tokenizer = hosted.tokenizer
-        if request.messages is not None:
-            messages = [{"role": role, "content": text} for role, text in request.messages]
-            template = None if getattr(tokenizer, "chat_template", None) else CHATML_TEMPLATE
-            try:
-                text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                                     tokenize=False)
-            except Exception as exc:  # the model's template refuses this conversation (e.g. role order)
-                raise RequestError("invalid_request", f"the chat template cannot render these messages: {exc}",
-                                   param="messages") from exc
-            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if isinstance(request.prompt, str):
-            return list(tokenizer(request.prompt)["input_ids"])
-        ids = list(request.prompt or ())
-        if any(not 0 <= token < hosted.vocab_size for token in ids):
-            raise RequestError("invalid_request", f"token ids must be in 0..{hosted.vocab_size - 1}", param="prompt")
-        return ids
+    def _inputs(self, hosted: HostedModel, request: GenerationRequest):
+        """(prompt ids, one grammar constraint per answer or None) of ``request`` for ``hosted``; what does not fit
+        the model (a token id past its vocabulary, a conversation its template refuses) is a `RequestError`."""
+        prompt = prompt_ids(hosted.tokenizer, hosted.vocab_size, request.messages, request.prompt, request.tools)
+        try:
+            Sampler(request.sampling, hosted.stop_ids, hosted.vocab_size, prompt)
+        except ConfigError as exc:
+            raise RequestError("invalid_request", str(exc), param="logit_bias" if "logit_bias" in str(exc)
+                               else "stop_token_ids") from exc
+        if request.grammar is None:
+            return prompt, None
+        try:
+            constraints = [request.grammar.constraint(hosted.tokenizer, hosted.vocab_size, eos=hosted.stop_ids)
+                           for _ in range(request.choices)]
+        except ConfigError as exc:
+            param = "tool_choice" if isinstance(request.grammar, ToolCalls) else "response_format"
+            raise RequestError("invalid_request", str(exc), param=param) from exc
+        return prompt, constraints
 
-    def _run(self, state, hosted, prompt, max_new, request, generation, arrival) -> None:
+    def _run(self, state, hosted, prompt, max_new, request, generation, arrival, constraints) -> None:
         session = state.session
         try:
             if generation.cancelled.is_set():
@@ -395,8 +513,10 @@ class Engine:
             with torch.inference_mode():
                 report, logprobs = self._prepare(session, hosted.name, prompt, request.handoff_mode)
                 self.metrics.record_first_token(report.to_dict(), time.perf_counter() - arrival)
+                if request.echo:
+                    generation.echo = self._echo(hosted, request, prompt)
                 generation.post("ready", report)
-                self._decode(session, hosted, logprobs, len(prompt), max_new, request, generation)
+                self._decode(session, hosted, logprobs, prompt, max_new, request, generation, constraints)
         except Exception as exc:  # the session may be half-way through a change: forget it rather than serve stale KV
             with contextlib.suppress(Exception):
                 session.truncate(0)
@@ -444,17 +564,53 @@ class Engine:
                                round((time.perf_counter() - started) * 1000, 3))
         return report, logprobs[-1]
 
-    def _decode(self, session, hosted, logprobs, prompt_length, max_new, request, generation) -> None:
-        """Token by token on the session's cache: stop at an end id, a stop string, ``max_new`` tokens, or a cancel."""
-        generator = make_generator(request.seed)
+    def _echo(self, hosted: HostedModel, request: GenerationRequest, prompt: list[int]):
+        """(the prompt's text, its log-prob entries): each token under the model's distribution after the tokens
+        before it (a forward over the whole prompt, apart from the session's cache); no entries without log-probs."""
+        text = request.prompt if isinstance(request.prompt, str) else hosted.tokenizer.decode(prompt)
+        if request.logprobs is None:
+            return text, []
+        device = next(hosted.model.parameters()).device
+        logits = hosted.model(input_ids=torch.tensor([prompt], device=device)).logits[0]
+        logprobs = logits.float().log_softmax(-1).cpu()
+        entries = [token_entry(hosted.tokenizer, None, prompt[0], 0)]
+        entries += [token_entry(hosted.tokenizer, logprobs[i - 1], prompt[i], request.logprobs)
+                    for i in range(1, len(prompt))]
+        return text, entries
+
+    def _decode(self, session, hosted, logprobs, prompt, max_new, request, generation, constraints) -> None:
+        """Each of the request's answers in turn, from the same distribution after the prompt (the session's cache
+        rolled back to the prompt between them); stops early when the client goes away."""
+        for index in range(request.choices):
+            if index:
+                session.truncate(len(prompt))
+            params = request.sampling
+            if index and params.seed is not None:  # one seed, different answers
+                params = replace(params, seed=params.seed + index)
+            sampler = Sampler(params, hosted.stop_ids, hosted.vocab_size, prompt)
+            constraint = constraints[index] if constraints else None
+            if not self._answer(session, hosted, logprobs, len(prompt), max_new, request, generation, index, sampler,
+                                constraint):
+                break
+        generation.post("end")
+
+    def _answer(self, session, hosted, logprobs, prompt_length, max_new, request, generation, index, sampler,
+                constraint) -> bool:
+        """One answer, token by token on the session's cache: stops at a stop id, a stop string, the end of the
+        grammar, ``max_new`` tokens, or a cancel (then False)."""
         answer: list[int] = []
+        entries: list[TokenEntry] = []
         text, sent, finish = "", 0, "length"
         for step in range(max_new):
-            token = choose_token(logprobs, request.temperature, request.top_p, generator)
-            if token in hosted.stop_ids:
+            token = sampler.next_token(logprobs, answer, constraint.allowed() if constraint else None)
+            if token in sampler.stop_ids:
                 finish = "stop"
                 break
+            if request.logprobs is not None:
+                entries.append(token_entry(hosted.tokenizer, logprobs, token, request.logprobs))
             answer.append(token)
+            if constraint is not None:
+                constraint.accept(token)
             text = hosted.tokenizer.decode(answer, skip_special_tokens=True)
             cut = stop_index(text, request.stop, sent) if request.stop else None
             if cut is not None:
@@ -462,16 +618,21 @@ class Engine:
                 break
             ready = len(text) - held_back(text, request.stop)
             if ready > sent:
-                generation.post("delta", text[sent:ready], len(answer))
-                sent = ready
+                generation.post("delta", index, text[sent:ready], len(answer), entries)
+                entries, sent = [], ready
             if generation.cancelled.is_set():
-                keep = min(len(session.tokens), prompt_length + generation.delivered)
+                keep = min(len(session.tokens), prompt_length + generation.delivered[index])
                 session.truncate(keep)  # what the client received, no more
                 self.metrics.cancelled.inc()
-                generation.post("done", "cancelled", len(answer))
-                return
+                generation.post("done", index, "cancelled", len(answer), entries)
+                return False
+            if constraint is not None and constraint.done():
+                finish = "stop"
+                break
             if step + 1 < max_new:
                 logprobs = session.read_logprobs(hosted.name, [token])[-1]
         if len(text) > sent:
-            generation.post("delta", text[sent:], len(answer))
-        generation.post("done", finish, len(answer))
+            generation.post("delta", index, text[sent:], len(answer), entries)
+            entries = []
+        generation.post("done", index, finish, len(answer), entries)
+        return True

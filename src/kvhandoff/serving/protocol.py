@@ -1,62 +1,116 @@
 """Request and response bodies of the server's OpenAI-compatible API (pydantic models in OpenAI's shapes).
 
-Requests validate what the server supports and reject the rest by field name: several choices (n > 1), log-probs,
-tools and function calls, logit bias, penalties, audio, a completion's suffix/echo/best_of. Unknown extra fields
-are ignored, as OpenAI's API does for fields it does not know.
+Requests accept what OpenAI accepts, explicit nulls included, and refuse by field name what the server cannot do
+(non-text content parts and output modalities, the deprecated ``functions``). Fields the server does not know are
+ignored, as OpenAI and vLLM do; `unknown_fields` names them so the server can log each once.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 #: roles a chat message may have ("developer" reads as "system")
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 #: at most this many stop strings (OpenAI's limit)
 MAX_STOP_STRINGS = 4
+#: at most this many choices per request
+MAX_CHOICES = 16
+#: at most this many alternatives per position in log-probs (OpenAI's limits: chat 20, completions 5)
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 #: the request body's ``kv_handoff.mode``: "auto" (map at a switch, the guard deciding) or "reprefill" (at a switch
 #: the receiving model re-prefills the conversation itself: the path without handoff, to compare against)
 HANDOFF_MODES = ("auto", "reprefill")
 
 
-def _unsupported(name: str, value: Any, allowed: Any = None) -> Any:
-    if value is not None and value != allowed and value != [] and value is not False:
-        raise ValueError(f"{name} is not supported by this server")
-    return value
+def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Names of the fields of ``model`` (and of its nested request models) that no model declares."""
+    names = [f"{prefix}{name}" for name in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        for index, item in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(item, BaseModel) and item.model_config.get("extra") == "allow":
+                where = f"{prefix}{name}[{index}]." if isinstance(value, list) else f"{prefix}{name}."
+                names += unknown_fields(item, where)
+    return names
 
 
-class TextPart(BaseModel):
-    """One part of a message's content; only text parts are supported."""
+class Lenient(BaseModel):
+    """A request part: unknown fields kept aside (`unknown_fields`) and otherwise ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class FunctionCall(Lenient):
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCallIn(Lenient):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
-    @field_validator("tool_calls")
+    @field_validator("content", mode="before")
     @classmethod
-    def _no_tool_calls(cls, value):
-        return _unsupported("tool_calls", value)
+    def _text_parts_only(cls, value):
+        if isinstance(value, list):
+            for index, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in (None, "text"):
+                    raise ValueError(f"content part {index} is of type {kind!r}: this server reads text parts only")
+        return value
 
-    def text(self) -> str:
-        """The message's text (text parts joined)."""
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant turn with tool_calls may have "
+                             "null content)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
-    def template_role(self) -> str:
-        return "system" if self.role == "developer" else self.role
+    def text(self) -> str | None:
+        """The message's text (text parts joined; None for a tool-calling turn without content)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def template_message(self) -> dict:
+        """The message in OpenAI's plain shape (content as text), for the chat template (`chat.template_messages`)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name, "arguments": call.function.arguments}}
+                                     for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: StrictBool = False
+class StreamOptions(Lenient):
+    include_usage: StrictBool | None = False
 
 
 class HandoffOptions(BaseModel):
@@ -68,34 +122,30 @@ class HandoffOptions(BaseModel):
     mode: Literal["auto", "reprefill"] = "auto"
 
 
-class SamplingRequest(BaseModel):
-    """Fields chat and text completions share."""
+class SamplingRequest(Lenient):
+    """Fields chat and text completions share. None stands for the field's default wherever OpenAI allows null."""
 
-    model_config = ConfigDict(extra="ignore")
     model: str = Field(min_length=1)
     max_tokens: StrictInt | None = Field(default=None, gt=0)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stream: StrictBool = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
-    n: StrictInt = 1
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: dict | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     kv_handoff: HandoffOptions | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
-        return value
 
     @field_validator("stop")
     @classmethod
@@ -105,18 +155,21 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings")
         return value
 
-    @field_validator("logprobs", "top_logprobs", "logit_bias")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_logprobs(cls, value, info):
-        return _unsupported(info.field_name, value)
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value, info):
-        return _unsupported(info.field_name, value, 0)
+    def _token_biases(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in -100..100, got {bias} for token {key}")
+        return value
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def streams(self) -> bool:
+        return bool(self.stream)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -124,28 +177,67 @@ class SamplingRequest(BaseModel):
     def handoff_mode(self) -> str:
         return self.kv_handoff.mode if self.kv_handoff else "auto"
 
+    def choices(self) -> int:
+        return self.n or 1
+
+    def sampling_fields(self) -> dict:
+        """The sampling settings given (nulls dropped), under `decoding.SamplingParams`' names."""
+        fields = {name: getattr(self, name) for name in (
+            "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+            "min_tokens", "ignore_eos", "seed")}
+        fields = {name: value for name, value in fields.items() if value is not None}
+        if self.logit_bias:
+            fields["logit_bias"] = tuple((int(key), float(bias)) for key, bias in self.logit_bias.items())
+        if self.stop_token_ids:
+            fields["stop_token_ids"] = tuple(self.stop_token_ids)
+        return fields
+
+
+class JsonSchemaFormat(Lenient):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("a json_schema response_format needs json_schema.schema")
+        return self
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, gt=0)
-    tools: list | None = None
-    tool_choice: Any = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     functions: list | None = None
     function_call: Any = None
-    response_format: dict | None = None
     audio: Any = None
     modalities: list | None = None
 
-    @field_validator("tools", "tool_choice", "functions", "function_call", "audio")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, value, info):
-        return _unsupported(info.field_name, value, "none")
+    def _deprecated_functions(cls, value, info):
+        if value is not None:
+            raise ValueError(f"{info.field_name} is OpenAI's deprecated form of function calling; send tools and "
+                             "tool_choice instead")
+        return value
 
-    @field_validator("response_format")
+    @field_validator("audio")
     @classmethod
-    def _text_only(cls, value):
-        if value is not None and value.get("type") != "text":
-            raise ValueError("response_format other than text is not supported")
+    def _no_audio(cls, value):
+        if value is not None:
+            raise ValueError("this server answers in text only (no audio)")
         return value
 
     @field_validator("modalities")
@@ -155,15 +247,28 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("only the text modality is supported")
         return value
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value, info):
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
     def answer_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprob_alternatives(self) -> int | None:
+        """Alternatives per position to report (None: no log-probs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[StrictInt] | list[str] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(default=16, gt=0)  # OpenAI's default for text completions
+    # OpenAI's default for text completions; 0 with echo scores a prompt without answering
+    max_tokens: StrictInt | None = Field(default=16, ge=0)
+    echo: StrictBool | None = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     suffix: str | None = None
-    echo: StrictBool = False
     best_of: StrictInt | None = None
 
     @field_validator("prompt")
@@ -177,13 +282,47 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("token ids must be >= 0")
         return value
 
-    @field_validator("suffix", "echo", "best_of")
+    @field_validator("suffix")
     @classmethod
-    def _no_extras(cls, value, info):
-        return _unsupported(info.field_name, value, 1 if info.field_name == "best_of" else None)
+    def _no_suffix(cls, value):
+        if value:
+            raise ValueError("suffix (insertion) is not supported by this server")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info):
+        if value is not None and value != (info.data.get("n") or 1):
+            raise ValueError("best_of other than n is not supported by this server")
+        return value
 
     def answer_limit(self) -> int | None:
-        return self.max_tokens
+        return 16 if self.max_tokens is None else self.max_tokens
+
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeRequest(Lenient):
+    """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` (the chat template applied)."""
+
+    model: str = Field(min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(Lenient):
+    model: str = Field(min_length=1)
+    tokens: list[StrictInt]
 
 
 # -- responses ------------------------------------------------------------------------------------------------------
@@ -222,16 +361,42 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -244,16 +409,29 @@ class ChatCompletion(BaseModel):
     kv_handoff: HandoffInfo
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -266,11 +444,21 @@ class ChatCompletionChunk(BaseModel):
     kv_handoff: HandoffInfo | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """A text completion's log-probs (OpenAI's legacy shape): per token its text, log-prob (None for a prompt's first
+    token), the alternatives, and where its text starts."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -288,11 +476,22 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "kvhandoff"
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorBody(BaseModel):

@@ -185,6 +185,8 @@ class Transfer(Condition):
             source_cache = self.prefixes.prefill(self.source, context_ids[:, :-1], prefix_len)
         mapped = map_for_target(self.source, self.reader, self.mapper, context_ids[:, :-1], self.plan, source_cache)
         logits = mapped.read(self.reader, context_ids[:, -1:])
+        # the engine's own cache: the scoring reads on from every condition's cache alike (feed, crop, deep copies
+        # of transformers caches), the standalone conditions' being the models' own
         return mapped.cache.native, logits[0, -1].float().log_softmax(-1)
 
 

@@ -38,12 +38,13 @@ import torch
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import sha256_json
-from kvhandoff.model.cache import cache_of, cache_view, kl_divergence, model_device, prefill, rollback
+from kvhandoff.model.cache import cache_of, kl_divergence, model_device, prefill, rollback
 from kvhandoff.model.geometry import model_fingerprint
 from kvhandoff.runtime import policy as recompute_policies
 from kvhandoff.runtime.handoff import handoff_cache
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import NoRecompute, RecomputePolicy
+from kvhandoff.runtime.seam import as_kv_cache
 from kvhandoff_lab.evaluation.metrics import mean, paired_bootstrap, summarise_conditions
 from kvhandoff_lab.evaluation.runner import (
     RECORD_VERSION,
@@ -214,6 +215,9 @@ def batch_view(cache, batch: int):
 def score_turns(reader, cache, turns: Sequence[Sequence[int]], continuation_lengths: Sequence[int]) -> list[float]:
     """Summed log-probs of each turn's last ``continuation_lengths`` tokens, reading on from ``cache``: the shared
     question once, the rest of all turns in one batched forward (right-padded); ``cache`` is restored."""
+    # every condition's cache alike, as the reader's own transformers cache (a handoff's is its `KVCache.native`):
+    # the batched read over expanded views of it (`batch_view`) is a transformers-level measurement the seam has no
+    # method for
     length = cache.get_seq_length()
     shared = shared_length(turns, continuation_lengths)
     device = model_device(reader)
@@ -326,14 +330,15 @@ class AllMapped(SwitchCondition):
 
     @torch.inference_mode()
     def score(self, item: SwitchItem) -> list[float]:
-        # a view: the source's question tokens extend it into new tensors, its shared history cache stays as it is
-        source_cache = cache_view(self.prefills.of(self.source, item.history), 0)
+        history = as_kv_cache(self.prefills.of(self.source, item.history))
+        # the history's rows as views: the source's question tokens extend them into new tensors, the shared history
+        # cache stays as it is
+        source = as_kv_cache(history.export())
         read = len(item.question) - 1  # the source reads these; the target reads on from the last shared token
         if read:
-            prefill(self.source, torch.tensor([list(item.question[:read])], device=model_device(self.source)),
-                    source_cache)
+            source.read(self.source, torch.tensor([list(item.question[:read])]))
         ids = torch.tensor([list(item.history.ids) + list(item.question[:read])])
-        mapped = handoff_cache(self.source, self.reader, self.mapper, ids, self.plan, source_cache)
+        mapped = handoff_cache(self.source, self.reader, self.mapper, ids, self.plan, source)
         turns = [t[read:] for t in item.turns]
         return score_turns(self.reader, mapped, turns, item.continuation_lengths)
 

@@ -33,9 +33,9 @@ import kvhandoff
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
 from kvhandoff.runtime.policy import RecomputePolicy
+from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
 from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.decoding import end_ids
-from kvhandoff.serving.engine import CHATML_TEMPLATE
 from kvhandoff.serving.guard import GuardRecord, WithinTime, auroc, guard_records_by_signal, summarize_guard
 from kvhandoff_lab.evaluation.metrics import paired_bootstrap, token_f1
 from kvhandoff_lab.serving.workload import coqa_dialogues
@@ -45,7 +45,7 @@ _MARK = "\u2063KVHANDOFF-ANSWER\u2063"  # stands for an answer while rendering t
 
 
 def _render(tokenizer, messages: list[dict]) -> str:
-    template = None if getattr(tokenizer, "chat_template", None) else CHATML_TEMPLATE
+    template = None if getattr(tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
     return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
                                          tokenize=False)
 
