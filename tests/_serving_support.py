@@ -20,13 +20,17 @@ from conftest import chat_tokenizer, exactly_related, random_batches, tiny_model
 EXACT_FIT = FitConfig(top_k="all", ridge_lambda=1e-10, token_stride=1)
 #: the tiny models' vocabulary (the chat tokenizer's 259 ids fit)
 VOCAB = 300
+#: a context that holds tool schemas rendered byte by byte
+AGENT_CONTEXT = 4096
 
 
 @functools.cache
-def tiny_family():
+def tiny_family(max_position_embeddings: int = 512):
     """(models, mappers): "small" and "large" (an exactly related copy: equal outputs, a different cache) with the
-    chat tokenizer, and exact mappers both ways. Cached: build once per test process (do not mutate)."""
-    small = tiny_model("qwen2", layers=3, vocab_size=VOCAB, seed=3, max_position_embeddings=512)  # 413 tests
+    chat tokenizer, and exact mappers both ways. Cached: build once per test process (do not mutate). The default
+    context is short enough that over-long prompts are cheap to send; tool schemas in a prompt need a longer one
+    (`AGENT_CONTEXT`)."""
+    small = tiny_model("qwen2", layers=3, vocab_size=VOCAB, seed=3, max_position_embeddings=max_position_embeddings)
     large = exactly_related(small)
     forward = fit_mapper(small, large, random_batches(), EXACT_FIT, progress=False)
     backward = fit_mapper(large, small, random_batches(), EXACT_FIT, progress=False)

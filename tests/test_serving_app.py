@@ -10,10 +10,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import openai
 import pytest
+import torch
 
-from _serving_support import chat_ids, reference_answer, running, tiny_family
+from _serving_support import AGENT_CONTEXT, chat_ids, reference_answer, running, tiny_family
 from kvhandoff.serving.app import field_path
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,8 +42,8 @@ def chat(client, model, messages, session=None, max_tokens=8, **extra):
     return result.choices[0].message.content, raw.headers, result.model_extra["kv_handoff"], result.usage
 
 
-def expected(model_name, messages, max_tokens=8) -> str:
-    models, _ = tiny_family()
+def expected(model_name, messages, max_tokens=8, context: int = 512) -> str:
+    models, _ = tiny_family(context)
     model, tokenizer = models[model_name]
     return reference_answer(model, tokenizer, chat_ids(tokenizer, messages), max_tokens)
 
@@ -454,3 +456,231 @@ def test_sixteen_concurrent_sessions_answer_as_one_at_a_time(server):
         together = list(pool.map(lambda i: conversation(i, "together"), range(16)))
     assert together == alone
     assert len({tuple(a) for a in alone}) > 1  # the conversations differ, so leakage would show
+
+
+# -- the agent surface: tools, structured output, the sampling fields, log-probs, the tokenizer routes, the key ------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city for some days",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, CLOCK)}
+ASK_WEATHER = [{"role": "system", "content": "You call tools."},
+               {"role": "user", "content": "The weather in Oslo for two days?"}]
+
+
+def check_calls(calls, names) -> None:
+    """Every call names one of ``names``, has an id, and its arguments validate against its tool's schema."""
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.fixture(scope="module")
+def agent_server():
+    """The tiny family with a context that holds tool schemas."""
+    with running(*tiny_family(AGENT_CONTEXT)) as server:
+        yield server
+
+
+def test_required_and_named_tool_calls_always_parse_and_fit_their_schema(agent_server):
+    client = client_of(agent_server)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for tool_choice, names in (("required", set(SCHEMAS)), (named, {"get_time"})):
+        for seed in range(3):
+            result = client.chat.completions.create(
+                model="small", messages=[{"role": "user", "content": f"question {seed}"}], tools=[WEATHER, CLOCK],
+                tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=300, temperature=1.0, seed=seed)
+            choice = result.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            check_calls(choice.message.tool_calls, names)
+            assert len(choice.message.tool_calls) == 1  # parallel_tool_calls false: one call
+
+
+def test_streamed_tool_calls_equal_the_whole_answer(agent_server):
+    client = client_of(agent_server)
+    request = {"model": "large", "messages": ASK_WEATHER, "tools": [WEATHER, CLOCK], "tool_choice": "required",
+               "max_tokens": 300, "temperature": 0}
+    whole = client.chat.completions.create(**request).choices[0]
+    calls, finish, first = {}, None, None
+    for chunk in client.chat.completions.create(**request, stream=True):
+        first = first or chunk.model_extra.get("kv_handoff")
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": delta.id, "name": delta.function.name, "arguments": ""})
+                call["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and first["status"] == "none"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_a_tool_round_trip_across_small_large_small_is_handed_over_exactly(agent_server):
+    """call (small) → tool result → answer (large, handed over) → another call (small, handed back): each switch is
+    `applied`, and on the exactly related pair every answer equals the one a re-prefill gives."""
+    client = client_of(agent_server)
+
+    def conversation(session: str, mode: str) -> list:
+        def ask(model, messages, max_tokens=300, **extra):
+            raw = client.chat.completions.with_raw_response.create(
+                model=model, messages=messages, tools=[WEATHER, CLOCK], max_tokens=max_tokens, temperature=0,
+                extra_headers={"X-Session-ID": session}, extra_body={"kv_handoff": {"mode": mode}}, **extra)
+            return raw.parse(), raw.headers
+
+        messages = list(ASK_WEATHER)
+        call_answer, _ = ask("small", messages, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        call = call_answer.choices[0].message.tool_calls[0]
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "rain", "celsius": 4}'}]
+        answer, headers = ask("large", messages, tool_choice="none", max_tokens=8)
+        text = answer.choices[0].message.content
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "And the time in CET?"}]
+        again, back_headers = ask("small", messages, tool_choice="required", parallel_tool_calls=False)
+        calls = again.choices[0].message.tool_calls
+        check_calls(calls, set(SCHEMAS))
+        statuses = [headers["x-kv-handoff"], back_headers["x-kv-handoff"]]
+        return [(call.function.name, call.function.arguments), text,
+                [(c.function.name, c.function.arguments) for c in calls], statuses]
+
+    handed, reprefilled = conversation("tools-mapped", "auto"), conversation("tools-reprefill", "reprefill")
+    assert handed[3] == ["applied", "applied"] and reprefilled[3] == ["reprefill", "reprefill"]
+    assert handed[:3] == reprefilled[:3]
+
+
+def test_json_schema_and_json_object_answers_always_parse(agent_server):
+    client = client_of(agent_server)
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+        "required": ["name", "age", "tags"], "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    for seed in range(3):
+        result = client.chat.completions.create(model="small", messages=[{"role": "user", "content": "a person"}],
+                                                response_format=response_format, max_tokens=300, temperature=1.0,
+                                                seed=seed)
+        assert result.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(result.choices[0].message.content), schema)
+    result = client.chat.completions.create(model="large", messages=[{"role": "user", "content": "json"}],
+                                            response_format={"type": "json_object"}, max_tokens=400,
+                                            temperature=0)
+    assert isinstance(json.loads(result.choices[0].message.content), dict)
+
+
+def test_several_choices_logprobs_and_the_sampling_fields(agent_server):
+    client = client_of(agent_server)
+    messages = [{"role": "user", "content": "Count with me."}]
+    result = client.chat.completions.create(model="small", messages=messages, n=3, max_tokens=6, temperature=1.0,
+                                            seed=5, logprobs=True, top_logprobs=2)
+    assert [choice.index for choice in result.choices] == [0, 1, 2]
+    assert len({choice.message.content for choice in result.choices}) > 1  # one seed, different answers
+    assert result.usage.completion_tokens == sum(len(choice.logprobs.content) for choice in result.choices)
+    for entry in result.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob <= entry.top_logprobs[0].logprob + 1e-6 and entry.bytes == list(entry.token.encode())
+    greedy = client.chat.completions.create(model="small", messages=messages, n=2, max_tokens=6, temperature=0)
+    answers = [choice.message.content for choice in greedy.choices]
+    assert answers == [expected("small", messages, 6, AGENT_CONTEXT)] * 2
+    z = tiny_family(AGENT_CONTEXT)[0]["small"][1]("z")["input_ids"][0]
+    forced = client.chat.completions.create(model="small", messages=messages, max_tokens=5, temperature=0,
+                                            logit_bias={str(z): 100})
+    assert forced.choices[0].message.content == "zzzzz"
+    never = client.chat.completions.create(model="small", messages=messages, max_tokens=5, temperature=0,
+                                           extra_body={"min_tokens": 5, "ignore_eos": True, "top_k": 1})
+    assert never.usage.completion_tokens == 5 and never.choices[0].finish_reason == "length"
+
+
+def test_completions_echo_scores_the_prompt(agent_server):
+    models, _ = tiny_family(AGENT_CONTEXT)
+    model, tokenizer = models["large"]
+    prompt = "The tide comes in."
+    ids = tokenizer(prompt)["input_ids"]
+    result = httpx.post(agent_server.url + "/v1/completions", json={
+        "model": "large", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0}, timeout=30).json()
+    choice = result["choices"][0]
+    assert choice["text"] == prompt and result["usage"]["completion_tokens"] == 0
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) and logprobs["token_logprobs"][0] is None
+    with torch.no_grad():
+        reference = model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert logprobs["token_logprobs"][1:] == pytest.approx([float(reference[i - 1, ids[i]])
+                                                            for i in range(1, len(ids))], abs=1e-4)
+    assert logprobs["text_offset"][:2] == [0, len(logprobs["tokens"][0])]
+    answered = httpx.post(agent_server.url + "/v1/completions", json={
+        "model": "large", "prompt": prompt, "echo": True, "max_tokens": 3, "temperature": 0}, timeout=30).json()
+    assert answered["choices"][0]["text"].startswith(prompt)
+
+
+def test_nulls_are_defaults_and_unknown_fields_are_ignored(agent_server):
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": None,
+            "top_p": None, "n": None, "stream": None, "stop": None, "seed": None, "tools": None,
+            "tool_choice": None, "response_format": None, "logprobs": None, "stream_options": None,
+            "a_field_from_the_future": {"x": 1}}
+    response = httpx.post(agent_server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_context_overflow_is_a_400_context_length_exceeded(server):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client_of(server).chat.completions.create(model="small", messages=[{"role": "user", "content": "x" * 600}])
+    assert caught.value.code == "context_length_exceeded" and "maximum context length" in caught.value.message
+
+
+def test_model_tokenizer_and_version_routes(agent_server):
+    client = client_of(agent_server)
+    assert client.models.retrieve("large").id == "large"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    models, _ = tiny_family(AGENT_CONTEXT)
+    tokenizer = models["small"][1]
+    tokens = httpx.post(agent_server.url + "/tokenize", json={"model": "small", "prompt": "hello"}).json()
+    assert tokens["tokens"] == tokenizer("hello")["input_ids"] and tokens["count"] == len(tokens["tokens"])
+    chat_tokens = httpx.post(agent_server.url + "/tokenize", json={"model": "small", "messages": USER_MESSAGES}).json()
+    assert chat_tokens["tokens"] == chat_ids(tokenizer, USER_MESSAGES)
+    assert httpx.post(agent_server.url + "/detokenize", json={"model": "small", "tokens": tokens["tokens"]}).json() == {
+        "prompt": "hello"}
+    assert httpx.post(agent_server.url + "/detokenize", json={"model": "small", "tokens": [10**6]}).status_code == 400
+    assert httpx.get(agent_server.url + "/version").json()["version"]
+
+
+USER_MESSAGES = [{"role": "user", "content": "hi there"}]
+
+
+def test_router_headers_and_the_litellm_session_key(agent_server):
+    client = client_of(agent_server)
+    messages = [{"role": "user", "content": USER_TURNS[0]}]
+    headers = {"x-litellm-session-id": "router-1"}
+    first = client.chat.completions.with_raw_response.create(model="small", messages=messages, max_tokens=4,
+                                                             temperature=0, extra_headers=headers)
+    assert first.headers["x-vsr-kv-transfer-status"] == "unsupported" and "x-vsr-kv-mapper-id" not in first.headers
+    messages += [{"role": "assistant", "content": first.parse().choices[0].message.content},
+                 {"role": "user", "content": USER_TURNS[1]}]
+    second = client.chat.completions.with_raw_response.create(model="large", messages=messages, max_tokens=4,
+                                                              temperature=0, extra_headers=headers)
+    assert second.headers["x-kv-handoff"] == "applied" and second.headers["x-vsr-kv-transfer-status"] == "applied"
+    assert second.headers["x-vsr-kv-mapper-id"] == agent_server.engine.mapper_id("small", "large")
+    assert second.headers["x-vsr-kv-cache-id"] == first.headers["x-vsr-kv-cache-id"]
+    forced = client.chat.completions.with_raw_response.create(
+        model="small", messages=messages, max_tokens=4, temperature=0, extra_headers=headers,
+        extra_body={"kv_handoff": {"mode": "reprefill"}})
+    assert forced.headers["x-vsr-kv-transfer-status"] == "fallback_reprefill"
+
+
+def test_an_api_key_guards_every_route_but_the_open_probes():
+    with running(api_key="sesame") as server:
+        assert httpx.get(server.url + "/v1/models").status_code == 401
+        refused = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client_of(server).models.list()
+        keyed = openai.OpenAI(base_url=server.url + "/v1", api_key="sesame", max_retries=0, timeout=30)
+        assert [m.id for m in keyed.models.list()] == ["small", "large"]
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert httpx.get(server.url + "/metrics").status_code == 200
+    with running(api_key="sesame", open_probes=False) as server:
+        assert httpx.get(server.url + "/health").status_code == 401
