@@ -684,3 +684,18 @@ def test_an_api_key_guards_every_route_but_the_open_probes():
         assert httpx.get(server.url + "/metrics").status_code == 200
     with running(api_key="sesame", open_probes=False) as server:
         assert httpx.get(server.url + "/health").status_code == 401
+
+
+def test_a_router_naming_the_cache_pins_the_session_and_gets_the_name_back(agent_server):
+    client = client_of(agent_server)
+    messages = [{"role": "user", "content": USER_TURNS[0]}]
+    headers = {"x-vsr-kv-cache-id": "router-cache-7"}
+    first = client.chat.completions.with_raw_response.create(model="large", messages=messages, max_tokens=4,
+                                                             temperature=0, extra_headers=headers)
+    assert first.headers["x-vsr-kv-cache-id"] == "router-cache-7"
+    messages += [{"role": "assistant", "content": first.parse().choices[0].message.content},
+                 {"role": "user", "content": USER_TURNS[1]}]
+    second = client.chat.completions.with_raw_response.create(
+        model="small", messages=messages, max_tokens=4, temperature=0, extra_headers=headers,
+        extra_body={"kv_handoff": {"mode": "reprefill"}})
+    assert second.headers["x-kv-handoff"] == "reprefill" and "x-vsr-kv-mapper-id" not in second.headers

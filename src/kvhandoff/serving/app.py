@@ -111,11 +111,11 @@ def field_path(location) -> str | None:
 
 
 def session_of(request: Request, body: SamplingRequest) -> str | None:
-    """The session a request belongs to: header X-Session-ID, else x-litellm-session-id, else the body's
-    prompt_cache_key, else its user (None: stateless)."""
+    """The session a request belongs to: header X-Session-ID, else x-litellm-session-id, else the cache a router
+    names (x-vsr-kv-cache-id), else the body's prompt_cache_key, else its user (None: stateless)."""
     headers = request.headers
-    return (headers.get(SESSION_HEADER) or headers.get(LITELLM_SESSION_HEADER) or body.prompt_cache_key
-            or body.user or None)
+    return (headers.get(SESSION_HEADER) or headers.get(LITELLM_SESSION_HEADER) or headers.get(CACHE_ID_HEADER)
+            or body.prompt_cache_key or body.user or None)
 
 
 @contextlib.contextmanager
@@ -226,14 +226,16 @@ def completion_logprobs(entries: list[TokenEntry], start: int = 0) -> Completion
                               text_offset=offsets)
 
 
-def headers_of(engine: Engine, request: GenerationRequest, generation: Generation) -> dict[str, str]:
-    """What happened to the cache, in kvhandoff's header and the router vocabulary's, and the session."""
+def headers_of(engine: Engine, request: GenerationRequest, generation: Generation,
+               router_cache: str | None = None) -> dict[str, str]:
+    """What happened to the cache, in kvhandoff's header and the router vocabulary's (the cache id the router named,
+    ``router_cache``, else the session's own), and the session."""
     report = generation.report
     headers = {HANDOFF_HEADER: report.status, TRANSFER_STATUS_HEADER: TRANSFER_STATUS[report.status]}
-    if report.source is not None:
+    if report.source is not None and report.status != "reprefill":  # a mapper ran
         headers[MAPPER_ID_HEADER] = engine.mapper_id(report.source, report.target)
-    if generation.cache_id is not None:
-        headers[CACHE_ID_HEADER] = generation.cache_id
+    if router_cache or generation.cache_id is not None:
+        headers[CACHE_ID_HEADER] = router_cache or generation.cache_id
     if request.session_id:
         headers[SESSION_HEADER] = request.session_id
     return headers
@@ -321,10 +323,11 @@ def chat_choice(choice: Choice, request: GenerationRequest, tools: ToolSettings,
                       finish_reason=finish, logprobs=logprobs)
 
 
-async def respond_chat(engine: Engine, request: GenerationRequest, tools: ToolSettings, body: ChatCompletionRequest):
+async def respond_chat(engine: Engine, request: GenerationRequest, tools: ToolSettings, body: ChatCompletionRequest,
+                       router_cache: str | None = None):
     parser = tool_parser(engine.config.tool_parser)
     generation = await engine.start(request)
-    headers = headers_of(engine, request, generation)
+    headers = headers_of(engine, request, generation, router_cache)
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     requests = engine.metrics.requests
     if body.streams():
@@ -348,9 +351,10 @@ def completion_choice(choice: Choice, request: GenerationRequest, generation: Ge
     return CompletionChoice(index=choice.index, text=text, finish_reason=choice.finish_reason, logprobs=logprobs)
 
 
-async def respond_completion(engine: Engine, request: GenerationRequest, body: CompletionRequest):
+async def respond_completion(engine: Engine, request: GenerationRequest, body: CompletionRequest,
+                             router_cache: str | None = None):
     generation = await engine.start(request)
-    headers = headers_of(engine, request, generation)
+    headers = headers_of(engine, request, generation, router_cache)
     ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     requests = engine.metrics.requests
     if body.streams():
@@ -512,11 +516,12 @@ def create_app(engine: Engine) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         ignored.note(body)
         generation_request, tools = chat_request(body, session_of(request, body))
-        return await respond_chat(engine, generation_request, tools, body)
+        return await respond_chat(engine, generation_request, tools, body, request.headers.get(CACHE_ID_HEADER))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         ignored.note(body)
-        return await respond_completion(engine, completion_request(body, session_of(request, body)), body)
+        return await respond_completion(engine, completion_request(body, session_of(request, body)), body,
+                                        request.headers.get(CACHE_ID_HEADER))
 
     return app

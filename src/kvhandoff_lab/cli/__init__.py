@@ -1,5 +1,5 @@
 """`kvhandoff-lab` command line: tune, eval, eval-render, eval-switch, bench, bench-fit, analyze, bench-serve,
-load-test, guard-eval.
+load-test, guard-eval, bench-agent.
 
 The lab's measurements of the product: one module per command group, sharing the product's option parsers
 (`kvhandoff.cli.options`) and its one-line failure reports (`kvhandoff.cli.group`).
@@ -23,6 +23,7 @@ app.command()(analyze.analyze)
 app.command("bench-serve")(measure.bench_serve)
 app.command("load-test")(measure.load_test)
 app.command("guard-eval")(measure.guard_eval)
+app.command("bench-agent")(measure.bench_agent)
 
 
 def main() -> None:

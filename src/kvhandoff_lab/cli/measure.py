@@ -1,9 +1,11 @@
-"""`bench-serve`, `load-test`, `guard-eval`: the server measured over loopback HTTP on real text — time to first token
-at a switch with the handoff vs a re-prefill, concurrent switching conversations, and the quality guard's AUROC and
-threshold."""
+"""`bench-serve`, `load-test`, `guard-eval`, `bench-agent`: the server measured over loopback HTTP on real text — time
+to first token at a switch with the handoff vs a re-prefill, concurrent switching conversations, the quality guard's
+AUROC and threshold, and a tool-using agent switching models on GSM8K."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +14,7 @@ import typer
 from kvhandoff.cli.options import (
     Recompute,
     list_of,
+    non_negative_int,
     one_of,
     option_errors,
     positive_float,
@@ -23,7 +26,19 @@ from kvhandoff.cli.serve import GuardSignal, GuardSwitch, GuardThreshold, Mapper
 from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.family import load_family
+from kvhandoff_lab.serving.agent_bench import (
+    CONDITIONS,
+    DEFAULT_MAX_STEPS,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_MIN_CALLS,
+    AgentSettings,
+    agent_over_http,
+    agent_table,
+    gsm8k_problems,
+    run_agent_bench,
+)
 from kvhandoff_lab.serving.bench import DEFAULT_SERVE_LENGTHS, DIRECTIONS, run_serve_bench, serve_bench_table
+from kvhandoff_lab.serving.client import require_loopback
 from kvhandoff_lab.serving.guard_eval import guard_table, run_guard_eval
 from kvhandoff_lab.serving.loadtest import load_table, run_load_test
 
@@ -141,3 +156,61 @@ def guard_eval(
                             config=ServeConfig(recompute=recompute), out=out)
     _print(guard_table(result))
     typer.echo(f"wrote {out}")
+
+
+def bench_agent(
+    models: Models = "",
+    mapper: Mappers = None,
+    url: Annotated[str | None, typer.Option(help=(
+        "an already running server on this machine (e.g. http://127.0.0.1:8000) instead of starting one; its first "
+        "two models are the small and the large one"))] = None,
+    problems: Annotated[int, typer.Option(parser=positive_int, help="GSM8K test problems (report pool)")] = 20,
+    seed: Annotated[int, typer.Option(parser=non_negative_int, help="which problems, in which order")] = 0,
+    max_steps: Annotated[int, typer.Option(parser=positive_int, help="tool calls per problem at most")]
+    = DEFAULT_MAX_STEPS,
+    max_tokens: Annotated[int, typer.Option(parser=positive_int, help="answer tokens per step")] = DEFAULT_MAX_TOKENS,
+    min_calls: Annotated[int, typer.Option(parser=non_negative_int, help=(
+        "the first steps that must call the calculator (2: every switching problem switches at least twice)"))]
+    = DEFAULT_MIN_CALLS,
+    conditions: Annotated[tuple, typer.Option(parser=list_of(one_of(CONDITIONS), "conditions"), metavar="LIST",
+                                              help="rows, comma-separated")] = ",".join(CONDITIONS),
+    time_budget: Annotated[float | None, typer.Option("--time-budget", parser=positive_float, help=(
+        "seconds; no problem starts after it (rerun with the same --out to continue)"))] = None,
+    warmup: Annotated[bool, typer.Option(help="untimed short requests on each model and path first")] = True,
+    guard: GuardSwitch = "off",
+    guard_signal: GuardSignal = ServeConfig.guard_signal,
+    guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
+    recompute: Recompute = None,
+    max_context: Annotated[int | None, typer.Option(parser=positive_int, help=(
+        "the started server's context (default: the hosted models' smallest max_position_embeddings)"))] = None,
+    out: Annotated[Path, typer.Option(help="the results (JSON; problems already in it are skipped)")]
+    = Path("runs/agent_bench.json"),
+    render: Annotated[Path | None, typer.Option(help="print the table of an existing result and stop")] = None,
+) -> None:
+    """A tool-using agent on GSM8K through the server: always large, always small, and switching small/large with
+    the handoff or a re-prefill; solve rate, valid calls, time to first token at the switches."""
+    if render is not None:
+        typer.echo(agent_table(json.loads(render.read_text())))
+        return
+    with option_errors("--max-steps", "--min-calls", "--conditions"):
+        settings = AgentSettings(max_steps=max_steps, max_tokens=max_tokens, min_calls=min_calls,
+                                 conditions=conditions)
+    with option_errors("--problems"):
+        chosen = gsm8k_problems(problems, seed)
+    options = {"out": out, "time_budget_s": time_budget, "warmup": warmup, "progress": True}
+    if url is not None:
+        with option_errors("--url"):
+            url = require_loopback(url)
+        result = agent_over_http(url, chosen, settings, seed, **options)
+    else:
+        config = _server_config(guard, guard_signal, guard_threshold, recompute)
+        with option_errors("--max-context"):
+            config = dataclasses.replace(config, max_context=max_context)
+        family = load_family(*family_specs(models, mapper), progress=True)
+        result = run_agent_bench(*family, config, problems=chosen, seed=seed, settings=settings, **options)
+    typer.echo(agent_table(result))
+    typer.echo(f"wrote {out}")
+    errors = sum(row["errors"] for row in result["summary"]["rows"].values())
+    if errors:
+        typer.echo(f"{errors} episode(s) stopped on a failed request (see the steps' error in {out})", err=True)
+        raise typer.Exit(1)

@@ -433,7 +433,7 @@ def _gsm8k_requests_and_prefix() -> tuple[list[dict], str]:
     return requests, gsm8k_prefix(exemplars)
 
 
-def _gsm8k_id(doc: dict[str, Any]) -> str:
+def gsm8k_id(doc: dict[str, Any]) -> str:
     return f"gsm8k-{doc['id']}"
 
 
@@ -446,7 +446,7 @@ def gsm8k_dev_examples(tokenizer, count: int) -> list[tuple[list[int], list[int]
     `count` test items of the *dev pool* (:func:`pool_of`), as (8-shot prompt token ids up to "A:", the token ids
     of the reference solution in the exemplars' layout, :func:`gsm8k_worked_answer`)."""
     requests, prefix = _gsm8k_requests_and_prefix()
-    dev = [r["doc"] for r in requests if pool_of("gsm8k", _gsm8k_id(r["doc"])) == "dev"]
+    dev = [r["doc"] for r in requests if pool_of("gsm8k", gsm8k_id(r["doc"])) == "dev"]
     if not 1 <= count <= len(dev):
         raise ConfigError(f"the GSM8K dev pool holds {len(dev)} items: count must be in 1..{len(dev)}, got {count}")
     return [
@@ -460,7 +460,7 @@ def _load_gsm8k() -> list[Item]:
     requests, prefix = _gsm8k_requests_and_prefix()
     return [
         GenItem(
-            id=_gsm8k_id(r["doc"]),
+            id=gsm8k_id(r["doc"]),
             context=_gsm8k_context(prefix, r["doc"]),
             answer=gsm8k_gold(r["doc"]["answer"]),
             stop=GSM8K_STOP,

@@ -5,9 +5,12 @@ catch rate and false-fallback rate on held-out ones.
 Conversations are CoQA stories with their questions (`workload.coqa_dialogues`), in the server's chat format: the
 first turn is the chat template's rendering of the story and the first question (with the generation prompt), every
 later turn what the template adds after an assistant answer: the end of the answer's message, the next question as
-a user message and the generation prompt. The serving model switches every ``switch_every`` turns; conversation i
-starts on hosted model i % 2, so both directions are measured. Every ``heldout_every``-th conversation is held out
-(the others are dev), and conversations run in order until the time limit, so both splits fill alike.
+a user message and the generation prompt (`kvhandoff.serving.calibrate.chat_turns`). The serving model switches every
+``switch_every`` turns; conversation i starts on hosted model i % 2, so both directions are measured. The split is the
+product's (`kvhandoff.coqa.split_of`): every ``heldout_every``-th CoQA conversation in id order is held out (the
+others are dev), by its place among all validation conversations — so at the default ``heldout_every`` 2 the
+held-out conversations are never among the dev conversations `kvhandoff guard-calibrate` records a threshold from,
+whatever the turn counts. Conversations run in order until the time limit, so both splits fill alike.
 
 Each switch is recorded once for every signal (`guard.guard_records_by_signal`: the guard's score, the receiving
 model's greedy answers over the mapped cache and after re-prefilling, and the KL of their first tokens'
@@ -15,9 +18,9 @@ distributions). A switch is bad as each of `LABELS` says (the answer changed; it
 fell below 0.5; the first token's KL exceeded 0.5 nats). Per label and signal: AUROC (dev, held-out, all), the
 threshold maximising catch − false-fallback rate on dev (`guard.summarize_guard`, bounded by ``max_false_fallback``
 when given) and that threshold's rates on held-out, and the rates of the server's configured threshold
-(``ServeConfig().guard_threshold``) on all of them. With an escalation policy every switch is also handed over with
-a larger recompute budget, and `escalation` compares serving the mapped cache, re-prefilling and escalating at the
-switches a signal flags.
+(``config.guard_threshold``; `SERVED_THRESHOLD` when none is configured) on all of them. With an escalation policy
+every switch is also handed over with a larger recompute budget, and `escalation` compares serving the mapped cache,
+re-prefilling and escalating at the switches a signal flags.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from pathlib import Path
 import torch
 
 import kvhandoff
+from kvhandoff.coqa import coqa_places, split_of
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
 from kvhandoff.runtime.policy import RecomputePolicy
-from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
+from kvhandoff.serving.calibrate import chat_turns, switching_schedule
 from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.decoding import end_ids
 from kvhandoff.serving.guard import GuardRecord, WithinTime, auroc, guard_records_by_signal, summarize_guard
@@ -41,44 +45,18 @@ from kvhandoff_lab.evaluation.metrics import paired_bootstrap, token_f1
 from kvhandoff_lab.serving.workload import coqa_dialogues
 
 GUARD_EVAL_FORMAT = "kvhandoff-serve-guard/1"
-_MARK = "\u2063KVHANDOFF-ANSWER\u2063"  # stands for an answer while rendering the turn that follows it
+#: the threshold the reports compare every signal against when the config names none: the entropy threshold the
+#: server used for every pair before guards were recorded per mapper (chosen on the default pair's dev
+#: conversations, docs/SERVING.md)
+SERVED_THRESHOLD = 1.79
 
 
-def _render(tokenizer, messages: list[dict]) -> str:
-    template = None if getattr(tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
-    return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                         tokenize=False)
-
-
-def chat_turns(tokenizer, conversation, turns: int, story_chars: int | None = None) -> list[list[int]]:
-    """Token ids of each user turn of ``conversation`` in the chat format (module docstring); the answers between
-    them are the models' own."""
-    questions = [t.question for t in conversation.turns[:turns]]
-    if len(questions) < turns:
-        raise ConfigError(f"conversation {conversation.id} has {len(questions)} questions, fewer than {turns} turns")
-    story = conversation.story if story_chars is None else conversation.story[:story_chars]
-    first = [{"role": "user", "content": f"{story}\n\nQ: {questions[0]}"}]
-
-    def encode(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    ids = [encode(_render(tokenizer, first))]
-    for question in questions[1:]:
-        text = _render(tokenizer, [*first, {"role": "assistant", "content": _MARK},
-                                   {"role": "user", "content": f"Q: {question}"}])
-        if text.count(_MARK) != 1:
-            raise ConfigError("the chat template does not render an assistant's answer verbatim")
-        ids.append(encode(text.split(_MARK)[1]))
-    return ids
-
-
-def switching_schedule(index: int, turns: int, names: list[str], switch_every: int = 1) -> list[str]:
-    """The model of each turn of conversation ``index``: starting on ``names[index % 2]``, switching every
-    ``switch_every`` turns."""
-    if switch_every < 1:
-        raise ConfigError(f"switch_every must be positive, got {switch_every}")
-    first, second = (names[0], names[1]) if index % 2 == 0 else (names[1], names[0])
-    return [first if (t // switch_every) % 2 == 0 else second for t in range(turns)]
+def heldout_conversations(dialogues, heldout_every: int = 2) -> set[int]:
+    """The indices of ``dialogues`` that are held out: by each one's place among all CoQA validation conversations
+    (`kvhandoff.coqa.split_of`; a dialogue CoQA does not hold goes by its index)."""
+    places = coqa_places()
+    return {i for i, dialogue in enumerate(dialogues)
+            if split_of(places.get(dialogue.id, i), heldout_every) == "heldout"}
 
 
 def rates(records: list[GuardRecord], threshold: float | None) -> dict:
@@ -117,8 +95,7 @@ def auroc_interval(records: list[GuardRecord], n_resamples: int = 1000, seed: in
 
 
 def evaluate_signal(records: list[GuardRecord], heldout: set[int], signal: str,
-                    max_false_fallback: float | None = None,
-                    served_threshold: float = ServeConfig().guard_threshold) -> dict:
+                    max_false_fallback: float | None = None, served_threshold: float = SERVED_THRESHOLD) -> dict:
     """One signal's numbers (module docstring) from its records; ``heldout``: the held-out conversations."""
     dev = [r for r in records if r.conversation not in heldout]
     held = [r for r in records if r.conversation in heldout]
@@ -196,7 +173,7 @@ def escalation(result: dict, signal: str, threshold: float | None) -> dict:
             "escalate_all": served(lambda r, f: escalated(r))}
 
 
-def resummarize(result: dict, served_threshold: float = ServeConfig().guard_threshold) -> dict:
+def resummarize(result: dict, served_threshold: float = SERVED_THRESHOLD) -> dict:
     """``result`` (a `run_guard_eval` result, e.g. read back from its JSON) with its per-signal numbers computed
     again from its records by this version of `evaluate_signal`: "signals" for the label "answer_changed", "labels"
     for every label of `LABELS` (a stored result gets those its records hold), and
@@ -256,7 +233,7 @@ def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, swi
                                       config.plan(), escalate=escalate)
     wall, ran = time.monotonic() - started, timed.started
     first = records[signals[0]]
-    heldout = {i for i in range(ran) if i % heldout_every == heldout_every - 1}
+    heldout = heldout_conversations(dialogues[:ran], heldout_every)
 
     def decode(ids) -> str:
         return tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -283,7 +260,7 @@ def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, swi
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "torch_threads": torch.get_num_threads()},
     }
-    result = resummarize(result, config.guard_threshold)
+    result = resummarize(result, SERVED_THRESHOLD if config.guard_threshold is None else config.guard_threshold)
     if out is not None:
         atomic_write_json(Path(out), result)
     return result
