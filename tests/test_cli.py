@@ -13,7 +13,7 @@ from kvhandoff_lab.cli import app as lab_app
 from conftest import BYTE_MODEL, ByteTokenizer, chat_tokenizer, save_tiny_pair, tiny_model
 
 #: the product's commands (`kvhandoff`); every other command is the lab's (`kvhandoff-lab`)
-PRODUCT_COMMANDS = ("prepare", "fit", "refine", "demo", "serve")
+PRODUCT_COMMANDS = ("prepare", "fit", "refine", "demo", "serve", "guard-calibrate")
 
 
 def invoke(args, **kwargs):
@@ -456,6 +456,10 @@ def test_every_entry_point_refuses_a_pair_whose_tokenizers_differ(command, tmp_p
     (["demo", "--dtype", "int4"], "--dtype"),
     (["bench", "--device-map", "everywhere"], "--device-map"),
     (["eval", "--device-map", "cuda:x"], "--device-map"),
+    (["guard-calibrate", "--target-rate", "2"], "--target-rate"),
+    (["guard-calibrate", "--signal", "vibes"], "--signal"),
+    (["guard-calibrate", "--label", "vibes"], "--label"),
+    (["guard-calibrate", "--turns", "1"], "--turns"),
 ])
 def test_bad_command_line_values_exit_2_with_one_line(arguments, option):
     result = invoke(arguments)
@@ -540,3 +544,37 @@ def test_fit_compact_options_write_a_compact_mapper_and_say_its_size(pair, tmp_p
                              (["--method", "mlp", "--rank", "4"], "full ridge map")):
         bad = invoke(["fit", "--source", small, "--target", large, *options])
         assert bad.exit_code == 2 and message in bad.output, bad.output
+
+
+def test_guard_calibrate_records_each_directions_guard_in_its_mapper_folder(pair, tmp_path):
+    """`kvhandoff guard-calibrate` on a tiny family saved to disk: each direction's guard, measured on its dev
+    switches, lands in that direction's --mapper folder (the tensors untouched), where the server reads it."""
+    from kvhandoff.serving.config import ServeConfig
+    from kvhandoff.serving.guard import guard_policies
+
+    small, large = pair
+    folders = {("small", "large"): tmp_path / "forward", ("large", "small"): tmp_path / "backward"}
+    paths = {"small": small, "large": large}
+    for (source, target), folder in folders.items():
+        result = invoke(["fit", "--source", paths[source], "--target", paths[target], "--out", str(folder),
+                         "--sequences", "3", "--seq-len", "48", "--top-k", "1"])
+        assert result.exit_code == 0, result.output
+    tensors = {pair: (folder / "mapper.safetensors").read_bytes() for pair, folder in folders.items()}
+    mapper_options = [item for (a, b), folder in folders.items() for item in ("--mapper", f"{a}:{b}={folder}")]
+    result = invoke(["guard-calibrate", "--models", f"small={small},large={large}", *mapper_options,
+                     "--conversations", "2", "--turns", "2", "--time-limit", "600"])
+    assert result.exit_code == 0, result.output
+    loaded = {}
+    for (source, target), folder in folders.items():
+        loaded[source, target] = mapper = Mapper.load(folder)
+        guard = mapper.manifest.guard
+        assert guard is not None, result.output
+        # 2 conversations of 2 turns, one per direction: one switch each
+        assert (guard.signal, guard.label, guard.dev_switches, guard.dev_conversations) == (
+            "entropy", "answer_changed", 1, 1)
+        assert guard.recompute == ServeConfig().recompute.spec and guard.window == 64 and guard.target_rate is None
+        assert (folder / "mapper.safetensors").read_bytes() == tensors[source, target]
+        assert f"{source} → {target}: re-prefill when entropy > " in result.output and str(folder) in result.output
+    policies = guard_policies(ServeConfig(), loaded)
+    assert {pair: (p.source, p.threshold) for pair, p in policies.items()} == {
+        pair: ("recorded", mapper.manifest.guard.threshold) for pair, mapper in loaded.items()}

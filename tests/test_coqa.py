@@ -102,3 +102,27 @@ def test_the_shipped_validation_conversations():
     assert cotton.turns[0] == coqa.Turn("What color was Cotton?", ("white",) * 4)
     assert cotton.turns[1].answers[0] == "in a barn" and len(cotton.turns) == 12
     assert all(c.turns and all(t.question and t.answers for t in c.turns) for c in conversations)
+
+
+def test_the_guard_splits_go_by_place_in_id_order(dump):
+    assert [coqa.split_of(place) for place in range(4)] == ["dev", "heldout", "dev", "heldout"]
+    assert [coqa.split_of(place, 3) for place in range(3)] == ["dev", "dev", "heldout"]
+    with pytest.raises(ConfigError, match="heldout_every"):
+        coqa.split_of(0, 1)
+    assert coqa.coqa_places() == {"choices": 0, "long": 1, "short": 2}  # every complete one, whatever its turns
+    # dev: places 0 and 2; "long" (place 1) is held out, whatever turn count is asked for
+    assert [c.id for c in coqa.dev_conversations(2)] == ["choices", "short"]
+    with pytest.raises(ConfigError, match="2 dev conversations with 1\\+ turns, asked for 3"):
+        coqa.dev_conversations(3)
+    with pytest.raises(ConfigError, match="0 dev conversations with 3\\+ turns"):
+        coqa.dev_conversations(1, min_turns=3)
+
+
+@shipped
+def test_the_dev_split_never_holds_the_demo_story_or_a_held_out_conversation():
+    places = coqa.coqa_places()
+    dev = coqa.dev_conversations(240, min_turns=10)
+    assert len({c.id for c in dev}) == 240 and coqa.DEMO_STORY_ID not in {c.id for c in dev}
+    assert all(coqa.split_of(places[c.id]) == "dev" for c in dev)
+    assert coqa.split_of(places[coqa.DEMO_STORY_ID]) == "heldout"  # the demo's story is held out anyway
+    assert [c.id for c in coqa.dev_conversations(5, min_turns=2)] == [c.id for c in dev[:5]]  # turns move nothing

@@ -6,7 +6,7 @@ import pytest
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.config import MAPPER_FORMAT_VERSION
 from kvhandoff.errors import MapperFormatError
-from kvhandoff.mapper.manifest import MapperManifest, dumps, loads
+from kvhandoff.mapper.manifest import GuardCalibration, MapperManifest, dumps, loads
 from kvhandoff.model.capture import FeatureLayout
 
 from conftest import random_batches, tiny_model
@@ -95,3 +95,45 @@ def test_a_manifest_without_fingerprints_has_no_rope(manifest):
     target_rope = manifest.rope_config("target")
     assert target_rope.max_position_embeddings == manifest.target_max_position_embeddings
     assert target_rope.rope_parameters == json.loads(manifest.target_fingerprint["geometry"]["rope"]["parameters"])
+
+
+def guard_record(**changes) -> GuardCalibration:
+    values = dict(signal="entropy", threshold=2.5, auroc=0.8, label="answer_changed",
+                  rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=30, bad_switches=12,
+                  catch_rate=0.75, false_fallback_rate=0.1, dev_conversations=10, recompute="recent:5%", window=64)
+    return GuardCalibration(**{**values, **changes})
+
+
+def test_a_guard_record_round_trips_and_an_old_manifest_checksums_as_before(manifest):
+    assert manifest.guard is None and "guard" not in manifest.to_dict()
+    old_text = dumps(manifest)  # a manifest written before guards were recorded
+    assert loads(old_text, "manifest.json") == manifest
+    assert json.loads(old_text)["checksum"] == manifest.checksum() == manifest.with_guard(None).checksum()
+    guarded = manifest.with_guard(guard_record())
+    assert guarded.checksum() != manifest.checksum() and manifest.guard is None  # a new manifest, the old unchanged
+    again = loads(dumps(guarded), "manifest.json")
+    assert again == guarded and again.guard == guard_record() and again["guard"]["threshold"] == 2.5
+    assert again.guard.auroc == 0.8 and again.guard.target_rate is None
+    assert dataclasses.replace(again, guard=None) == manifest  # nothing else changed
+    edited = json.loads(dumps(guarded))
+    edited["guard"]["threshold"] = 9.0  # an edit past the checksum is refused
+    with pytest.raises(MapperFormatError, match="checksum"):
+        loads(json.dumps(edited), "manifest.json")
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    ({"threshold": float("nan")}, "guard.threshold"),
+    ({"threshold": "high"}, "guard.threshold"),
+    ({"auroc": 1.5}, "guard.auroc"),
+    ({"signal": ""}, "guard.signal"),
+    ({"rule": "vibes"}, "guard.rule"),
+    ({"dev_switches": 0}, "guard.dev_switches"),
+    ({"bad_switches": 31}, "guard.bad_switches"),
+    ({"window": True}, "guard.window"),
+])
+def test_a_bad_guard_record_names_its_field(manifest, edit, field):
+    data = {**manifest.to_dict(), "guard": {**guard_record().to_dict(), **edit}}
+    with pytest.raises(MapperFormatError, match=f"field '{field}'"):
+        MapperManifest.from_dict(data)
+    with pytest.raises(MapperFormatError, match="field 'guard'"):  # a field missing, or one it does not know
+        MapperManifest.from_dict({**manifest.to_dict(), "guard": {"signal": "entropy"}})

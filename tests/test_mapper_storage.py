@@ -1,8 +1,15 @@
+import dataclasses
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 from _mapper_support import hand_manifest
 from kvhandoff.errors import MapperFormatError, NonFiniteError
+from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
+from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.mapper.storage import (
     MANIFEST_FILE,
     TENSOR_FILE,
@@ -12,6 +19,7 @@ from kvhandoff.mapper.storage import (
     require_tensors,
     to_storage,
     write_folder,
+    write_manifest,
 )
 
 
@@ -44,3 +52,71 @@ def test_a_written_folder_reads_back_and_records_its_storage(tmp_path):
     manifest, tensor_path = read_manifest(tmp_path / "m")
     assert manifest == written
     assert torch.equal(read_tensors(tensor_path, manifest)["weight"], tensors["weight"])
+
+
+@pytest.fixture
+def saved_mapper(tmp_path):
+    """A tiny fitted mapper saved in a folder: (mapper, folder)."""
+    from kvhandoff import FitConfig, fit_mapper
+
+    from conftest import random_batches, tiny_model
+
+    mapper = fit_mapper(tiny_model("qwen2", layers=2), tiny_model("qwen2", layers=3, seed=4), random_batches(2),
+                        FitConfig(top_k=1), progress=False)
+    return mapper, mapper.save(tmp_path / "m")
+
+
+GUARD = GuardCalibration("entropy", 2.5, 0.8, "answer_changed", GUARD_RULES[0], None, 30, 12, 0.75, 0.1, 10,
+                         "recent:5%", 64)
+
+
+def test_recording_a_guard_rewrites_only_the_manifest_and_it_loads_back(saved_mapper, tmp_path):
+    mapper, folder = saved_mapper
+    tensors_before = (folder / TENSOR_FILE).read_bytes()
+    assert mapper.folder == folder and Mapper.load(folder).manifest.guard is None
+    recorded = mapper.record_guard(GUARD)
+    assert recorded.guard == GUARD and mapper.manifest.guard == GUARD  # in memory too
+    assert (folder / TENSOR_FILE).read_bytes() == tensors_before  # the tensors untouched
+    assert sorted(p.name for p in folder.iterdir()) == sorted([MANIFEST_FILE, TENSOR_FILE])  # no temporary left
+    for lazy in (False, True):  # the checksum verifies, the tensors read
+        again = Mapper.load(folder, lazy=lazy)
+        assert again.manifest.guard == GUARD and again.folder == folder
+        assert torch.equal(again.map_tensors()[0], mapper.map_tensors()[0])
+    mapper.record_guard(None)
+    assert Mapper.load(folder).manifest.guard is None
+    assert "guard" not in json.loads((folder / MANIFEST_FILE).read_text())
+    in_memory = type(mapper).from_tensors(mapper.saved_tensors(), mapper.manifest)
+    with pytest.raises(MapperFormatError, match="not saved"):
+        in_memory.record_guard(GUARD)  # no folder to write to
+
+
+def test_a_failed_manifest_write_leaves_the_old_manifest(saved_mapper, monkeypatch):
+    mapper, folder = saved_mapper
+    before = (folder / MANIFEST_FILE).read_bytes()
+    real_write = Path.write_bytes
+
+    def half_then_fail(self, data):  # the disk fills half-way through the new manifest
+        real_write(self, data[: len(data) // 2])
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", half_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        mapper.record_guard(GUARD)
+    monkeypatch.undo()
+    assert (folder / MANIFEST_FILE).read_bytes() == before  # the old manifest, whole
+    assert sorted(p.name for p in folder.iterdir()) == sorted([MANIFEST_FILE, TENSOR_FILE])
+    assert Mapper.load(folder).manifest.guard is None  # its checksum verifies
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("interrupted before the rename")))
+    with pytest.raises(OSError, match="interrupted"):
+        write_manifest(folder, mapper.manifest.with_guard(GUARD))
+    monkeypatch.undo()
+    assert (folder / MANIFEST_FILE).read_bytes() == before and Mapper.load(folder).manifest.guard is None
+
+
+def test_a_manifest_of_other_tensors_is_not_written(saved_mapper, tmp_path):
+    mapper, folder = saved_mapper
+    other = dataclasses.replace(mapper.manifest, tensor_sha256="0" * 64)
+    before = (folder / MANIFEST_FILE).read_bytes()
+    with pytest.raises(MapperFormatError, match="other tensors"):
+        write_manifest(folder, other.with_guard(GUARD))
+    assert (folder / MANIFEST_FILE).read_bytes() == before

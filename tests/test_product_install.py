@@ -48,7 +48,7 @@ print(len(names), "modules")
 """
 
 #: the commands whose --help runs, each through the console script's `main` (the bare `kvhandoff` first)
-COMMANDS = (("fit",), ("serve",), ("prepare",), ("refine",), ("demo",))
+COMMANDS = (("fit",), ("serve",), ("prepare",), ("refine",), ("demo",), ("guard-calibrate",))
 HELP_OF_EVERY_COMMAND = f"""
 import sys
 

@@ -4,12 +4,14 @@ read_logprobs, reprefill, cache_bytes."""
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
 import torch
 
 from _serving_support import chat_ids, reference_answer, tiny_family
 from kvhandoff.errors import ConfigError
+from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, Sinks
 from kvhandoff.runtime.session import SwitchingSession
@@ -80,6 +82,8 @@ def test_engine_refuses_an_incomplete_family():
         Engine({"small": family["small"]}, {("small", "large"): mappers[("small", "large")]})
     with pytest.raises(ConfigError, match="at least one model"):
         Engine({}, {})
+    with pytest.raises(ConfigError, match="past the hosted models' window"):
+        Engine(family, mappers, ServeConfig(max_context=10**6))
 
 
 async def ask(engine, model, prompt=None, messages=None, session=None, max_tokens=24, **sampling):
@@ -208,6 +212,71 @@ def test_an_error_mid_handoff_answers_an_error_and_resets_the_session():
             with pytest.raises(RequestError) as caught:
                 await ask(engine, "medium", prompt="x")
             assert caught.value.kind == "not_found" and caught.value.param == "model"
+        finally:
+            engine.close()
+
+    asyncio.run(main())
+
+
+def noisy_with_guard(mapper, guard: GuardCalibration, scale: float = 1.0, seed: int = 0):
+    """A copy of ``mapper`` with noise of ``scale`` × its weights' std on its weights and ``guard`` recorded in its
+    (in-memory) manifest."""
+    copied = copy.deepcopy(mapper)
+    weight, _ = copied.map_tensors()
+    weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)) * weight.std() * scale)
+    copied.manifest = copied.manifest.with_guard(guard)
+    return copied
+
+
+#: a recorded guard that always falls back: every switch maps a share > 0
+ALWAYS_FALL_BACK = GuardCalibration("mapped_share", 0.0, None, "answer_changed", GUARD_RULES[0], None, 1, 0, None,
+                                    0.0, 1, DEFAULT_RECOMPUTE.spec, 64)
+
+
+def test_a_fallback_keeps_the_receiving_models_own_turns_and_reads_only_the_rest():
+    """small → large → small: large serves its turn mapped (no guard for small → large), the return switch is mapped
+    with a noisy mapper whose recorded guard falls back. small re-reads only what it does not hold exactly: its own
+    first turn stays, the turn mapped for it is read again — the cache ends as a prefill's and the answer is the
+    re-prefill's."""
+    family, mappers = tiny_family()
+    small, tokenizer = family["small"]
+    back = noisy_with_guard(mappers["large", "small"], ALWAYS_FALL_BACK)
+
+    async def main():
+        engine = Engine(family, {**mappers, ("large", "small"): back}, ServeConfig())
+        try:
+            assert engine.guards["small", "large"].source == "none"
+            assert engine.guards["large", "small"].source == "recorded"
+            first = (("user", "Tell me about the tides, please."),)
+            text, report, _ = await ask(engine, "small", messages=first, session="s", max_tokens=8)
+            second = (*first, ("assistant", text), ("user", "And the moon?"))
+            text, report, _ = await ask(engine, "large", messages=second, session="s", max_tokens=8)
+            assert report.status == "applied" and report.guard is None  # no guard: served mapped
+            session = engine._sessions["s"].session
+            own = session.own_length("small")
+            third = (*second, ("assistant", text), ("user", "Why?"))
+            ids = chat_ids(tokenizer, [{"role": r, "content": c} for r, c in third])
+            opening = len(chat_ids(tokenizer, [{"role": r, "content": c} for r, c in first]))
+            text, report, generation = await ask(engine, "small", messages=third, session="s", max_tokens=12)
+            assert report.status == "fallback" and report.guard["source"] == "recorded"
+            assert report.guard["signal"] == "mapped_share" and report.mapped_tokens > 0
+            assert opening <= report.cached_tokens <= own  # small's own first turn (and answer) kept
+            assert report.read_tokens == len(ids) - report.cached_tokens < len(ids)
+            assert report.prompt_tokens == len(ids)
+            assert text == reference_answer(small, tokenizer, ids, 12)
+            prefill = small(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+            for layer, exact in zip(session.cache("small").layers, prefill.layers, strict=True):
+                torch.testing.assert_close(layer.values[:, :, :len(ids)], exact.values, atol=1e-4, rtol=0)
+            # the same conversation re-prefilled in full (mode "reprefill"): the same answer, token for token
+            for messages in (first, second):
+                await ask(engine, "small" if messages is first else "large", messages=messages, session="r",
+                          max_tokens=8)
+            request = GenerationRequest(model="small", messages=tuple({"role": r, "content": c} for r, c in third),
+                                        max_tokens=12, sampling=SamplingParams(temperature=0.0), session_id="r",
+                                        handoff_mode="reprefill")
+            full = await engine.start(request)
+            assert await full.text() == text and full.completion_tokens == generation.completion_tokens
+            assert full.report.status == "reprefill" and full.report.read_tokens == len(ids)
         finally:
             engine.close()
 

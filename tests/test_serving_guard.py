@@ -1,29 +1,39 @@
-"""The quality guard: its two signals, AUROC and the threshold choice, and its measurement on dev conversations
-(an exact mapper against a noisy one must separate)."""
+"""The quality guard: its signals, AUROC and the threshold choice, its measurement on dev conversations (an exact
+mapper against a noisy one must separate), and each pair's guard in the server — recorded, configured or none — as
+the start-up log, /health and each response show it."""
 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
+import httpx
 import pytest
 import torch
 
-from _serving_support import EXACT_FIT, VOCAB, tiny_family
+from _serving_support import EXACT_FIT, VOCAB, chat_ids, running, tiny_family
 from kvhandoff import fit_mapper
 from kvhandoff.errors import ConfigError
-from kvhandoff.runtime.policy import Recent
+from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, Recent
 from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff.serving.calibrate import calibrate_guard, record_guards
+from kvhandoff.serving.config import DEFAULT_GUARD_WINDOW, ServeConfig
+from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.guard import (
+    GuardPolicy,
     GuardRecord,
     WithinTime,
     auroc,
     choose_threshold,
+    guard_policies,
     guard_records_by_signal,
     guard_score,
     measure_guard,
     needs_reference,
     reference_logprobs,
+    relabel,
     summarize_guard,
 )
 
@@ -178,3 +188,149 @@ def test_within_time_counts_what_started_and_stops_when_time_is_up(monkeypatch):
     monkeypatch.setattr("kvhandoff.serving.guard.time.monotonic", lambda: next(clock))
     timed = WithinTime(["a", "b", "c"], 4.0)
     assert list(timed) == ["a"] and timed.started == 1
+
+
+# -- each pair's guard ------------------------------------------------------------------------------------------------
+def recorded(signal: str = "entropy", threshold: float = 7.0, window: int = 32,
+             recompute: str = DEFAULT_RECOMPUTE.spec) -> GuardCalibration:
+    return GuardCalibration(signal, threshold, 0.8, "answer_changed", GUARD_RULES[0], None, 20, 8, 0.75, 0.1, 10,
+                            recompute, window)
+
+
+def with_guard(mapper, guard: GuardCalibration):
+    """A shallow copy of ``mapper`` (the shared tiny family's are never changed) with ``guard`` in its manifest."""
+    copied = copy.copy(mapper)
+    copied.manifest = mapper.manifest.with_guard(guard)
+    return copied
+
+
+def family_with_a_recorded_forward_guard(guard: GuardCalibration | None = None):
+    """The tiny family with ``guard`` (default `recorded()`) recorded for small → large and none for large → small."""
+    models, mappers = tiny_family()
+    return models, {**mappers, ("small", "large"): with_guard(mappers["small", "large"], guard or recorded())}
+
+
+FORWARD, BACKWARD = ("small", "large"), ("large", "small")
+
+
+def test_each_pair_takes_its_recorded_guard_a_configured_one_or_none():
+    _, mappers = family_with_a_recorded_forward_guard()
+    policies = guard_policies(ServeConfig(), mappers)
+    assert policies[FORWARD] == GuardPolicy("recorded", "entropy", 7.0, 32, None, recorded())
+    assert policies[BACKWARD].source == "none" and not policies[BACKWARD].active
+    assert "no guard recorded for large → small" in policies[BACKWARD].note
+    assert policies[FORWARD].rejects(7.5) and not policies[FORWARD].rejects(7.0)
+    assert not policies[FORWARD].rejects(None) and not policies[BACKWARD].rejects(1e9)
+    assert policies[BACKWARD].report(1.0) is None
+    assert policies[FORWARD].report(7.5) == {"signal": "entropy", "score": 7.5, "threshold": 7.0, "source": "recorded"}
+    # a threshold given is every pair's, over the record
+    for config, expected in ((ServeConfig(guard_threshold=1.0), ("entropy", 1.0, DEFAULT_GUARD_WINDOW)),
+                             (ServeConfig(guard_threshold=0.5, guard_signal="kl", guard_window=8), ("kl", 0.5, 8))):
+        for policy in guard_policies(config, mappers).values():
+            assert (policy.source, policy.signal, policy.threshold, policy.window) == ("configured", *expected)
+            assert policy.needs_reference == (expected[0] == "kl")
+    # a signal or window given without a threshold selects the record only when it is the record's
+    assert guard_policies(ServeConfig(guard_signal="entropy", guard_window=32), mappers)[FORWARD].source == "recorded"
+    for config in (ServeConfig(guard_signal="kl"), ServeConfig(guard_window=64)):
+        policy = guard_policies(config, mappers)[FORWARD]
+        assert policy.source == "none" and "served mapped without a guard" in policy.note
+    assert "signal entropy (configured: kl)" in guard_policies(ServeConfig(guard_signal="kl"), mappers)[FORWARD].note
+    # off for every pair
+    assert {p.source for p in guard_policies(ServeConfig(guard=False), mappers).values()} == {"none"}
+    # a record measured under another recompute policy still serves, with a note saying so
+    _, other = family_with_a_recorded_forward_guard(recorded(recompute="none"))
+    policy = guard_policies(ServeConfig(), other)[FORWARD]
+    assert policy.source == "recorded" and "measured under recompute none, served under recent:5%" in policy.note
+    # a stand-in mapper without a manifest has no record; a record of a signal this kvhandoff does not know serves none
+    assert guard_policies(ServeConfig(), {FORWARD: object()})[FORWARD].source == "none"
+    _, unknown = family_with_a_recorded_forward_guard(recorded(signal="telepathy"))
+    policy = guard_policies(ServeConfig(), unknown)[FORWARD]
+    assert policy.source == "none" and "'telepathy', a signal this kvhandoff does not know" in policy.note
+    with pytest.raises(ConfigError, match="guard signal"):
+        GuardPolicy("recorded", "vibes", 1.0)
+
+
+def test_start_up_says_how_each_pair_is_guarded(caplog):
+    models, mappers = family_with_a_recorded_forward_guard()
+    caplog.set_level(logging.INFO, logger="kvhandoff.serving.engine")
+    Engine(models, mappers, ServeConfig()).close()
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "kvhandoff.serving.engine"]
+    assert len(lines) == 2  # one line per pair
+    assert (logging.INFO, "guard for small → large: entropy > 7 over the new turn's last 32 positions (recorded: "
+            "AUROC 0.80 for answer_changed on 20 dev switches, recompute recent:5%)") in lines
+    level, line = next(entry for entry in lines if "large → small" in entry[1])
+    assert level == logging.WARNING
+    assert line.startswith("no guard recorded for large → small: switches are served mapped without a guard; run "
+                           "`kvhandoff guard-calibrate`")
+    caplog.clear()
+    Engine(models, mappers, ServeConfig(guard=False)).close()
+    assert [r.getMessage() for r in caplog.records if r.name == "kvhandoff.serving.engine"] == [
+        "the quality guard is off (--guard off): every switch is served mapped"]
+
+
+def test_health_and_each_response_show_the_pairs_guard():
+    models, mappers = family_with_a_recorded_forward_guard(recorded(threshold=100.0, window=16))
+    tokenizer = models["small"][1]
+    with running(models, mappers, guard=True) as server:
+        health = httpx.get(server.url + "/health", timeout=30).json()["guard"]
+        assert health["small → large"] == {"source": "recorded", "signal": "entropy", "threshold": 100.0,
+                                           "window": 16, "note": None,
+                                           "recorded": recorded(threshold=100.0, window=16).to_dict()}
+        assert health["large → small"]["source"] == "none" and health["large → small"]["threshold"] is None
+
+        def turn(model: str, messages: list[dict]) -> dict:
+            body = {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0}
+            response = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Session-ID": "g"},
+                                  timeout=30)
+            assert response.status_code == 200, response.text
+            messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+            return response.json()["kv_handoff"]
+
+        messages = [{"role": "user", "content": "Tell me about the tides."}]
+        assert turn("small", messages)["guard"] is None  # no switch
+        messages.append({"role": "user", "content": "And the moon?"})
+        handoff = turn("large", messages)
+        assert handoff["status"] == "applied" and handoff["guard"]["source"] == "recorded"
+        assert handoff["guard"]["threshold"] == 100.0 and 0 < handoff["guard"]["score"] < 100.0
+        messages.append({"role": "user", "content": "Why?"})
+        handoff = turn("small", messages)
+        assert handoff["status"] == "applied" and handoff["guard"] is None  # large → small: no guard, served mapped
+        assert len(chat_ids(tokenizer, messages[:-1])) > handoff["read_tokens"]
+    with running(models, mappers, guard=True, guard_threshold=-1e9, guard_signal="mapped_share") as server:
+        health = httpx.get(server.url + "/health", timeout=30).json()["guard"]
+        assert {pair: row["source"] for pair, row in health.items()} == {"small → large": "configured",
+                                                                        "large → small": "configured"}
+
+
+def test_a_label_says_which_switches_are_bad():
+    records = [GuardRecord(0, 1, "a", "b", 5, 0.1, True, first_kl=0.1), GuardRecord(1, 1, "a", "b", 5, 0.9, False,
+                                                                                   first_kl=0.9)]
+    assert [r.differs for r in relabel(records, "answer_changed")] == [True, False]
+    assert [r.differs for r in relabel(records, "first_token_kl_above_0.5")] == [False, True]
+    assert summarize_guard(relabel(records, "first_token_kl_above_0.5"), "kl").auroc == 1.0
+    with pytest.raises(ConfigError, match="guard label"):
+        relabel(records, "vibes")
+
+
+def test_calibration_records_each_directions_dev_switches_and_needs_saved_mappers():
+    models, mappers = tiny_family()
+    guards = calibrate_guard(models, mappers, conversations=2, turns=2, max_new_tokens=3, story_chars=40)
+    assert set(guards) == {FORWARD, BACKWARD}
+    for guard in guards.values():  # one switch per direction; an exact mapper never changes an answer
+        assert (guard.signal, guard.dev_switches, guard.bad_switches, guard.dev_conversations) == ("entropy", 1, 0, 1)
+        assert guard.auroc is None and guard.catch_rate is None and guard.false_fallback_rate == 0.0
+        assert guard.recompute == DEFAULT_RECOMPUTE.spec and guard.window == DEFAULT_GUARD_WINDOW
+        assert guard.threshold > 1.0  # the tiny random models' entropy: the threshold that re-prefills none
+    best = calibrate_guard(models, mappers, conversations=2, turns=2, max_new_tokens=3, story_chars=40,
+                           signal="best", label="first_token_kl_above_0.5", target_rate=0.0)
+    assert {g.signal for g in best.values()} == {"entropy"}  # no AUROC on one class: the default signal
+    assert {(g.label, g.target_rate) for g in best.values()} == {("first_token_kl_above_0.5", 0.0)}
+    assert calibrate_guard(models, mappers, conversations=2, turns=2, time_limit_s=1e-9) == {FORWARD: None,
+                                                                                             BACKWARD: None}
+    with pytest.raises(ConfigError, match="not saved in a folder: nothing recorded"):
+        record_guards(mappers, guards)  # the tiny family's mappers live in memory only
+    assert record_guards(mappers, {FORWARD: None, BACKWARD: None}) == {}
+    for bad, match in (({"signal": "vibes"}, "guard signal"), ({"label": "vibes"}, "guard label"),
+                       ({"target_rate": 1.5}, "target_rate"), ({"turns": 1}, "turns")):
+        with pytest.raises(ConfigError, match=match):
+            calibrate_guard(models, mappers, **{"conversations": 1, "turns": 2, **bad})

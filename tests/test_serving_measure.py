@@ -11,12 +11,19 @@ import pytest
 from typer.testing import CliRunner
 
 from _serving_support import chat_ids, tiny_family
+from kvhandoff.coqa import DEMO_STORY_ID, dev_conversations
 from kvhandoff.errors import ConfigError
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.guard import GuardRecord, auroc, guard_records, guard_records_by_signal
 from kvhandoff_lab.cli import app
 from kvhandoff_lab.serving.client import require_loopback
-from kvhandoff_lab.serving.guard_eval import auroc_interval, chat_turns, resummarize, switching_schedule
+from kvhandoff_lab.serving.guard_eval import (
+    SERVED_THRESHOLD,
+    auroc_interval,
+    chat_turns,
+    heldout_conversations,
+    resummarize,
+    switching_schedule,
+)
 from kvhandoff_lab.serving.loadtest import load_over_http, percentile, schedule
 from kvhandoff_lab.serving.workload import coqa_dialogues, document
 
@@ -119,7 +126,7 @@ def test_guard_eval_splits_dev_and_heldout_and_reports_each_signal(tiny_cli, tmp
         assert row["auroc_dev"] is None  # an exact mapper never changes an answer: one class only
         assert row["heldout"]["catch_rate"] is None and row["heldout"]["false_fallback_rate"] is not None
         assert signal == "entropy" or row["served_threshold"] == {  # a random tiny model's entropy is above 1
-            "threshold": ServeConfig().guard_threshold, "catch_rate": None, "false_fallback_rate": 0.0,
+            "threshold": SERVED_THRESHOLD, "catch_rate": None, "false_fallback_rate": 0.0,
             "fallback_rate": 0.0}
         assert {d: v["handoffs"] for d, v in row["by_direction"].items()} == {"large → small": 4, "small → large": 4}
     again = resummarize(guard)  # the stored records give the same numbers again
@@ -192,3 +199,16 @@ def test_auroc_interval_brackets_the_auroc_and_needs_both_classes():
     low, high = auroc_interval(records, n_resamples=300)
     assert 0.5 < low <= auroc([r.score for r in records], [r.differs for r in records]) <= high <= 1.0
     assert auroc_interval([r for r in records if r.differs]) is None
+
+
+def test_guard_eval_holds_out_only_what_guard_calibrate_never_measures_on():
+    """The lab's held-out conversations (what guard-eval reports on) and the product's dev conversations (what
+    `kvhandoff guard-calibrate` chooses thresholds on) never meet, whatever turn count either asks for; the lab's
+    dev conversations are the product's."""
+    dev = {c.id for c in dev_conversations(120, min_turns=2)}
+    for turns in (4, 12):
+        dialogues = coqa_dialogues(60, min_turns=turns)
+        held = heldout_conversations(dialogues)
+        assert 20 <= len(held) <= 40
+        assert not {dialogues[i].id for i in held} & dev
+        assert {d.id for i, d in enumerate(dialogues) if i not in held} <= dev | {DEMO_STORY_ID}

@@ -26,11 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_serve_config_validates_every_field_by_name():
     config = ServeConfig()
-    assert config.guard and config.guard_signal == "entropy"
+    assert config.guard and (config.guard_signal, config.guard_threshold, config.guard_window) == (None, None, None)
     assert config.max_context is None and config.host == "127.0.0.1"
     for field, bad in (("port", -1), ("max_sessions", 0), ("session_ttl_s", 0), ("cache_memory_bytes", 0),
                        ("max_context", 1), ("default_max_tokens", 0), ("max_queue", 0), ("guard", "on"),
-                       ("guard_signal", "vibes"), ("guard_threshold", "high"), ("guard_window", 0),
+                       ("guard_signal", "vibes"), ("guard_threshold", "high"), ("guard_threshold", float("nan")),
+                       ("guard_window", 0),
                        ("handover", "lazy"), ("exact_prefix", -1), ("log_level", "loud"), ("host", ""),
                        ("recompute", "sinks:300%")):
         with pytest.raises(ConfigError, match=field):

@@ -131,3 +131,43 @@ def test_a_session_holds_one_validated_plan_of_policy_objects(trio):
     assert HandoffPlan.of(4).with_recompute(Recent(0.5)) == HandoffPlan(4, Recent(0.5))
     assert HandoffPlan().prefix_length(mapper, 100) == mapper.exact_prefix
     assert HandoffPlan(7).prefix_length(mapper, 5) == 5
+
+
+def test_a_model_knows_its_own_positions_and_a_reprefill_reads_only_the_rest(trio):
+    """own_length: what a model read on a cache of its own positions only; mapped positions, and those read on top
+    of them, are not its own. A re-prefill keeps its own positions bit for bit and reads only the rest, ending where
+    a prefill of the whole conversation ends."""
+    a, b, _, forward = trio
+    back = fit_mapper(b, a, random_batches(2, tokens=32), FitConfig(), progress=False)
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): forward, ("b", "a"): back}, plan=HandoffPlan(2))
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    session.read("a", ids[:10])
+    session.read("a", ids[10:14])  # on its own cache: still all its own
+    assert session.own_length("a") == 14 and session.own_length("b") == 0
+    session.read("b", ids[14:20])  # b's cache is mapped from its first position (its exact prefix recomputed)
+    assert session.own_length("b") == 0 and session.cached_length("b") == 20
+    session.read("a", ids[20:26])  # back to a: positions 14..19 mapped, 20..25 read on top of them
+    assert (session.own_length("a"), session.cached_length("a")) == (14, 26)
+    twin = session.fork()
+    session.truncate(12)
+    assert session.own_length("a") == 12 and twin.own_length("a") == 14  # the fork keeps its own account
+    session.read("b", ids[12:18])
+    session.read("a", ids[18:22])
+    assert (session.own_length("a"), session.reprefill_start("a"), session.reprefill_start("a", keep_own=False)) \
+        == (12, 12, 0)
+    own_before = [(layer.keys[:, :, :12].clone(), layer.keys[:, :, 12:18].clone()) for layer in
+                  session.cache("a").layers]
+    got = session.reprefill("a")
+    full = a(input_ids=torch.tensor([ids[:22]]), use_cache=True)
+    torch.testing.assert_close(got, full.logits[0, -1].float().log_softmax(-1), atol=1e-4, rtol=0)
+    for layer, prefilled, (kept, mapped) in zip(session.cache("a").layers, full.past_key_values.layers, own_before,
+                                                 strict=True):
+        assert torch.equal(layer.keys[:, :, :12], kept)  # kept, not read again
+        assert not torch.allclose(layer.keys[:, :, 12:18], mapped, atol=1e-3)  # the mapped ones were replaced
+        torch.testing.assert_close(layer.keys, prefilled.keys, atol=1e-4, rtol=0)
+        torch.testing.assert_close(layer.values, prefilled.values, atol=1e-4, rtol=0)
+    assert session.own_length("a") == 22 and session.owner == "a"
+    session.generate("b", ids[22:24], max_new_tokens=2, do_sample=False)  # on b's mapped cache: not its own
+    assert session.own_length("b") == 0
+    session.reprefill("b", keep_own=False)
+    assert session.own_length("b") == session.cached_length("b") == len(session.tokens)

@@ -7,6 +7,7 @@ from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.config import CalibrationSpec
 from kvhandoff.fit.corpus import calibration_batches
 from kvhandoff.fit.statistics import CalibrationStats
+from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
 from kvhandoff.workflow import load_named_pair, mapper_dir, obtain_mapper, on_source_device, statistics_path
 
 from conftest import random_batches, save_tiny_pair, tiny_model
@@ -29,6 +30,12 @@ def test_mapper_is_fitted_once_then_reused(pair):
     again, _, reused = obtain_mapper(pair, calibration=CALIBRATION,
                                      progress=False)
     assert reused and again.manifest["tensor_sha256"] == first.manifest["tensor_sha256"]
+    assert first.folder == again.folder == folder  # where `kvhandoff guard-calibrate` records the pair's guard
+    guard = GuardCalibration("entropy", 2.0, None, "answer_changed", GUARD_RULES[0], None, 4, 0, None, 0.0, 2,
+                             "recent:5%", 64)
+    again.record_guard(guard)
+    recorded, _, reused = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
+    assert reused and recorded.manifest.guard == guard  # a recorded guard keeps the cached mapper in use
 
 
 def test_reverse_direction_reuses_the_forward_statistics(pair):

@@ -18,7 +18,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from kvhandoff.config import CalibrationSpec, FitConfig
-from kvhandoff.coqa import coqa_conversation
+from kvhandoff.coqa import DEMO_STORY_ID, coqa_conversation
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.loading import end_of_text_ids
 from kvhandoff.model.placement import ModelPlacement
@@ -37,8 +37,6 @@ logger = logging.getLogger(__name__)
 
 #: a switch saves little on a short context, so the demo's story must be at least this long (in tokens)
 MIN_STORY_TOKENS = 1000
-#: the CoQA story the demo talks about: the longest of the validation split (CoQA is held out from calibration)
-DEMO_STORY_ID = "34z02eimisdylvztwmit917ni020tb"
 SYSTEM_PROMPT = "Answer the question about the story in a few words."
 
 #: how the receiving model got the conversation at a switch (`Switch.condition`)

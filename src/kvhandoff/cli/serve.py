@@ -37,8 +37,11 @@ Mappers = Annotated[list[str] | None, typer.Option("--mapper", help=(
     "default mapper, fitted on first use"))]
 GuardSwitch = Annotated[str, typer.Option(parser=one_of(("on", "off")), help=(
     "score a mapped cache before it serves and re-prefill when it scores as degraded"))]
-GuardSignal = Annotated[str, typer.Option(parser=one_of(GUARD_SIGNALS), help="the guard's score")]
-GuardThreshold = Annotated[float, typer.Option(help="re-prefill when the guard's score exceeds this")]
+GuardSignal = Annotated[str | None, typer.Option(parser=one_of(GUARD_SIGNALS), help=(
+    "the guard's score (default: each pair's recorded one; with --guard-threshold: entropy)"))]
+GuardThreshold = Annotated[float | None, typer.Option(help=(
+    "re-prefill when the guard's score exceeds this, for every pair (default: each pair's threshold recorded by "
+    "`kvhandoff guard-calibrate`; a pair without one serves mapped)"))]
 
 
 def family_specs(models: str, mapper: list[str] | None):

@@ -6,8 +6,10 @@ that reads the tensors (`mapper.register_method`). A manifest is checked when it
 file, and every problem names its field. On disk it carries a checksum over its own canonical content, which
 includes the tensor file's sha256 (`tensor_sha256`), so an edit to either file is refused on load.
 
-A `MapperManifest` is immutable: change one with `dataclasses.replace` (or `with_metrics`). It also reads as a
-mapping of its JSON form (``manifest["fit_metrics"]``, ``manifest.get("method")``) for code that reports it.
+A `MapperManifest` is immutable: change one with `dataclasses.replace` (or `with_metrics`, `with_guard`). It also
+reads as a mapping of its JSON form (``manifest["fit_metrics"]``, ``manifest.get("method")``) for code that reports
+it. The optional `guard` record (`GuardCalibration`, written by `kvhandoff guard-calibrate`) is the quality guard
+measured for this mapper's pair; a manifest without one reads (and checksums) as before.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -45,6 +48,73 @@ def _int_rows(name: str, value) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(row) for row in value)
 
 
+#: how a recorded guard threshold was chosen: the one maximising catch rate − false-fallback rate on the dev switches
+#: (under a bound on the false-fallback rate when `GuardCalibration.target_rate` is set)
+GUARD_RULES = ("max_catch_minus_false_fallback",)
+
+
+def _bad_guard(name: str, problem: str) -> MapperFormatError:
+    return MapperFormatError(f"mapper manifest field 'guard.{name}' {problem}; record the guard again (`kvhandoff "
+                             "guard-calibrate`)")
+
+
+def _rate(value) -> bool:
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value <= 1.0)
+
+
+@dataclass(frozen=True)
+class GuardCalibration:
+    """The quality guard measured for a mapper's pair on the pair's own dev conversations (`kvhandoff
+    guard-calibrate`): the server falls back to a re-prefill when the guard's ``signal`` scores a mapped cache above
+    ``threshold``.
+
+    auroc: how well the signal ranked the bad switches on dev (None: dev had one class only); label: what counted
+    as a bad switch (e.g. "answer_changed"); rule: how the threshold was chosen (`GUARD_RULES`), under
+    ``target_rate`` (the bound on the dev false-fallback rate; None: none); dev_switches / bad_switches: the dev
+    switches scored and the bad ones among them; catch_rate / false_fallback_rate: the threshold's rates on them
+    (None for a class without switches); dev_conversations: the conversations they came from; recompute: the
+    recompute policy spec the switches were handed over under; window: the new turn's last positions scored.
+    """
+
+    signal: str
+    threshold: float
+    auroc: float | None
+    label: str
+    rule: str
+    target_rate: float | None
+    dev_switches: int
+    bad_switches: int
+    catch_rate: float | None
+    false_fallback_rate: float | None
+    dev_conversations: int
+    recompute: str
+    window: int
+
+    def __post_init__(self) -> None:
+        for name in ("signal", "label", "recompute"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _bad_guard(name, f"must be a non-empty string, got {getattr(self, name)!r}")
+        threshold = self.threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold):
+            raise _bad_guard("threshold", f"must be a finite number, got {threshold!r}")
+        if self.rule not in GUARD_RULES:
+            raise _bad_guard("rule", f"must be one of {', '.join(GUARD_RULES)}, got {self.rule!r}")
+        for name in ("auroc", "target_rate", "catch_rate", "false_fallback_rate"):
+            if not _rate(getattr(self, name)):
+                raise _bad_guard(name, f"must be a number in 0..1 or null, got {getattr(self, name)!r}")
+        for name in ("dev_switches", "dev_conversations", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _bad_guard(name, f"must be a positive integer, got {value!r}")
+        bad = self.bad_switches
+        if isinstance(bad, bool) or not isinstance(bad, int) or not 0 <= bad <= self.dev_switches:
+            raise _bad_guard("bad_switches", f"must be an integer in 0..dev_switches, got {bad!r}")
+        object.__setattr__(self, "threshold", float(threshold))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 @dataclass(frozen=True)
 class MapperManifest(Mapping):
     """Everything a mapper records besides its tensors.
@@ -62,6 +132,7 @@ class MapperManifest(Mapping):
     tensor_sha256: the tensor file's hash (set on save).
     storage: what the saved tensors take (set on save): {"parameters", "tensor_bytes", "file_bytes",
         "weight_dtype"} — read without loading the tensors (`Mapper.load(lazy=True)`).
+    guard: the quality guard measured for this pair (`GuardCalibration`; None: never measured).
     """
 
     method: str
@@ -82,6 +153,7 @@ class MapperManifest(Mapping):
     mlp_features: dict | None = None
     tensor_sha256: str | None = None
     storage: dict | None = None
+    guard: GuardCalibration | None = None
     format_version: int = MAPPER_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -104,7 +176,7 @@ class MapperManifest(Mapping):
             "source_fingerprint": dict, "target_fingerprint": dict, "calibration": dict, "fit_metrics": dict,
             "refinement": (dict, type(None)), "mlp_config": (MLPConfig, type(None)),
             "mlp_features": (dict, type(None)), "tensor_sha256": (str, type(None)),
-            "storage": (dict, type(None)),
+            "storage": (dict, type(None)), "guard": (GuardCalibration, type(None)),
         }
         for name, kind in expected.items():
             if not isinstance(getattr(self, name), kind):
@@ -181,6 +253,10 @@ class MapperManifest(Mapping):
         """This manifest with ``entries`` added to `fit_metrics`."""
         return dataclasses.replace(self, fit_metrics={**copy.deepcopy(self.fit_metrics), **entries})
 
+    def with_guard(self, guard: GuardCalibration | None) -> MapperManifest:
+        """This manifest with ``guard`` as its guard record (None: without one)."""
+        return dataclasses.replace(self, guard=guard)
+
     # -- JSON form --------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """The JSON form (what `manifest.json` holds, less the checksum); optional fields that are unset are left
@@ -190,7 +266,7 @@ class MapperManifest(Mapping):
             value = getattr(self, spec.name)
             if value is None:
                 continue
-            if isinstance(value, FitConfig | MLPConfig):
+            if isinstance(value, FitConfig | MLPConfig | GuardCalibration):
                 value = value.to_dict()
             elif isinstance(value, FeatureLayout):
                 value = dataclasses.asdict(value)
@@ -224,6 +300,8 @@ class MapperManifest(Mapping):
         values["config"] = _build("config", FitConfig, _fit_settings(values["config"]))
         if values.get("mlp_config") is not None:
             values["mlp_config"] = _build("mlp_config", MLPConfig, values["mlp_config"])
+        if values.get("guard") is not None:
+            values["guard"] = _build("guard", GuardCalibration, values["guard"])
         for side in SIDES:
             values[f"{side}_layout"] = _build(f"{side}_layout", FeatureLayout, values[f"{side}_layout"])
         return cls(**values)

@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from kvhandoff.errors import ConfigError, ContextTooLongError, MapperFormatError, MapperMismatchError, NonFiniteError
-from kvhandoff.mapper.manifest import MapperManifest
+from kvhandoff.mapper.manifest import GuardCalibration, MapperManifest
 from kvhandoff.mapper.storage import (
     check_file_size,
     read_manifest,
@@ -29,6 +29,7 @@ from kvhandoff.mapper.storage import (
     storage_dtype,
     to_storage,
     write_folder,
+    write_manifest,
 )
 from kvhandoff.model.cache import cache_of
 from kvhandoff.model.capture import ContentKV, all_finite, nonfinite_layers
@@ -48,7 +49,10 @@ class Mapper(ABC):
     selected: [target_layers, k] source layers feeding each target layer (the manifest's selected_layers).
     manifest: a `MapperManifest` (a mapping of its JSON form is accepted and validated): geometry, fingerprints,
         config, calibration description and fit metrics.
+    folder: the folder the mapper was loaded from or last saved to (None: only in memory).
     """
+
+    folder: Path | None = None
 
     def __init__(self, selected: torch.Tensor, manifest: MapperManifest | Mapping):
         manifest = self._adopt_manifest(manifest)
@@ -297,7 +301,19 @@ class Mapper(ABC):
                    for name, tensor in self.saved_tensors().items()}
         refuse_nonfinite(tensors, self._target_layer_axis)
         self.manifest = write_folder(path, tensors, self.manifest, dtype)
+        self.folder = path
         return path
+
+    def record_guard(self, guard: GuardCalibration | None) -> MapperManifest:
+        """Record ``guard`` (the quality guard measured for this pair; None: drop the record) in this mapper's
+        manifest, in memory and in its `folder`: only `manifest.json` is rewritten, atomically
+        (`storage.write_manifest`); the tensors stay as they are. Refused (MapperFormatError) for a mapper that is
+        only in memory, or when the folder holds another mapper by now."""
+        if self.folder is None:
+            raise MapperFormatError("this mapper is not saved (no folder): save it (`Mapper.save`) before recording "
+                                    "its guard")
+        self.manifest = write_manifest(self.folder, self.manifest.with_guard(guard))
+        return self.manifest
 
     @classmethod
     def load(
@@ -328,6 +344,7 @@ class Mapper(ABC):
         else:
             mapper = kind.from_tensors(read_tensors(tensor_path, manifest), manifest)
         mapper.verify_pair(source_model, target_model, source_tokenizer, target_tokenizer)
+        mapper.folder = Path(path)
         return mapper
 
     @property

@@ -1,7 +1,8 @@
 """A mapper folder on disk: `mapper.safetensors` (the tensors, never a pickle) beside `manifest.json`.
 
-Writes are atomic (`files.atomic_folder`); reads finish an interrupted write first (`files.recover_folder`) and
-check the tensor file against the manifest's size record and sha256 before a tensor is read.
+Writes are atomic (`files.atomic_folder`; a manifest rewritten on its own, `write_manifest`, by `files.atomic_path`'s
+temporary file renamed over it); reads finish an interrupted write first (`files.recover_folder`) and check the
+tensor file against the manifest's size record and sha256 before a tensor is read.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvhandoff.errors import MapperFormatError, NonFiniteError
-from kvhandoff.files import atomic_folder, recover_folder, sha256_file
+from kvhandoff.files import atomic_folder, atomic_write_text, recover_folder, sha256_file
 from kvhandoff.mapper.manifest import MapperManifest, dumps, loads
 from kvhandoff.model.capture import all_finite, nonfinite_layers
 
@@ -84,6 +85,21 @@ def read_manifest(path: Path) -> tuple[MapperManifest, Path]:
             "fit one with `kvhandoff fit --source ... --target ... --out DIR`"
         )
     return loads(manifest_path.read_text(), str(manifest_path)), tensor_path
+
+
+def write_manifest(path: Path, manifest: MapperManifest) -> MapperManifest:
+    """Replace the manifest of the saved mapper in folder ``path`` by ``manifest`` — the same mapper with other
+    records (e.g. its guard): its tensor record (`tensor_sha256`, `storage`) must equal the folder's. Atomic
+    (`files.atomic_write_text`: a temporary file in the folder, renamed over `manifest.json`): a reader sees the
+    old manifest or the new one, an interrupted write leaves the old one; the tensor file is not touched."""
+    current, _ = read_manifest(path)
+    if (manifest.tensor_sha256, manifest.storage) != (current.tensor_sha256, current.storage):
+        raise MapperFormatError(
+            f"{path} holds other tensors than this manifest describes (the mapper was re-fitted or replaced); "
+            "nothing written: load the mapper again and record what is measured for it"
+        )
+    atomic_write_text(path / MANIFEST_FILE, dumps(manifest))
+    return manifest
 
 
 def check_file_size(tensor_path: Path, manifest: MapperManifest) -> None:

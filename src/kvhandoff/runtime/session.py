@@ -38,6 +38,11 @@ class SwitchingSession:
     A caller may decode from `cache(server)` itself: what it decodes past `tokens` (what every cache agrees on)
     is dropped before the conversation goes on (`rollback`).
 
+    The session knows which leading positions of each model's cache the model computed itself over the exact
+    conversation (`own_length`): what it read or generated on a cache that held only positions of its own — never
+    a mapped position, nor one read on top of one (a cache handed over fresh counts as mapped from its first
+    position on). A re-prefill keeps those and reads only the rest (`reprefill`).
+
     Every mapper is checked against its two models when the session starts (MapperMismatchError for a wrong
     pair), and a turn that would take the conversation past a model's context window is refused before any
     work (ContextTooLongError).
@@ -61,6 +66,8 @@ class SwitchingSession:
         self.tokens: list[int] = []
         self.owner: str | None = None  # the model that read the conversation last
         self._caches: dict[str, KVCache] = {}
+        # per model: the leading positions of its cache it computed itself over the exact conversation
+        self._own: dict[str, int] = {}
 
     def require_model(self, server: str) -> None:
         """ConfigError unless ``server`` is one of the session's models."""
@@ -77,6 +84,18 @@ class SwitchingSession:
         """Positions ``server``'s cache holds (0 before it has one)."""
         kv = self._caches.get(server)
         return 0 if kv is None else kv.length
+
+    def own_length(self, server: str) -> int:
+        """The leading positions of ``server``'s cache that it computed itself over the exact conversation (read or
+        generated on a cache of its own positions only; never mapped, nor read on top of a mapped position):
+        exactly what a prefill of them would hold. 0 before it has a cache."""
+        return min(self._own.get(server, 0), self.cached_length(server))
+
+    def _grown(self, server: str, before: int) -> None:
+        """``server``'s cache grew from ``before`` positions by its own forward: the new positions are its own
+        (exact) when everything before them was."""
+        if self._own.get(server, 0) >= before:
+            self._own[server] = self._caches[server].length
 
     def switch_to(self, server: str):
         """Make ``server`` the owner; returns its cache of `tokens` (as `cache` does: mapped as `handover` says,
@@ -98,16 +117,21 @@ class SwitchingSession:
             mapper = self.mappers.get((owner, server))
             if mapper is None:
                 raise ConfigError(f"no mapper for the handoff {owner} → {server}")
-            current = self._caches[owner] if self.handover == "incremental" else self._caches.pop(owner)
+            if self.handover == "incremental":
+                current = self._caches[owner]
+            else:
+                current = self._caches.pop(owner)
+                self._own.pop(owner, None)
             ids = torch.tensor([self.tokens], device=current.device)
             info = SelectionInfo(turn_starts=tuple(p for p in self._turn_starts if p < len(self.tokens)))
-            if server in self._caches:
+            if server in self._caches:  # the positions appended are mapped: its own prefix stays as it was
                 mapped = catch_up(self._caches[server], current, mapper, self.models[owner], self.models[server],
                                   ids, self.plan, info)
-            else:
+            else:  # mapped from the start: nothing of it is its own (its exact prefix is recomputed in place)
                 mapped = map_for_target(self.models[owner], self.models[server], mapper, ids, self.plan, current,
                                         info, cache_factory=self.cache_factory)
                 self._caches[server] = mapped.cache
+                self._own[server] = 0
             self.owner = server
             return mapped
         self.owner = server
@@ -119,14 +143,17 @@ class SwitchingSession:
         mapped = self._switch(server)
         model = self.models[server]
         input_ids = torch.tensor([ids], device=model.device)
-        if mapped is not None:
-            return mapped.read(model, input_ids, keep)
-        return self._own_cache(server).read(model, input_ids, keep)
+        cache = mapped.cache if mapped is not None else self._own_cache(server)
+        before = cache.length
+        logits = mapped.read(model, input_ids, keep) if mapped is not None else cache.read(model, input_ids, keep)
+        self._grown(server, before)
+        return logits
 
     def _own_cache(self, server: str) -> KVCache:
         """``server``'s cache, an empty one before the conversation's first turn."""
         if server not in self._caches:
             self._caches[server] = self.cache_factory(self.models[server])
+            self._own[server] = 0
         return self._caches[server]
 
     @torch.inference_mode()
@@ -155,9 +182,11 @@ class SwitchingSession:
         input_ids = torch.tensor([self.tokens + ids], device=model.device)
         if mapped is not None:  # at a handover, generate's first forward also recomputes (`MappedCache.generate`)
             cache = mapped.cache
+            before = cache.length
             out = mapped.generate(model, input_ids, **generate_kwargs)
         else:  # on the conversation's first turn generate prefills it
             cache = self._own_cache(server)
+            before = cache.length
             out = cache.generate(model, input_ids, **generate_kwargs)
         answer = out[0, input_ids.shape[1]:].tolist()
         self._mark_turns(len(self.tokens), input_ids.shape[1])  # the turn read, then the answer
@@ -165,6 +194,7 @@ class SwitchingSession:
         missing = everything[cache.length:]  # generate does not feed its last token back
         if missing:
             cache.read(model, torch.tensor([missing], device=model.device))
+        self._grown(server, before)
         self.tokens = everything
         return answer
 
@@ -183,6 +213,7 @@ class SwitchingSession:
         cache = self._caches[server]
         if cache.length > len(self.tokens):
             cache.truncate(len(self.tokens))
+        self._own[server] = min(self._own.get(server, 0), cache.length)
 
     # -- for a server (kvhandoff.serving): roll back to a common prefix, read with scores, re-prefill, size ---------
     def truncate(self, length: int) -> None:
@@ -194,11 +225,13 @@ class SwitchingSession:
         self.tokens = self.tokens[:length]
         if length == 0:
             self._caches.clear()
+            self._own.clear()
             self.owner = None
             return
-        for cache in self._caches.values():
+        for name, cache in self._caches.items():
             if cache.length > length:
                 cache.truncate(length)
+            self._own[name] = min(self._own.get(name, 0), cache.length)
 
     @torch.inference_mode()
     def read_logprobs(self, server: str, ids, keep: int = 1) -> torch.Tensor:
@@ -214,18 +247,30 @@ class SwitchingSession:
         self.tokens += ids
         return logits[0].float().log_softmax(-1)
 
+    def reprefill_start(self, server: str, keep_own: bool = True) -> int:
+        """Where a `reprefill` of ``server`` starts reading: its `own_length` (keep_own; at most all but the last
+        token, whose log-probs it returns), else 0."""
+        return min(self.own_length(server), len(self.tokens) - 1) if keep_own and self.tokens else 0
+
     @torch.inference_mode()
-    def reprefill(self, server: str) -> torch.Tensor:
-        """``server`` drops its cache and prefills the whole conversation itself (the fallback when a mapped cache
-        is not to be trusted) and becomes the owner; other models keep theirs. Returns the float32 log-probs of
-        the token after `tokens`."""
+    def reprefill(self, server: str, keep_own: bool = True) -> torch.Tensor:
+        """``server`` prefills the conversation itself (the fallback when a mapped cache is not to be trusted) and
+        becomes the owner; other models keep theirs. keep_own: it keeps the leading positions it computed itself
+        (`own_length`: exact, what a prefill would hold) and prefills only the rest from there
+        (`reprefill_start`); False: it drops its cache and prefills all of it. Returns the float32 log-probs of the
+        token after `tokens`."""
         self.require_model(server)
         if not self.tokens:
             raise ConfigError("reprefill needs a conversation of at least one token")
-        self._caches.pop(server, None)
+        start = self.reprefill_start(server, keep_own)
         model = self.models[server]
-        cache = self._caches[server] = self.cache_factory(model)
-        logits = cache.read(model, torch.tensor([self.tokens], device=model.device))
+        if start:
+            cache = self._caches[server]
+            cache.truncate(start)
+        else:
+            cache = self._caches[server] = self.cache_factory(model)
+        logits = cache.read(model, torch.tensor([self.tokens[start:]], device=model.device))
+        self._own[server] = cache.length
         self.owner = server
         return logits[0, -1].float().log_softmax(-1)
 
@@ -235,6 +280,7 @@ class SwitchingSession:
         twin = copy.copy(self)
         twin.tokens, twin._turn_starts = list(self.tokens), list(self._turn_starts)
         twin._caches = {name: cache.copy() for name, cache in self._caches.items()}
+        twin._own = dict(self._own)
         return twin
 
     def cache_bytes(self) -> int:

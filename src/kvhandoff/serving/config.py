@@ -21,6 +21,9 @@ from kvhandoff.serving.tools import tool_parser
 GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer", "entropy", "mapped_share")
 #: the signals that need the previous model's reference pass over the new turn
 REFERENCE_GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer")
+#: the signal and window of a configured guard (a threshold given without them)
+DEFAULT_GUARD_SIGNAL = "entropy"
+DEFAULT_GUARD_WINDOW = 64
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,12 @@ class ServeConfig:
     it the least recently used idle sessions are evicted (their next request re-prefills). max_context: tokens a
     conversation may reach, prompt and answer together (None: the smallest `max_position_embeddings` of the hosted
     models). default_max_tokens: answer length when a request names none. max_queue: requests waiting per model
-    worker (past it: 503). guard: score a mapped cache before it serves and re-prefill when the score exceeds
-    guard_threshold (signal: one of `GUARD_SIGNALS`; guard_window: the new turn's last positions it scores).
+    worker (past it: 503). guard: score a mapped cache before it serves and re-prefill when the score exceeds the
+    pair's threshold (False: never, for every pair). Each ordered pair's guard (`guard.GuardPolicy`): a
+    guard_threshold given here is "configured" for every pair (with guard_signal, default `DEFAULT_GUARD_SIGNAL`,
+    and guard_window, default `DEFAULT_GUARD_WINDOW`); without one each pair uses the guard recorded in its mapper's
+    manifest (`kvhandoff guard-calibrate`) — when a guard_signal or guard_window given here differs from the
+    record's, or there is no record, that pair has no guard (its switches serve mapped; said at start-up).
     api_key: when set, every request but the probes (``/health``, ``/metrics``, while ``open_probes``) must carry
     ``Authorization: Bearer <api_key>``. tool_parser: how tool calls are read out of answers (a name of
     `tools.TOOL_PARSERS`). handover: as in `SwitchingSession`. exact_prefix / recompute: the handoffs'
@@ -50,11 +57,10 @@ class ServeConfig:
     default_max_tokens: int = 512
     max_queue: int = 64
     guard: bool = True
-    # chosen on dev conversations of the default pair (`kvhandoff-lab guard-eval`, docs/SERVING.md); another family
-    # should measure its own
-    guard_signal: str = "entropy"
-    guard_threshold: float = 1.79
-    guard_window: int = 64
+    # None: each pair's recorded guard (`kvhandoff guard-calibrate` measures a pair on its own dev conversations)
+    guard_signal: str | None = None
+    guard_threshold: float | None = None
+    guard_window: int | None = None
     api_key: str | None = None
     open_probes: bool = True
     tool_parser: str = "hermes"
@@ -68,20 +74,25 @@ class ServeConfig:
             raise ConfigError(f"serve host must be a non-empty string, got {self.host!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"serve port must be an integer in 0..65535, got {self.port!r}")
-        for name in ("max_sessions", "cache_memory_bytes", "default_max_tokens", "max_queue", "guard_window"):
+        for name in ("max_sessions", "cache_memory_bytes", "default_max_tokens", "max_queue"):
             require_positive(f"serve {name}", getattr(self, name))
+        if self.guard_window is not None:
+            require_positive("serve guard_window", self.guard_window)
         require_positive("serve session_ttl_s", self.session_ttl_s, float)
         if self.max_context is not None:
             require_positive("serve max_context", self.max_context, minimum=2)
         if not isinstance(self.guard, bool):
             raise ConfigError(f"serve guard must be True or False, got {self.guard!r}")
-        if self.guard_signal not in GUARD_SIGNALS:
+        if self.guard_signal is not None and self.guard_signal not in GUARD_SIGNALS:
             raise ConfigError(
-                f"serve guard_signal must be one of {', '.join(GUARD_SIGNALS)}, got {self.guard_signal!r}"
+                f"serve guard_signal must be one of {', '.join(GUARD_SIGNALS)} (or None: the recorded one), got "
+                f"{self.guard_signal!r}"
             )
-        if isinstance(self.guard_threshold, bool) or not isinstance(self.guard_threshold, int | float) \
-                or self.guard_threshold != self.guard_threshold:
-            raise ConfigError(f"serve guard_threshold must be a number, got {self.guard_threshold!r}")
+        threshold = self.guard_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int | float)
+                                      or threshold != threshold):
+            raise ConfigError(f"serve guard_threshold must be a number (or None: each pair's recorded one), got "
+                              f"{threshold!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ConfigError("serve api_key must be a non-empty string (or None: no key)")
         if not isinstance(self.open_probes, bool):

@@ -6,7 +6,9 @@ a model and brings the whole conversation (chat template applied); the engine fi
 prefix with what the session has cached, rolls every cache back to it (an edited or dropped turn is never served
 from stale KV), and the model reads only the rest. When another model served the session last, the conversation
 is handed over: the history is mapped (incrementally: only what this model has not cached), the new turn is read
-by the receiving model itself, and the quality guard may reject the mapped cache (the model then re-prefills).
+by the receiving model itself, and the pair's quality guard (`guard.GuardPolicy`, one per ordered pair, built when
+the engine starts) may reject the mapped cache: the model then re-prefills what it does not hold exactly (its own
+positions of earlier turns are kept, `SwitchingSession.reprefill`).
 
 Threads: the event loop only admits requests and relays events; each model's compute runs on that model's worker
 thread, fed by a bounded queue (a batching engine can replace the worker later). Requests of one session are
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import queue
 import threading
 import time
@@ -36,9 +39,11 @@ from kvhandoff.serving.chat import render
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.decoding import Sampler, SamplingParams, end_ids, held_back, stop_index
 from kvhandoff.serving.grammar import GrammarSpec, ToolCalls
-from kvhandoff.serving.guard import guard_score, needs_reference, reference_logprobs
+from kvhandoff.serving.guard import GuardPolicy, guard_policies, guard_score, reference_logprobs
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.protocol import HANDOFF_MODES
+
+logger = logging.getLogger(__name__)
 
 #: what went wrong with a request (`RequestError.kind`); app.py gives each its HTTP status
 ERROR_KINDS = ("invalid_request", "not_found", "too_long", "too_many_sessions", "overloaded", "cancelled", "internal")
@@ -312,7 +317,11 @@ class SessionState:
 
 class Engine:
     """Serves a model family: ``models`` name → (model, tokenizer) (one tokenizer's ids), ``mappers`` (from, to) →
-    `Mapper` for every ordered pair of names, under ``config``'s limits. Use from one asyncio event loop."""
+    `Mapper` for every ordered pair of names, under ``config``'s limits. Use from one asyncio event loop.
+
+    ``guards``: each ordered pair's `GuardPolicy` (`guard.guard_policies`: ``config``'s threshold for every pair,
+    else the one recorded in the pair's mapper manifest, else none), built here once and logged, one line per
+    pair."""
 
     def __init__(self, models, mappers, config: ServeConfig = ServeConfig(),  # noqa: B008 - frozen
                  metrics: ServingMetrics | None = None) -> None:
@@ -328,8 +337,11 @@ class Engine:
         if missing:
             raise ConfigError(f"mappers: no mapper for {', '.join(missing)} (every ordered pair needs one)")
         self.config = config
-        positions = [model.config.max_position_embeddings for model, _ in models.values()]
-        self.max_context = config.max_context or min(positions)
+        positions = min(model.config.max_position_embeddings for model, _ in models.values())
+        if config.max_context is not None and config.max_context > positions:
+            raise ConfigError(f"max_context {config.max_context} is past the hosted models' window: the smallest "
+                              f"max_position_embeddings is {positions}; give at most that (or none)")
+        self.max_context = config.max_context or positions
         self.metrics = metrics or ServingMetrics()
         self.created = int(time.time())
         self._mappers = dict(mappers)
@@ -341,8 +353,20 @@ class Engine:
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()  # least recently used first
         self.prefix_store = PrefixStore()  # the conversations' openings, shared: a switch copies its exact prefix
         self.plan = config.plan(self.prefix_store)  # every session's handoffs
+        self.guards: dict[tuple[str, str], GuardPolicy] = guard_policies(config, self._mappers)
+        self._announce_guards()
         self._running: set[Generation] = set()  # admitted and not finished
         self.metrics.track(lambda: len(self._sessions), self.cache_bytes)
+
+    def _announce_guards(self) -> None:
+        """Say at start-up how each pair's switches are guarded: a pair without a guard, or whose record was
+        measured under other settings, at WARNING; the others at INFO."""
+        if not self.config.guard:
+            logger.info("the quality guard is off (--guard off): every switch is served mapped")
+            return
+        for (source, target), policy in self.guards.items():
+            level = logging.WARNING if not policy.active or policy.note else logging.INFO
+            logger.log(level, "%s", policy.describe(source, target))
 
     # -- state ----------------------------------------------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -390,9 +414,12 @@ class Engine:
 
     def health(self) -> dict:
         """Liveness and load: per model the requests queued, sessions, cache bytes, generations running and those of
-        them cancelled (their client went away) that have not stopped yet."""
+        them cancelled (their client went away) that have not stopped yet; per ordered pair ("from → to") its
+        quality guard (`GuardPolicy.to_dict`: source "recorded" | "configured" | "none", signal, threshold)."""
         return {"status": "ok", "models": {name: {"queued": hosted.worker.queued()}
                                            for name, hosted in self._models.items()},
+                "guard": {f"{source} → {target}": policy.to_dict()
+                          for (source, target), policy in self.guards.items()},
                 "sessions": len(self._sessions), "cache_bytes": self.cache_bytes(), "running": len(self._running),
                 "prefix_store": {"openings": len(self.prefix_store), "hits": self.prefix_store.hits,
                                  "misses": self.prefix_store.misses},
@@ -536,31 +563,27 @@ class Engine:
         previous = session.owner
         mapped = common - session.cached_length(server) if previous not in (None, server) else 0
         status, source, guard = "none", None, None
-        if mapped > 0 and mode == "reprefill":
-            status, source, mapped = "reprefill", previous, 0
+        kept = common  # the positions of the prompt served from a cache, not read again
+        if mapped > 0 and mode == "reprefill":  # the path without a handoff: the whole conversation read again
+            status, source, mapped, kept = "reprefill", previous, 0, 0
             session.tokens += new  # read by the prefill below, with the rest of the conversation
-            logprobs = session.reprefill(server)[None]
+            logprobs = session.reprefill(server, keep_own=False)[None]
         elif mapped > 0:
             status, source = "applied", previous
-            config = self.config
-            keep, reference = 1, None
-            if config.guard:
-                keep = config.guard_window
-                if needs_reference(config.guard_signal):
-                    reference = reference_logprobs(self._models[previous].model, session.cache(previous), new,
-                                                   keep)
+            policy = self.guards[previous, server]
+            keep = policy.window if policy.active else 1
+            reference = (reference_logprobs(self._models[previous].model, session.cache(previous), new, keep)
+                         if policy.needs_reference else None)
             logprobs = session.read_logprobs(server, new, keep)
-            if config.guard:
-                score = guard_score(config.guard_signal, logprobs, reference, new, mapped / common)
-                guard = {"signal": config.guard_signal, "score": score, "threshold": float(config.guard_threshold)}
-                if score is not None and score > config.guard_threshold:
-                    status = "fallback"
+            if policy.active:
+                score = guard_score(policy.signal, logprobs, reference, new, mapped / common)
+                guard = policy.report(score)
+                if policy.rejects(score):  # re-read what the model does not hold exactly (its own turns stay)
+                    status, kept = "fallback", session.reprefill_start(server)
                     logprobs = session.reprefill(server)[None]
         else:
             logprobs = session.read_logprobs(server, new)
-        prefilled = status in ("fallback", "reprefill")  # the whole conversation was read again
-        report = HandoffReport(status, source, server, mapped, len(prompt) if prefilled else len(new),
-                               0 if prefilled else common, len(prompt), guard,
+        report = HandoffReport(status, source, server, mapped, len(prompt) - kept, kept, len(prompt), guard,
                                round((time.perf_counter() - started) * 1000, 3))
         return report, logprobs[-1]
 

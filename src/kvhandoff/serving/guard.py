@@ -15,23 +15,36 @@ cache (a forward pass of the new turn only, then rolled back) for a reference. S
 The reference signals (`config.REFERENCE_GUARD_SIGNALS`) cost a forward pass of the new turn's tokens through the
 previous model, next to a re-prefill of the whole conversation by the receiving model; the others cost nothing. A
 score above the threshold means: re-prefill.
+
+The guard belongs to the mapper pair: each ordered pair's `GuardPolicy` (signal, threshold, window and where they
+came from) is built once when the server starts (`guard_policies`): a threshold configured in `ServeConfig` for
+every pair, else the one recorded in the pair's mapper manifest (`mapper.manifest.GuardCalibration`, written by
+`kvhandoff guard-calibrate`), else none — that pair's switches serve mapped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from kvhandoff.errors import ConfigError
+from kvhandoff.mapper.manifest import GuardCalibration, MapperManifest
 from kvhandoff.model.cache import kl_divergence
 from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
 from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff.runtime.seam import as_kv_cache
 from kvhandoff.runtime.session import SwitchingSession
-from kvhandoff.serving.config import GUARD_SIGNALS, REFERENCE_GUARD_SIGNALS
+from kvhandoff.serving.config import (
+    DEFAULT_GUARD_SIGNAL,
+    DEFAULT_GUARD_WINDOW,
+    GUARD_SIGNALS,
+    REFERENCE_GUARD_SIGNALS,
+    ServeConfig,
+)
 from kvhandoff.serving.decoding import greedy_answer
 
 
@@ -88,6 +101,127 @@ def guard_score(signal: str, served: torch.Tensor, reference: torch.Tensor | Non
     served_loss = -served[:-1].gather(1, following).mean()
     reference_loss = -reference[:-1].gather(1, following).mean()
     return float(served_loss - reference_loss)
+
+
+# -- each pair's guard ----------------------------------------------------------------------------------------------
+#: where a pair's guard comes from: "configured" (`ServeConfig.guard_threshold`, the same for every pair),
+#: "recorded" (the pair's mapper manifest, `kvhandoff guard-calibrate`), "none" (no guard: switches serve mapped)
+GUARD_SOURCES = ("recorded", "configured", "none")
+
+
+@dataclass(frozen=True)
+class GuardPolicy:
+    """The quality guard of one ordered pair (from → to), as the server applies it at that pair's switches: a
+    mapped cache whose ``signal`` score exceeds ``threshold`` (over the new turn's last ``window`` positions) is
+    re-prefilled. source: one of `GUARD_SOURCES`; note: why a pair has no guard, or what to know about its record
+    (None: nothing); recorded: the manifest's record the policy came from (source "recorded" only)."""
+
+    source: str
+    signal: str | None = None
+    threshold: float | None = None
+    window: int = DEFAULT_GUARD_WINDOW
+    note: str | None = None
+    recorded: GuardCalibration | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in GUARD_SOURCES:
+            raise ConfigError(f"a guard's source must be one of {', '.join(GUARD_SOURCES)}, got {self.source!r}")
+        if self.active:
+            check_signal(self.signal)
+            if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float):
+                raise ConfigError(f"a {self.source} guard needs a threshold, got {self.threshold!r}")
+
+    @property
+    def active(self) -> bool:
+        """Whether this pair's switches are scored (a source other than "none")."""
+        return self.source != "none"
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.active and needs_reference(self.signal)
+
+    def rejects(self, score: float | None) -> bool:
+        """Whether a mapped cache with this ``score`` falls back (a switch with nothing to score serves)."""
+        return self.active and score is not None and score > self.threshold
+
+    def report(self, score: float | None) -> dict | None:
+        """The guard's part of a handoff report (`protocol.GuardInfo`): None when the pair has none."""
+        if not self.active:
+            return None
+        return {"signal": self.signal, "score": score, "threshold": float(self.threshold), "source": self.source}
+
+    def to_dict(self) -> dict:
+        """The policy as /health shows it: signal, threshold, window and source (None for a pair without a guard),
+        the note, and the record it came from."""
+        data = {"source": self.source, "signal": self.signal,
+                "threshold": None if self.threshold is None else float(self.threshold),
+                "window": self.window if self.active else None, "note": self.note}
+        if self.recorded is not None:
+            data["recorded"] = self.recorded.to_dict()
+        return data
+
+    def describe(self, source: str, target: str) -> str:
+        """One line for the server's start-up log."""
+        pair = f"{source} → {target}"
+        if not self.active:  # the note names the pair
+            return self.note or f"no guard for {pair}: switches are served mapped"
+        line = f"guard for {pair}: {self.signal} > {self.threshold:.4g} over the new turn's last {self.window} " \
+               f"positions ({self.source}"
+        if self.recorded is not None:
+            record = self.recorded
+            auroc = "-" if record.auroc is None else f"{record.auroc:.2f}"
+            line += (f": AUROC {auroc} for {record.label} on {record.dev_switches} dev switches, recompute "
+                     f"{record.recompute}")
+        line += ")"
+        return line if self.note is None else f"{line}; {self.note}"
+
+
+#: what a start-up line says of a pair without a recorded guard
+NO_GUARD_HINT = ("run `kvhandoff guard-calibrate` with the server's --models/--mapper to record one, or give "
+                 "--guard-threshold (and --guard-signal) for every pair")
+
+
+def recorded_guard(mapper) -> GuardCalibration | None:
+    """The guard recorded in ``mapper``'s manifest (None: none, or a stand-in mapper without a manifest)."""
+    manifest = getattr(mapper, "manifest", None)
+    return manifest.guard if isinstance(manifest, MapperManifest) else None
+
+
+def guard_policy(config: ServeConfig, recorded: GuardCalibration | None, pair: str = "this pair") -> GuardPolicy:
+    """One pair's `GuardPolicy` under ``config`` (`ServeConfig`'s rule), given the guard recorded for it (None:
+    none). ``pair`` names it in the notes."""
+    if not config.guard:
+        return GuardPolicy("none", note="the quality guard is off (--guard off): switches are served mapped")
+    if config.guard_threshold is not None:
+        return GuardPolicy("configured", config.guard_signal or DEFAULT_GUARD_SIGNAL, float(config.guard_threshold),
+                           config.guard_window or DEFAULT_GUARD_WINDOW)
+    if recorded is None:
+        return GuardPolicy("none", note=f"no guard recorded for {pair}: switches are served mapped without a guard; "
+                                        f"{NO_GUARD_HINT}")
+    if recorded.signal not in GUARD_SIGNALS:
+        return GuardPolicy("none", note=(
+            f"the guard recorded for {pair} scores {recorded.signal!r}, a signal this kvhandoff does not know: "
+            f"switches are served mapped without a guard; upgrade kvhandoff or record it again"), recorded=recorded)
+    wanted = {"signal": config.guard_signal, "window": config.guard_window}
+    differing = [f"{name} {getattr(recorded, name)} (configured: {value})" for name, value in wanted.items()
+                 if value is not None and value != getattr(recorded, name)]
+    if differing:
+        return GuardPolicy("none", note=(
+            f"the guard recorded for {pair} has {', '.join(differing)}: switches are served mapped without a "
+            f"guard; serve without --guard-signal/--guard-window to use the record, give --guard-threshold, or "
+            f"record one for the configured signal (`kvhandoff guard-calibrate --signal "
+            f"{config.guard_signal or recorded.signal}`)"), recorded=recorded)
+    note = None
+    if recorded.recompute != config.recompute.spec:
+        note = (f"measured under recompute {recorded.recompute}, served under {config.recompute.spec}: record it "
+                f"again under the served policy (`kvhandoff guard-calibrate --recompute {config.recompute.spec}`)")
+    return GuardPolicy("recorded", recorded.signal, recorded.threshold, recorded.window, note, recorded)
+
+
+def guard_policies(config: ServeConfig, mappers: Mapping) -> dict[tuple[str, str], GuardPolicy]:
+    """Each ordered pair's `GuardPolicy`: ``mappers`` (from, to) → mapper, under ``config``."""
+    return {pair: guard_policy(config, recorded_guard(mapper), f"{pair[0]} → {pair[1]}")
+            for pair, mapper in mappers.items()}
 
 
 # -- measuring the guard on dev conversations ----------------------------------------------------------------------
@@ -167,6 +301,25 @@ def choose_threshold(scores: Sequence[float], labels: Sequence[bool],
     if best is None:
         return None, None, None
     return best[1], best[2], best[3]
+
+
+#: what makes a dev switch bad, for choosing a threshold (`relabel`): "answer_changed" — the receiving model's
+#: greedy answer after the handoff differs from its answer after a re-prefill (`GuardRecord.differs`);
+#: "first_token_kl_above_0.5" — the distribution of the answer's first token moved by more than 0.5 nats of KL from
+#: the re-prefilled one
+GUARD_LABELS: dict[str, Callable[[GuardRecord], bool]] = {
+    "answer_changed": lambda record: record.differs,
+    "first_token_kl_above_0.5": lambda record: record.first_kl is not None and record.first_kl > 0.5,
+}
+
+
+def relabel(records: Iterable[GuardRecord], label: str) -> list[GuardRecord]:
+    """``records`` with `GuardRecord.differs` saying whether each switch is bad as ``label`` (`GUARD_LABELS`)
+    says."""
+    if label not in GUARD_LABELS:
+        raise ConfigError(f"guard label must be one of {', '.join(GUARD_LABELS)}, got {label!r}")
+    bad = GUARD_LABELS[label]
+    return [dataclasses.replace(record, differs=bad(record)) for record in records]
 
 
 def summarize_guard(records: Iterable[GuardRecord], signal: str,

@@ -330,6 +330,7 @@ class GuardInfo(BaseModel):
     signal: str
     score: float | None
     threshold: float
+    source: Literal["recorded", "configured"] | None = None  # the pair's guard: its mapper's record, or the config
 
 
 class HandoffInfo(BaseModel):
