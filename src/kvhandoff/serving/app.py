@@ -374,11 +374,27 @@ def stream_error(exc: RequestError) -> str:
     return sse(dump(ErrorResponse(error=ErrorBody(message=exc.message, type=kind, param=exc.param, code=exc.code))))
 
 
-async def stream_chat(generation: Generation, request: GenerationRequest, tools: ToolSettings, parser,
-                      body: ChatCompletionRequest, ident: str, created: int):
+async def framed(generation: Generation, chunks, usage):
+    """Server-sent events: ``chunks`` (an async generator of answer chunks), then ``usage`` (a usage chunk, built
+    when the answers are done) when given, then [DONE]. An error mid-stream is an error object; a client that goes
+    away cancels the generation."""
+    try:
+        async for piece in chunks:
+            yield piece
+        if usage is not None:
+            yield sse(dump(usage(usage_of(generation))))
+        yield sse("[DONE]")
+    except RequestError as exc:
+        yield stream_error(exc)
+        yield sse("[DONE]")
+    finally:
+        generation.cancel()  # a no-op once the answers are complete; otherwise the client went away
+
+
+def stream_chat(generation: Generation, request: GenerationRequest, tools: ToolSettings, parser,
+                body: ChatCompletionRequest, ident: str, created: int):
     """The answers as OpenAI chunks: per choice a first chunk with the role (the very first one carries the handoff
-    report), its content or tool-call deltas, its finish reason; optionally a usage chunk, then [DONE]. An error
-    mid-stream is an error object; a client that goes away cancels the generation."""
+    report), its content or tool-call deltas, its finish reason; optionally a usage chunk, then [DONE]."""
     info = handoff_info(generation)
     parsers = {}
     calls = {}  # choice → tool calls streamed
@@ -404,7 +420,7 @@ async def stream_chat(generation: Generation, request: GenerationRequest, tools:
             out.append(chunk(index, Delta(content=""), entries=entries))
         return out
 
-    try:
+    async def chunks():
         for index in range(request.choices):
             yield chunk(index, Delta(role="assistant", content=""), first=index == 0)
             parsers[index] = parser.stream() if tools.parses_calls else None
@@ -421,19 +437,15 @@ async def stream_chat(generation: Generation, request: GenerationRequest, tools:
             if calls.get(choice.index) and finish == "stop":
                 finish = "tool_calls"
             yield chunk(choice.index, Delta(), finish)
-        if body.include_usage():
-            yield sse(dump(ChatCompletionChunk(id=ident, created=created, model=request.model, choices=[],
-                                               usage=usage_of(generation))))
-        yield sse("[DONE]")
-    except RequestError as exc:
-        yield stream_error(exc)
-        yield sse("[DONE]")
-    finally:
-        generation.cancel()  # a no-op once the answers are complete; otherwise the client went away
+
+    def usage(totals: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=ident, created=created, model=request.model, choices=[], usage=totals)
+
+    return framed(generation, chunks(), usage if body.include_usage() else None)
 
 
-async def stream_completion(generation: Generation, request: GenerationRequest, body: CompletionRequest,
-                            ident: str, created: int):
+def stream_completion(generation: Generation, request: GenerationRequest, body: CompletionRequest, ident: str,
+                      created: int):
     """The answers as text-completion chunks (the first carries the handoff report; an echoed prompt comes first in
     each choice), optionally a usage chunk, then [DONE]."""
     info = handoff_info(generation)
@@ -447,22 +459,18 @@ async def stream_completion(generation: Generation, request: GenerationRequest, 
         first = False
         return sse(dump(body_))
 
-    try:
+    async def chunks():
         started = set()
         async for choice, text, entries in generation.events():
             if generation.echo is not None and choice.index not in started:
                 yield chunk(choice.index, generation.echo[0], entries=generation.echo[1])
             started.add(choice.index)
             yield chunk(choice.index, text or "", None if text is not None else choice.finish_reason, entries)
-        if body.include_usage():
-            yield sse(dump(Completion(id=ident, created=created, model=request.model, choices=[],
-                                      usage=usage_of(generation))))
-        yield sse("[DONE]")
-    except RequestError as exc:
-        yield stream_error(exc)
-        yield sse("[DONE]")
-    finally:
-        generation.cancel()
+
+    def usage(totals: Usage) -> Completion:
+        return Completion(id=ident, created=created, model=request.model, choices=[], usage=totals)
+
+    return framed(generation, chunks(), usage if body.include_usage() else None)
 
 
 def create_app(engine: Engine) -> FastAPI:
