@@ -3,11 +3,12 @@ import logging
 import pytest
 import torch
 
-from kvhandoff import FitConfig, fit_mapper
+from kvhandoff import FitConfig, fit_mapper, workflow
 from kvhandoff.config import CalibrationSpec
 from kvhandoff.fit.corpus import calibration_batches
 from kvhandoff.fit.statistics import CalibrationStats
 from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
+from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.workflow import load_named_pair, mapper_dir, obtain_mapper, on_source_device, statistics_path
 
 from conftest import random_batches, save_tiny_pair, tiny_model
@@ -212,3 +213,17 @@ def test_maps_that_read_k_and_v_collect_again_over_a_pass_without_the_cross_mome
     again, _, reused = obtain_mapper(pair, calibration=CALIBRATION, refit=True)
     assert not reused and "collecting" not in caplog.text
     torch.testing.assert_close(again.weight, own.weight, rtol=0, atol=1e-6)
+
+
+def test_a_mapper_with_a_measured_guard_records_it_when_fitted(pair, monkeypatch):
+    guard = GuardCalibration(signal="entropy", threshold=1.5, auroc=0.7, label="answer_changed",
+                             rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=10, bad_switches=4,
+                             catch_rate=0.5, false_fallback_rate=0.1, dev_conversations=5, recompute="recent:5%",
+                             window=64)
+    monkeypatch.setattr(workflow, "MEASURED_GUARDS", (
+        workflow.MeasuredGuard(pair.source_spec, pair.target_spec, FitConfig(), CALIBRATION, guard),))
+    mapper, folder, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
+    assert mapper.manifest.guard == guard
+    assert Mapper.load(folder, pair.source, pair.target).manifest.guard == guard
+    reverse, _, _ = obtain_mapper(pair.reversed(), calibration=CALIBRATION, progress=False)
+    assert reverse.manifest.guard is None  # measured for one direction only

@@ -39,10 +39,11 @@ from kvhandoff.fit.pipeline import (
 from kvhandoff.fit.refine import check_refinable, refine_mapper
 from kvhandoff.fit.selection import layer_r2_matrix
 from kvhandoff.fit.statistics import CalibrationStats, SumsContent
+from kvhandoff.mapper.manifest import GuardCalibration
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.cache import model_device
 from kvhandoff.model.geometry import PAIRING_KEYS, check_pair, model_fingerprint
-from kvhandoff.model.loading import ModelPair, load_pair
+from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET, ModelPair, load_pair
 from kvhandoff.progress import Progress
 
 #: version of the cache keys (part of every key: raising it makes every entry written before a miss)
@@ -51,6 +52,38 @@ CACHE_SCHEMA = 2
 IDENTITY_KEYS = (*PAIRING_KEYS, "weights_checksum")
 
 logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class MeasuredGuard:
+    """The quality guard measured for one direction's mapper of `config` over `calibration`'s windows."""
+
+    source: str
+    target: str
+    config: FitConfig
+    calibration: CalibrationSpec
+    guard: GuardCalibration
+
+
+#: the guards measured for the embedded pair's default mappers (`kvhandoff guard-calibrate --conversations 20
+#: --turns 4 --signal entropy --label answer_changed`, docs/SERVING.md "The quality guard"): recorded in their
+#: manifests when they are fitted, so that a fresh machine serves the default pair with the guard measured for it
+MEASURED_GUARDS: tuple[MeasuredGuard, ...] = (
+    MeasuredGuard(DEFAULT_SOURCE, DEFAULT_TARGET, FitConfig(), CalibrationSpec(), GuardCalibration(
+        signal="entropy", threshold=1.418224573135376, auroc=0.66, label="answer_changed",
+        rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=30, bad_switches=20, catch_rate=0.6,
+        false_fallback_rate=0.2, dev_conversations=20, recompute="recent:5%", window=64)),
+    MeasuredGuard(DEFAULT_TARGET, DEFAULT_SOURCE, FitConfig(), CalibrationSpec(), GuardCalibration(
+        signal="entropy", threshold=1.6679993867874146, auroc=0.6574074074074074, label="answer_changed",
+        rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=30, bad_switches=12,
+        catch_rate=0.4166666666666667, false_fallback_rate=0.05555555555555555, dev_conversations=20,
+        recompute="recent:5%", window=64)),
+)
+
+
+def measured_guard(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec) -> GuardCalibration | None:
+    """The guard measured for `pair`'s ridge mapper of `config` over `calibration` (`MEASURED_GUARDS`), or None."""
+    return next((m.guard for m in MEASURED_GUARDS if (m.source, m.target, m.config, m.calibration)
+                 == (pair.source_spec, pair.target_spec, config, calibration)), None)
 
 
 def identity_of(fingerprint: dict) -> str:
@@ -456,6 +489,9 @@ def obtain_mapper(
         mapper = fit_mlp_mapper(mapper, features["folder"], r2, mlp, reverse=features["reverse"],
                                 progress=progress)
     mapper.save(folder)
+    measured = measured_guard(pair, config, calibration) if mlp is None else None
+    if measured is not None:
+        mapper.record_guard(measured)
     return mapper, folder, False
 
 
