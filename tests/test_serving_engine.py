@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, Sinks
 from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.decoding import SamplingParams
 from kvhandoff.serving.engine import Engine, GenerationRequest, RequestError, common_prefix
@@ -277,6 +279,31 @@ def test_a_fallback_keeps_the_receiving_models_own_turns_and_reads_only_the_rest
             full = await engine.start(request)
             assert await full.text() == text and full.completion_tokens == generation.completion_tokens
             assert full.report.status == "reprefill" and full.report.read_tokens == len(ids)
+        finally:
+            engine.close()
+
+    asyncio.run(main())
+
+
+def test_the_family_renders_with_one_template_so_a_switch_keeps_the_whole_history(caplog):
+    """Two models whose templates differ (one character in the system turn) would part after a few tokens; the
+    engine renders every turn with the first model's template and says so."""
+    family, mappers = tiny_family()
+    other = copy.deepcopy(family["large"][1])
+    other.chat_template = DEFAULT_CHAT_TEMPLATE.replace("<|im_start|>", "<|im_start|> ", 1)
+    models = {"small": family["small"], "large": (family["large"][0], other)}
+
+    async def main():
+        with caplog.at_level(logging.WARNING, logger="kvhandoff.serving.engine"):
+            engine = Engine(models, mappers, ServeConfig(guard=False))
+        assert "large differ from small's" in caplog.text
+        try:
+            first = [("user", "Tell me about the tides.")]
+            text, _, _ = await ask(engine, "small", messages=tuple(first), session="s", max_tokens=4)
+            second = (*first, ("assistant", text), ("user", "And the moon?"))
+            _, report, _ = await ask(engine, "large", messages=second, session="s", max_tokens=4)
+            assert report.status == "applied" and report.mapped_tokens > len(chat_ids(family["small"][1], [
+                {"role": "user", "content": "Tell me about the tides."}])) - 2
         finally:
             engine.close()
 

@@ -82,14 +82,18 @@ def template_messages(messages: Sequence[dict]) -> list[dict]:
     return converted
 
 
+def chat_template_of(tokenizer) -> str:
+    """The chat template ``tokenizer`` renders with: its own, or `DEFAULT_CHAT_TEMPLATE` when it has none."""
+    return getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+
+
 def render(tokenizer, messages: Sequence[dict], tools: Sequence[Any] | None = None,
-           add_generation_prompt: bool = True) -> list[int]:
-    """The prompt's token ids: `messages` (OpenAI-shaped; converted by `template_messages`) rendered by the
-    tokenizer's own chat template, or `DEFAULT_CHAT_TEMPLATE` when it has none, with the generation prompt (unless
-    `add_generation_prompt` is False); `tools`
-    the OpenAI tool dicts ({"type": "function", "function": {...}}, or objects with `to_dict()`). The template's
-    text is tokenized without adding special tokens again (it writes them itself)."""
-    template = None if getattr(tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
+           add_generation_prompt: bool = True, template: str | None = None) -> list[int]:
+    """The prompt's token ids: `messages` (OpenAI-shaped; converted by `template_messages`) rendered by `template`
+    (None: `chat_template_of(tokenizer)`), with the generation prompt (unless `add_generation_prompt` is False);
+    `tools` the OpenAI tool dicts ({"type": "function", "function": {...}}, or objects with `to_dict()`). The
+    template's text is tokenized without adding special tokens again (it writes them itself)."""
+    template = template or chat_template_of(tokenizer)
     tool_dicts = [tool.to_dict() if hasattr(tool, "to_dict") else tool for tool in tools] if tools else None
     try:
         text = tokenizer.apply_chat_template(template_messages(messages), tools=tool_dicts, chat_template=template,

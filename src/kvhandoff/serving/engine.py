@@ -35,7 +35,7 @@ import torch
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.runtime.prefix_store import PrefixStore
 from kvhandoff.runtime.session import SwitchingSession
-from kvhandoff.serving.chat import render
+from kvhandoff.serving.chat import chat_template_of, render
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.decoding import Sampler, SamplingParams, end_ids, held_back, stop_index
 from kvhandoff.serving.grammar import GrammarSpec, ToolCalls
@@ -160,12 +160,25 @@ def token_entry(tokenizer, logprobs: torch.Tensor | None, token: int, alternativ
     return TokenEntry(text, float(logprobs[token]), raw, tuple(top))
 
 
-def prompt_ids(tokenizer, vocab_size: int, messages=None, prompt=None, tools=None) -> list[int]:
+def family_template(models) -> str:
+    """The chat template every hosted model renders conversations with: the first model's. A conversation must be
+    the same tokens whichever model serves a turn, or a switch can reuse only up to where two renderings part."""
+    names = list(models)
+    template = chat_template_of(models[names[0]][1])
+    differing = [name for name in names[1:] if chat_template_of(models[name][1]) != template]
+    if differing:
+        logger.warning("the chat templates of %s differ from %s's; every model renders conversations with %s's, so "
+                       "that a conversation's tokens are the same whichever model serves", ", ".join(differing),
+                       names[0], names[0])
+    return template
+
+
+def prompt_ids(tokenizer, vocab_size: int, messages=None, prompt=None, tools=None, template=None) -> list[int]:
     """The token ids a request's model reads: chat ``messages`` (OpenAI-shaped dicts) rendered by the tokenizer's
     chat template with ``tools``, or a completion ``prompt`` (text, or token ids checked against ``vocab_size``)."""
     if messages is not None:
         try:
-            return render(tokenizer, messages, tools)
+            return render(tokenizer, messages, tools, template=template)
         except ConfigError as exc:
             raise RequestError("invalid_request", str(exc), param="messages") from exc
     if isinstance(prompt, str):
@@ -350,6 +363,7 @@ class Engine:
                               ModelWorker(name, config.max_queue))
             for name, (model, tokenizer) in models.items()
         }
+        self.chat_template = family_template(models)
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()  # least recently used first
         self.prefix_store = PrefixStore()  # the conversations' openings, shared: a switch copies its exact prefix
         self.plan = config.plan(self.prefix_store)  # every session's handoffs
@@ -397,7 +411,7 @@ class Engine:
         if messages is None:
             return list(hosted.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
         try:
-            return render(hosted.tokenizer, messages, tools, add_generation_prompt)
+            return render(hosted.tokenizer, messages, tools, add_generation_prompt, self.chat_template)
         except ConfigError as exc:
             raise RequestError("invalid_request", str(exc), param="messages") from exc
 
@@ -516,7 +530,8 @@ class Engine:
     def _inputs(self, hosted: HostedModel, request: GenerationRequest):
         """(prompt ids, one grammar constraint per answer or None) of ``request`` for ``hosted``; what does not fit
         the model (a token id past its vocabulary, a conversation its template refuses) is a `RequestError`."""
-        prompt = prompt_ids(hosted.tokenizer, hosted.vocab_size, request.messages, request.prompt, request.tools)
+        prompt = prompt_ids(hosted.tokenizer, hosted.vocab_size, request.messages, request.prompt, request.tools,
+                            self.chat_template)
         try:
             Sampler(request.sampling, hosted.stop_ids, hosted.vocab_size, prompt)
         except ConfigError as exc:
