@@ -1,0 +1,760 @@
+"""The server's caches found by token prefix: which hosted model holds the K/V of which prompt prefix, its own
+(exact) or mapped from another model, so a request is served from the longest prefix any model holds.
+
+After SGLang's radix cache and vLLM's automatic prefix caching, across models: one radix tree per namespace (a
+tenant; `namespace_of`), whose nodes each hold a run of token ids and, per model, that model's K/V rows of exactly
+those positions with their `Provenance`. `PrefixTree.match` finds, for the model asked about and for every other
+one, the longest prefix of a prompt it holds; `choose_reuse` turns that into the model's own hit, a handoff from
+the model holding the longest exact prefix (only the part the receiving model lacks is mapped), or a miss.
+
+Invariants: a model's payload on a node covers exactly the node's positions; a model holding a node holds its parent
+(what a model holds of a prompt is a path from the root); every node but a root holds some model's payload. Rows are
+opaque: the tree only counts, slices, concatenates and sizes them through `RowOps` (`SEAM_ROWS`: the cache seam's
+`DynamicCache` rows, what `KVCache.export` returns and `KVCache.append` takes), and keeps its own copies, so the
+rows it hands out stay valid whatever happens to the caches they came from or to the tree afterwards.
+
+Threads: one lock inside; every method is safe from any thread. `match`, `lock`, `unlock`, `evict`, `stats` and
+`total_bytes` are bookkeeping (references, counters: no tensor work), fit for the event loop. `insert` copies the
+rows it keeps (outside the lock; a node split copies the one straddling segment inside it) and
+`PrefixMatch.rows` concatenates (outside the lock): call them on the model's worker thread. `evict` walks every node
+(inside the lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import logging
+import threading
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from kvhandoff.errors import ConfigError, KVHandoffError
+from kvhandoff.model.cache import cache_view
+from kvhandoff.runtime.seam import rows_of
+
+logger = logging.getLogger(__name__)
+
+#: what a model's rows are: its own ("exact": computed by the model on its own exact prefix) or "mapped" (from
+#: another model's K/V by a mapper, or computed on top of such rows: approximate)
+PROVENANCES = ("exact", "mapped")
+
+#: what `choose_reuse` decides for a request (`Reuse.kind`)
+REUSE_KINDS = ("own", "handoff", "miss")
+
+#: the namespace of a request that names no tenant
+DEFAULT_NAMESPACE = "default"
+
+# the longest segment the in-place growth of a leaf merges into (a merge is a copy inside the lock: kept small)
+_MERGE_POSITIONS = 256
+
+
+# -- rows -----------------------------------------------------------------------------------------------------------
+@runtime_checkable
+class RowOps(Protocol):
+    """What the tree does with one engine's K/V rows (opaque to it): count, slice and concatenate them along
+    positions, and count their bytes."""
+
+    def positions(self, rows) -> int:
+        """The positions ``rows`` hold."""
+
+    def slice(self, rows, start: int, end: int):
+        """The rows of positions ``start``..``end`` − 1 (views allowed: the tree copies what it keeps)."""
+
+    def concat(self, parts: Sequence):
+        """``parts`` one after the other as new rows that own their memory (a copy, even of a single part)."""
+
+    def nbytes(self, rows) -> int:
+        """The bytes ``rows`` hold."""
+
+
+class SeamRows:
+    """`RowOps` of the cache seam's rows: a `DynamicCache` of (keys, values) [batch, kv_heads, positions,
+    head_dim] per layer (`KVCache.export`, `KVCache.append`, `Mapper.transfer`)."""
+
+    def positions(self, rows: DynamicCache) -> int:
+        if not rows.layers or rows.layers[0].keys is None:
+            return 0
+        return rows.layers[0].keys.shape[-2]
+
+    def slice(self, rows: DynamicCache, start: int, end: int) -> DynamicCache:
+        return cache_view(rows, start, end)
+
+    def concat(self, parts: Sequence[DynamicCache]) -> DynamicCache:
+        if not parts:
+            raise ConfigError("concat needs at least one part")
+        layers = {len(part.layers) for part in parts}
+        if len(layers) != 1:
+            raise ConfigError(f"rows of different layer counts cannot be joined: {sorted(layers)}")
+        return rows_of((torch.cat([part.layers[i].keys for part in parts], dim=-2),
+                        torch.cat([part.layers[i].values for part in parts], dim=-2))
+                       for i in range(layers.pop()))
+
+    def nbytes(self, rows: DynamicCache) -> int:
+        return sum(tensor.numel() * tensor.element_size()
+                   for layer in rows.layers for tensor in (layer.keys, layer.values) if tensor is not None)
+
+
+SEAM_ROWS = SeamRows()
+
+
+# -- provenance, namespaces -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Provenance:
+    """Where a model's rows come from: ``kind`` "exact" (its own), or "mapped" from ``source``'s (a model name)."""
+
+    kind: str = "exact"
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROVENANCES:
+            raise ConfigError(f"provenance must be one of {', '.join(PROVENANCES)}, got {self.kind!r}")
+        if self.kind == "exact" and self.source is not None:
+            raise ConfigError(f"exact rows have no source model, got source {self.source!r}")
+        if self.kind == "mapped":
+            _name(self.source, "a mapped provenance's source model")
+
+    @property
+    def exact(self) -> bool:
+        return self.kind == "exact"
+
+
+EXACT = Provenance()
+
+
+def mapped_from(source: str) -> Provenance:
+    """The provenance of rows mapped from ``source``'s K/V (or computed on top of such rows)."""
+    return Provenance("mapped", source)
+
+
+def namespace_of(api_key: str | None = None, user: str | None = None, cache_salt: str | None = None,
+                 default: str = DEFAULT_NAMESPACE) -> str:
+    """The namespace of a request's cached prefixes: its API key's (hashed: the tree never holds a key), else its
+    ``user``'s, else its ``cache_salt``'s, else ``default`` (the server's). Each kind has its own prefix, so a user
+    named like a salt shares nothing with it."""
+    for value, what in ((api_key, "api_key"), (user, "user"), (cache_salt, "cache_salt")):
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{what} must be a string, got {type(value).__name__}")
+    if api_key:
+        return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:32]
+    if user:
+        return "user:" + user
+    if cache_salt:
+        return "salt:" + cache_salt
+    return _name(default, "the default namespace")
+
+
+# -- results ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Segment:
+    """Rows the tree owns, of ``positions`` positions and ``nbytes`` bytes."""
+
+    rows: Any
+    positions: int
+    nbytes: int
+
+
+@dataclass(eq=False)
+class PrefixHandle:
+    """A path of one namespace's tree (from its root to a node) that `PrefixTree.lock` pins against eviction: what
+    `match` and `insert` return. ``length``: the positions of the tokens asked about that the model holds."""
+
+    namespace: str
+    length: int
+    node: Any = field(repr=False)
+    owner: object = field(repr=False)
+    locks: int = field(default=0, repr=False)
+
+
+@dataclass(frozen=True)
+class Hold:
+    """What one model holds of a prompt: positions 0..``length`` − 1, the first ``exact`` of them its own K/V and
+    the rest mapped (``sources``: the models they were mapped from)."""
+
+    model: str
+    length: int = 0
+    exact: int = 0
+    sources: tuple[str, ...] = ()
+    # (start position, positions used, the node's segments) along the path, captured at the match
+    parts: tuple = field(default=(), repr=False, compare=False)
+    ops: RowOps | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def mapped(self) -> bool:
+        return self.length > self.exact
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The result of `PrefixTree.match`: what ``model`` and every other model hold (``holds``, models holding
+    nothing left out) of a prompt of ``tokens`` ids, and the ``handle`` of the matched path. With ``exact_only``
+    every hold stops at its first mapped position."""
+
+    namespace: str
+    model: str
+    tokens: int
+    exact_only: bool
+    holds: Mapping[str, Hold]
+    handle: PrefixHandle
+
+    @property
+    def own(self) -> Hold:
+        """What the model asked about holds."""
+        return self.hold(self.model)
+
+    def hold(self, model: str) -> Hold:
+        return self.holds.get(model, Hold(model))
+
+    def rows(self, model: str, start: int = 0, end: int | None = None):
+        """``model``'s rows of positions ``start``..``end`` − 1 (None: to the end of its hold) as new rows of its
+        `RowOps` (a copy: valid whatever the tree does later). Call it on a worker thread."""
+        hold = self.hold(model)
+        end = hold.length if end is None else end
+        if not 0 <= start < end <= hold.length:
+            raise ConfigError(f"{model} holds positions 0..{hold.length - 1} of this prompt"
+                              f"{' exactly' if self.exact_only else ''}; rows {start}..{end - 1} were asked for")
+        pieces = []
+        for depth, _, segments in hold.parts:
+            offset = depth
+            for segment in segments:
+                first, offset = offset, offset + segment.positions
+                if offset <= start or first >= end:
+                    continue
+                low, high = max(start, first) - first, min(end, offset) - first
+                whole = low == 0 and high == segment.positions
+                pieces.append(segment.rows if whole else hold.ops.slice(segment.rows, low, high))
+        return hold.ops.concat(pieces)
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """How to serve a request (`choose_reuse`): ``kind`` "own" (the model's rows of positions 0..``own`` − 1),
+    "handoff" (those, then ``source``'s exact rows of positions ``own``..``source_length`` − 1 mapped onto them) or
+    "miss" (a prefill)."""
+
+    kind: str
+    own: int = 0
+    source: str | None = None
+    source_length: int = 0
+
+    @property
+    def reused(self) -> int:
+        """The positions not computed by the model's forward over the prompt."""
+        return self.source_length if self.kind == "handoff" else self.own
+
+
+def choose_reuse(match: PrefixMatch, *, limit: int | None = None, sources: Collection[str] | None = None,
+                 min_gain: int = 1) -> Reuse:
+    """The reuse of ``match``: a handoff when a model in ``sources`` (None: any) holds an exact prefix at least
+    ``min_gain`` positions longer than what the model itself holds, else its own rows, else a miss. Prefixes are
+    capped at ``limit`` positions (e.g. the prompt's length − 1: the last token is read for its logits). Mapped rows
+    are never a handoff's source (no position makes two trips through mappers) and an exact-only match never hands
+    off (the mapped rows would serve it)."""
+    cap = match.tokens if limit is None else limit
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise ConfigError(f"limit must be a non-negative integer, got {limit!r}")
+    if isinstance(min_gain, bool) or not isinstance(min_gain, int) or min_gain < 1:
+        raise ConfigError(f"min_gain must be a positive integer, got {min_gain!r}")
+    own = min(match.own.length, cap)
+    if not match.exact_only:
+        candidates = sorted((-min(hold.exact, cap), name) for name, hold in match.holds.items()
+                            if name != match.model and (sources is None or name in sources))
+        if candidates and -candidates[0][0] - own >= min_gain:
+            return Reuse("handoff", own, candidates[0][1], -candidates[0][0])
+    return Reuse("own", own) if own else Reuse("miss")
+
+
+# -- stats -------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelStats:
+    """One model's part of the tree: bytes and nodes held; matches asking for it that its own exact rows served
+    (``hits_own``), that mapped rows served (``hits_mapped``) or nothing (``misses``), those where another model
+    held a longer exact prefix (``handoff_candidates``), the positions asked for and served; payloads evicted."""
+
+    bytes: int = 0
+    nodes: int = 0
+    hits_own: int = 0
+    hits_mapped: int = 0
+    misses: int = 0
+    handoff_candidates: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class TreeStats:
+    """The tree for /metrics and /health: bytes, nodes, namespaces, nodes evicted, handles locked, per model."""
+
+    bytes: int
+    nodes: int
+    namespaces: int
+    evictions: int
+    locked: int
+    models: dict[str, ModelStats]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- the tree ----------------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Payload:
+    provenance: Provenance
+    segments: list[_Segment]
+    nbytes: int
+
+
+class _Node:
+    __slots__ = ("alive", "children", "last_access", "lock_ref", "parent", "payloads", "tokens")
+
+    def __init__(self, tokens: tuple[int, ...], parent: _Node | None, last_access: int = 0) -> None:
+        self.tokens = tokens
+        self.parent = parent
+        self.children: dict[int, _Node] = {}
+        self.payloads: dict[str, _Payload] = {}
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.alive = True
+
+
+class PrefixTree:
+    """The K/V rows of token prefixes, per namespace and model (see the module docstring).
+
+    ops: the `RowOps` of every model's rows (default `SEAM_ROWS`); model_ops: other `RowOps` for some models (an
+    engine whose rows are of its own type)."""
+
+    def __init__(self, ops: RowOps = SEAM_ROWS, model_ops: Mapping[str, RowOps] | None = None) -> None:
+        for name, candidate in {"ops": ops, **dict(model_ops or {})}.items():
+            if not isinstance(candidate, RowOps):
+                raise ConfigError(f"{name}: row operations need positions, slice, concat and nbytes, got "
+                                  f"{type(candidate).__name__}")
+        self._default_ops = ops
+        self._model_ops = dict(model_ops or {})
+        self._lock = threading.Lock()
+        self._roots: dict[str, _Node] = {}
+        self._clock = 0  # a counter, not time: the order of matches and inserts is what LRU needs
+        self._nodes = 0
+        self._node_evictions = 0
+        self._locked = 0
+        self._counts: dict[str, dict[str, int]] = {}
+
+    # -- lookup ---------------------------------------------------------------------------------------------------
+    def match(self, namespace: str, tokens, model: str, exact_only: bool = False, *,
+              lock: bool = False) -> PrefixMatch:
+        """The longest prefix of ``tokens`` that ``model`` holds (its own rows only, with ``exact_only``; else its
+        own then mapped ones), and what every other model holds; with ``lock`` the matched path is pinned in the
+        same step (`unlock` its handle when the request ends)."""
+        namespace, model, tokens = _name(namespace, "namespace"), _name(model, "model"), _token_ids(tokens)
+        with self._lock:
+            self._clock += 1
+            root = self._roots.get(namespace)
+            path = _walk(root, tokens) if root is not None else []
+            for node, _, _ in path:
+                node.last_access = self._clock
+            holds, deepest = _holds(path, exact_only)
+            holds = {name: Hold(name, *hold, ops=self._ops(name)) for name, hold in holds.items()}
+            own = holds.get(model, Hold(model))
+            node = path[deepest][0] if deepest is not None else None
+            handle = PrefixHandle(namespace, own.length, node, self)
+            if lock:
+                self._pin(handle)
+            self._count_match(model, own, holds, len(tokens))
+        return PrefixMatch(namespace, model, len(tokens), exact_only, holds, handle)
+
+    # -- insert ---------------------------------------------------------------------------------------------------
+    def insert(self, namespace: str, tokens, model: str, rows, provenance: Provenance = EXACT, *, start: int = 0,
+               lock: bool = False) -> PrefixHandle:
+        """Keep ``model``'s ``rows`` of positions ``start``..len(tokens) − 1 of ``tokens`` (a copy of what the tree
+        lacks). Positions the model already holds stay as they are, except mapped ones under exact rows (replaced).
+        Rows past a position the model does not hold (``start`` past its prefix) are not kept: the handle's
+        ``length`` says how far the model's prefix reaches. A leaf only this model holds grows in place (an
+        answer's tokens inserted as they are generated). With ``lock`` the path is pinned in the same step."""
+        namespace, model, tokens = _name(namespace, "namespace"), _name(model, "model"), _token_ids(tokens)
+        if not isinstance(provenance, Provenance):
+            raise ConfigError(f"provenance must be a Provenance (EXACT or mapped_from(model)), got {provenance!r}")
+        if provenance.source == model:
+            raise ConfigError(f"rows of {model} cannot be mapped from {model} itself")
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(tokens):
+            raise ConfigError(f"start must be in 0..{len(tokens) - 1} (at least one position inserted), got {start!r}")
+        ops = self._ops(model)
+        count = ops.positions(rows)
+        if count != len(tokens) - start:
+            raise ConfigError(f"rows of {count} positions for positions {start}..{len(tokens) - 1} of the tokens "
+                              f"({len(tokens) - start} positions)")
+        with self._lock:
+            ranges = _missing(self._roots.get(namespace), tokens, model, provenance, start)
+        pieces = [(first, _owned(ops, rows, first - start, last - start)) for first, last in ranges]  # unlocked copy
+        with self._lock:
+            return self._commit(namespace, tokens, model, provenance, pieces, lock)
+
+    def _commit(self, namespace, tokens, model, provenance, pieces, lock) -> PrefixHandle:
+        """Store ``pieces`` (start, `_Segment`) of ``model``'s rows along ``tokens``, splitting and growing nodes;
+        the tree may have changed since the pieces were cut, so a piece is cut again (or left unused) as needed."""
+        self._clock += 1
+        ops = self._ops(model)
+        root = self._roots.setdefault(namespace, _Node((), None))
+        node, depth, end = root, 0, len(tokens)
+        while depth < end:
+            child = node.children.get(tokens[depth])
+            if child is None:
+                segments = _take(pieces, depth, end, ops)
+                if segments is not None:
+                    node, depth = self._grow(node, tokens[depth:], model, provenance, segments), end
+                break
+            count = _common_length(child.tokens, tokens, depth)
+            payload = child.payloads.get(model)
+            replace = payload is None or (provenance.exact and not payload.provenance.exact)
+            segments = _take(pieces, depth, depth + count, ops) if replace else None
+            if payload is None and segments is None:  # positions the model lacks and no rows for them
+                break
+            if count < len(child.tokens) and (segments is not None or depth + count < end):
+                child = self._split(child, count)
+            child.last_access = self._clock
+            if segments is not None:
+                self._store(child, model, provenance, segments)
+            node, depth = child, depth + count
+            if count < len(child.tokens):  # the tokens end inside a node the model holds
+                break
+        if not root.children:
+            del self._roots[namespace]
+        handle = PrefixHandle(namespace, depth, node if node is not root else None, self)
+        if lock:
+            self._pin(handle)
+        return handle
+
+    def _grow(self, node: _Node, tokens: tuple[int, ...], model: str, provenance: Provenance,
+              segments: list[_Segment]) -> _Node:
+        """``node``'s new child of ``tokens`` holding ``segments``, or ``node`` itself grown by them when it is a leaf
+        only ``model`` holds, alike (in place: an answer inserted token by token stays one node)."""
+        payload = node.payloads.get(model)
+        if (node.parent is not None and not node.children and len(node.payloads) == 1 and payload is not None
+                and payload.provenance == provenance):
+            merged = _merge_tail([*payload.segments, *segments], self._ops(model))
+            node.tokens += tokens
+            node.last_access = self._clock
+            self._account(model, sum(s.nbytes for s in merged) - payload.nbytes, 0)
+            payload.segments, payload.nbytes = merged, sum(s.nbytes for s in merged)
+            return node
+        child = _Node(tokens, node, self._clock)
+        node.children[tokens[0]] = child
+        self._nodes += 1
+        self._store(child, model, provenance, segments)
+        return child
+
+    def _split(self, node: _Node, count: int) -> _Node:
+        """Split ``node`` after its first ``count`` tokens; returns the new upper node. ``node`` stays the lower part
+        (handles of it keep their meaning) and its locks carry over to the upper node (on every locked path)."""
+        cuts = {name: _cut(payload.segments, count, self._ops(name)) for name, payload in node.payloads.items()}
+        upper = _Node(node.tokens[:count], node.parent, node.last_access)
+        upper.lock_ref = node.lock_ref
+        for name, (top, bottom) in cuts.items():
+            old = node.payloads[name]
+            upper.payloads[name] = _Payload(old.provenance, top, sum(s.nbytes for s in top))
+            node.payloads[name] = _Payload(old.provenance, bottom, sum(s.nbytes for s in bottom))
+            self._account(name, upper.payloads[name].nbytes + node.payloads[name].nbytes - old.nbytes, 1)
+        node.parent.children[node.tokens[0]] = upper
+        node.tokens, node.parent = node.tokens[count:], upper
+        upper.children[node.tokens[0]] = node
+        self._nodes += 1
+        return upper
+
+    def _store(self, node: _Node, model: str, provenance: Provenance, segments: list[_Segment]) -> None:
+        old = node.payloads.get(model)
+        payload = _Payload(provenance, list(segments), sum(s.nbytes for s in segments))
+        node.payloads[model] = payload
+        self._account(model, payload.nbytes - (old.nbytes if old else 0), 0 if old else 1)
+
+    # -- locks ----------------------------------------------------------------------------------------------------
+    def lock(self, handle: PrefixHandle) -> None:
+        """Pin ``handle``'s path (its nodes, every model's rows on them) until as many `unlock` s: a request in
+        flight keeps its nodes. A path evicted before it was locked is refused (match or insert with ``lock``)."""
+        with self._lock:
+            self._pin(handle)
+
+    def unlock(self, handle: PrefixHandle) -> None:
+        """Undo one `lock` of ``handle``."""
+        with self._lock:
+            self._check_handle(handle)
+            if not handle.locks:
+                raise KVHandoffError("unlock of a prefix handle that is not locked")
+            node = handle.node
+            while node is not None:
+                node.lock_ref -= 1
+                node = node.parent
+            handle.locks -= 1
+            self._locked -= 1
+
+    def _pin(self, handle: PrefixHandle) -> None:
+        self._check_handle(handle)
+        node = handle.node
+        if node is not None and not node.alive:
+            raise KVHandoffError("the prefix handle's path was evicted before it was locked; match (or insert) "
+                                 "with lock=True to pin it in the same step")
+        while node is not None:
+            node.lock_ref += 1
+            node = node.parent
+        handle.locks += 1
+        self._locked += 1
+
+    def _check_handle(self, handle) -> None:
+        if not isinstance(handle, PrefixHandle) or handle.owner is not self:
+            raise ConfigError("the handle is not one of this prefix tree's")
+
+    # -- memory ---------------------------------------------------------------------------------------------------
+    def evict(self, limit_bytes: int, model: str | None = None) -> int:
+        """Drop payloads, least recently matched or inserted first, until the tree (``model``: that model's part)
+        holds at most ``limit_bytes``; returns the bytes dropped. Only a model's last payload on a path goes (its
+        leaf: a node none of whose children it holds); a node goes with its last payload, and its parent may become
+        a leaf; nodes of locked paths stay, so the limit may not be reached."""
+        if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < 0:
+            raise ConfigError(f"limit_bytes must be a non-negative integer, got {limit_bytes!r}")
+        if model is not None:
+            model = _name(model, "model")
+        with self._lock:
+            def held() -> int:
+                return self._bytes_held() if model is None else self._counts.get(model, {}).get("bytes", 0)
+
+            if held() <= limit_bytes:
+                return 0
+            order = itertools.count()
+            heap = [(node.last_access, name, next(order), node) for root in self._roots.values()
+                    for node in _descendants(root) for name in node.payloads
+                    if (model is None or name == model) and _evictable(node, name)]
+            heapq.heapify(heap)
+            freed = 0
+            while heap and held() > limit_bytes:
+                _, name, _, node = heapq.heappop(heap)
+                if not _evictable(node, name):  # an entry gone stale since it was pushed
+                    continue
+                parent = node.parent
+                freed += self._drop(node, name)
+                for other in parent.payloads:
+                    if (model is None or other == model) and _evictable(parent, other):
+                        heapq.heappush(heap, (parent.last_access, other, next(order), parent))
+            if held() > limit_bytes:
+                logger.debug("prefix tree: %d bytes held past the limit of %d (locked paths)", held(), limit_bytes)
+            return freed
+
+    def _drop(self, node: _Node, model: str) -> int:
+        """Drop ``model``'s payload on ``node`` (a leaf of its), and ``node`` when nothing is left on it."""
+        payload = node.payloads.pop(model)
+        self._account(model, -payload.nbytes, -1)
+        counts = self._counts[model]
+        counts["evictions"] += 1
+        counts["evicted_bytes"] += payload.nbytes
+        if not node.payloads:  # no model holds it, so none holds a child either: the node is a leaf
+            parent = node.parent
+            del parent.children[node.tokens[0]]
+            node.alive, node.parent = False, None
+            self._nodes -= 1
+            self._node_evictions += 1
+            if parent.parent is None and not parent.children:
+                self._roots = {key: root for key, root in self._roots.items() if root is not parent}
+        return payload.nbytes
+
+    def total_bytes(self) -> int:
+        with self._lock:
+            return self._bytes_held()
+
+    def _bytes_held(self) -> int:
+        return sum(counts["bytes"] for counts in self._counts.values())
+
+    # -- stats ----------------------------------------------------------------------------------------------------
+    def stats(self) -> TreeStats:
+        with self._lock:
+            return TreeStats(self._bytes_held(), self._nodes, len(self._roots), self._node_evictions, self._locked,
+                             {name: ModelStats(**counts) for name, counts in sorted(self._counts.items())})
+
+    def _model_counts(self, model: str) -> dict[str, int]:
+        counts = self._counts.get(model)
+        if counts is None:
+            counts = self._counts[model] = asdict(ModelStats())
+        return counts
+
+    def _account(self, model: str, nbytes: int, nodes: int) -> None:
+        counts = self._model_counts(model)
+        counts["bytes"] += nbytes
+        counts["nodes"] += nodes
+
+    def _count_match(self, model: str, own: Hold, holds: Mapping[str, Hold], tokens: int) -> None:
+        counts = self._model_counts(model)
+        counts["queried_tokens"] += tokens
+        counts["hit_tokens"] += own.length
+        kind = "misses" if not own.length else "hits_mapped" if own.mapped else "hits_own"
+        counts[kind] += 1
+        if any(hold.exact > own.length for name, hold in holds.items() if name != model):
+            counts["handoff_candidates"] += 1
+
+    def _ops(self, model: str) -> RowOps:
+        return self._model_ops.get(model, self._default_ops)
+
+
+# -- pure helpers ------------------------------------------------------------------------------------------------------
+def _name(value, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{what} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _token_ids(tokens) -> tuple[int, ...]:
+    """``tokens`` (a sequence of token ids, or a 1-D tensor of them) as a tuple, validated."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1:
+            raise ConfigError(f"token ids must be one sequence (a 1-D tensor), got shape {tuple(tokens.shape)}")
+        tokens = tokens.tolist()
+    if isinstance(tokens, str | bytes) or not isinstance(tokens, Iterable):
+        raise ConfigError(f"token ids must be a sequence of integers, got {type(tokens).__name__}")
+    ids = tuple(tokens)
+    if not ids:
+        raise ConfigError("token ids: at least one is needed")
+    if not all(type(token) is int for token in ids) or min(ids) < 0:
+        bad = next(token for token in ids if type(token) is not int or token < 0)
+        raise ConfigError(f"token ids must be non-negative integers, got {bad!r}")
+    return ids
+
+
+def _common_length(run: tuple[int, ...], tokens: tuple[int, ...], offset: int) -> int:
+    """How many leading ids of ``run`` equal ``tokens`` from ``offset`` on."""
+    if tokens[offset : offset + len(run)] == run:  # the usual case, compared at C speed
+        return len(run)
+    count = 0
+    for mine, theirs in zip(run, tokens[offset:], strict=False):
+        if mine != theirs:
+            break
+        count += 1
+    return count
+
+
+def _walk(root: _Node, tokens: tuple[int, ...]) -> list[tuple[_Node, int, int]]:
+    """The nodes along ``tokens`` from ``root``: (node, its first position, how many of its tokens match)."""
+    path, node, depth = [], root, 0
+    while depth < len(tokens):
+        child = node.children.get(tokens[depth])
+        if child is None:
+            break
+        count = _common_length(child.tokens, tokens, depth)
+        path.append((child, depth, count))
+        if count < len(child.tokens):
+            break
+        node, depth = child, depth + count
+    return path
+
+
+def _holds(path, exact_only: bool) -> tuple[dict[str, tuple], int | None]:
+    """What each model holds along ``path``: name → (length, exact, sources, parts), and the index of the deepest
+    node any of them uses (None: none)."""
+    found: dict[str, list] = {}
+    alive: Iterable[str] | None = None
+    deepest = None
+    for index, (node, depth, count) in enumerate(path):
+        still = []
+        for name in (node.payloads if alive is None else alive):
+            payload = node.payloads.get(name)
+            if payload is None or (exact_only and not payload.provenance.exact):
+                continue
+            length, exact, sources, parts = found.setdefault(name, [0, 0, [], []])
+            if payload.provenance.exact and exact == length:
+                found[name][1] = depth + count
+            elif not payload.provenance.exact and payload.provenance.source not in sources:
+                sources.append(payload.provenance.source)
+            found[name][0] = depth + count
+            parts.append((depth, count, tuple(payload.segments)))
+            still.append(name)
+            deepest = index
+        alive = still
+        if not alive:
+            break
+    return {name: (length, exact, tuple(sources), tuple(parts))
+            for name, (length, exact, sources, parts) in found.items()}, deepest
+
+
+def _missing(root: _Node | None, tokens: tuple[int, ...], model: str, provenance: Provenance,
+             start: int) -> list[tuple[int, int]]:
+    """The position ranges of ``tokens`` an insert of ``model``'s rows from ``start`` would store, one per node they
+    will fill: those the model lacks (from its prefix's end on; none if that is before ``start``) and, for exact
+    rows, those it holds mapped from ``start`` on."""
+    ranges, reached = [], 0
+    for node, depth, count in _walk(root, tokens) if root is not None else []:
+        payload = node.payloads.get(model)
+        if payload is None and depth < start:
+            return ranges
+        if depth >= start and (payload is None or (provenance.exact and not payload.provenance.exact)):
+            ranges.append((depth, depth + count))
+        reached = depth + count
+    if start <= reached < len(tokens):
+        ranges.append((reached, len(tokens)))
+    return ranges
+
+
+def _owned(ops: RowOps, rows, start: int, end: int) -> _Segment:
+    """A copy of ``rows``' positions ``start``..``end`` − 1, as a segment the tree owns."""
+    copy = ops.concat([ops.slice(rows, start, end)])
+    return _Segment(copy, end - start, ops.nbytes(copy))
+
+
+def _take(pieces: Sequence[tuple[int, _Segment]], first: int, last: int, ops: RowOps) -> list[_Segment] | None:
+    """Segments of positions ``first``..``last`` − 1 from ``pieces`` (start, segment), cut where a piece straddles
+    an end; None unless the pieces cover them all."""
+    taken, position = [], first
+    for start, segment in pieces:
+        end = start + segment.positions
+        if end <= position or start >= last:
+            continue
+        if start > position:
+            return None
+        whole = start == position and end <= last
+        taken.append(segment if whole else _owned(ops, segment.rows, position - start, min(end, last) - start))
+        position = min(end, last)
+        if position == last:
+            return taken
+    return None
+
+
+def _cut(segments: Sequence[_Segment], count: int, ops: RowOps) -> tuple[list[_Segment], list[_Segment]]:
+    """``segments`` split after ``count`` positions; a segment across the cut is copied into two (neither half
+    keeps the other's memory alive)."""
+    top, bottom, offset = [], [], 0
+    for segment in segments:
+        if offset + segment.positions <= count:
+            top.append(segment)
+        elif offset >= count:
+            bottom.append(segment)
+        else:
+            inside = count - offset
+            top.append(_owned(ops, segment.rows, 0, inside))
+            bottom.append(_owned(ops, segment.rows, inside, segment.positions))
+        offset += segment.positions
+    return top, bottom
+
+
+def _merge_tail(segments: list[_Segment], ops: RowOps) -> list[_Segment]:
+    """``segments`` with their last ones joined while the one before is no longer than the last (a binary counter:
+    few segments, each position copied a few times), up to `_MERGE_POSITIONS` positions a segment."""
+    segments = list(segments)
+    while (len(segments) >= 2 and segments[-2].positions <= segments[-1].positions
+           and segments[-2].positions + segments[-1].positions <= _MERGE_POSITIONS):
+        joined = ops.concat([segments[-2].rows, segments[-1].rows])
+        segments[-2:] = [_Segment(joined, segments[-2].positions + segments[-1].positions, ops.nbytes(joined))]
+    return segments
+
+
+def _descendants(root: _Node) -> Iterable[_Node]:
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
+
+
+def _evictable(node: _Node, model: str) -> bool:
+    """Whether ``model``'s payload on ``node`` may go now: the node is alive, unlocked, not a root, and none of its
+    children holds the model."""
+    return (node.alive and node.parent is not None and not node.lock_ref and model in node.payloads
+            and not any(model in child.payloads for child in node.children.values()))
