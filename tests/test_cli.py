@@ -362,6 +362,24 @@ def test_eval_switch_argument_errors_exit_2_naming_the_option(fake_models, tmp_p
     assert fake_models == []
 
 
+def test_eval_switch_generative_tasks_with_several_policies(fake_models, tmp_path):
+    out = tmp_path / "out"
+    tasks = SWITCH_BASE.index("--tasks")
+    base = [*SWITCH_BASE[:tasks], "--tasks", "nq_open", *SWITCH_BASE[tasks + 2:]]
+    result = invoke([*base, "--out", str(out), "--recompute", "none,recent:10%", "--generative-histories", "2",
+                     "--max-new-tokens", "answer=3", "--no-both-directions"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "switch.json").read_text())
+    assert saved["settings"]["policies"] == ["none", "recent:10%"] and saved["histories_done"] == 2
+    assert saved["settings"]["max_new_tokens"] == {"answer": 3, "cot": 256}
+    assert set(saved["directions"]["forward"]["tasks"]["nq_open"]["transfers"]) == {"switch", "switch:recent:10%"}
+    assert "| NQ-open (recent:10%) | exact_match | 2 | 2 |" in result.output
+    for extra, named in ((["--max-new-tokens", "essay=5"], "essay"), (["--recompute", "none,loud:5%"], "loud"),
+                         (["--sweep-recompute", "recent"], "nq_open")):
+        result = invoke([*base, "--out", str(tmp_path), *extra])
+        assert result.exit_code == 2 and named in result.output, (extra, result.output)
+
+
 def test_tokenizers_must_agree(fake_models, tmp_path):
     from kvhandoff.model.loading import load_pair
 

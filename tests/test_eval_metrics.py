@@ -1,4 +1,4 @@
-"""Retention, floor-normalised retention, paired bootstrap and token F1 on hand-made numbers."""
+"""Retention, floor-normalised retention, paired bootstrap, token F1 and exact match on hand-made numbers."""
 
 from __future__ import annotations
 
@@ -94,3 +94,10 @@ def test_max_f1_over_references():
     assert M.max_f1("in a barn", ["in the barn near the house", "in a barn"]) == 1.0
     assert M.max_f1("x", []) == 0.0
     assert M.normalise_text("  The Cat's  hat! ") == "cats hat"
+
+
+def test_exact_match_normalises_and_takes_any_reference():
+    assert M.exact_match(" The Beatles.", ["beatles", "Fab Four"]) == 1.0
+    assert M.exact_match("Fab  four!", ["beatles", "Fab Four"]) == 1.0
+    assert M.exact_match("the beetles", ["beatles"]) == 0.0
+    assert M.exact_match("anything", []) == 0.0

@@ -198,3 +198,168 @@ def test_agreement_with_target_counts_same_answers_and_choice_kl():
     kl_b = float(np.sum(p * np.log(p / p[::-1])))
     assert other["agreement"]["value"] == 0.0
     assert other["choice_kl"]["value"] == pytest.approx((kl_a + kl_b) / 2)
+
+
+# -- the generative group ----------------------------------------------------------------------------------------
+
+GEN_TASKS = ("nq_open", "gsm8k_cot", "coqa_gen", "boolq_long")
+
+
+def turn_items_of(task: str, limit: int = 4, histories: int = 2, pool: str = "dev"):
+    return W.turn_items(task, TOK, histories, HISTORY_TOKENS, limit, pool=pool)
+
+
+@pytest.mark.parametrize("task", GEN_TASKS)
+def test_generative_histories_are_long_distinct_and_from_the_other_pool(task):
+    spec = W.SWITCH_TASKS[task]
+    items = turn_items_of(task, limit=16, histories=8)
+    slots = {}
+    for item in items:
+        slots.setdefault(item.slot, set()).add(item.history.key)
+    assert [item.slot for item in items] == [i % 8 for i in range(16)] and len(slots) == 8
+    histories = {item.history.key: item.history for item in items}
+    assert len({h.ids for h in histories.values()}) == len(histories)  # distinct
+    assert all(len(h.ids) >= HISTORY_TOKENS and len(h.exemplars) >= spec.min_exemplars for h in histories.values())
+    assert all(pool_of(spec.data_task, e) == "report" for h in histories.values() for e in h.exemplars)
+    assert all(pool_of(spec.data_task, item.id.rsplit("-t", 1)[0].removeprefix("coqa-")) == "dev" for item in items)
+    item = items[0]
+    text = TOK.decode(item.history.ids)
+    assert text.startswith(spec.header) and text.endswith("\n\n")
+    if task == "coqa_gen":
+        assert text.count("Passage: ") >= 2 and "\nAnswer: " not in text.rsplit("Passage: ", 1)[1]  # its story last
+        later = next(i for i in items if i.extension)
+        assert TOK.decode(later.extension).startswith("Question: ") and later.history.key.startswith("coqa_gen-h")
+    if task == "boolq_long":
+        assert TOK.decode(item.extension).endswith("\n") and len(item.extension) > 50  # the passage
+        assert TOK.decode(item.turns[1]).endswith("Answer: yes") and item.continuation_lengths == (3, 4)
+    if task in ("nq_open", "gsm8k_cot"):
+        assert item.extension == ()
+    assert TOK.decode(item.question).startswith(("Question: ", "Q: "))
+
+
+def fresh_greedy(model, ids: list[int], steps: int) -> list[int]:
+    """Reference: greedy tokens by a full forward over the whole sequence at every step, no cache."""
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            out.append(int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax()))
+    return out
+
+
+def test_generative_answers_equal_a_fresh_greedy_decode_and_restore_the_cache(models):
+    model = models[0]
+    prefills = W.HistoryPrefills()
+    alone = W.AloneOnTurn("target", model, prefills)
+    spec = W.SWITCH_TASKS["coqa_gen"]
+    item = next(i for i in turn_items_of("coqa_gen", limit=8) if i.extension)
+    record = W.turn_record(spec, alone, item, TOK, 6, reference=None)
+    tokens = fresh_greedy(model, list(item.history.ids + item.extension + item.question), 6)
+    eos = [k for k, t in enumerate(tokens) if t == TOK.eos_token_id]
+    expected = TOK.decode(tokens[: eos[0]] if eos else tokens)
+    assert record["output"] == expected.split("\n")[0].split("Question:")[0].split("Q:")[0]
+    assert prefills.extended(model, item.history, item.extension).get_seq_length() == item.history_tokens
+    again = W.turn_record(spec, alone, item, TOK, 6)
+    assert again == record and prefills.prefills == 1  # the history prefilled once, its extension kept
+    fresh = W.AloneOnTurn("target", model, prefills)  # keeps nothing yet: reads the question again
+    assert torch.allclose(fresh.first_logprobs(item), alone.first_logprobs(item), atol=1e-5)
+
+
+def test_history_extensions_replace_each_other(models):
+    model = models[0]
+    item = turn_items_of("boolq_long", limit=2, histories=1)
+    prefills = W.HistoryPrefills()
+    for one in (item[0], item[1], item[0]):
+        cache = prefills.extended(model, one.history, one.extension)
+        fresh = prefill(model, torch.tensor([list(one.history.ids + one.extension)]))[0]
+        assert cache.get_seq_length() == one.history_tokens
+        assert torch.allclose(cache.layers[-1].keys, fresh.layers[-1].keys, atol=1e-5)
+    assert prefills.of(model, item[0].history).get_seq_length() == len(item[0].history.ids)
+    assert prefills.prefills == 1
+
+
+def test_identity_switch_answers_as_the_target_and_a_noisy_one_as_its_handoff(models):
+    source, target = models
+    spec = W.SWITCH_TASKS["nq_open"]
+    items = turn_items_of("nq_open", limit=2)
+    same = W.turn_conditions(target, target, IdentityMapper(), exact_prefix=0)
+    for item in items:
+        own = W.turn_record(spec, same["target"], item, TOK, 5)
+        switched = W.turn_record(spec, same["switch"], item, TOK, 5, same["target"])
+        assert switched["output"] == own["output"] and switched["answer_kl"] == pytest.approx(0.0, abs=1e-6)
+    mapper = NoisyMapper(scale=0.3)
+    noisy = W.turn_conditions(source, target, mapper, (Recent(0.2),), exact_prefix=2)
+    for item in turn_items_of("boolq_long", limit=2, histories=1):  # one history, two passages: mapped per item
+        ids = torch.tensor([list(item.history.ids + item.extension)])
+        handed = handoff_cache(source, target, mapper, ids, HandoffPlan(2, Recent(0.2)))
+        expected = W.score_turns(target, handed, item.turns, item.continuation_lengths)
+        got = W.turn_record(W.SWITCH_TASKS["boolq_long"], noisy["switch:recent:20%"], item, TOK, 0)
+        assert got["loglikelihoods"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_first_token_kl_over_a_shared_vocabulary():
+    p = torch.tensor([0.7, 0.2, 0.1]).log()
+    q = torch.tensor([0.5, 0.3, 0.2]).log()
+    assert W.first_token_kl(p, q) == pytest.approx(float((p.exp() * (p - q)).sum()), abs=1e-6)
+    assert W.first_token_kl(p, torch.cat([q, torch.tensor([-30.0])])) == pytest.approx(W.first_token_kl(p, q),
+                                                                                        abs=1e-6)
+
+
+def test_generative_direction_resumes_and_stops_at_the_time_limit(models, tmp_path):
+    source, target = models
+    settings = W.SwitchSettings(tasks=("nq_open", "boolq_long"), limit=4, pool="dev", histories=1,
+                                history_tokens=HISTORY_TOKENS, policies=("none", "recent:10%"), exact_prefix=0,
+                                ttft_repeats=0, n_resamples=50, generative_histories=2,
+                                max_new_tokens={"answer": 3})
+    assert settings.rounds == 2 and dict(settings.max_new_tokens) == {"answer": 3, "cot": 256}
+    mapper = NoisyMapper(scale=0.3)
+    tasks = W.run_switch_direction(source, target, mapper, TOK, "bytes", settings, tmp_path)
+    nq, boolq = tasks["nq_open"], tasks["boolq_long"]
+    assert nq["complete"] and nq["n"] == 4 and nq["group"] == "generative" and nq["histories"] == 2
+    assert set(nq["transfers"]) == {"switch", "switch:recent:10%"} and set(nq["accuracy"]) == {"target", "source"}
+    switch = nq["transfers"]["switch"]
+    assert {"minus_target", "minus_source", "agreement", "answer_kl", "retention"} <= set(switch)
+    assert switch["answer_kl"]["value"] > 0 and 0 <= switch["agreement"]["value"] <= 1
+    assert "choice_kl" in boolq["transfers"]["switch"] and len(boolq["scores"]["target"]) == 4
+    assert switch["minus_target"]["value"] == pytest.approx(
+        np.mean(nq["scores"]["switch"]) - np.mean(nq["scores"]["target"]))
+    stores = sorted(p.name.split("-")[0] for p in (tmp_path / "switch-nq_open").glob("*.jsonl"))
+    assert len(stores) == 4  # target, source, two switches
+    again = W.run_switch_direction(source, target, mapper, TOK, "bytes", settings, tmp_path,
+                                   deadline=time.monotonic() - 1)
+    assert again["nq_open"]["complete"] and str(again) == str(tasks)  # all stored: nothing computed again
+    more = W.SwitchSettings(**{**settings.__dict__, "limit": 6})
+    partial = W.run_switch_direction(source, target, mapper, TOK, "bytes", more, tmp_path,
+                                     deadline=time.monotonic() - 1)
+    assert not partial["nq_open"]["complete"] and partial["nq_open"]["n"] == 4 and "boolq_long" not in partial
+    first = W.run_switch_direction(source, target, mapper, TOK, "bytes", settings, tmp_path, histories_used=1)
+    assert first["nq_open"]["n"] == 2 and first["nq_open"]["histories"] == 1
+
+
+def test_switch_task_specs_take_the_generative_group():
+    assert W.switch_tasks("generative") == list(GEN_TASKS)
+    assert W.switch_tasks("winogrande,nq-open,generative") == ["winogrande", *GEN_TASKS]
+    assert W.switch_tasks("core") == ["arc_challenge", "hellaswag", "winogrande", "mmlu"]
+    with pytest.raises(ConfigError, match="generates"):
+        W.switch_tasks("gsm8k")
+    with pytest.raises(ConfigError, match="generative group"):
+        W.switch_tasks("nq")
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        W.SwitchSettings(tasks=("nq_open",), max_new_tokens={"essay": 5})
+    mixed = W.SwitchSettings(tasks=("arc_challenge", "coqa_gen"), histories=3, generative_histories=5, limit=40)
+    assert mixed.rounds == 5 and mixed.history_entries() == 2 + 1  # two stories of a slot at 40 items
+    assert W.SwitchSettings(tasks=("arc_challenge",), histories=3).rounds == 3
+
+
+def test_pooled_difference_pools_the_items_of_a_group():
+    def task(group, ours, target, source):
+        return {"group": group, "scores": {"switch": ours, "target": target, "source": source}}
+
+    tasks = {"a": task("generative", [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]),
+             "b": task("generative", [0.5], [0.5], [1.0]), "c": task("core", [0.0], [1.0], [1.0])}
+    pooled = W.pooled_difference(tasks, "switch", n_resamples=200)
+    assert pooled["tasks"] == 2 and pooled["n"] == 3
+    assert pooled["minus_target"]["value"] == pytest.approx(-1 / 3)
+    assert pooled["minus_source"]["value"] == pytest.approx(0.5 / 3)
+    lo, hi = pooled["minus_target"]["ci"]
+    assert -1.0 <= lo <= pooled["minus_target"]["value"] <= hi <= 0.0
+    assert W.pooled_difference(tasks, "switch:recent:5%")["n"] == 0

@@ -4,6 +4,7 @@ import time
 import pytest
 
 from _eval_support import IdentityMapper, NoisyMapper
+from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.policy import Recent
 from kvhandoff_lab.evaluation import switchbench as B
 from kvhandoff_lab.evaluation.switch import SwitchSettings
@@ -126,3 +127,31 @@ def test_choice_kl_change_pools_the_paired_items_of_a_group():
     assert change["n"] == 3 and change["value"] == pytest.approx(-0.4 / 3)
     assert change["ci"][0] <= change["value"] <= change["ci"][1] <= 0
     assert B.choice_kl_change(tasks, "switch:sinks:5%", "switch")["n"] == 0
+
+
+def test_benchmark_with_generative_tasks_adds_their_table_and_pooled_differences(directions, tmp_path):
+    mixed = settings(tasks=("winogrande", "nq_open", "boolq_long"), histories=1, generative_histories=2,
+                     policies=("none", "recent:10%"), max_new_tokens={"answer": 3}, all_mapped=False)
+    result = B.run_switch_benchmark(directions, TOK, "bytes", mixed, tmp_path)
+    assert result["complete"] and result["histories_done"] == 2  # the generative tasks' two slots
+    saved = json.loads((tmp_path / "switch.json").read_text())
+    assert saved["settings"]["max_new_tokens"] == {"answer": 3, "cot": 256}
+    forward = saved["directions"]["forward"]
+    assert forward["tasks"]["winogrande"]["ttft"]["per_history"]  # timed in the last round
+    pooled = forward["pooled"]["switch:recent:10%"]
+    assert pooled["tasks"] == 2 and pooled["n"] == 8 and set(pooled) >= {"minus_target", "minus_source"}
+    assert forward["summary"]["switch"]["generative"]["tasks"] == 2
+    table = (tmp_path / "switch.md").read_text()
+    assert "| WinoGrande | 4 |" in table and "| NQ-open (recent:10%) | exact_match | 4 | 2 |" in table
+    assert "| BoolQ, passage in history | acc | 4 |" in table
+    assert "| **pooled, generative (2 tasks), recent:10%** | | 8 |" in table
+    assert table.count("| Task | Metric |") == 2  # one generative table per direction
+    with pytest.raises(ConfigError, match="leave out nq_open"):
+        B.run_recompute_sweep(directions, TOK, "bytes", mixed, tmp_path)
+
+
+def test_generative_table_alone_and_with_a_stopped_task():
+    task = {"display": "CoQA", "group": "generative", "n": 0, "transfers": {}}
+    result = {"directions": {"forward": {"source": "s", "target": "t", "tasks": {"coqa_gen": task}}}}
+    table = B.switch_markdown(result)
+    assert "| CoQA | | 0 |" in table and "| Task | n | History tokens" not in table

@@ -16,13 +16,13 @@ from kvhandoff.cli.options import (
     DeviceMap,
     Dtype,
     Progress,
-    Recompute,
     Source,
     Target,
     non_negative_int,
     one_of,
     option_errors,
     positive_int,
+    recompute_policy,
 )
 from kvhandoff.model.geometry import tokenizer_hash
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RULES
@@ -34,12 +34,14 @@ from kvhandoff_lab.evaluation.switchbench import (
     DEFAULT_SWEEP_BUDGETS,
     DEFAULT_TTFT_LENGTHS,
     Direction,
+    check_sweep_tasks,
     recompute_points,
     run_recompute_sweep,
     run_switch_benchmark,
     sweep_markdown,
     switch_markdown,
 )
+from kvhandoff_lab.evaluation.switchtasks import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TASK_HISTORIES, GROUP, SWITCH_TASKS
 
 
 def _comma_list(value: str, parse, what: str) -> tuple:
@@ -76,6 +78,45 @@ def length_list(value) -> tuple[int, ...]:
     return lengths
 
 
+def split_top_level(value: str) -> list[str]:
+    """``value`` split at the commas outside parentheses ("none,mix(sinks=0.2,recent=0.8):5%" → two parts)."""
+    parts, depth, current = [], 0, ""
+    for char in str(value):
+        depth += (char == "(") - (char == ")")
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [part.strip() for part in [*parts, current] if part.strip()]
+
+
+def policy_list(value) -> tuple:
+    """Recompute policies, comma-separated ("none,recent:5%"): one switch condition each."""
+    policies = tuple(recompute_policy(part) for part in split_top_level(value))
+    if not policies:
+        raise typer.BadParameter(f"give a comma list of recompute policies, got {value!r}")
+    return policies
+
+
+def max_new_tokens_option(value) -> dict:
+    """Generation lengths per task family ("answer=32,cot=256"; a bare count sets every family)."""
+    text = str(value).strip()
+    if text.isdigit():
+        lengths = dict.fromkeys(DEFAULT_MAX_NEW_TOKENS, int(text))
+    else:
+        lengths = {}
+        for part in _comma_list(text, str, "FAMILY=TOKENS pairs"):
+            family, _, count = part.partition("=")
+            if family.strip() not in DEFAULT_MAX_NEW_TOKENS or not count.strip().isdigit():
+                raise typer.BadParameter(f"give FAMILY=TOKENS pairs with FAMILY one of "
+                                         f"{', '.join(DEFAULT_MAX_NEW_TOKENS)}, got {part!r}")
+            lengths[family.strip()] = int(count)
+    if any(n < 1 for n in lengths.values()):
+        raise typer.BadParameter(f"generation lengths must be >= 1, got {value!r}")
+    return lengths
+
+
 def pool_option(value) -> str | None:
     """'report', 'dev', or nothing (the command's default: report, dev for --sweep-recompute)."""
     return one_of(("report", "dev"), "pool")(value) if value else None
@@ -108,7 +149,8 @@ def eval_switch(
     both_directions: Annotated[bool, typer.Option(help="Also evaluate target → source.")] = True,
     tasks: Annotated[str, typer.Option(parser=switch_tasks_option, help=(
         "Comma list of multiple-choice tasks or groups (core, heldout, all; GSM8K, which generates, is left "
-        "out of groups)."))] = "core",
+        f"out of groups) and of the generative group ({', '.join(SWITCH_TASKS)}; alias {GROUP}).")
+    )] = "core",
     limit: Annotated[int, typer.Option(parser=positive_int, help="Items per task (seeded draw from the pool).")]
     = 100,
     pool: Annotated[str | None, typer.Option(parser=pool_option, help=(
@@ -120,7 +162,16 @@ def eval_switch(
     = DEFAULT_HISTORIES,
     history_tokens: Annotated[int, typer.Option(parser=positive_int, help="Least tokens of a history.")]
     = DEFAULT_HISTORY_TOKENS,
-    recompute: Recompute = None,
+    recompute: Annotated[tuple | None, typer.Option(parser=policy_list, metavar="RULE:BUDGET[,...]", help=(
+        "Recompute policies of the switch, comma-separated (one switch condition each), e.g. none,recent:5%; "
+        f"default: {DEFAULT_RECOMPUTE.spec}."))] = None,
+    generative_histories: Annotated[int, typer.Option(parser=positive_int, help=(
+        "Histories per task of the generative group."))] = DEFAULT_TASK_HISTORIES,
+    max_new_tokens: Annotated[dict | None, typer.Option(parser=max_new_tokens_option, metavar="FAMILY=TOKENS,...",
+                                                        help=(
+        "Greedy generation lengths per task family of the generative group (answer: nq_open, coqa_gen; cot: "
+        "gsm8k_cot); a bare number sets both. Default: "
+        + ",".join(f"{k}={v}" for k, v in DEFAULT_MAX_NEW_TOKENS.items()) + "."))] = None,
     exact_prefix: Annotated[int | None, typer.Option(parser=non_negative_int, help=(
         "Leading positions the target recomputes at the switch (default: the mapper's setting)."))] = None,
     all_mapped: Annotated[bool, typer.Option(help="Also score the paper's condition (the question mapped "
@@ -147,17 +198,23 @@ def eval_switch(
     """The switch benchmark: each item's history (k solved exemplars, at least --history-tokens tokens) is
     prefilled by the source and handed over (mapped, then the recompute policy), the new turn (the question) is
     read by the target. Reports target alone, source alone, the switch, the all-mapped condition, retention with
-    paired bootstrap intervals and TTFT against re-prefill (OUT/switch.{json,md}). With --sweep-recompute:
-    the rule × budget trade-off on the dev pool (OUT/sweep_recompute.{json,md,png}).
+    paired bootstrap intervals and TTFT against re-prefill (OUT/switch.{json,md}); the generative group's tasks
+    answer greedily (or score yes/no after a passage in the history), with switch − target and switch − source,
+    agreement with the target and the first-answer-token KL. With --sweep-recompute: the rule × budget trade-off
+    on the dev pool (OUT/sweep_recompute.{json,md,png}).
     """
     if threads is not None:
         torch.set_num_threads(threads)
     deadline = None if time_limit is None else time.monotonic() + 60 * time_limit
     sweep = sweep_recompute is not None
-    policies = recompute_points(sweep_recompute, budgets) if sweep else (recompute or DEFAULT_RECOMPUTE,)
+    policies = recompute_points(sweep_recompute, budgets) if sweep else (recompute or (DEFAULT_RECOMPUTE,))
     with option_errors("--tasks", "--recompute"):
         settings = SwitchSettings(tuple(switch_tasks(tasks)), limit, pool or ("dev" if sweep else "report"), seed,
-                                  histories, history_tokens, policies, exact_prefix, all_mapped, ttft_repeats)
+                                  histories, history_tokens, policies, exact_prefix, all_mapped, ttft_repeats,
+                                  generative_histories=generative_histories,
+                                  max_new_tokens=tuple((max_new_tokens or {}).items()))
+        if sweep:
+            check_sweep_tasks(settings.tasks)
     pair = load_named_pair(source, target, dtype, progress, device_map=device_map)
     directions = pair_directions(pair, MapperSource(mapper, reverse_mapper=reverse, both_directions=both_directions),
                                  out, progress)

@@ -1,4 +1,5 @@
-"""Summary statistics: accuracy, retention, floor-normalised retention, paired bootstrap intervals, token F1.
+"""Summary statistics: accuracy, retention, floor-normalised retention, paired bootstrap intervals, token F1 and
+exact match.
 
 - retention = transfer ÷ target (1.0 = the mapped cache is as good as the target's own prefill).
 - floor-normalised retention = (transfer − chance) ÷ (target − chance): the share of the target's
@@ -138,3 +139,9 @@ def token_f1(prediction: str, reference: str) -> float:
 def max_f1(prediction: str, references: Sequence[str]) -> float:
     """Best F1 over several references (SQuAD/CoQA convention); 0.0 with no references."""
     return max((token_f1(prediction, r) for r in references), default=0.0)
+
+
+def exact_match(prediction: str, references: Sequence[str]) -> float:
+    """1.0 when the prediction equals any reference after `normalise_text`, else 0.0 (0.0 with no references)."""
+    answer = normalise_text(prediction)
+    return float(any(answer == normalise_text(r) for r in references))

@@ -18,6 +18,12 @@ Scoring (`score_turns`): the choices' turns share their leading tokens (the ques
 history cache, and the rest of every choice is read in one right-padded batched forward over the question's cache
 (causal attention: padding after a row's tokens never reaches them). The history cache is restored afterwards.
 
+The generative group (`switchtasks`: nq_open, gsm8k_cot, coqa_gen, boolq_long) runs the same way on `TurnItem`s,
+whose history may end in the item's own tokens (``extension``: a CoQA story's earlier turns, a BoolQ passage), read
+on the shared history cache by whoever holds it and mapped with it at the switch (once per item, or once per
+history when there is none). Generative items are answered greedily (`answer_on`); the switch's records carry the
+KL from the target's distribution of the first answer token to its own (``answer_kl``).
+
 Time to first token (`time_to_first_token`): on a history and a question, the target's re-prefill of both against
 the switch (mapping + exact prefix + recompute + the target's prefill of the question), interleaved, median of
 the repeats; the source's prefill of the history is not counted (at a switch the source already holds it).
@@ -56,6 +62,21 @@ from kvhandoff_lab.evaluation.runner import (
     select_items,
     slug,
 )
+from kvhandoff_lab.evaluation.scoring import OpenContext, greedy_from
+from kvhandoff_lab.evaluation.switchtasks import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_TASK_HISTORIES,
+    GROUP,
+    SWITCH_TASKS,
+    SwitchTask,
+    TaskItem,
+    exemplar_order,
+    get_switch_task,
+    item_score,
+    max_new_tokens_of,
+    pool_items,
+    same_answer,
+)
 from kvhandoff_lab.evaluation.tasks import (
     CORE_TASKS,
     HELDOUT_TASKS,
@@ -71,6 +92,8 @@ from kvhandoff_lab.evaluation.tasks import (
 #: history length of the benchmark (tokens) and histories per task
 DEFAULT_HISTORY_TOKENS = 1024
 DEFAULT_HISTORIES = 4
+#: a story task's histories of one round kept prefilled per model, at most
+MAX_STORY_ENTRIES = 8
 #: what opens a history, per task (the rest is exemplars)
 HISTORY_HEADERS = {"mmlu": "The following are multiple choice questions (with answers).\n\n"}
 EXEMPLAR_SEPARATOR = "\n\n"
@@ -128,7 +151,8 @@ def exemplar_text(item: MCItem) -> str:
 
 def _check_task(task: str) -> None:
     if get_task(task).kind != LOGLIKELIHOOD:
-        raise ConfigError(f"the switch benchmark scores multiple-choice tasks; {task!r} generates")
+        raise ConfigError(f"the switch benchmark scores multiple-choice tasks; {task!r} generates (its generative "
+                          f"tasks: {', '.join(SWITCH_TASKS)})")
 
 
 def build_histories(task: str, tokenizer, count: int = DEFAULT_HISTORIES, min_tokens: int = DEFAULT_HISTORY_TOKENS,
@@ -258,18 +282,32 @@ class HistoryPrefills:
     def __init__(self, entries: int = 1) -> None:
         self.entries = entries
         self._caches: dict[tuple[int, str], Any] = {}
+        self._extensions: dict[tuple[int, str], tuple[int, ...]] = {}
         self.prefills = 0
 
     def of(self, model, history: History):
+        return self.extended(model, history, ())
+
+    def extended(self, model, history: History, extension: Sequence[int] = ()):
+        """``model``'s cache of the history followed by ``extension`` (token ids read on it; they replace the ones
+        read before)."""
         key = (id(model), history.key)
         if key not in self._caches:
             self.prefills += 1
             own = [k for k in self._caches if k[0] == id(model)]
             for old in own[: max(0, len(own) - self.entries + 1)]:
                 del self._caches[old]
+                self._extensions.pop(old, None)
             ids = torch.tensor([list(history.ids)], device=model_device(model))
             self._caches[key] = prefill(model, ids)[0]
-        return self._caches[key]
+        cache, extension = self._caches[key], tuple(extension)
+        if self._extensions.get(key, ()) != extension:
+            rollback(cache, len(history.ids))
+            self._extensions[key] = ()
+            if extension:
+                prefill(model, torch.tensor([list(extension)], device=model_device(model)), cache)
+                self._extensions[key] = extension
+        return cache
 
 
 class SwitchCondition:
@@ -409,12 +447,13 @@ def accuracy_per_item(spec_name: str, records: Mapping[str, dict], ids: Sequence
 
 
 def agreement_with_target(task: str, target: Mapping[str, dict], transfer: Mapping[str, dict], ids: Sequence[str],
-                          n_resamples: int = 1000, seed: int = 0) -> dict:
+                          n_resamples: int = 1000, seed: int = 0, metric: str | None = None) -> dict:
     """How closely a transfer condition follows the target alone, item by item: the share of items where it
     chooses the target's answer, and the mean KL (nats) from the target's to the transfer's distribution over the
     choices (softmax of the task metric's choice scores, `tasks.mc_choice_scores`), with bootstrap intervals.
-    Paired and graded, they separate policies at item counts where accuracy cannot."""
-    metric = get_task(task).primary_metric
+    Paired and graded, they separate policies at item counts where accuracy cannot. ``metric``: the task's primary
+    one when None."""
+    metric = metric or get_task(task).primary_metric
     agree, kl = [], []
     for item_id in ids:
         reference, scores = (torch.from_numpy(mc_choice_scores(records[item_id], metric))
@@ -471,6 +510,330 @@ def mean_retention(tasks: Mapping[str, dict], condition: str, group: str = "core
     return out
 
 
+# -- the generative group: items ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TurnItem:
+    """An item of the generative group as a new turn: its history (shared by the items of one slot and story), its
+    own tokens read after it (``extension``), the question; per choice a turn of question + continuation
+    (loglikelihood tasks) or the reference answers (generative ones)."""
+
+    id: str
+    task: str
+    slot: int
+    history: History
+    extension: tuple[int, ...]
+    question: tuple[int, ...]
+    answers: tuple[str, ...] = ()
+    turns: tuple[tuple[int, ...], ...] = ()
+    continuation_lengths: tuple[int, ...] = ()
+    norm_lengths: tuple[int, ...] = ()
+    gold: int = 0
+
+    @property
+    def shared_prefix(self) -> str:
+        """Items of one history are run one after another (`runner.prefix_grouped_order`)."""
+        return self.history.key
+
+    @property
+    def chance(self) -> float:
+        return 1.0 / len(self.turns) if self.turns else 0.0
+
+    @property
+    def history_tokens(self) -> int:
+        return len(self.history.ids) + len(self.extension)
+
+
+def task_history(task: SwitchTask, tokenizer, slot: int, item: TaskItem, min_tokens: int = DEFAULT_HISTORY_TOKENS,
+                 pool: str = "report", seed: int = 0) -> History:
+    """Slot ``slot``'s history for ``item``: the task's header, its seeded exemplars of the pool other than
+    ``pool`` (at least the task's minimum) and the item's ``base``, at least ``min_tokens`` tokens in all."""
+    order = exemplar_order(task, pool, slot, seed)
+    used: list[str] = []
+    body = ""
+    ids = encode(tokenizer, task.header + item.base)
+    estimate = len(ids)
+    for exemplar in order:
+        if len(used) >= task.min_exemplars and estimate >= min_tokens:
+            ids = encode(tokenizer, task.header + body + item.base)
+            if len(ids) >= min_tokens:
+                break
+            estimate = len(ids)
+        body += exemplar.text
+        used.append(exemplar.id)
+        estimate += len(encode(tokenizer, exemplar.text, add_special_tokens=False))
+    else:
+        ids = encode(tokenizer, task.header + body + item.base)
+    if len(ids) < min_tokens or len(used) < task.min_exemplars:
+        raise ConfigError(f"{task.name}: the {OTHER_POOL[pool]} pool's exemplars make {len(ids)} tokens, fewer than "
+                          f"the {min_tokens} of a history")
+    key = f"{task.name}-h{slot}" + (f"-{item.base_id}" if item.base_id else "")
+    return History(key, tuple(ids), tuple(used))
+
+
+def turn_item(task: SwitchTask, item: TaskItem, slot: int, history: History, tokenizer) -> TurnItem:
+    extension = tuple(encode(tokenizer, item.extension, add_special_tokens=False)) if item.extension else ()
+    if task.kind == LOGLIKELIHOOD:
+        turns, lengths = [], []
+        for choice in item.choices:
+            context, continuation = turn_tokens(tokenizer, item.question, choice)
+            if not context or not continuation:
+                raise ConfigError(f"item {item.id!r}: choice {choice!r} has an empty context or continuation")
+            turns.append(tuple(context + continuation))
+            lengths.append(len(continuation))
+        question = turns[0][: shared_length(turns, lengths)]
+        return TurnItem(item.id, task.name, slot, history, extension, question, turns=tuple(turns),
+                        continuation_lengths=tuple(lengths),
+                        norm_lengths=tuple(len(c.lstrip(" ")) for c in item.choices), gold=item.gold)
+    question = tuple(encode(tokenizer, item.question, add_special_tokens=False))
+    if not question:
+        raise ConfigError(f"item {item.id!r}: an empty question")
+    return TurnItem(item.id, task.name, slot, history, extension, question, answers=item.answers)
+
+
+def turn_items(task_name: str, tokenizer, histories: int = DEFAULT_TASK_HISTORIES,
+               min_tokens: int = DEFAULT_HISTORY_TOKENS, limit: int | None = None, seed: int = 0,
+               pool: str = "report") -> list[TurnItem]:
+    """``limit`` items of a generative-group task from ``pool`` (`switchtasks.pool_items`: item i on slot i mod
+    ``histories``), each on its slot's history (`task_history`)."""
+    task = get_switch_task(task_name)
+    built: dict[tuple[int, str], History] = {}
+    items = []
+    for slot, item in pool_items(task, pool, histories, limit, seed):
+        key = (slot, item.base_id)
+        if key not in built:
+            built[key] = task_history(task, tokenizer, slot, item, min_tokens, pool, seed)
+        items.append(turn_item(task, item, slot, built[key], tokenizer))
+    return items
+
+
+# -- the generative group: conditions and records ----------------------------------------------------------------
+
+
+@torch.inference_mode()
+def answer_on(reader, cache, question: Sequence[int], tokenizer, max_new_tokens: int, stop: Sequence[str] = ()
+              ) -> tuple[str, int, torch.Tensor]:
+    """``reader`` reads ``question`` on ``cache`` and answers greedily (`scoring.greedy_from`); ``cache`` is
+    restored. Returns the answer cut at the first stop string, the tokens generated and the float32 log-probs of
+    the first answer token."""
+    length = cache.get_seq_length()
+    try:
+        _, last = prefill(reader, torch.tensor([list(question)], device=model_device(reader)), cache)
+        first = last[0].float().log_softmax(-1)
+        state = OpenContext(reader, cache, length + len(question), first)
+        text, generated = greedy_from(state, tokenizer, max_new_tokens, stop) if max_new_tokens else ("", [])
+    finally:
+        rollback(cache, length)
+    return text, len(generated), first.cpu()
+
+
+def first_token_kl(own: torch.Tensor, other: torch.Tensor) -> float:
+    """KL (nats) from ``own``'s distribution of the first answer token to ``other``'s (log-probs; over the shared
+    vocabulary when the sizes differ)."""
+    n = min(own.shape[-1], other.shape[-1])
+    if n != own.shape[-1] or n != other.shape[-1]:
+        own, other = own[..., :n].log_softmax(-1), other[..., :n].log_softmax(-1)
+    return float(kl_divergence(own.double(), other.double()))
+
+
+class TurnCondition:
+    """Reads a `TurnItem`'s new turn on a cache of its history and extension (``turn_cache``)."""
+
+    name: str
+    reader: Any
+
+    def turn_cache(self, item: TurnItem):
+        raise NotImplementedError
+
+
+class AloneOnTurn(TurnCondition):
+    """A model reads the history and the extension itself (the history prefilled once), then the new turn; it
+    keeps the first-answer-token log-probs of its latest answers (`first_logprobs`)."""
+
+    def __init__(self, name: str, model, prefills: HistoryPrefills, keep: int = 4) -> None:
+        self.name, self.reader, self.prefills, self.keep = name, model, prefills, keep
+        self._first: dict[str, torch.Tensor] = {}
+
+    def turn_cache(self, item: TurnItem):
+        return self.prefills.extended(self.reader, item.history, item.extension)
+
+    def remember(self, item: TurnItem, first: torch.Tensor) -> None:
+        self._first[item.id] = first
+        while len(self._first) > self.keep:
+            del self._first[next(iter(self._first))]
+
+    def first_logprobs(self, item: TurnItem) -> torch.Tensor:
+        """Log-probs of the first answer token after the item's question (read again when not kept)."""
+        if item.id not in self._first:
+            cache = self.turn_cache(item)
+            length = cache.get_seq_length()
+            try:
+                _, last = prefill(self.reader, torch.tensor([list(item.question)], device=model_device(self.reader)),
+                                  cache)
+            finally:
+                rollback(cache, length)
+            self.remember(item, last[0].float().log_softmax(-1).cpu())
+        return self._first[item.id]
+
+
+class SwitchOnTurn(TurnCondition):
+    """The source's cache of the history and extension, handed over (`handoff_cache`: mapped, exact prefix,
+    recompute) once per history and extension; the target reads the new turn."""
+
+    def __init__(self, name: str, source, target, mapper, prefills: HistoryPrefills, exact_prefix: int | None = None,
+                 recompute: RecomputePolicy = NoRecompute()) -> None:  # noqa: B008 - frozen
+        self.name, self.source, self.reader, self.mapper, self.prefills = name, source, target, mapper, prefills
+        self.plan = HandoffPlan(exact_prefix, recompute)
+        self.exact_prefix, self.recompute = exact_prefix, recompute
+        self._mapped: tuple[tuple[str, tuple[int, ...]], Any] | None = None
+
+    def turn_cache(self, item: TurnItem):
+        key = (item.history.key, item.extension)
+        if self._mapped is None or self._mapped[0] != key:
+            self._mapped = None  # the old mapped cache is dropped before the next is made
+            source_cache = self.prefills.extended(self.source, item.history, item.extension)
+            ids = torch.tensor([list(item.history.ids) + list(item.extension)])
+            self._mapped = (key, handoff_cache(self.source, self.reader, self.mapper, ids, self.plan, source_cache))
+        return self._mapped[1]
+
+
+def turn_conditions(source, target, mapper, policies: Sequence[RecomputePolicy] = (NoRecompute(),),
+                    exact_prefix: int | None = None, prefills: HistoryPrefills | None = None
+                    ) -> dict[str, TurnCondition]:
+    """target, source and one switch per recompute policy for the generative group, sharing ``prefills``."""
+    prefills = HistoryPrefills() if prefills is None else prefills
+    conditions: dict[str, TurnCondition] = {"target": AloneOnTurn("target", target, prefills),
+                                            "source": AloneOnTurn("source", source, prefills)}
+    for policy in policies:
+        name = switch_name(policy)
+        conditions[name] = SwitchOnTurn(name, source, target, mapper, prefills, exact_prefix, policy)
+    return conditions
+
+
+def turn_record(task: SwitchTask, condition: TurnCondition, item: TurnItem, tokenizer, max_new_tokens: int,
+                reference: AloneOnTurn | None = None) -> dict:
+    """One item's record under ``condition``: choice loglikelihoods, or the greedy answer (with ``reference``, the
+    KL from its first-answer-token distribution to the condition's, ``answer_kl``)."""
+    cache = condition.turn_cache(item)
+    record: dict = {"id": item.id, "history": item.history.key, "history_tokens": item.history_tokens}
+    if task.kind == LOGLIKELIHOOD:
+        scores = score_turns(condition.reader, cache, item.turns, item.continuation_lengths)
+        return {**record, "loglikelihoods": scores, "norm_lengths": list(item.norm_lengths), "gold": item.gold}
+    text, generated, first = answer_on(condition.reader, cache, item.question, tokenizer, max_new_tokens, task.stop)
+    record.update(output=text, generated_tokens=generated, answers=list(item.answers))
+    if isinstance(condition, AloneOnTurn):
+        condition.remember(item, first)
+    if reference is not None:
+        record["answer_kl"] = first_token_kl(reference.first_logprobs(item), first)
+    return record
+
+
+def turn_runs(conditions: Mapping[str, TurnCondition], source, target, mapper, tokenizer, tok_id: str,
+              task: SwitchTask, settings: SwitchSettings) -> list[RecordRun]:
+    """One `runner.RecordRun` per condition of a generative-group task; its key hashes the models, how the
+    histories are drawn, the generation settings and the condition's (standalone runs are shared by both
+    directions and every policy)."""
+    max_new_tokens = max_new_tokens_of(task, settings.max_new_tokens)
+    base = {"record_version": RECORD_VERSION, "benchmark": "switch", "task": task.name, "tokenizer": tok_id,
+            "histories": {"count": settings.generative_histories, "min_tokens": settings.history_tokens,
+                          "pool": settings.pool, "seed": settings.seed, "turns_per_base": task.turns_per_base},
+            "max_new_tokens": max_new_tokens, "stop": list(task.stop)}
+    reference = conditions["target"]
+    runs = []
+    for name, condition in conditions.items():
+        if name in ("target", "source"):
+            model = condition.reader
+            header = {**base, "condition": "standalone", "model": model_fingerprint(model)}
+            key = f"model-{slug(display_name(model, 'model'))}"
+        else:
+            header = {**base, "condition": "switch", "source": model_fingerprint(source),
+                      "target": model_fingerprint(target), "mapper": mapper_identity(mapper),
+                      "exact_prefix": condition.exact_prefix, "recompute": condition.recompute.spec}
+            key = f"{slug(name)}-{slug(display_name(source, 'source'))}-to-{slug(display_name(target, 'target'))}"
+        ref = None if name in ("target", "source") else reference
+        runs.append(RecordRun(name, f"{key}-{sha256_json(header, 16)}", header,
+                              _turn_compute(task, condition, tokenizer, max_new_tokens, ref)))
+    return runs
+
+
+def _turn_compute(task, condition, tokenizer, max_new_tokens, reference) -> Callable[[TurnItem], dict]:
+    return lambda item: turn_record(task, condition, item, tokenizer, max_new_tokens, reference)
+
+
+# -- the generative group: summaries -----------------------------------------------------------------------------
+
+
+def _interval(values: Sequence[float], n_resamples: int, seed: int) -> dict:
+    ci = paired_bootstrap({"x": values}, lambda s: float(s["x"].mean()), n_resamples, seed)
+    return {"value": mean(values), "ci": list(ci), "per_item": [round(float(v), 6) for v in values]}
+
+
+def paired_difference(ours: Sequence[float], theirs: Sequence[float], n_resamples: int = 1000,
+                      seed: int = 0) -> dict:
+    """Mean of ``ours`` − ``theirs`` over paired items, with a paired bootstrap interval."""
+    ci = paired_bootstrap({"a": ours, "b": theirs}, lambda s: float(s["a"].mean() - s["b"].mean()), n_resamples,
+                          seed)
+    return {"value": mean(ours) - mean(theirs) if len(ours) else math.nan, "ci": list(ci)}
+
+
+def turn_task_summary(task_name: str, items: Sequence[TurnItem], records: Mapping[str, Mapping[str, dict]],
+                      n_resamples: int = 1000, seed: int = 0) -> dict:
+    """Score per condition (the task metric); per switch: retention, switch − target and switch − source (paired
+    bootstrap), agreement with the target alone (the same answer) and the choice KL (loglikelihood) or the KL of
+    the first answer token (``answer_kl``) to it; the per-item scores (``scores``) for pooling."""
+    task = get_switch_task(task_name)
+    ids = [item.id for item in items]
+    chance = [item.chance for item in items]
+    scores = {name: [item_score(task, recs[i]) for i in ids] for name, recs in records.items()}
+    base = summarise_conditions({k: v for k, v in scores.items() if k in ("target", "source")}, chance,
+                                n_resamples, seed)
+    transfers = {}
+    for name, values in scores.items():
+        if name in ("target", "source"):
+            continue
+        paired = summarise_conditions({"target": scores["target"], "transfer": values}, chance, n_resamples, seed)
+        entry = {"accuracy": paired["accuracy"]["transfer"], "retention": paired["retention"],
+                 "floor_normalised_retention": paired["floor_normalised_retention"],
+                 "minus_target": paired_difference(values, scores["target"], n_resamples, seed),
+                 "minus_source": paired_difference(values, scores["source"], n_resamples, seed)}
+        if task.kind == LOGLIKELIHOOD:
+            entry.update(agreement_with_target(task_name, records["target"], records[name], ids, n_resamples, seed,
+                                               metric=task.metric))
+        else:
+            agree = [float(same_answer(task, records["target"][i], records[name][i])) for i in ids]
+            entry["agreement"] = _interval(agree, n_resamples, seed)
+            entry["answer_kl"] = _interval([records[name][i]["answer_kl"] for i in ids], n_resamples, seed + 1)
+        transfers[name] = entry
+    generated = {name: mean([recs[i].get("generated_tokens", 0) for i in ids]) for name, recs in records.items()}
+    lengths = [item.history_tokens for item in items]
+    return {"display": task.display, "group": GROUP, "kind": task.kind, "primary_metric": task.metric,
+            "n": len(items), "chance": base["chance"], "accuracy": base["accuracy"], "transfers": transfers,
+            "history_tokens": [min(lengths), max(lengths)] if lengths else [],
+            "mean_history_tokens": mean(lengths), "histories": len({item.history.key for item in items}),
+            "question_tokens": mean([len(item.question) for item in items]),
+            **({"generated_tokens": generated} if task.kind != LOGLIKELIHOOD else {}),
+            "scores": {name: [round(v, 6) for v in values] for name, values in scores.items()}, "item_ids": ids}
+
+
+def pooled_difference(tasks: Mapping[str, dict], condition: str, group: str = GROUP, n_resamples: int = 1000,
+                      seed: int = 0) -> dict:
+    """``condition`` − target alone and − source alone over the items of every task of ``group`` pooled (their
+    per-item scores, ``scores``), with paired bootstrap intervals; the item and task counts."""
+    ours, target, source, count = [], [], [], 0
+    for task in tasks.values():
+        scores = task.get("scores", {})
+        if task.get("group") != group or condition not in scores:
+            continue
+        ours += scores[condition]
+        target += scores["target"]
+        source += scores["source"]
+        count += 1
+    return {"tasks": count, "n": len(ours),
+            "minus_target": paired_difference(ours, target, n_resamples, seed),
+            "minus_source": paired_difference(ours, source, n_resamples, seed)}
+
+
 # -- time to first token -----------------------------------------------------------------------------------------
 
 
@@ -524,7 +887,9 @@ def mean_ttft(timings: Sequence[dict]) -> dict:
 
 @dataclass(frozen=True)
 class SwitchSettings:
-    """What the switch benchmark runs: tasks, items per task from a pool, histories, policies, timing."""
+    """What the switch benchmark runs: tasks, items per task from a pool, histories, policies, timing; for the
+    generative group its histories per task and generation lengths per family (``max_new_tokens``, a mapping or
+    pairs over `switchtasks.DEFAULT_MAX_NEW_TOKENS`)."""
 
     tasks: tuple[str, ...] = ("arc_challenge", "hellaswag", "winogrande", "mmlu")
     limit: int | None = 100
@@ -537,15 +902,41 @@ class SwitchSettings:
     all_mapped: bool = True
     ttft_repeats: int = 1
     n_resamples: int = 1000
+    generative_histories: int = DEFAULT_TASK_HISTORIES
+    max_new_tokens: tuple[tuple[str, int], ...] = tuple(DEFAULT_MAX_NEW_TOKENS.items())
 
     def __post_init__(self) -> None:
         for task in self.tasks:
-            _check_task(task)
+            if task not in SWITCH_TASKS:
+                _check_task(task)
         if self.pool not in OTHER_POOL:
             raise ConfigError(f"pool must be 'dev' or 'report', got {self.pool!r}")
-        if self.histories < 1 or self.history_tokens < 1 or self.ttft_repeats < 0:
-            raise ConfigError("histories and history_tokens must be >= 1, ttft_repeats >= 0")
+        if self.histories < 1 or self.history_tokens < 1 or self.ttft_repeats < 0 or self.generative_histories < 1:
+            raise ConfigError("histories, generative_histories and history_tokens must be >= 1, ttft_repeats >= 0")
         object.__setattr__(self, "policies", tuple(recompute_policies.parse(p) for p in self.policies))
+        lengths = dict(self.max_new_tokens)
+        unknown = sorted(set(lengths) - set(DEFAULT_MAX_NEW_TOKENS))
+        if unknown or any(not isinstance(n, int) or n < 1 for n in lengths.values()):
+            families = ", ".join(DEFAULT_MAX_NEW_TOKENS)
+            raise ConfigError(f"max_new_tokens: a positive token count per family ({families}), got {lengths}")
+        object.__setattr__(self, "max_new_tokens", tuple({**DEFAULT_MAX_NEW_TOKENS, **lengths}.items()))
+
+    @property
+    def rounds(self) -> int:
+        """History rounds of a run: the most histories any of its tasks has."""
+        counts = [self.generative_histories if t in SWITCH_TASKS else self.histories for t in self.tasks]
+        return max(counts, default=self.histories)
+
+    def history_entries(self) -> int:
+        """History caches a run keeps per model: one per task, and a story task's stories of one slot."""
+        extra = 0
+        for task in self.tasks:
+            per = SWITCH_TASKS[task].turns_per_base if task in SWITCH_TASKS else 1
+            if per > 1:
+                stories = MAX_STORY_ENTRIES if self.limit is None else \
+                    -(-self.limit // (self.generative_histories * per))
+                extra += min(stories, MAX_STORY_ENTRIES) - 1
+        return len(self.tasks) + extra
 
 
 class TimeLimitReached(Exception):
@@ -599,6 +990,29 @@ def run_switch_task(source, target, mapper, tokenizer, tok_id: str, task: str, s
     return {**summary, "complete": complete}, histories, done
 
 
+def run_turn_task(source, target, mapper, tokenizer, tok_id: str, task: str, settings: SwitchSettings,
+                  conditions: Mapping[str, TurnCondition], store_dir=None, progress: bool = False,
+                  deadline: float | None = None, histories_used: int | None = None) -> dict:
+    """A generative-group task's summary (`turn_task_summary`; ``complete`` False when the time limit stopped it:
+    the items done so far); ``histories_used``: only the items of the first that many slots."""
+    spec = get_switch_task(task)
+    items = turn_items(task, tokenizer, settings.generative_histories, settings.history_tokens, settings.limit,
+                       settings.seed, settings.pool)
+    if histories_used is not None:
+        items = [item for item in items if item.slot < histories_used]
+    runs = turn_runs(conditions, source, target, mapper, tokenizer, tok_id, spec, settings)
+    store_name = f"switch-{task}"
+    try:
+        records = run_records(store_name, items, [_bounded(r, deadline) for r in runs], store_dir, progress)
+        done, complete = items, True
+    except TimeLimitReached:
+        done, records = stored_records(store_name, items, runs, store_dir)
+        complete = False
+    summary = turn_task_summary(task, done, records, settings.n_resamples, settings.seed) if done else {
+        "display": spec.display, "group": GROUP, "kind": spec.kind, "n": 0, "transfers": {}}
+    return {**summary, "complete": complete}
+
+
 def task_ttft(source, target, mapper, histories: Sequence[History], items: Sequence[SwitchItem],
               settings: SwitchSettings) -> dict:
     """TTFT on each history with the question of its first item (one untimed warm-up round on the first)."""
@@ -617,29 +1031,53 @@ def run_switch_direction(source, target, mapper, tokenizer, tok_id: str, setting
     """Per task: the summary of every condition (records resumable under ``store_dir``) and, with
     ``settings.ttft_repeats``, the TTFT on each history. Past ``deadline`` (time.monotonic()) the task under way
     is summarised over its finished items and the tasks after it are left out. ``histories_used``: only the
-    items of each task's first that many histories; ``prefills``: history prefills shared with other directions."""
+    items of each task's first that many histories; ``prefills``: history prefills shared with other directions.
+    Generative-group tasks run through `run_turn_task` (no TTFT)."""
     if settings.exact_prefix is None:
         settings = replace(settings, exact_prefix=getattr(mapper, "exact_prefix", 0))
     conditions = switch_conditions(source, target, mapper, settings.policies, settings.exact_prefix,
                                    settings.all_mapped, prefills)
+    turns = None
     tasks = {}
     for task in settings.tasks:
+        if task in SWITCH_TASKS:
+            if turns is None:
+                turns = turn_conditions(source, target, mapper, settings.policies, settings.exact_prefix,
+                                        conditions["target"].prefills)
+            summary = tasks[task] = run_turn_task(source, target, mapper, tokenizer, tok_id, task, settings, turns,
+                                                  store_dir, progress, deadline, histories_used)
+            if not summary["complete"]:
+                break
+            continue
         summary, histories, items = run_switch_task(source, target, mapper, tokenizer, tok_id, task, settings,
                                                     conditions, store_dir, progress, deadline, histories_used)
         tasks[task] = summary
         if not summary["complete"]:
             break
-        if settings.ttft_repeats and histories_used in (None, settings.histories):
+        if settings.ttft_repeats and histories_used in (None, settings.rounds):
             summary["ttft"] = task_ttft(source, target, mapper, histories, items, settings)
     return tasks
 
 
 def switch_tasks(spec) -> list[str]:
-    """The multiple-choice tasks of a task spec (`tasks.parse_tasks`): groups leave GSM8K (generation) out, naming
-    it is refused."""
-    names = parse_tasks(spec)
-    named = {p.strip().lower().replace("-", "_") for p in (spec.split(",") if isinstance(spec, str) else spec)}
-    for name in names:
-        if get_task(name).kind != LOGLIKELIHOOD and name in named:
-            _check_task(name)
-    return [name for name in names if get_task(name).kind == LOGLIKELIHOOD]
+    """The tasks of a task spec: the multiple-choice tasks of `tasks.parse_tasks` (groups leave GSM8K, which
+    generates, out; naming it is refused) and the generative group's (`switchtasks.SWITCH_TASKS`, alias
+    ``generative``), in order, without repeats."""
+    parts = [p.strip().lower().replace("-", "_") for p in (spec.split(",") if isinstance(spec, str) else spec)]
+    names: list[str] = []
+    for part in filter(None, parts):
+        if part == GROUP or part in SWITCH_TASKS:
+            expanded = list(SWITCH_TASKS) if part == GROUP else [part]
+        else:
+            try:
+                expanded = parse_tasks(part)
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}; or the generative group: {', '.join(SWITCH_TASKS)} (alias {GROUP!r})"
+                                  ) from None
+            if len(expanded) == 1 and get_task(expanded[0]).kind != LOGLIKELIHOOD:
+                _check_task(expanded[0])
+            expanded = [name for name in expanded if get_task(name).kind == LOGLIKELIHOOD]
+        names += [name for name in expanded if name not in names]
+    if not names:
+        raise ConfigError("no tasks given")
+    return names

@@ -4,11 +4,13 @@ Both run in *history rounds* (`run_in_history_rounds`): round r adds the items o
 every direction, so each history is prefilled and handed over once, and a run stopped by its time limit leaves a
 result balanced over tasks and directions (the last finished round; records are resumed from the item store).
 
-`run_switch_benchmark` (report pool by default) writes ``<out>/switch.{json,md}``. `run_recompute_sweep` is the
-Pareto trade-off of selective recompute on the dev pool: the time to first token of every (rule, budget) point
-against re-prefill on one history per length (1K and 2K tokens by default, both directions, interleaved), then the
-retention of every point on the core tasks; ``<out>/sweep_recompute.{json,md,png}``. Choose a policy on the dev
-pool, report it with `run_switch_benchmark` on the report pool.
+`run_switch_benchmark` (report pool by default) writes ``<out>/switch.{json,md}``; the generative group's tasks
+have a table of their own, with each switch's pooled differences over the group (`switch.pooled_difference`).
+`run_recompute_sweep` is the Pareto trade-off of selective recompute on the dev pool: the time to first token of
+every (rule, budget) point against re-prefill on one history per length (1K and 2K tokens by default, both
+directions, interleaved), then the retention of every point on the core tasks;
+``<out>/sweep_recompute.{json,md,png}``. Choose a policy on the dev pool, report it with `run_switch_benchmark` on
+the report pool.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json, atomic_write_text
 from kvhandoff.runtime import policy as recompute_policies
 from kvhandoff.runtime.policy import NoRecompute, RecomputePolicy, policy_for
@@ -31,11 +34,13 @@ from kvhandoff_lab.evaluation.switch import (
     SwitchSettings,
     build_histories,
     mean_retention,
+    pooled_difference,
     run_switch_direction,
     switch_items,
     switch_name,
     time_to_first_token,
 )
+from kvhandoff_lab.evaluation.switchtasks import GROUP, SWITCH_TASKS
 from kvhandoff_lab.figures import save_figure
 
 SWITCH_FORMAT = "kvhandoff-switch/1"
@@ -74,7 +79,8 @@ def _direction_header(direction: Direction) -> dict:
 
 def _settings_record(settings: SwitchSettings) -> dict:
     record = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()}
-    return {**record, "policies": [policy.spec for policy in settings.policies]}
+    return {**record, "policies": [policy.spec for policy in settings.policies],
+            "max_new_tokens": dict(settings.max_new_tokens)}
 
 
 # -- the benchmark -----------------------------------------------------------------------------------------------
@@ -83,10 +89,11 @@ def _settings_record(settings: SwitchSettings) -> dict:
 def run_in_history_rounds(directions: Sequence[Direction], tokenizer, tok_id: str, settings: SwitchSettings,
                           store_dir: Path | None, progress: bool, deadline: float | None, on_round) -> None:
     """Round r adds the items of every task's r-th history, in every direction; ``on_round(r, directions' tasks,
-    finished)`` after each round. Each history is prefilled and handed over once (its items are in one round),
-    each model's prefill of it serves both directions; past ``deadline`` the round under way is the last."""
-    prefills = HistoryPrefills(entries=len(settings.tasks))
-    for used in range(1, settings.histories + 1):
+    finished)`` after each round (`SwitchSettings.rounds` of them). Each history is prefilled and handed over once
+    (its items are in one round), each model's prefill of it serves both directions; past ``deadline`` the round
+    under way is the last."""
+    prefills = HistoryPrefills(entries=settings.history_entries())
+    for used in range(1, settings.rounds + 1):
         done = {d.name: {**_direction_header(d), "tasks": run_switch_direction(
             d.source, d.target, d.mapper, tokenizer, tok_id, settings, store_dir, progress, deadline, used, prefills)}
             for d in directions}
@@ -100,8 +107,8 @@ def run_in_history_rounds(directions: Sequence[Direction], tokenizer, tok_id: st
 def run_switch_benchmark(directions: Sequence[Direction], tokenizer, tok_id: str, settings: SwitchSettings,
                          out_dir: Path | None = None, progress: bool = False, deadline: float | None = None) -> dict:
     """Every direction's per-task summaries and TTFT, with the mean retention of each switch condition over the
-    core and held-out tasks; written to ``<out_dir>/switch.{json,md}`` after each history round
-    (`run_in_history_rounds`)."""
+    core and held-out tasks (and, with generative-group tasks, over them and their pooled differences,
+    ``pooled``); written to ``<out_dir>/switch.{json,md}`` after each history round (`run_in_history_rounds`)."""
     store = None if out_dir is None else Path(out_dir) / "items"
     result: dict = {"format": SWITCH_FORMAT, "settings": _settings_record(settings), "directions": {},
                     "histories_done": 0, "complete": False}
@@ -109,11 +116,17 @@ def run_switch_benchmark(directions: Sequence[Direction], tokenizer, tok_id: str
     def keep(used: int, done: dict, finished: bool) -> None:
         if not (finished or not result["directions"]):
             return
+        generative = any(task in SWITCH_TASKS for task in settings.tasks)
+        groups = ("core", "heldout", GROUP, "all") if generative else ("core", "heldout", "all")
         for entry in done.values():
             conditions = sorted({name for task in entry["tasks"].values() for name in task["transfers"]})
             entry["summary"] = {name: {group: mean_retention(entry["tasks"], name, group)
-                                       for group in ("core", "heldout", "all")} for name in conditions}
-        result.update(directions=done, histories_done=used, complete=finished and used == settings.histories)
+                                       for group in groups} for name in conditions}
+            if generative:
+                entry["pooled"] = {name: pooled_difference(entry["tasks"], name, GROUP, settings.n_resamples,
+                                                           settings.seed)
+                                   for name in conditions if name != "all_mapped"}
+        result.update(directions=done, histories_done=used, complete=finished and used == settings.rounds)
         if out_dir is not None:
             atomic_write_json(Path(out_dir) / "switch.json", result)
             atomic_write_text(Path(out_dir) / "switch.md", switch_markdown(result))
@@ -140,15 +153,54 @@ def switch_markdown(result: dict) -> str:
     the switch's agreement with the target alone, and the time to first token of the switch against re-prefill."""
     lines = []
     for direction in result["directions"].values():
-        lines += [f"### {direction['source']} → {direction['target']}", "",
-                  "| Task | n | History tokens | Question tokens | Source | Target | Switch | All mapped "
-                  "| Retention, switch [95% CI] | Floor-normalised, switch | Agreement with target, switch "
-                  "| Retention, all mapped | TTFT re-prefill | TTFT switch | Speed-up |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|"]
-        for task in direction["tasks"].values():
-            lines += [_task_row(task, name) for name in task["transfers"] if name != "all_mapped"]
-        lines.append("")
+        lines += [f"### {direction['source']} → {direction['target']}", ""]
+        multiple_choice = [t for t in direction["tasks"].values() if t.get("group") != GROUP]
+        generative = [t for t in direction["tasks"].values() if t.get("group") == GROUP]
+        if multiple_choice or not generative:
+            lines += ["| Task | n | History tokens | Question tokens | Source | Target | Switch | All mapped "
+                      "| Retention, switch [95% CI] | Floor-normalised, switch | Agreement with target, switch "
+                      "| Retention, all mapped | TTFT re-prefill | TTFT switch | Speed-up |",
+                      "|---|---:|---|---:|---:|---:|---:|---:|---|---|---|---|---:|---:|---:|"]
+            for task in multiple_choice:
+                lines += [_task_row(task, name) for name in task["transfers"] if name != "all_mapped"]
+            lines.append("")
+        if generative:
+            lines += _generative_table(generative, direction.get("pooled", {}))
     return "\n".join(lines)
+
+
+def _signed(entry: dict | None) -> str:
+    if not entry or entry.get("value") is None or not math.isfinite(entry["value"]):
+        return "–"
+    lo, hi = entry["ci"]
+    return f"{entry['value']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def _generative_table(tasks: Sequence[dict], pooled: dict) -> list[str]:
+    """The generative group's rows (per task and switch) and the pooled differences of every switch."""
+    lines = ["| Task | Metric | n | Histories | History tokens | Source | Target | Switch | Switch − target [95% CI] "
+             "| Switch − source [95% CI] | Agreement with target [95% CI] | KL to target (first answer token / "
+             "choices) |",
+             "|---|---|---:|---:|---|---:|---:|---:|---|---|---|---:|"]
+    for task in tasks:
+        if not task.get("n"):
+            lines.append(f"| {task['display']} | | 0 | | | | | | | | | |")
+            continue
+        acc, low_high = task["accuracy"], task["history_tokens"]
+        for name, switch in task["transfers"].items():
+            label = task["display"] + ("" if name == "switch" else f" ({name.removeprefix('switch:')})")
+            kl = switch.get("answer_kl", switch.get("choice_kl"))
+            lines.append(f"| {label} | {task['primary_metric']} | {task['n']} | {task['histories']} "
+                         f"| {low_high[0]}–{low_high[1]} "
+                         f"| {_fmt(acc['source']['value'])} | {_fmt(acc['target']['value'])} "
+                         f"| {_fmt(switch['accuracy']['value'])} | {_signed(switch['minus_target'])} "
+                         f"| {_signed(switch['minus_source'])} | {_ci(switch.get('agreement'))} "
+                         f"| {_fmt(kl['value'] if kl else None)} |")
+    for name, entry in pooled.items():
+        label = "switch" if name == "switch" else name.removeprefix("switch:")
+        lines.append(f"| **pooled, {GROUP} ({entry['tasks']} tasks), {label}** | | {entry['n']} | | | | | "
+                     f"| {_signed(entry['minus_target'])} | {_signed(entry['minus_source'])} | | |")
+    return [*lines, ""]
 
 
 def _task_row(task: dict, switch: str) -> str:
@@ -264,6 +316,7 @@ def run_recompute_sweep(directions: Sequence[Direction], tokenizer, tok_id: str,
     """TTFT of every policy (``settings.policies``) at each history length, then retention per history round
     (`run_in_history_rounds`); ``<out_dir>/sweep_recompute.{json,md,png}`` after each finished round (see the
     module docstring)."""
+    check_sweep_tasks(settings.tasks)
     out_dir = Path(out_dir)
     settings = replace(settings, ttft_repeats=0, all_mapped=False)
     result: dict = {"format": SWEEP_FORMAT, "settings": _settings_record(settings),
@@ -287,6 +340,13 @@ def run_recompute_sweep(directions: Sequence[Direction], tokenizer, tok_id: str,
 
     run_in_history_rounds(directions, tokenizer, tok_id, settings, out_dir / "items", progress, deadline, keep)
     return result
+
+
+def check_sweep_tasks(tasks: Sequence[str]) -> None:
+    """ConfigError for a sweep over generative-group tasks (the sweep ranks policies by multiple-choice tasks)."""
+    named = [task for task in tasks if task in SWITCH_TASKS]
+    if named:
+        raise ConfigError(f"the recompute sweep scores multiple-choice tasks; leave out {', '.join(named)}")
 
 
 def stored_ttft(out_dir: Path, header: dict) -> dict | None:
