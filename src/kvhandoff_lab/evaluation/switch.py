@@ -978,16 +978,19 @@ def run_switch_task(source, target, mapper, tokenizer, tok_id: str, task: str, s
     if histories_used is not None:
         histories = histories[:histories_used]
         items = [item for item in items if item.history in histories]
-    store_name = f"switch-{task}"
-    try:
-        records = run_records(store_name, items, [_bounded(r, deadline) for r in runs], store_dir, progress)
-        done, complete = items, True
-    except TimeLimitReached:
-        done, records = stored_records(store_name, items, runs, store_dir)
-        complete = False
+    done, records, complete = _records_until(f"switch-{task}", items, runs, store_dir, progress, deadline)
     summary = switch_task_summary(task, done, records, settings.n_resamples, settings.seed) if done else {
         "display": get_task(task).display, "group": _group(task), "n": 0, "transfers": {}}
     return {**summary, "complete": complete}, histories, done
+
+
+def _records_until(store_name: str, items, runs, store_dir, progress: bool, deadline: float | None):
+    """(items done, their records, whether all were): the runs over ``items``, stopped at ``deadline`` with the
+    records stored so far."""
+    try:
+        return items, run_records(store_name, items, [_bounded(r, deadline) for r in runs], store_dir, progress), True
+    except TimeLimitReached:
+        return (*stored_records(store_name, items, runs, store_dir), False)
 
 
 def run_turn_task(source, target, mapper, tokenizer, tok_id: str, task: str, settings: SwitchSettings,
@@ -1001,13 +1004,7 @@ def run_turn_task(source, target, mapper, tokenizer, tok_id: str, task: str, set
     if histories_used is not None:
         items = [item for item in items if item.slot < histories_used]
     runs = turn_runs(conditions, source, target, mapper, tokenizer, tok_id, spec, settings)
-    store_name = f"switch-{task}"
-    try:
-        records = run_records(store_name, items, [_bounded(r, deadline) for r in runs], store_dir, progress)
-        done, complete = items, True
-    except TimeLimitReached:
-        done, records = stored_records(store_name, items, runs, store_dir)
-        complete = False
+    done, records, complete = _records_until(f"switch-{task}", items, runs, store_dir, progress, deadline)
     summary = turn_task_summary(task, done, records, settings.n_resamples, settings.seed) if done else {
         "display": spec.display, "group": GROUP, "kind": spec.kind, "n": 0, "transfers": {}}
     return {**summary, "complete": complete}
