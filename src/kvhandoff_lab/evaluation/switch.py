@@ -420,18 +420,26 @@ def switch_runs(conditions: Mapping[str, SwitchCondition], source, target, mappe
             "histories": histories_identity(histories)}
     runs = []
     for name, condition in conditions.items():
-        if name in ("target", "source"):
-            model = condition.reader
-            header = {**base, "condition": "standalone", "model": model_fingerprint(model)}
-            key = f"model-{slug(display_name(model, 'model'))}"
-        else:
-            header = {**base, "condition": name.split(":")[0], "source": model_fingerprint(source),
-                      "target": model_fingerprint(target), "mapper": mapper_identity(mapper),
-                      "exact_prefix": exact_prefix,
-                      "recompute": getattr(getattr(condition, "recompute", None), "spec", "none")}
-            key = f"{slug(name)}-{slug(display_name(source, 'source'))}-to-{slug(display_name(target, 'target'))}"
-        runs.append(RecordRun(name, f"{key}-{sha256_json(header, 16)}", header, _compute(condition)))
+        recompute = getattr(getattr(condition, "recompute", None), "spec", "none")
+        key, header = _run_identity(base, name, condition, source, target, mapper, name.split(":")[0],
+                                    {"exact_prefix": exact_prefix, "recompute": recompute})
+        runs.append(RecordRun(name, key, header, _compute(condition)))
     return runs
+
+
+def _run_identity(base: dict, name: str, condition, source, target, mapper, kind: str,
+                  settings: dict) -> tuple[str, dict]:
+    """(record key, header) of condition ``name``: the target or the source alone is keyed by its model only
+    (shared by both directions and every policy), a switch (``kind``) by the pair, the mapper and ``settings``."""
+    if name in ("target", "source"):
+        model = condition.reader
+        header = {**base, "condition": "standalone", "model": model_fingerprint(model)}
+        key = f"model-{slug(display_name(model, 'model'))}"
+    else:
+        header = {**base, "condition": kind, "source": model_fingerprint(source), "target": model_fingerprint(target),
+                  "mapper": mapper_identity(mapper), **settings}
+        key = f"{slug(name)}-{slug(display_name(source, 'source'))}-to-{slug(display_name(target, 'target'))}"
+    return f"{key}-{sha256_json(header, 16)}", header
 
 
 def _compute(condition: SwitchCondition) -> Callable[[SwitchItem], dict]:
@@ -742,18 +750,12 @@ def turn_runs(conditions: Mapping[str, TurnCondition], source, target, mapper, t
     reference = conditions["target"]
     runs = []
     for name, condition in conditions.items():
-        if name in ("target", "source"):
-            model = condition.reader
-            header = {**base, "condition": "standalone", "model": model_fingerprint(model)}
-            key = f"model-{slug(display_name(model, 'model'))}"
-        else:
-            header = {**base, "condition": "switch", "source": model_fingerprint(source),
-                      "target": model_fingerprint(target), "mapper": mapper_identity(mapper),
-                      "exact_prefix": condition.exact_prefix, "recompute": condition.recompute.spec}
-            key = f"{slug(name)}-{slug(display_name(source, 'source'))}-to-{slug(display_name(target, 'target'))}"
-        ref = None if name in ("target", "source") else reference
-        runs.append(RecordRun(name, f"{key}-{sha256_json(header, 16)}", header,
-                              _turn_compute(task, condition, tokenizer, max_new_tokens, ref)))
+        standalone = name in ("target", "source")
+        settings = {} if standalone else {"exact_prefix": condition.exact_prefix,
+                                          "recompute": condition.recompute.spec}
+        key, header = _run_identity(base, name, condition, source, target, mapper, "switch", settings)
+        runs.append(RecordRun(name, key, header, _turn_compute(task, condition, tokenizer, max_new_tokens,
+                                                               None if standalone else reference)))
     return runs
 
 
