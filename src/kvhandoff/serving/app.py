@@ -58,7 +58,7 @@ from kvhandoff.serving.protocol import (
     dump,
     unknown_fields,
 )
-from kvhandoff.serving.tools import ContentDelta, ToolSettings, parse_tools, tool_parser, validate_arguments
+from kvhandoff.serving.tools import ContentDelta, ToolSettings, parse_tools, validate_arguments
 from kvhandoff.serving.tools import ToolCallDelta as ParsedCallDelta
 
 logger = logging.getLogger(__name__)
@@ -323,23 +323,34 @@ def chat_choice(choice: Choice, request: GenerationRequest, tools: ToolSettings,
                       finish_reason=finish, logprobs=logprobs)
 
 
-async def respond_chat(engine: Engine, request: GenerationRequest, tools: ToolSettings, body: ChatCompletionRequest,
-                       router_cache: str | None = None):
-    parser = tool_parser(engine.config.tool_parser)
+async def respond(engine: Engine, request: GenerationRequest, body: SamplingRequest, path: str, prefix: str,
+                  stream, whole, router_cache: str | None = None):
+    """Run ``request`` and answer it: with ``body.stream`` the events of ``stream(generation, ident, created)``,
+    else the JSON of ``whole(generation, choices, ident, created)``; the handoff status, the router vocabulary and
+    the session in the headers either way."""
     generation = await engine.start(request)
     headers = headers_of(engine, request, generation, router_cache)
-    ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    requests = engine.metrics.requests
+    ident, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
     if body.streams():
-        requests.labels("/v1/chat/completions", "200").inc()
-        return StreamingResponse(stream_chat(generation, request, tools, parser, body, ident, created),
-                                 media_type="text/event-stream", headers=headers)
-    choices = await complete(generation)
-    result = ChatCompletion(id=ident, created=created, model=request.model,
-                            choices=[chat_choice(choice, request, tools, parser) for choice in choices],
-                            usage=usage_of(generation), kv_handoff=handoff_info(generation))
-    requests.labels("/v1/chat/completions", "200").inc()
+        engine.metrics.requests.labels(path, "200").inc()
+        return StreamingResponse(stream(generation, ident, created), media_type="text/event-stream",
+                                 headers=headers)
+    result = whole(generation, await complete(generation), ident, created)
+    engine.metrics.requests.labels(path, "200").inc()
     return JSONResponse(dump(result), headers=headers)
+
+
+async def respond_chat(engine: Engine, request: GenerationRequest, tools: ToolSettings, body: ChatCompletionRequest,
+                       router_cache: str | None = None):
+    parser = engine.tool_parser
+
+    def whole(generation, choices, ident, created):
+        return ChatCompletion(id=ident, created=created, model=request.model,
+                              choices=[chat_choice(choice, request, tools, parser) for choice in choices],
+                              usage=usage_of(generation), kv_handoff=handoff_info(generation))
+
+    return await respond(engine, request, body, "/v1/chat/completions", "chatcmpl",
+                         lambda g, i, c: stream_chat(g, request, tools, parser, body, i, c), whole, router_cache)
 
 
 def completion_choice(choice: Choice, request: GenerationRequest, generation: Generation) -> CompletionChoice:
@@ -353,20 +364,13 @@ def completion_choice(choice: Choice, request: GenerationRequest, generation: Ge
 
 async def respond_completion(engine: Engine, request: GenerationRequest, body: CompletionRequest,
                              router_cache: str | None = None):
-    generation = await engine.start(request)
-    headers = headers_of(engine, request, generation, router_cache)
-    ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    requests = engine.metrics.requests
-    if body.streams():
-        requests.labels("/v1/completions", "200").inc()
-        return StreamingResponse(stream_completion(generation, request, body, ident, created),
-                                 media_type="text/event-stream", headers=headers)
-    choices = await complete(generation)
-    result = Completion(id=ident, created=created, model=request.model,
-                        choices=[completion_choice(choice, request, generation) for choice in choices],
-                        usage=usage_of(generation), kv_handoff=handoff_info(generation))
-    requests.labels("/v1/completions", "200").inc()
-    return JSONResponse(dump(result), headers=headers)
+    def whole(generation, choices, ident, created):
+        return Completion(id=ident, created=created, model=request.model,
+                          choices=[completion_choice(choice, request, generation) for choice in choices],
+                          usage=usage_of(generation), kv_handoff=handoff_info(generation))
+
+    return await respond(engine, request, body, "/v1/completions", "cmpl",
+                         lambda g, i, c: stream_completion(g, request, body, i, c), whole, router_cache)
 
 
 def stream_error(exc: RequestError) -> str:

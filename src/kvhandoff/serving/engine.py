@@ -42,6 +42,7 @@ from kvhandoff.serving.grammar import GrammarSpec, ToolCalls
 from kvhandoff.serving.guard import GuardPolicy, guard_policies, guard_score, reference_logprobs
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.protocol import HANDOFF_MODES
+from kvhandoff.serving.tools import tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -364,6 +365,7 @@ class Engine:
             for name, (model, tokenizer) in models.items()
         }
         self.chat_template = family_template(models)
+        self.tool_parser = tool_parser(config.tool_parser)  # reads tool calls out of every answer
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()  # least recently used first
         self.prefix_store = PrefixStore()  # the conversations' openings, shared: a switch copies its exact prefix
         self.plan = config.plan(self.prefix_store)  # every session's handoffs
