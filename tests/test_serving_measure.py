@@ -24,7 +24,7 @@ from kvhandoff_lab.serving.guard_eval import (
     resummarize,
     switching_schedule,
 )
-from kvhandoff_lab.serving.loadtest import load_over_http, percentile, schedule
+from kvhandoff_lab.serving.loadtest import current_rss, load_over_http, peak_rss, percentile, schedule
 from kvhandoff_lab.serving.workload import coqa_dialogues, document
 
 pytestmark = pytest.mark.timeout(300)
@@ -212,3 +212,10 @@ def test_guard_eval_holds_out_only_what_guard_calibrate_never_measures_on():
         assert 20 <= len(held) <= 40
         assert not {dialogues[i].id for i in held} & dev
         assert {d.id for i, d in enumerate(dialogues) if i not in held} <= dev | {DEMO_STORY_ID}
+
+
+def test_peak_rss_is_never_below_an_rss_seen():
+    """The kernel's high-water mark lags the resident set: a sampled RSS above it is the peak."""
+    now = current_rss()
+    assert now is not None and peak_rss() >= now
+    assert peak_rss([None, 2**50]) == 2**50

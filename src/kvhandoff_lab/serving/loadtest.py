@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
@@ -78,10 +79,12 @@ def current_rss() -> int | None:
         return None
 
 
-def peak_rss() -> int:
-    """This process's peak RSS over its life, in bytes (getrusage: KiB on Linux, bytes on macOS)."""
+def peak_rss(seen: Iterable[int | None] = ()) -> int:
+    """This process's peak RSS over its life, in bytes: getrusage's (KiB on Linux, bytes on macOS), or a larger
+    RSS ``seen`` by sampling or now — the kernel updates its high-water mark lazily, so a sample can exceed it."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    peak = peak if sys.platform == "darwin" else peak * 1024
+    return max([peak, *(rss for rss in (*seen, current_rss()) if rss is not None)])
 
 
 async def _conversation(http, index: int, models: list[str], texts: list[str], max_tokens: int, deadline: float,
@@ -173,10 +176,11 @@ def summarize_load(results, wall: float, left_out: int, rss_samples: list[int], 
         "generated_tokens_per_s": generated / wall if wall > 0 else None,
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "ttft_by_status": by_status,
-        "memory": {"peak_rss_bytes": peak_rss(), "rss_start_bytes": rss_start,
+        "memory": {"peak_rss_bytes": peak_rss(rss_samples), "rss_start_bytes": rss_start,
                    "rss_max_during_run_bytes": max(rss_samples) if rss_samples else None,
                    "note": "RSS of the process running the server and the client (models included); peak_rss: "
-                           "getrusage over the process's life"},
+                           "getrusage over the process's life, or the largest RSS sampled when the kernel's "
+                           "high-water mark lags it"},
         "server_health_after": health,
         "requests_log": [{"conversation": c, "turn": t, **r.to_dict()} for c, t, r in results],
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
