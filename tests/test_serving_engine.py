@@ -254,7 +254,7 @@ def test_a_fallback_keeps_the_receiving_models_own_turns_and_reads_only_the_rest
             second = (*first, ("assistant", text), ("user", "And the moon?"))
             text, report, _ = await ask(engine, "large", messages=second, session="s", max_tokens=8)
             assert report.status == "applied" and report.guard is None  # no guard: served mapped
-            session = engine._sessions["s"].session
+            session = engine._sessions["default", "s"].session
             own = session.own_length("small")
             third = (*second, ("assistant", text), ("user", "Why?"))
             ids = chat_ids(tokenizer, [{"role": r, "content": c} for r, c in third])

@@ -199,11 +199,14 @@ def test_namespaces_are_isolated():
     assert tree.stats().namespaces == 0
 
 
-def test_namespace_of_prefers_the_api_key_then_user_then_salt():
-    key = namespace_of(api_key="sk-secret", user="u", cache_salt="s")
+def test_namespace_of_joins_the_api_key_user_and_salt():
+    key = namespace_of(api_key="sk-secret")
     assert key.startswith("key:") and "sk-secret" not in key
-    assert key == namespace_of(api_key="sk-secret") != namespace_of(api_key="sk-other")
-    assert namespace_of(user="u", cache_salt="s") == "user:u"
+    assert key != namespace_of(api_key="sk-other")
+    everything = namespace_of(api_key="sk-secret", user="u", cache_salt="s")
+    assert "sk-secret" not in everything and everything.startswith(key)
+    assert len({everything, key, namespace_of(api_key="sk-secret", user="u"), namespace_of(user="u"),
+                namespace_of(user="u", cache_salt="s")}) == 5
     assert namespace_of(cache_salt="u") == "salt:u" != namespace_of(user="u")
     assert namespace_of() == "default" and namespace_of(default="server") == "server"
     with pytest.raises(ConfigError):

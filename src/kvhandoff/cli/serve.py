@@ -69,8 +69,9 @@ def serve(
     max_context: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "tokens a conversation may reach (default: the hosted models' smallest max_position_embeddings)"))] = None,
     recompute: Recompute = None,
-    api_key: Annotated[str | None, typer.Option(envvar="KVHANDOFF_API_KEY", help=(
-        "require 'Authorization: Bearer KEY' on every request (env KVHANDOFF_API_KEY)"))] = None,
+    api_key: Annotated[list[str] | None, typer.Option(envvar="KVHANDOFF_API_KEY", help=(
+        "require 'Authorization: Bearer KEY' on every request; repeatable, each key a tenant whose caches no other "
+        "key reaches (env KVHANDOFF_API_KEY: keys separated by spaces)"))] = None,
     open_probes: Annotated[bool, typer.Option(help="/health and /metrics answer without the API key")] = True,
     tool_call_parser: Annotated[str, typer.Option(parser=one_of(tuple(TOOL_PARSERS)), help=(
         "how tool calls are read out of the models' answers"))] = ServeConfig.tool_parser,
@@ -83,7 +84,8 @@ def serve(
         config = ServeConfig(host=host, port=port, guard=guard == "on", guard_signal=guard_signal,
                              guard_threshold=guard_threshold, max_sessions=max_sessions, session_ttl_s=session_ttl,
                              cache_memory_bytes=cache_memory, max_context=max_context, recompute=recompute,
-                             api_key=api_key, open_probes=open_probes, tool_parser=tool_call_parser,
+                             api_key=tuple(api_key) if api_key else None, open_probes=open_probes,
+                             tool_parser=tool_call_parser,
                              log_level=log_level)
     run_server(*load_family(*family_specs(models, mapper), dtype=dtype, progress=True, device_map=device_map),
                config)

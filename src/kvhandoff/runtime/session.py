@@ -274,6 +274,33 @@ class SwitchingSession:
         self.owner = server
         return logits[0, -1].float().log_softmax(-1)
 
+    def restore(self, tokens, caches, owner: str) -> None:
+        """Start from a conversation whose caches were kept elsewhere (a server's prefix cache): ``tokens``, and per
+        model name (`KVCache`, own length): its cache of the conversation's first positions, of which the leading
+        ``own`` are its own exact ones (`own_length`). ``owner``: the model that read the conversation last, whose
+        cache holds all of ``tokens``. The session must be new (no tokens yet)."""
+        if self.tokens or self._caches:
+            raise ConfigError("restore needs a new session (this one already holds a conversation)")
+        tokens = list(tokens)
+        self.require_model(owner)
+        if owner not in caches or caches[owner][0].length != len(tokens):
+            raise ConfigError(f"the owner {owner!r} must hold all {len(tokens)} positions of the conversation")
+        for name, (cache, own) in caches.items():
+            self.require_model(name)
+            if not 0 <= own <= cache.length <= len(tokens):
+                raise ConfigError(f"{name}: a cache of {cache.length} positions with {own} of its own does not fit "
+                                  f"a conversation of {len(tokens)} tokens")
+        self.tokens, self.owner = tokens, owner
+        self._caches = {name: cache for name, (cache, _) in caches.items()}
+        self._own = {name: own for name, (_, own) in caches.items()}
+
+    def export(self, server: str, start: int = 0, end: int | None = None):
+        """``server``'s cached rows of positions ``start``..``end`` − 1 (`KVCache.export`; None: to its end)."""
+        self.require_model(server)
+        if server not in self._caches:
+            raise ConfigError(f"{server} holds no cache of this conversation")
+        return self._caches[server].export(start, end)
+
     def fork(self) -> SwitchingSession:
         """A copy of the conversation that shares the models and mappers but owns copies of the caches: what the
         fork reads, generates or hands over leaves this session as it was (e.g. to try a switch another way)."""

@@ -23,6 +23,7 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.serving.decoding import SamplingParams
 from kvhandoff.serving.engine import Choice, Engine, Generation, GenerationRequest, RequestError, TokenEntry
 from kvhandoff.serving.grammar import GrammarSpec, JsonObject, JsonSchema, ToolCalls
+from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE, namespace_of
 from kvhandoff.serving.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -73,7 +74,7 @@ ERROR_STATUS = {
     "cancelled": (499, "invalid_request_error"),
     "internal": (500, "server_error"),
 }
-#: headers naming the session, in the order they are read (before the body's prompt_cache_key and user)
+#: headers naming the session, in the order they are read (before the body's prompt_cache_key)
 SESSION_HEADER = "X-Session-ID"
 LITELLM_SESSION_HEADER = "x-litellm-session-id"
 #: response header saying what happened to the cache: applied | fallback | reprefill | none
@@ -112,10 +113,19 @@ def field_path(location) -> str | None:
 
 def session_of(request: Request, body: SamplingRequest) -> str | None:
     """The session a request belongs to: header X-Session-ID, else x-litellm-session-id, else the cache a router
-    names (x-vsr-kv-cache-id), else the body's prompt_cache_key, else its user (None: stateless)."""
+    names (x-vsr-kv-cache-id), else the body's prompt_cache_key (None: the conversation is found by its tokens in
+    the prefix cache). A session key is looked up within the request's tenant (`tenant_of`) only."""
     headers = request.headers
     return (headers.get(SESSION_HEADER) or headers.get(LITELLM_SESSION_HEADER) or headers.get(CACHE_ID_HEADER)
-            or body.prompt_cache_key or body.user or None)
+            or body.prompt_cache_key or None)
+
+
+def tenant_of(request: Request, body: SamplingRequest, keyed: bool) -> str:
+    """The namespace whose caches and sessions may serve a request (`prefix_tree.namespace_of`): its API key
+    (``keyed``: the server checks keys, so the Bearer token is one of them), its ``user`` and its ``cache_salt``,
+    joined."""
+    api_key = request.headers.get("authorization", "").removeprefix("Bearer ") if keyed else None
+    return namespace_of(api_key, body.user, body.cache_salt)
 
 
 @contextlib.contextmanager
@@ -174,7 +184,8 @@ def grammar_of(body: ChatCompletionRequest, tools: ToolSettings | None) -> Gramm
         return JsonSchema(spec.schema_, spec.name, bool(spec.strict))
 
 
-def chat_request(body: ChatCompletionRequest, session_id: str | None) -> tuple[GenerationRequest, ToolSettings]:
+def chat_request(body: ChatCompletionRequest, session_id: str | None,
+                 namespace: str = DEFAULT_NAMESPACE) -> tuple[GenerationRequest, ToolSettings]:
     with refused_as(None):
         tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     template_tools = tools.template_tools()
@@ -182,16 +193,18 @@ def chat_request(body: ChatCompletionRequest, session_id: str | None) -> tuple[G
         model=body.model, messages=tuple(message.template_message() for message in body.messages),
         tools=tuple(template_tools) if template_tools else None, max_tokens=body.answer_limit(),
         sampling=sampling_of(body), stop=body.stop_strings(), grammar=grammar_of(body, tools), choices=body.choices(),
-        logprobs=body.logprob_alternatives(), session_id=session_id, handoff_mode=body.handoff_mode())
+        logprobs=body.logprob_alternatives(), session_id=session_id, namespace=namespace,
+        handoff_mode=body.handoff_mode())
     return request, tools
 
 
-def completion_request(body: CompletionRequest, session_id: str | None) -> GenerationRequest:
+def completion_request(body: CompletionRequest, session_id: str | None,
+                       namespace: str = DEFAULT_NAMESPACE) -> GenerationRequest:
     prompt = body.prompt if isinstance(body.prompt, str) else tuple(body.prompt)
     return GenerationRequest(
         model=body.model, prompt=prompt, max_tokens=body.answer_limit(), sampling=sampling_of(body),
         stop=body.stop_strings(), choices=body.choices(), logprobs=body.logprob_alternatives(),
-        echo=bool(body.echo), session_id=session_id, handoff_mode=body.handoff_mode())
+        echo=bool(body.echo), session_id=session_id, namespace=namespace, handoff_mode=body.handoff_mode())
 
 
 def handoff_info(generation: Generation) -> HandoffInfo:
@@ -277,17 +290,19 @@ def install_error_handlers(app: FastAPI, requests) -> None:
 
 
 def install_api_key(app: FastAPI, engine: Engine) -> None:
-    """With ``config.api_key`` set, every route but the open probes needs ``Authorization: Bearer <key>``."""
-    key = engine.config.api_key
-    if not key:
+    """With ``config.api_key`` set, every route but the open probes needs ``Authorization: Bearer <key>`` with one
+    of its keys."""
+    keys = engine.config.api_key
+    if not keys:
         return
-    expected = f"Bearer {key}".encode()
+    expected = [f"Bearer {key}".encode() for key in keys]
     open_paths = PROBE_PATHS if engine.config.open_probes else ()
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
         given = request.headers.get("authorization", "").encode()
-        if request.url.path in open_paths or hmac.compare_digest(given, expected):
+        matches = [hmac.compare_digest(given, key) for key in expected]  # every key compared: no timing by position
+        if request.url.path in open_paths or any(matches):
             return await call_next(request)
         engine.metrics.requests.labels(request.url.path, "401").inc()
         return error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>' with "
@@ -527,13 +542,15 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         ignored.note(body)
-        generation_request, tools = chat_request(body, session_of(request, body))
+        generation_request, tools = chat_request(body, session_of(request, body),
+                                                 tenant_of(request, body, bool(engine.config.api_key)))
         return await respond_chat(engine, generation_request, tools, body, request.headers.get(CACHE_ID_HEADER))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         ignored.note(body)
-        return await respond_completion(engine, completion_request(body, session_of(request, body)), body,
-                                        request.headers.get(CACHE_ID_HEADER))
+        generation_request = completion_request(body, session_of(request, body),
+                                                tenant_of(request, body, bool(engine.config.api_key)))
+        return await respond_completion(engine, generation_request, body, request.headers.get(CACHE_ID_HEADER))
 
     return app

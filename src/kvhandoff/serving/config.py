@@ -41,11 +41,12 @@ class ServeConfig:
     and guard_window, default `DEFAULT_GUARD_WINDOW`); without one each pair uses the guard recorded in its mapper's
     manifest (`kvhandoff guard-calibrate`) — when a guard_signal or guard_window given here differs from the
     record's, or there is no record, that pair has no guard (its switches serve mapped; said at start-up).
-    api_key: when set, every request but the probes (``/health``, ``/metrics``, while ``open_probes``) must carry
-    ``Authorization: Bearer <api_key>``. tool_parser: how tool calls are read out of answers (a name of
-    `tools.TOOL_PARSERS`). handover: as in `SwitchingSession`. exact_prefix / recompute: the handoffs'
-    `HandoffPlan` (`plan`; exact_prefix None: the mapper's own setting); recompute is a `RecomputePolicy`, given
-    as one or as a spec such as "sinks:10%" and stored parsed (None: `DEFAULT_RECOMPUTE`).
+    api_key: one key or several (stored as a tuple); when set, every request but the probes (``/health``,
+    ``/metrics``, while ``open_probes``) must carry ``Authorization: Bearer <key>`` with one of them, and each
+    key is a tenant of its own (its caches and sessions serve no other key). tool_parser: how tool calls are read
+    out of answers (a name of `tools.TOOL_PARSERS`). handover: as in `SwitchingSession`. exact_prefix /
+    recompute: the handoffs' `HandoffPlan` (`plan`; exact_prefix None: the mapper's own setting); recompute is a
+    `RecomputePolicy`, given as one or as a spec such as "sinks:10%" and stored parsed (None: `DEFAULT_RECOMPUTE`).
     """
 
     host: str = "127.0.0.1"
@@ -61,7 +62,7 @@ class ServeConfig:
     guard_signal: str | None = None
     guard_threshold: float | None = None
     guard_window: int | None = None
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None
     open_probes: bool = True
     tool_parser: str = "hermes"
     handover: str = "incremental"
@@ -93,8 +94,12 @@ class ServeConfig:
                                       or threshold != threshold):
             raise ConfigError(f"serve guard_threshold must be a number (or None: each pair's recorded one), got "
                               f"{threshold!r}")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
-            raise ConfigError("serve api_key must be a non-empty string (or None: no key)")
+        if self.api_key is not None:
+            keys = (self.api_key,) if isinstance(self.api_key, str) else self.api_key
+            if (not isinstance(keys, tuple | list) or not keys
+                    or any(not isinstance(key, str) or not key.strip() for key in keys)):
+                raise ConfigError("serve api_key must be a non-empty string or several (or None: no key)")
+            object.__setattr__(self, "api_key", tuple(keys))
         if not isinstance(self.open_probes, bool):
             raise ConfigError(f"serve open_probes must be True or False, got {self.open_probes!r}")
         tool_parser(self.tool_parser)  # an unknown name is refused, listing the known ones
@@ -114,4 +119,5 @@ class ServeConfig:
 
     def to_dict(self) -> dict:
         """The settings as plain values (the recompute policy as its spec; the API key never written)."""
-        return {**asdict(self), "recompute": self.recompute.spec, "api_key": "set" if self.api_key else None}
+        keys = f"{len(self.api_key)} set" if self.api_key else None
+        return {**asdict(self), "recompute": self.recompute.spec, "api_key": keys}

@@ -41,6 +41,8 @@ from kvhandoff.serving.decoding import Sampler, SamplingParams, end_ids, held_ba
 from kvhandoff.serving.grammar import GrammarSpec, ToolCalls
 from kvhandoff.serving.guard import GuardPolicy, guard_policies, guard_score, reference_logprobs
 from kvhandoff.serving.metrics import ServingMetrics
+from kvhandoff.serving.prefix_cache import PrefixCache
+from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE
 from kvhandoff.serving.protocol import HANDOFF_MODES
 from kvhandoff.serving.tools import tool_parser
 
@@ -67,9 +69,11 @@ class GenerationRequest:
     a completion ``prompt`` (text or token ids). ``sampling``: how tokens are chosen; ``grammar``: a constraint every
     answer follows (`grammar.GrammarSpec`); ``choices``: answers to generate (each from the same prompt);
     ``logprobs``: alternatives per position to report (None: no log-probs); ``echo``: a completion's answer
-    starts with its prompt (log-probs included). ``session_id`` None: stateless; ``handoff_mode``
-    (`protocol.HANDOFF_MODES`) "auto", or "reprefill": at a switch the receiving model re-prefills the conversation
-    instead of mapping it (the path without handoff, for comparisons)."""
+    starts with its prompt (log-probs included). ``namespace``: the tenant whose caches may serve it
+    (`prefix_tree.namespace_of`); ``session_id`` (within the namespace) None: the conversation is found by its
+    tokens in the prefix cache; ``handoff_mode`` (`protocol.HANDOFF_MODES`) "auto", "reprefill" (at a switch the
+    receiving model re-prefills the conversation instead of mapping it: the path without handoff, for comparisons)
+    or "exact" (only the model's own exact cache serves)."""
 
     model: str
     messages: tuple[dict, ...] | None = None
@@ -83,6 +87,7 @@ class GenerationRequest:
     logprobs: int | None = None
     echo: bool = False
     session_id: str | None = None
+    namespace: str = DEFAULT_NAMESPACE
     handoff_mode: str = "auto"
 
     @property
@@ -201,7 +206,7 @@ class Generation:
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt_tokens: int, choices: int = 1,
                  cache_id: str | None = None) -> None:
         self._loop = loop
-        self.cache_id = cache_id  # the conversation cache serving it (None: stateless)
+        self.cache_id = cache_id  # the named session's cache serving it (None: the prefix cache)
         self._events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.prompt_tokens = prompt_tokens
@@ -316,7 +321,7 @@ class HostedModel:
 
 @dataclass
 class SessionState:
-    id: str | None
+    id: tuple[str, str] | None  # (namespace, session key); None: a request served from the prefix cache
     session: SwitchingSession
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_used: float = field(default_factory=time.monotonic)
@@ -366,13 +371,15 @@ class Engine:
         }
         self.chat_template = family_template(models)
         self.tool_parser = tool_parser(config.tool_parser)  # reads tool calls out of every answer
-        self._sessions: OrderedDict[str, SessionState] = OrderedDict()  # least recently used first
+        self._sessions: OrderedDict[tuple[str, str], SessionState] = OrderedDict()  # least recently used first
+        self.prefix_cache = PrefixCache()  # the conversations that name no session, found by their tokens
         self.prefix_store = PrefixStore()  # the conversations' openings, shared: a switch copies its exact prefix
         self.plan = config.plan(self.prefix_store)  # every session's handoffs
         self.guards: dict[tuple[str, str], GuardPolicy] = guard_policies(config, self._mappers)
         self._announce_guards()
         self._running: set[Generation] = set()  # admitted and not finished
         self.metrics.track(lambda: len(self._sessions), self.cache_bytes)
+        self.metrics.track_prefix_cache(self.prefix_cache.tree.stats)
 
     def _announce_guards(self) -> None:
         """Say at start-up how each pair's switches are guarded: a pair without a guard, or whose record was
@@ -391,8 +398,12 @@ class Engine:
     def session_count(self) -> int:
         return len(self._sessions)
 
-    def cache_bytes(self) -> int:
+    def session_bytes(self) -> int:
         return sum(state.bytes for state in self._sessions.values())
+
+    def cache_bytes(self) -> int:
+        """Bytes of KV cache held: the named sessions' and the prefix cache's."""
+        return self.session_bytes() + self.prefix_cache.tree.total_bytes()
 
     def hosted(self, name: str) -> HostedModel:
         """The hosted model ``name``, or a not-found `RequestError` listing the served names."""
@@ -423,9 +434,9 @@ class Engine:
             raise RequestError("invalid_request", f"token ids must be in 0..{hosted.vocab_size - 1}", param="tokens")
         return hosted.tokenizer.decode(tokens)
 
-    def session_tokens(self, session_id: str) -> list[int] | None:
-        """The token ids a session has cached (None: no such session)."""
-        state = self._sessions.get(session_id)
+    def session_tokens(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> list[int] | None:
+        """The token ids a session has cached (None: no such session in ``namespace``)."""
+        state = self._sessions.get((namespace, session_id))
         return None if state is None else list(state.session.tokens)
 
     def health(self) -> dict:
@@ -439,6 +450,7 @@ class Engine:
                 "sessions": len(self._sessions), "cache_bytes": self.cache_bytes(), "running": len(self._running),
                 "prefix_store": {"openings": len(self.prefix_store), "hits": self.prefix_store.hits,
                                  "misses": self.prefix_store.misses},
+                "prefix_cache": self.prefix_cache.tree.stats().to_dict(),
                 "cancelling": sum(g.cancelled.is_set() for g in self._running)}
 
     def close(self) -> None:
@@ -464,7 +476,7 @@ class Engine:
                                param=request.prompt_field, code="context_length_exceeded")
         limit = self.config.default_max_tokens if request.max_tokens is None else request.max_tokens
         max_new = min(limit, self.max_context - len(prompt))
-        state = self._admit(request.session_id)
+        state = self._admit(request.session_id, request.namespace)
         state.pending += 1
         try:
             await state.lock.acquire()
@@ -486,13 +498,14 @@ class Engine:
             raise
         return generation
 
-    def _admit(self, session_id: str | None) -> SessionState:
+    def _admit(self, session_id: str | None, namespace: str) -> SessionState:
         now = time.monotonic()
         for key, state in list(self._sessions.items()):
             if state.idle() and now - state.last_used > self.config.session_ttl_s:
                 self._evict(key, "ttl")
-        if session_id is None:  # stateless: a session of its own, forgotten afterwards
+        if session_id is None:  # a session of its own, filled from the prefix cache and kept there afterwards
             return SessionState(None, self._new_session(), cache_id=None)
+        session_id = (namespace, session_id)
         state = self._sessions.get(session_id)
         if state is None:
             if len(self._sessions) >= self.config.max_sessions:
@@ -510,7 +523,7 @@ class Engine:
         return SwitchingSession({name: hosted.model for name, hosted in self._models.items()}, self._mappers,
                                 self.config.handover, self.plan)
 
-    def _evict(self, key: str, reason: str) -> None:
+    def _evict(self, key: tuple[str, str], reason: str) -> None:
         del self._sessions[key]
         self.metrics.evictions.labels(reason=reason).inc()
 
@@ -520,6 +533,8 @@ class Engine:
         state.pending -= 1
         state.last_used = time.monotonic()
         state.lock.release()
+        limit = self.config.cache_memory_bytes
+        self.prefix_cache.tree.evict(max(0, limit - self.session_bytes()))
         total = self.cache_bytes()
         for key, candidate in list(self._sessions.items()):
             if total <= self.config.cache_memory_bytes:
@@ -550,29 +565,37 @@ class Engine:
         return prompt, constraints
 
     def _run(self, state, hosted, prompt, max_new, request, generation, arrival, constraints) -> None:
-        session = state.session
+        session, checkout = state.session, None
         try:
             if generation.cancelled.is_set():
                 raise RequestError("cancelled", "the client went away before the request was served")
             with torch.inference_mode():
+                if state.id is None:
+                    checkout = self.prefix_cache.checkout(request.namespace, prompt, hosted.name, session,
+                                                          exact_only=request.handoff_mode == "exact")
                 report, logprobs = self._prepare(session, hosted.name, prompt, request.handoff_mode)
                 self.metrics.record_first_token(report.to_dict(), time.perf_counter() - arrival)
                 if request.echo:
                     generation.echo = self._echo(hosted, request, prompt)
                 generation.post("ready", report)
                 self._decode(session, hosted, logprobs, prompt, max_new, request, generation, constraints)
+                if checkout is not None:
+                    self.prefix_cache.checkin(checkout, session, report.source)
         except Exception as exc:  # the session may be half-way through a change: forget it rather than serve stale KV
             with contextlib.suppress(Exception):
                 session.truncate(0)
             error = exc if isinstance(exc, RequestError) else RequestError("internal", f"{type(exc).__name__}: {exc}")
             generation.post("error", error)
         finally:
+            if checkout is not None:
+                self.prefix_cache.release(checkout)
             state.bytes = session.cache_bytes() if state.id is not None else 0
             generation.call_soon(functools.partial(self._finish, state, generation))
 
     def _prepare(self, session: SwitchingSession, server: str, prompt: list[int], mode: str = "auto"):
         """Bring ``server``'s cache of the session up to ``prompt``; returns (report, log-probs of the next token).
-        At a switch with ``mode`` "reprefill" the model re-prefills the whole conversation instead of mapping."""
+        At a switch with ``mode`` "reprefill" the model re-prefills the whole conversation instead of mapping; with
+        "exact" it re-reads what it does not hold exactly (its own positions of earlier turns are kept)."""
         started = time.perf_counter()
         common = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
         session.truncate(common)
@@ -585,6 +608,12 @@ class Engine:
             status, source, mapped, kept = "reprefill", previous, 0, 0
             session.tokens += new  # read by the prefill below, with the rest of the conversation
             logprobs = session.reprefill(server, keep_own=False)[None]
+        elif mode == "exact" and (mapped > 0 or session.own_length(server) < common):  # nothing mapped serves it
+            status, source = ("reprefill", previous) if previous not in (None, server) else ("none", None)
+            mapped = 0
+            session.tokens += new
+            kept = session.reprefill_start(server)
+            logprobs = session.reprefill(server)[None]
         elif mapped > 0:
             status, source = "applied", previous
             policy = self.guards[previous, server]

@@ -4,6 +4,7 @@ counters). `GET /metrics` renders it in Prometheus' text format."""
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 #: buckets of the time-to-first-token histograms, in seconds
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -22,6 +23,12 @@ class ServingMetrics:
     kvhandoff_evictions_total{reason}: sessions dropped (memory | ttl | sessions); kvhandoff_guard_fallbacks_total
     {from,to}; kvhandoff_requests_total{endpoint,outcome}; kvhandoff_cancelled_total: generations cancelled by a
     client that went away.
+
+    The prefix cache (`track_prefix_cache`), per model, read at scrape time: kvhandoff_prefix_cache_bytes,
+    kvhandoff_prefix_cache_nodes; kvhandoff_prefix_cache_hits_total{model,kind} (kind own | mapped: the model's
+    own rows or mapped ones served the longest prefix); kvhandoff_prefix_cache_misses_total;
+    kvhandoff_prefix_cache_handoff_candidates_total (another model held a longer exact prefix);
+    kvhandoff_prefix_cache_evictions_total and kvhandoff_prefix_cache_evicted_bytes_total.
     """
 
     def __init__(self) -> None:
@@ -51,6 +58,11 @@ class ServingMetrics:
         self.live_sessions.set_function(sessions)
         self.cache_bytes.set_function(cache_bytes)
 
+    def track_prefix_cache(self, stats) -> None:
+        """Read the prefix cache's per-model figures from ``stats()`` (a `prefix_tree.TreeStats`) at every
+        scrape."""
+        self.registry.register(_PrefixCacheCollector(stats))
+
     def record_first_token(self, report: dict, seconds: float) -> None:
         """Count one request's handoff report (`engine.HandoffReport.to_dict()`) and its time to first token."""
         status = report["status"]
@@ -72,3 +84,37 @@ class ServingMetrics:
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of the Prometheus text exposition."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _PrefixCacheCollector:
+    """The prefix tree's per-model figures as Prometheus families, read when scraped."""
+
+    def __init__(self, stats) -> None:
+        self._stats = stats
+
+    def describe(self):
+        return []  # read at scrape time only (no figures at registration)
+
+    def collect(self):
+        models = self._stats().models
+        gauges = {"bytes": "Bytes of K/V the prefix cache holds",
+                  "nodes": "Prefix-cache nodes holding the model's rows"}
+        counters = {"misses": "Prefix-cache lookups nothing served",
+                    "handoff_candidates": "Prefix-cache lookups where another model held a longer exact prefix",
+                    "evictions": "Prefix-cache payloads evicted", "evicted_bytes": "Prefix-cache bytes evicted"}
+        for name, text in gauges.items():
+            family = GaugeMetricFamily(f"kvhandoff_prefix_cache_{name}", text, labels=["model"])
+            for model, figures in models.items():
+                family.add_metric([model], getattr(figures, name))
+            yield family
+        hits = CounterMetricFamily("kvhandoff_prefix_cache_hits", "Prefix-cache lookups served from cached rows",
+                                   labels=["model", "kind"])
+        for model, figures in models.items():
+            hits.add_metric([model, "own"], figures.hits_own)
+            hits.add_metric([model, "mapped"], figures.hits_mapped)
+        yield hits
+        for name, text in counters.items():
+            family = CounterMetricFamily(f"kvhandoff_prefix_cache_{name}", text, labels=["model"])
+            for model, figures in models.items():
+                family.add_metric([model], getattr(figures, name))
+            yield family

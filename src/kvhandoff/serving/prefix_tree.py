@@ -134,19 +134,21 @@ def mapped_from(source: str) -> Provenance:
 
 def namespace_of(api_key: str | None = None, user: str | None = None, cache_salt: str | None = None,
                  default: str = DEFAULT_NAMESPACE) -> str:
-    """The namespace of a request's cached prefixes: its API key's (hashed: the tree never holds a key), else its
-    ``user``'s, else its ``cache_salt``'s, else ``default`` (the server's). Each kind has its own prefix, so a user
-    named like a salt shares nothing with it."""
+    """The namespace of a request's cached prefixes: every tenant mark it carries, joined — its API key (hashed:
+    the tree never holds a key), its ``user``, its ``cache_salt`` — so a user under a key is a tenant of its own and
+    a salt splits any of them further; ``default`` (the server's) when it carries none. Each kind has its own
+    prefix, so a user named like a salt shares nothing with it."""
     for value, what in ((api_key, "api_key"), (user, "user"), (cache_salt, "cache_salt")):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{what} must be a string, got {type(value).__name__}")
+    parts = []
     if api_key:
-        return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:32]
+        parts.append("key:" + hashlib.sha256(api_key.encode()).hexdigest()[:32])
     if user:
-        return "user:" + user
+        parts.append("user:" + user)
     if cache_salt:
-        return "salt:" + cache_salt
-    return _name(default, "the default namespace")
+        parts.append("salt:" + cache_salt)
+    return "\n".join(parts) if parts else _name(default, "the default namespace")
 
 
 # -- results ----------------------------------------------------------------------------------------------------------

@@ -20,9 +20,10 @@ MAX_CHOICES = 16
 #: at most this many alternatives per position in log-probs (OpenAI's limits: chat 20, completions 5)
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
-#: the request body's ``kv_handoff.mode``: "auto" (map at a switch, the guard deciding) or "reprefill" (at a switch
-#: the receiving model re-prefills the conversation itself: the path without handoff, to compare against)
-HANDOFF_MODES = ("auto", "reprefill")
+#: the request body's ``kv_handoff.mode``: "auto" (map at a switch, the guard deciding), "reprefill" (at a switch
+#: the receiving model re-prefills the conversation itself: the path without handoff, to compare against) or "exact"
+#: (only the model's own exact cache serves the request: nothing mapped, positions it lacks are read again)
+HANDOFF_MODES = ("auto", "reprefill", "exact")
 
 
 def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
@@ -115,11 +116,13 @@ class StreamOptions(Lenient):
 
 class HandoffOptions(BaseModel):
     """The body's ``kv_handoff`` extension (the openai client sends it with ``extra_body``): ``mode`` "auto" (the
-    server's rules: map at a switch, the guard may fall back) or "reprefill" (at a switch the receiving model
-    re-prefills the whole conversation instead of mapping; reported as status "reprefill")."""
+    server's rules: map at a switch, the guard may fall back), "reprefill" (at a switch the receiving model
+    re-prefills the whole conversation instead of mapping; reported as status "reprefill") or "exact" (only the
+    model's own exact cache serves: no mapped position is used, what it lacks is read again; reported as "reprefill"
+    where another model served last, else "none")."""
 
     model_config = ConfigDict(extra="forbid")
-    mode: Literal["auto", "reprefill"] = "auto"
+    mode: Literal[HANDOFF_MODES] = "auto"
 
 
 class SamplingRequest(Lenient):
@@ -144,6 +147,7 @@ class SamplingRequest(Lenient):
     stream_options: StreamOptions | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
+    cache_salt: str | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     kv_handoff: HandoffOptions | None = None
 

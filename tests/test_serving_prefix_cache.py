@@ -1,0 +1,202 @@
+"""Conversations found by their tokens (`serving.prefix_cache`): the checkout/checkin of a `SwitchingSession`
+against a `PrefixTree`, and a real loopback server that serves clients sending no session header — handoffs at
+every switch, tenants kept apart, eviction under the memory bound, nodes of a request in flight kept."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import torch
+
+from _serving_support import chat_ids, reference_answer, running, tiny_family
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff.serving.prefix_cache import PrefixCache
+
+pytestmark = pytest.mark.timeout(120)
+
+TURNS = ["Tell me a story about a cat.", "Now make it shorter!", "And a title?"]
+
+
+def models_and_mappers():
+    family, mappers = tiny_family()
+    return {name: model for name, (model, _) in family.items()}, mappers
+
+
+def new_session():
+    models, mappers = models_and_mappers()
+    return SwitchingSession(models, mappers, plan=HandoffPlan(0))
+
+
+def ids(count: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 256, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# -- checkout and checkin ------------------------------------------------------------------------------------------
+def test_checkout_restores_what_each_model_holds_and_checkin_keeps_what_was_added():
+    cache, tokens = PrefixCache(), ids(40)
+    first = new_session()
+    out = cache.checkout("t", tokens[:20], "small", first)
+    assert first.tokens == [] and out.started == {}  # a miss: nothing held
+    first.read_logprobs("small", tokens[:20])
+    cache.checkin(out, first, None)
+    cache.release(out)
+    stats = cache.tree.stats()
+    assert stats.models["small"].nodes == 1 and stats.locked == 0
+
+    second = new_session()  # the next turn, on the other model: small holds 19 of the prompt's first 29 positions
+    out = cache.checkout("t", tokens[:30], "large", second)
+    assert second.owner == "small" and second.tokens == tokens[:20] and second.own_length("small") == 20
+    assert out.started == {"small": (20, 20, ())}
+    logprobs = second.read_logprobs("large", tokens[20:30])  # a handoff: small's 20 positions mapped for large
+    alone = second.models["large"](input_ids=torch.tensor([tokens[:30]])).logits[0, -1].log_softmax(-1)
+    torch.testing.assert_close(logprobs[-1], alone, atol=1e-4, rtol=0)
+    cache.checkin(out, second, "small")
+    cache.release(out)
+    large = cache.tree.match("t", tokens[:30], "large").own
+    assert (large.length, large.exact, large.sources) == (30, 0, ("small",))  # mapped, then read on top: mapped
+
+    exact = new_session()  # exact only: large's mapped rows are not checked out
+    out = cache.checkout("t", tokens[:35], "large", exact, exact_only=True)
+    assert exact.tokens == [] and out.started == {}
+    cache.release(out)
+    elsewhere = new_session()  # another namespace holds nothing
+    out = cache.checkout("u", tokens[:30], "large", elsewhere)
+    assert elsewhere.tokens == []
+    cache.release(out)
+
+
+def test_a_failed_checkout_leaves_nothing_pinned():
+    cache, tokens = PrefixCache(), ids(12, seed=1)
+    session = new_session()
+    out = cache.checkout("t", tokens, "small", session)
+    session.read_logprobs("small", tokens)
+    cache.checkin(out, session, None)
+    cache.release(out)
+    busy = new_session()
+    busy.read_logprobs("small", tokens[:3])  # restore needs a new session: this one is refused
+    with pytest.raises(Exception, match="new session"):
+        cache.checkout("t", [*tokens, 5], "small", busy)
+    assert cache.tree.stats().locked == 0
+
+
+# -- the server ----------------------------------------------------------------------------------------------------
+def ask(server, model, messages, headers=None, **body):
+    """(answer, kv_handoff, usage, response headers) of one greedy chat request sent with no session header."""
+    response = httpx.post(server.url + "/v1/chat/completions", headers=headers or {}, timeout=60,
+                          json={"model": model, "messages": messages, "max_tokens": 8, "temperature": 0, **body})
+    assert response.status_code == 200, response.text
+    data = response.json()
+    return data["choices"][0]["message"]["content"], data["kv_handoff"], data["usage"], response.headers
+
+
+def expected(model, messages, max_tokens=8):
+    family, _ = tiny_family()
+    model_, tokenizer = family[model]
+    return reference_answer(model_, tokenizer, chat_ids(tokenizer, messages), max_tokens)
+
+
+def cached(usage) -> int:
+    return usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_conversation_without_a_session_header_is_handed_over_at_every_switch():
+    """small → large → small with no header at all: each switch `applied`, tokens served from caches, and on the
+    exactly related pair the answers of a re-prefill."""
+    with running() as server:
+        messages = []
+        for turn, (model, text) in enumerate(zip(["small", "large", "small"], TURNS, strict=True)):
+            messages.append({"role": "user", "content": text})
+            answer, handoff, usage, headers = ask(server, model, messages)
+            assert answer == expected(model, messages)
+            if turn:
+                assert handoff["status"] == "applied" and headers["x-vsr-kv-transfer-status"] == "applied"
+                assert handoff["from"] == ["small", "large"][turn - 1] and handoff["mapped_tokens"] > 0
+                assert cached(usage) > 0 and handoff["read_tokens"] == usage["prompt_tokens"] - cached(usage)
+            messages.append({"role": "assistant", "content": answer})
+        assert 0 < handoff["mapped_tokens"] < cached(usage)  # back on small: only large's turn was mapped
+        health = httpx.get(server.url + "/health").json()
+        stats = health["prefix_cache"]
+        assert stats["models"]["small"]["hits_own"] >= 1 and stats["models"]["large"]["handoff_candidates"] >= 1
+        assert health["sessions"] == 0 and health["cache_bytes"] == stats["bytes"] > 0
+        scrape = httpx.get(server.url + "/metrics").text
+        assert 'kvhandoff_prefix_cache_bytes{model="small"}' in scrape
+        assert 'kvhandoff_prefix_cache_hits_total{kind="own",model="small"}' in scrape
+
+
+def test_conversations_of_one_user_keep_their_own_caches():
+    with running() as server:
+        first = [{"role": "user", "content": TURNS[0]}]
+        answer = ask(server, "small", first, user="alice")[0]
+        other = [{"role": "user", "content": "A poem about rain, please."}]
+        ask(server, "small", other, user="alice")
+        ask(server, "small", [*other, {"role": "assistant", "content": "no"}, {"role": "user", "content": "Why?"}],
+            user="alice")
+        follow = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": TURNS[1]}]
+        text, handoff, usage, _ = ask(server, "small", follow, user="alice")
+        tokenizer = tiny_family()[0]["small"][1]
+        assert cached(usage) >= len(chat_ids(tokenizer, first)) and handoff["status"] == "none"
+        assert text == expected("small", follow)
+
+
+def test_tenants_share_nothing():
+    """The same prompt from two tenants (users, salts, API keys): the second gets no cached token."""
+    with running(api_key=("key-one", "key-two")) as server:
+        messages = [{"role": "user", "content": TURNS[0]}]
+        one = {"Authorization": "Bearer key-one"}
+        ask(server, "small", messages, one, user="u")
+        assert cached(ask(server, "small", messages, one, user="u")[2]) > 0  # the same tenant: cached
+        assert cached(ask(server, "small", messages, one, user="v")[2]) == 0
+        assert cached(ask(server, "small", messages, one, user="u", cache_salt="s")[2]) == 0
+        assert cached(ask(server, "small", messages, {"Authorization": "Bearer key-two"}, user="u")[2]) == 0
+        # a session key lives inside its tenant: the same X-Session-ID under another key is another session
+        ask(server, "small", messages, {**one, "X-Session-ID": "shared"})
+        _, handoff, usage, _ = ask(server, "large", messages, {"Authorization": "Bearer key-two",
+                                                               "X-Session-ID": "shared"})
+        assert cached(usage) == 0 and handoff["status"] == "none"
+        refused = httpx.post(server.url + "/v1/chat/completions", json={"model": "small", "messages": messages},
+                             headers={"Authorization": "Bearer key-three"}, timeout=30)
+        assert refused.status_code == 401
+
+
+def test_exact_mode_never_serves_mapped_rows():
+    with running() as server:
+        messages = [{"role": "user", "content": TURNS[0]}]
+        answer = ask(server, "small", messages)[0]
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": TURNS[1]}]
+        exact = {"kv_handoff": {"mode": "exact"}}
+        text, handoff, usage, _ = ask(server, "large", messages, **exact)  # large holds nothing of its own
+        assert handoff["status"] == "none" and handoff["mapped_tokens"] == 0 and cached(usage) == 0
+        assert text == expected("large", messages)
+        ask(server, "small", [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "?"}])
+        assert ask(server, "large", messages)[1]["status"] == "none"  # its own exact rows now serve it
+
+
+def test_eviction_keeps_the_cache_in_bounds_and_spares_a_request_in_flight():
+    limit = 60_000
+    with running(cache_memory_bytes=limit) as server:
+        engine = server.engine
+        for index in range(6):
+            ask(server, "small", [{"role": "user", "content": f"Conversation {index}: " + TURNS[0]}])
+            assert engine.prefix_cache.tree.total_bytes() <= limit
+        assert engine.prefix_cache.tree.stats().models["small"].evictions > 0
+
+        messages = [{"role": "user", "content": TURNS[2]}]
+        ask(server, "small", messages)
+        held = []
+        body = {"model": "small", "messages": messages, "max_tokens": 40, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # the request is running: its path pinned
+            engine.prefix_cache.tree.evict(0)
+            held.append(engine.prefix_cache.tree.total_bytes())
+            list(lines)
+        assert held[0] > 0  # the running request's nodes stayed
+        deadline = time.monotonic() + 10
+        while engine.prefix_cache.tree.stats().locked and time.monotonic() < deadline:  # the request lets go
+            time.sleep(0.01)
+        engine.prefix_cache.tree.evict(0)
+        assert engine.prefix_cache.tree.total_bytes() == 0
