@@ -379,7 +379,7 @@ def test_full_server_answers_429_and_503_and_health_while_busy():
     models, _ = tiny_family()
     model, tokenizer = models["small"]
     gated = GatedModel(model, free=0)
-    with running({"m": (gated, tokenizer)}, {}, max_sessions=1, max_queue=1) as server:
+    with running({"m": (gated, tokenizer)}, {}, max_sessions=1, max_queue=1, admission_wait_s=0.2) as server:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
         results = {}
 
@@ -394,17 +394,43 @@ def test_full_server_answers_429_and_503_and_health_while_busy():
         assert health["running"] == 1 and health["sessions"] == 1
         refused = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Session-ID": "b"})
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_sessions"
+        assert refused.headers["retry-after"] == "1"
         queued = threading.Thread(target=post, args=("c",))  # stateless: waits in the queue
         queued.start()
         wait_for(lambda: httpx.get(server.url + "/health").json()["models"]["m"]["queued"] == 1, "a queued request")
         overloaded = httpx.post(server.url + "/v1/chat/completions", json=body)
         assert overloaded.status_code == 503 and overloaded.json()["error"]["type"] == "server_error"
+        assert overloaded.headers["retry-after"] == "1"
         gated.gate.set()
         busy.join(60)
         queued.join(60)
         assert results["a"].status_code == 200 and results["c"].status_code == 200
         assert results["a"].json()["choices"][0]["message"]["content"] == results["c"].json()["choices"][0][
             "message"]["content"]
+
+
+def test_a_new_session_waits_for_a_busy_one_to_end_instead_of_a_429():
+    models, _ = tiny_family()
+    model, tokenizer = models["small"]
+    gated = GatedModel(model, free=0)
+    with running({"m": (gated, tokenizer)}, {}, max_sessions=1, admission_wait_s=30) as server:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+        results = {}
+
+        def post(name):
+            results[name] = httpx.post(server.url + "/v1/chat/completions", json=body,
+                                       headers={"X-Session-ID": name}, timeout=60)
+
+        threads = [threading.Thread(target=post, args=(name,)) for name in ("a", "b")]
+        threads[0].start()
+        wait_for(gated.waiting.is_set, "the worker to be busy")
+        threads[1].start()  # every session busy: b waits for a to end
+        wait_for(lambda: len(server.engine._slot_waiters) == 1, "b to wait for a session")
+        gated.gate.set()
+        for thread in threads:
+            thread.join(60)
+        assert results["a"].status_code == results["b"].status_code == 200
+        assert server.engine.session_count() == 1 and server.engine.session_tokens("b")
 
 
 def test_client_disconnect_mid_stream_cancels_and_keeps_the_session_consistent():

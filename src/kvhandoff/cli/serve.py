@@ -20,7 +20,7 @@ from kvhandoff.cli.options import (
     positive_int,
 )
 from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
-from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs
+from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs, served_names
 from kvhandoff.serving.server import run_server
 from kvhandoff.serving.tools import TOOL_PARSERS
 
@@ -44,11 +44,14 @@ GuardThreshold = Annotated[float | None, typer.Option(help=(
     "`kvhandoff guard-calibrate`; a pair without one serves mapped)"))]
 
 
-def family_specs(models: str, mapper: list[str] | None):
-    """(specs, mapper folders) of the --models / --mapper options, for `load_family`; bad values are reported
-    against those options."""
-    with option_errors("--models", "--mapper"):
+def family_specs(models: str, mapper: list[str] | None, served: str | None = None):
+    """(specs, mapper folders) of the --models / --mapper / --served-model-name options, for `load_family` (the
+    mappers' FROM:TO name the served names); bad values are reported against those options."""
+    with option_errors("--models", "--mapper", "--served-model-name"):
         specs = parse_model_specs(item for item in models.split(",") if item.strip()) or None
+        if served:
+            specs = served_names(specs or {DEFAULT_SOURCE: DEFAULT_SOURCE, DEFAULT_TARGET: DEFAULT_TARGET},
+                                 served.split(","))
         mapper_dirs = parse_mapper_dirs(mapper or [], list(specs) if specs else [DEFAULT_SOURCE, DEFAULT_TARGET])
     return specs, mapper_dirs
 
@@ -56,6 +59,9 @@ def family_specs(models: str, mapper: list[str] | None):
 def serve(
     models: Models = "",
     mapper: Mappers = None,
+    served_model_name: Annotated[str | None, typer.Option(help=(
+        "comma-separated names the models are served under, one per model in the order of --models (clients see "
+        "only these; --mapper's FROM:TO use them)"))] = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(parser=non_negative_int, help="port to listen on")] = 8000,
     guard: GuardSwitch = "on",
@@ -66,6 +72,8 @@ def serve(
     = 1800.0,
     cache_memory: Annotated[int, typer.Option(parser=positive_int, help=(
         "bytes of KV cache across sessions (least recently used sessions evicted past it)"))] = 4 * 1024**3,
+    max_body_bytes: Annotated[int, typer.Option(parser=positive_int, help=(
+        "the largest request body read (past it: 413, before it is read whole)"))] = ServeConfig.max_body_bytes,
     max_context: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "tokens a conversation may reach (default: the hosted models' smallest max_position_embeddings)"))] = None,
     recompute: Recompute = None,
@@ -83,10 +91,10 @@ def serve(
     with option_errors("--host", "--port", "--guard-threshold", "--max-context", "--api-key"):
         config = ServeConfig(host=host, port=port, guard=guard == "on", guard_signal=guard_signal,
                              guard_threshold=guard_threshold, max_sessions=max_sessions, session_ttl_s=session_ttl,
-                             cache_memory_bytes=cache_memory, max_context=max_context, recompute=recompute,
+                             cache_memory_bytes=cache_memory, max_context=max_context,
+                             max_body_bytes=max_body_bytes, recompute=recompute,
                              api_key=tuple(api_key) if api_key else None, open_probes=open_probes,
-                             tool_parser=tool_call_parser,
-                             log_level=log_level)
-    run_server(*load_family(*family_specs(models, mapper), dtype=dtype, progress=True, device_map=device_map),
-               config)
+                             tool_parser=tool_call_parser, log_level=log_level)
+    specs = family_specs(models, mapper, served_model_name)
+    run_server(*load_family(*specs, dtype=dtype, progress=True, device_map=device_map), config)
 

@@ -25,6 +25,7 @@ from kvhandoff.serving.engine import Choice, Engine, Generation, GenerationReque
 from kvhandoff.serving.grammar import GrammarSpec, JsonObject, JsonSchema, ToolCalls
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE, namespace_of
 from kvhandoff.serving.protocol import (
+    LONE_SURROGATE,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -73,6 +74,7 @@ ERROR_STATUS = {
     "overloaded": (503, "server_error"),
     "cancelled": (499, "invalid_request_error"),
     "internal": (500, "server_error"),
+    "shutting_down": (503, "server_error"),
 }
 #: headers naming the session, in the order they are read (before the body's prompt_cache_key)
 SESSION_HEADER = "X-Session-ID"
@@ -87,6 +89,8 @@ CACHE_ID_HEADER = "x-vsr-kv-cache-id"
 #: the router status of each handoff status: "unsupported" where no transfer took part (no switch)
 TRANSFER_STATUS = {"applied": "applied", "fallback": "fallback_reprefill", "reprefill": "fallback_reprefill",
                    "none": "unsupported"}
+#: seconds a client is told to wait before retrying a 429 or 503 (Retry-After)
+RETRY_AFTER_S = 1
 #: routes that answer without the API key when the server opens its probes
 PROBE_PATHS = ("/health", "/metrics")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
@@ -258,17 +262,19 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def install_error_handlers(app: FastAPI, requests) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     """Every failure as an OpenAI-style error object: invalid bodies 400 naming the field, the engine's refusals
-    with their status (`ERROR_STATUS`), unknown routes 404, anything else 500 — counted in ``requests``."""
+    with their status (`ERROR_STATUS`; a 429 or 503 with Retry-After), unknown routes 404, anything else 500."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
-        requests.labels(request.url.path, "400").inc()
-        if first.get("type") == "json_invalid" or tuple(first.get("loc", ())) == ("body",):
+        kind = first.get("type")
+        if kind == "json_invalid" or (tuple(first.get("loc", ())) == ("body",) and kind != LONE_SURROGATE):
             return error_response(400, f"the request body is not a valid JSON object ({first['msg']})",
                                   "invalid_request_error", None, "invalid_json")
+        if kind == LONE_SURROGATE:
+            return error_response(400, first["msg"], "invalid_request_error", first["ctx"]["path"], "invalid_value")
         param = field_path(first.get("loc", ()))
         message = f"{param}: {first['msg']}" if param else f"invalid request: {first['msg']}"
         return error_response(400, message, "invalid_request_error", param, "invalid_value")
@@ -276,8 +282,10 @@ def install_error_handlers(app: FastAPI, requests) -> None:
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError):
         status, kind = ERROR_STATUS[exc.kind]
-        requests.labels(request.url.path, str(status)).inc()
-        return error_response(status, exc.message, kind, exc.param, exc.code)
+        response = error_response(status, exc.message, kind, exc.param, exc.code)
+        if status in (429, 503):
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -287,6 +295,60 @@ def install_error_handlers(app: FastAPI, requests) -> None:
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception):
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error", None, "internal")
+
+
+def install_request_count(app: FastAPI, requests) -> None:
+    """Count every response in ``requests`` by route (its path template; "unmatched" for unknown paths) and
+    status, whatever answered it: a route, an error handler, the API key's check, or a crash (500)."""
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        try:
+            response = await call_next(request)
+        except Exception:
+            requests.labels(route_of(request), "500").inc()
+            raise
+        requests.labels(route_of(request), str(response.status_code)).inc()
+        return response
+
+
+def route_of(request: Request) -> str:
+    route = request.scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
+
+
+class BodyLimit:
+    """Refuse a request body past ``limit`` bytes with 413 before it is read whole: at once by its Content-Length,
+    else as it arrives (a chunked body is cut off at the limit)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send)
+        received = 0
+
+        async def limited():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise StarletteHTTPException(413, self._message())
+            return message
+
+        return await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return (f"the request body is larger than this server takes ({self.limit} bytes); send a shorter "
+                "conversation, or start the server with a larger --max-body-bytes")
+
+    async def _refuse(self, scope, receive, send):
+        response = error_response(413, self._message(), "invalid_request_error", None, "request_too_large")
+        await response(scope, receive, send)
 
 
 def install_api_key(app: FastAPI, engine: Engine) -> None:
@@ -304,7 +366,6 @@ def install_api_key(app: FastAPI, engine: Engine) -> None:
         matches = [hmac.compare_digest(given, key) for key in expected]  # every key compared: no timing by position
         if request.url.path in open_paths or any(matches):
             return await call_next(request)
-        engine.metrics.requests.labels(request.url.path, "401").inc()
         return error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>' with "
                               "the key the server was started with (--api-key)", "invalid_request_error", None,
                               "invalid_api_key")
@@ -347,11 +408,9 @@ async def respond(engine: Engine, request: GenerationRequest, body: SamplingRequ
     headers = headers_of(engine, request, generation, router_cache)
     ident, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
     if body.streams():
-        engine.metrics.requests.labels(path, "200").inc()
         return StreamingResponse(stream(generation, ident, created), media_type="text/event-stream",
                                  headers=headers)
     result = whole(generation, await complete(generation), ident, created)
-    engine.metrics.requests.labels(path, "200").inc()
     return JSONResponse(dump(result), headers=headers)
 
 
@@ -498,8 +557,10 @@ def create_app(engine: Engine) -> FastAPI:
     GET /metrics)."""
     app = FastAPI(title="kvhandoff", version=kvhandoff.__version__)
     app.state.engine = engine
-    install_error_handlers(app, engine.metrics.requests)
+    install_error_handlers(app)
     install_api_key(app, engine)
+    app.add_middleware(BodyLimit, limit=engine.config.max_body_bytes)
+    install_request_count(app, engine.metrics.requests)  # outermost: every response counted
     ignored = UnknownFieldLog()
 
     def card(name: str) -> ModelCard:
@@ -507,7 +568,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return engine.health()
+        return JSONResponse(engine.health(), status_code=503 if engine.draining else 200)
 
     @app.get("/metrics")
     async def metrics():

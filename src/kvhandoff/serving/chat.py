@@ -93,11 +93,17 @@ def render(tokenizer, messages: Sequence[dict], tools: Sequence[Any] | None = No
     (None: `chat_template_of(tokenizer)`), with the generation prompt (unless `add_generation_prompt` is False);
     `tools` the OpenAI tool dicts ({"type": "function", "function": {...}}, or objects with `to_dict()`). The
     template's text is tokenized without adding special tokens again (it writes them itself)."""
+    text = render_text(tokenizer, messages, tools, add_generation_prompt, template)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render_text(tokenizer, messages: Sequence[dict], tools: Sequence[Any] | None = None,
+                add_generation_prompt: bool = True, template: str | None = None) -> str:
+    """The prompt's text as `render` tokenizes it."""
     template = template or chat_template_of(tokenizer)
     tool_dicts = [tool.to_dict() if hasattr(tool, "to_dict") else tool for tool in tools] if tools else None
     try:
-        text = tokenizer.apply_chat_template(template_messages(messages), tools=tool_dicts, chat_template=template,
+        return tokenizer.apply_chat_template(template_messages(messages), tools=tool_dicts, chat_template=template,
                                              add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as exc:  # the template refuses this conversation (role order, a missing field, ...)
         raise ConfigError(f"the chat template cannot render these messages: {exc}") from exc
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

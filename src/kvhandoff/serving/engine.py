@@ -35,7 +35,7 @@ import torch
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.runtime.prefix_store import PrefixStore
 from kvhandoff.runtime.session import SwitchingSession
-from kvhandoff.serving.chat import chat_template_of, render
+from kvhandoff.serving.chat import chat_template_of, render, render_text
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.decoding import Sampler, SamplingParams, end_ids, held_back, stop_index
 from kvhandoff.serving.grammar import GrammarSpec, ToolCalls
@@ -49,7 +49,8 @@ from kvhandoff.serving.tools import tool_parser
 logger = logging.getLogger(__name__)
 
 #: what went wrong with a request (`RequestError.kind`); app.py gives each its HTTP status
-ERROR_KINDS = ("invalid_request", "not_found", "too_long", "too_many_sessions", "overloaded", "cancelled", "internal")
+ERROR_KINDS = ("invalid_request", "not_found", "too_long", "too_many_sessions", "overloaded", "cancelled", "internal",
+               "shutting_down")
 
 
 class RequestError(KVHandoffError):
@@ -179,15 +180,51 @@ def family_template(models) -> str:
     return template
 
 
-def prompt_ids(tokenizer, vocab_size: int, messages=None, prompt=None, tools=None, template=None) -> list[int]:
+#: characters tokenized at a time when a long text is checked against the context window
+LENGTH_CHUNK_CHARS = 1 << 16
+#: tokens a cut between two chunks may add to their count (the tokenizer cannot merge across it)
+CHUNK_CUT_TOKENS = 8
+
+
+def surely_longer(tokenizer, text: str, limit: int, add_special_tokens: bool = True) -> bool:
+    """Whether ``text`` is surely more than ``limit`` tokens: counted a chunk at a time (`LENGTH_CHUNK_CHARS`,
+    each cut allowed `CHUNK_CUT_TOKENS`), stopping once past the limit, so an over-long text is refused without
+    being tokenized whole. False for a text within one chunk: its exact count decides."""
+    if len(text) <= LENGTH_CHUNK_CHARS:
+        return False
+    count = 0
+    for cuts, start in enumerate(range(0, len(text), LENGTH_CHUNK_CHARS)):
+        piece = text[start:start + LENGTH_CHUNK_CHARS]
+        count += len(tokenizer(piece, add_special_tokens=add_special_tokens and not start)["input_ids"])
+        if count - cuts * CHUNK_CUT_TOKENS > limit:
+            return True
+    return False
+
+
+def too_long(field: str, window: int, tokens: int | None = None) -> RequestError:
+    """The refusal of a prompt of ``tokens`` (None: more than the window) past a context of ``window`` tokens."""
+    count = f"{tokens} tokens" if tokens is not None else f"more than {window} tokens"
+    return RequestError("too_long", f"This model's maximum context length is {window} tokens, prompt and answer "
+                        f"together. However, your {field} resulted in {count}. Please reduce the length of the "
+                        f"{field}.", param=field, code="context_length_exceeded")
+
+
+def prompt_ids(tokenizer, vocab_size: int, messages=None, prompt=None, tools=None, template=None,
+               limit: int | None = None) -> list[int]:
     """The token ids a request's model reads: chat ``messages`` (OpenAI-shaped dicts) rendered by the tokenizer's
-    chat template with ``tools``, or a completion ``prompt`` (text, or token ids checked against ``vocab_size``)."""
+    chat template with ``tools``, or a completion ``prompt`` (text, or token ids checked against ``vocab_size``).
+    A text surely past ``limit`` tokens is refused (`too_long`) before it is tokenized whole."""
     if messages is not None:
         try:
-            return render(tokenizer, messages, tools, template=template)
+            text = render_text(tokenizer, messages, tools, template=template)
         except ConfigError as exc:
             raise RequestError("invalid_request", str(exc), param="messages") from exc
+        if limit is not None and surely_longer(tokenizer, text, limit, add_special_tokens=False):
+            raise too_long("messages", limit)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if isinstance(prompt, str):
+        if limit is not None and surely_longer(tokenizer, prompt, limit):
+            raise too_long("prompt", limit)
         return list(tokenizer(prompt)["input_ids"])
     ids = list(prompt or ())
     if any(not 0 <= token < vocab_size for token in ids):
@@ -274,6 +311,12 @@ class Generation:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def abort(self, error: RequestError) -> None:
+        """End the request now with ``error`` (its consumer raises it: a stream ends with an error event) and stop
+        the worker at its next token."""
+        self.cancelled.set()
+        self.post("error", error)
 
 
 class ModelWorker:
@@ -378,6 +421,8 @@ class Engine:
         self.guards: dict[tuple[str, str], GuardPolicy] = guard_policies(config, self._mappers)
         self._announce_guards()
         self._running: set[Generation] = set()  # admitted and not finished
+        self._slot_waiters: list[asyncio.Future] = []  # requests waiting for a session slot (at most max_queue)
+        self.draining = False  # shutting down: no new request is admitted
         self.metrics.track(lambda: len(self._sessions), self.cache_bytes)
         self.metrics.track_prefix_cache(self.prefix_cache.tree.stats)
 
@@ -443,7 +488,7 @@ class Engine:
         """Liveness and load: per model the requests queued, sessions, cache bytes, generations running and those of
         them cancelled (their client went away) that have not stopped yet; per ordered pair ("from → to") its
         quality guard (`GuardPolicy.to_dict`: source "recorded" | "configured" | "none", signal, threshold)."""
-        return {"status": "ok", "models": {name: {"queued": hosted.worker.queued()}
+        return {"status": "draining" if self.draining else "ok", "models": {name: {"queued": hosted.worker.queued()}
                                            for name, hosted in self._models.items()},
                 "guard": {f"{source} → {target}": policy.to_dict()
                           for (source, target), policy in self.guards.items()},
@@ -457,11 +502,26 @@ class Engine:
         for hosted in self._models.values():
             hosted.worker.close()
 
+    def running(self) -> int:
+        """Requests admitted and not finished (safe from any thread)."""
+        return len(self._running)
+
+    def abort_running(self) -> None:
+        """End every running request with a shutting-down error (a stream ends with an error event); from any
+        thread."""
+        error = RequestError("shutting_down", "the server shut down before this answer was finished",
+                             code="shutting_down")
+        for generation in list(self._running):
+            generation.abort(error)
+
     # -- admission (event loop) -----------------------------------------------------------------------------------
     async def start(self, request: GenerationRequest) -> Generation:
         """Admit ``request``; returns its `Generation` once the first token's distribution is known (its report
         set), or raises `RequestError`."""
         arrival = time.perf_counter()
+        if self.draining:
+            raise RequestError("shutting_down", "the server is shutting down; retry against another instance",
+                               code="shutting_down")
         hosted = self.hosted(request.model)
         if request.handoff_mode not in HANDOFF_MODES:
             raise RequestError("invalid_request", f"kv_handoff.mode must be one of {', '.join(HANDOFF_MODES)}, got "
@@ -470,13 +530,10 @@ class Engine:
         if not prompt:
             raise RequestError("invalid_request", "the prompt is empty", param=request.prompt_field)
         if len(prompt) >= self.max_context:
-            raise RequestError("too_long", f"This model's maximum context length is {self.max_context} tokens, prompt "
-                               f"and answer together. However, your {request.prompt_field} resulted in "
-                               f"{len(prompt)} tokens. Please reduce the length of the {request.prompt_field}.",
-                               param=request.prompt_field, code="context_length_exceeded")
+            raise too_long(request.prompt_field, self.max_context, len(prompt))
         limit = self.config.default_max_tokens if request.max_tokens is None else request.max_tokens
         max_new = min(limit, self.max_context - len(prompt))
-        state = self._admit(request.session_id, request.namespace)
+        state = await self._admit_waiting(request.session_id, request.namespace)
         state.pending += 1
         try:
             await state.lock.acquire()
@@ -497,6 +554,27 @@ class Engine:
             generation.cancel()
             raise
         return generation
+
+    async def _admit_waiting(self, session_id: str | None, namespace: str) -> SessionState:
+        """`_admit`; while every session is busy, wait for one to end (up to ``config.admission_wait_s``, at most
+        ``config.max_queue`` requests waiting), then refuse (429)."""
+        deadline = time.monotonic() + self.config.admission_wait_s
+        while True:
+            try:
+                return self._admit(session_id, namespace)
+            except RequestError as exc:
+                left = deadline - time.monotonic()
+                if exc.kind != "too_many_sessions" or left <= 0 or len(self._slot_waiters) >= self.config.max_queue:
+                    raise
+            waiter = asyncio.get_running_loop().create_future()
+            self._slot_waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, left)
+            except TimeoutError:
+                pass
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._slot_waiters.remove(waiter)
 
     def _admit(self, session_id: str | None, namespace: str) -> SessionState:
         now = time.monotonic()
@@ -533,6 +611,9 @@ class Engine:
         state.pending -= 1
         state.last_used = time.monotonic()
         state.lock.release()
+        for waiter in self._slot_waiters:  # a session may have become idle: let them try again
+            if not waiter.done():
+                waiter.set_result(None)
         limit = self.config.cache_memory_bytes
         self.prefix_cache.tree.evict(max(0, limit - self.session_bytes()))
         total = self.cache_bytes()
@@ -548,7 +629,7 @@ class Engine:
         """(prompt ids, one grammar constraint per answer or None) of ``request`` for ``hosted``; what does not fit
         the model (a token id past its vocabulary, a conversation its template refuses) is a `RequestError`."""
         prompt = prompt_ids(hosted.tokenizer, hosted.vocab_size, request.messages, request.prompt, request.tools,
-                            self.chat_template)
+                            self.chat_template, self.max_context)
         try:
             Sampler(request.sampling, hosted.stop_ids, hosted.vocab_size, prompt)
         except ConfigError as exc:

@@ -22,17 +22,29 @@ from kvhandoff.workflow import NamedPair, obtain_mapper, on_source_device
 
 
 def parse_model_specs(items: Iterable[str]) -> dict[str, str]:
-    """``NAME=SPEC`` items → {name: spec}; a bare ``SPEC`` is its own name (e.g. ``qwen2.5-coder:0.5b``)."""
+    """``NAME=SPEC`` items → {name: spec}; a bare ``SPEC`` is its own name (e.g. ``qwen2.5-coder:0.5b``), except a
+    local path, named by its last part (a client never learns where the server keeps its models)."""
     specs: dict[str, str] = {}
     for item in items:
         name, _, spec = item.partition("=") if "=" in item else (item, "", item)
         name, spec = name.strip(), spec.strip()
+        if name == spec and (spec.startswith(("/", ".", "~")) or Path(spec).expanduser().is_dir()):
+            name = Path(spec).expanduser().resolve().name
         if not name or not spec:
             raise ConfigError(f"models: expected NAME=SPEC or SPEC, got {item!r}")
         if name in specs:
             raise ConfigError(f"models: the name {name!r} is given twice")
         specs[name] = spec
     return specs
+
+
+def served_names(specs: dict[str, str], names: Iterable[str]) -> dict[str, str]:
+    """``specs`` under the served ``names`` (vLLM's ``--served-model-name``: one per hosted model, in order)."""
+    names = [name.strip() for name in names]
+    if len(names) != len(specs) or not all(names) or len(set(names)) != len(names):
+        raise ConfigError(f"served model names: give {len(specs)} distinct non-empty names, one per hosted model "
+                          f"in the order of --models ({', '.join(specs)}), got {names}")
+    return dict(zip(names, specs.values(), strict=True))
 
 
 def parse_mapper_dirs(items: Iterable[str], names: Iterable[str]) -> dict[tuple[str, str], Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 #: roles a chat message may have ("developer" reads as "system")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -42,6 +43,45 @@ class Lenient(BaseModel):
     """A request part: unknown fields kept aside (`unknown_fields`) and otherwise ignored."""
 
     model_config = ConfigDict(extra="allow")
+
+
+#: the validation error of a string that is not Unicode (JSON's ``"\ud800"``): a 400 naming the field
+LONE_SURROGATE = "lone_surrogate"
+
+
+def surrogate_path(value, path: str = "") -> str | None:
+    """Where in a parsed JSON ``value`` a string holds a lone UTF-16 surrogate (JSON allows ``"\ud800"``, Unicode
+    text does not), e.g. ``messages[0].content``; None when every string is valid."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and surrogate_path(key) is not None:
+            return path or "body"
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = surrogate_path(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+class RequestBody(Lenient):
+    """A whole request body: any string in it must be valid Unicode (a lone surrogate is refused naming its
+    field, before anything reads it)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_only(cls, value):
+        path = surrogate_path(value)
+        if path is not None:
+            raise PydanticCustomError(LONE_SURROGATE, "{path}: the text holds a lone UTF-16 surrogate (e.g. "
+                                      "\\ud800 without its pair), which is not Unicode; send valid UTF-8 text",
+                                      {"path": path})
+        return value
 
 
 class TextPart(Lenient):
@@ -125,7 +165,7 @@ class HandoffOptions(BaseModel):
     mode: Literal[HANDOFF_MODES] = "auto"
 
 
-class SamplingRequest(Lenient):
+class SamplingRequest(RequestBody):
     """Fields chat and text completions share. None stands for the field's default wherever OpenAI allows null."""
 
     model: str = Field(min_length=1)
@@ -307,7 +347,7 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
 
-class TokenizeRequest(Lenient):
+class TokenizeRequest(RequestBody):
     """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` (the chat template applied)."""
 
     model: str = Field(min_length=1)
@@ -324,7 +364,7 @@ class TokenizeRequest(Lenient):
         return self
 
 
-class DetokenizeRequest(Lenient):
+class DetokenizeRequest(RequestBody):
     model: str = Field(min_length=1)
     tokens: list[StrictInt]
 

@@ -3,6 +3,7 @@ background thread, for tests and notebooks)."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -13,15 +14,47 @@ from kvhandoff.serving.app import create_app
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 
+logger = logging.getLogger(__name__)
+
 
 def run_server(models, mappers, config: ServeConfig = ServeConfig()) -> None:  # noqa: B008 - frozen
     """Serve ``models`` (name → (model, tokenizer)) with ``mappers`` ((from, to) → Mapper, every ordered pair) on
-    ``config.host``:``config.port`` until interrupted."""
+    ``config.host``:``config.port`` until interrupted; SIGTERM or SIGINT drains first (`DrainingServer`)."""
     engine = Engine(models, mappers, config)
     try:
-        uvicorn.run(create_app(engine), host=config.host, port=config.port, log_level=config.log_level)
+        uvicorn_config = uvicorn.Config(create_app(engine), host=config.host, port=config.port,
+                                        log_level=config.log_level)
+        DrainingServer(uvicorn_config, engine).run()
     finally:
         engine.close()
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server that drains at its first SIGTERM or SIGINT: new requests get 503 (``/health`` too, so a
+    balancer stops sending), running ones go on for up to ``config.drain_timeout_s`` seconds and are then ended
+    with an error event, and the process exits. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.engine.draining:
+            super().handle_exit(sig, frame)
+            return
+        self.engine.draining = True
+        logger.info("draining: %d running request(s), new ones refused (503)", self.engine.running())
+        threading.Thread(target=self._drain, name="kvhandoff-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.engine.config.drain_timeout_s
+        while self.engine.running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.engine.running():
+            logger.warning("drain timeout: ending %d running request(s) with an error", self.engine.running())
+            self.engine.abort_running()
+            time.sleep(0.2)  # the error events go out before the connections close
+        self.should_exit = True
 
 
 class RunningServer:
