@@ -322,6 +322,60 @@ def test_malformed_json_and_unknown_routes_get_error_objects(server):
         client_of(server).chat.completions.create(model="small", messages=[{"role": "user", "content": "x"}], n=17)
 
 
+def test_a_lone_surrogate_is_a_400_naming_its_field_and_every_response_is_counted(server):
+    route = "/v1/chat/completions"
+    counted = {status: metric(server, f'kvhandoff_requests_total{{endpoint="{route}",outcome="{status}"}}')
+               for status in ("200", "400")}
+    raw = b'{"model": "small", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
+    response = httpx.post(server.url + route, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content" and "surrogate" in error["message"]
+    completion = httpx.post(server.url + "/v1/completions", content=b'{"model": "small", "prompt": "\\ud800"}',
+                            headers={"content-type": "application/json"})
+    assert completion.status_code == 400 and completion.json()["error"]["param"] == "prompt"
+    httpx.post(server.url + route, json={"model": "small", "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 1})
+    assert metric(server, f'kvhandoff_requests_total{{endpoint="{route}",outcome="400"}}') == counted["400"] + 1
+    assert metric(server, f'kvhandoff_requests_total{{endpoint="{route}",outcome="200"}}') == counted["200"] + 1
+    httpx.get(server.url + "/no/such/route")
+    assert metric(server, 'kvhandoff_requests_total{endpoint="unmatched",outcome="404"}') >= 1
+
+
+def test_a_body_past_the_limit_is_refused_before_it_is_read():
+    with running(max_body_bytes=4096) as server:
+        big = {"model": "small", "messages": [{"role": "user", "content": "x" * 8000}]}
+        response = httpx.post(server.url + "/v1/chat/completions", json=big)
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+        assert "--max-body-bytes" in response.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: cut off as it arrives
+            yield b'{"model": "small", "messages": [{"role": "user", "content": "'
+            for _ in range(20):
+                yield b"y" * 1000
+            yield b'"}]}'
+
+        response = httpx.post(server.url + "/v1/chat/completions", content=chunks(),
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 413
+        assert metric(server, 'kvhandoff_requests_total{endpoint="/v1/chat/completions",outcome="413"}') == 1
+        small = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        assert httpx.post(server.url + "/v1/chat/completions", json=small).status_code == 200
+
+
+def test_an_over_long_text_is_refused_without_its_exact_count(server):
+    from kvhandoff.serving.engine import LENGTH_CHUNK_CHARS
+
+    text = "ab " * LENGTH_CHUNK_CHARS  # several chunks, far past the 512-token window
+    response = httpx.post(server.url + "/v1/completions", json={"model": "small", "prompt": text}, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "more than 512 tokens" in error["message"]
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                          json={"model": "small", "messages": [{"role": "user", "content": text}]})
+    assert response.status_code == 400 and "more than 512 tokens" in response.json()["error"]["message"]
+
+
 def test_field_path_leaves_out_union_tags():
     assert field_path(("body", "messages", 0, "content")) == "messages[0].content"
     assert field_path(("body", "prompt", "list[int]", 2)) == "prompt[2]"

@@ -19,7 +19,14 @@ from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.decoding import SamplingParams
-from kvhandoff.serving.engine import Engine, GenerationRequest, RequestError, common_prefix
+from kvhandoff.serving.engine import (
+    LENGTH_CHUNK_CHARS,
+    Engine,
+    GenerationRequest,
+    RequestError,
+    common_prefix,
+    surely_longer,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,6 +76,22 @@ def test_read_logprobs_reprefill_and_cache_bytes():
         session.reprefill("huge")
     with pytest.raises(ConfigError, match="at least one token"):
         session.read_logprobs("small", [])
+
+
+def test_surely_longer_counts_a_long_text_a_chunk_at_a_time():
+    tokenizer = tiny_family()[0]["small"][1]
+    calls = []
+
+    class Counting:
+        def __call__(self, text, **kwargs):
+            calls.append(len(text))
+            return tokenizer(text, **kwargs)
+
+    long_text = "ab " * (LENGTH_CHUNK_CHARS * 4)
+    assert surely_longer(Counting(), long_text, 512)
+    assert len(calls) == 1 and calls[0] == LENGTH_CHUNK_CHARS  # refused after one chunk, not tokenized whole
+    assert not surely_longer(tokenizer, "ab " * 100, 5)  # within one chunk: the exact count decides
+    assert not surely_longer(tokenizer, long_text, 10**9)
 
 
 def test_common_prefix():

@@ -9,7 +9,7 @@ from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
-from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs
+from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs, served_names
 
 from conftest import random_batches, save_tiny_pair
 
@@ -22,6 +22,17 @@ def test_parse_model_specs():
         parse_model_specs(["a=/x", "a=/y"])
     with pytest.raises(ConfigError, match="NAME=SPEC"):
         parse_model_specs(["a="])
+
+
+def test_a_local_path_is_named_by_its_last_part_and_served_names_rename(tmp_path):
+    (tmp_path / "models" / "coder-small").mkdir(parents=True)
+    local = str(tmp_path / "models" / "coder-small")
+    assert parse_model_specs([local, "hub/org-model"]) == {"coder-small": local, "hub/org-model": "hub/org-model"}
+    specs = parse_model_specs([f"a={local}", DEFAULT_SOURCE])
+    assert served_names(specs, ["small", " large "]) == {"small": local, "large": DEFAULT_SOURCE}
+    for bad in (["only-one"], ["x", "x"], ["x", ""]):
+        with pytest.raises(ConfigError, match="served model names"):
+            served_names(specs, bad)
 
 
 def test_parse_mapper_dirs_splits_names_that_contain_colons():

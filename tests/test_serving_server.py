@@ -33,9 +33,17 @@ def test_serve_config_validates_every_field_by_name():
                        ("guard_signal", "vibes"), ("guard_threshold", "high"), ("guard_threshold", float("nan")),
                        ("guard_window", 0),
                        ("handover", "lazy"), ("exact_prefix", -1), ("log_level", "loud"), ("host", ""),
-                       ("recompute", "sinks:300%")):
+                       ("recompute", "sinks:300%"), ("max_body_bytes", 0), ("admission_wait_s", -1),
+                       ("drain_timeout_s", 0), ("api_key", ""), ("api_key", ("a", "")), ("api_key", ())):
         with pytest.raises(ConfigError, match=field):
             ServeConfig(**{field: bad})
+
+
+def test_serve_config_takes_one_api_key_or_several_and_never_writes_them():
+    assert ServeConfig(api_key="k").api_key == ("k",)
+    config = ServeConfig(api_key=["k1", "k2"])
+    assert config.api_key == ("k1", "k2") and config.to_dict()["api_key"] == "2 set"
+    assert ServeConfig(admission_wait_s=0).admission_wait_s == 0
 
 
 def test_server_in_a_thread_starts_on_a_free_port_and_stops():
@@ -87,3 +95,68 @@ def test_run_server_serves_until_interrupted(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+def test_sigterm_drains_running_streams_refuses_new_requests_and_exits(tmp_path):
+    port = free_port()
+    script = tmp_path / "serve.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from _serving_support import tiny_family
+        from kvhandoff.serving.config import ServeConfig
+        from kvhandoff.serving.server import run_server
+        models, mappers = tiny_family()
+        model = models["small"][0]
+        forward = model.forward
+
+        def slow(*args, **kwargs):  # a decode step long enough to act while the stream runs
+            time.sleep(0.02)
+            return forward(*args, **kwargs)
+
+        model.forward = slow
+        run_server(models, mappers, ServeConfig(port={port}, log_level="warning", drain_timeout_s=60))
+    """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    process = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):  # bounded: up to 60 s for torch to import and the server to start
+            try:
+                httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert process.poll() is None, process.stdout.read().decode()[-2000:]
+                time.sleep(0.1)
+        body = {"model": "small", "prompt": "abc", "max_tokens": 80, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line).startswith("data: ")  # running
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            assert httpx.get(url + "/health", timeout=10).status_code == 503
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)  # it finished
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def test_abort_running_ends_a_stream_with_an_error_event():
+    family, mappers = tiny_family()
+    engine = Engine(family, mappers, ServeConfig(guard=False))
+    with serve_in_thread(engine) as server:
+        body = {"model": "small", "prompt": "abc", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line)
+            engine.abort_running()
+            rest = [line for line in lines if line]
+        assert '"shutting_down"' in rest[-2] and rest[-1] == "data: [DONE]"
