@@ -108,6 +108,21 @@ def test_load_test_runs_switching_conversations_without_errors(tiny_cli, tmp_pat
     assert len(report["requests_log"]) == 12 and report["server_health_after"]["sessions"] == 3
 
 
+def test_load_test_without_a_session_header_still_hands_over(tiny_cli, tmp_path):
+    out = tmp_path / "serve_load.json"
+    result = CliRunner().invoke(app, ["load-test", "--conversations", "2", "--turns", "4", "--max-tokens", "3",
+                                      "--story-chars", "40", "--time-limit", "120", "--no-session-header",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["settings"]["session_header"] is False and report["errors"] == 0 and report["requests"] == 8
+    assert set(report["ttft_by_status"]) == {"none", "applied"}
+    health = report["server_health_after"]
+    assert health["sessions"] == 0 and health["prefix_cache"]["bytes"] > 0
+    later = [entry for entry in report["requests_log"] if entry["turn"] > 0]
+    assert all(entry["handoff"]["read_tokens"] < entry["prompt_tokens"] for entry in later)  # served from caches
+
+
 def test_guard_eval_splits_dev_and_heldout_and_reports_each_signal(tiny_cli, tmp_path):
     out = tmp_path / "serve_guard.json"
     result = CliRunner().invoke(app, ["guard-eval", "--conversations", "4", "--turns", "3", "--max-new-tokens", "3",

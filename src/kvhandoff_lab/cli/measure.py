@@ -101,6 +101,9 @@ def load_test(
         "seconds; no turn starts after it"))] = 900.0,
     story_chars: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "cut each story to this many characters (default: whole stories)"))] = None,
+    session_header: Annotated[bool, typer.Option(help=(
+        "name each conversation by X-Session-ID (--no-session-header: send none, as most clients do; the server "
+        "finds conversations by their tokens)"))] = True,
     guard: GuardSwitch = "off",
     guard_signal: GuardSignal = ServeConfig.guard_signal,
     guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
@@ -112,7 +115,8 @@ def load_test(
     config = _server_config(guard, guard_signal, guard_threshold, recompute)
     family = load_family(*family_specs(models, mapper), progress=True)
     report = run_load_test(*family, config, conversations=conversations, turns=turns, max_tokens=max_tokens,
-                           time_limit_s=time_limit, story_chars=story_chars, out=out)
+                           time_limit_s=time_limit, story_chars=story_chars, out=out,
+                           session_header=session_header)
     _print(load_table(report))
     typer.echo(f"wrote {out}")
     if report["errors"]:

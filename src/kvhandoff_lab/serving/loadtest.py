@@ -4,7 +4,9 @@ Each conversation is a CoQA story with its questions (real text, `workload.coqa_
 the story and the first question, every later turn the next question, each turn streamed with the answers sent
 back as history. The serving model switches every 2 or 3 turns (conversation i: every 2 + i % 2 turns, starting
 with hosted model i % 2), so the server hands conversations over while others decode. All conversations run at
-once (asyncio, one session each); no turn starts after the time limit.
+once (asyncio, one session each, named by the X-Session-ID header; or, with ``session_header`` False, sent as
+most clients send them: no header, the server finding each conversation by its tokens); no turn starts after the
+time limit.
 
 Reported: requests and generated tokens per second of wall time, the time to first token (the client's, to the
 first chunk with content) at p50 / p95 per handoff status, with the server's own milliseconds, errors (and the first
@@ -88,9 +90,9 @@ def peak_rss(seen: Iterable[int | None] = ()) -> int:
 
 
 async def _conversation(http, index: int, models: list[str], texts: list[str], max_tokens: int, deadline: float,
-                        results: list) -> int:
+                        results: list, session_header: bool = True) -> int:
     """Run one conversation's turns (none starts after ``deadline``); returns the turns left out."""
-    session = f"load-{index}-{uuid.uuid4().hex[:8]}"
+    session = f"load-{index}-{uuid.uuid4().hex[:8]}" if session_header else None
     messages: list[dict] = []
     for turn, (model, text) in enumerate(zip(models, texts, strict=True)):
         if time.monotonic() > deadline:
@@ -115,9 +117,10 @@ async def _sample_rss(samples: list[int], stop: asyncio.Event, every_s: float = 
 
 async def load_over_http(url: str, names: list[str], conversations: int = 4, turns: int = 5, max_tokens: int = 16,
                          time_limit_s: float = 900.0, timeout_s: float = 1800.0, dialogues=None,
-                         story_chars: int | None = None) -> dict:
+                         story_chars: int | None = None, session_header: bool = True) -> dict:
     """Run ``conversations`` conversations of ``turns`` turns at once against the server at ``url`` (loopback only);
-    the report (module docstring). ``story_chars``: cut each story to this many characters (small contexts)."""
+    the report (module docstring). ``story_chars``: cut each story to this many characters (small contexts);
+    ``session_header`` False: no request names its session."""
     url = require_loopback(url)
     if conversations < 1 or turns < 1 or max_tokens < 1 or time_limit_s <= 0:
         raise ConfigError("conversations, turns, max_tokens and time_limit_s must be positive")
@@ -134,7 +137,7 @@ async def load_over_http(url: str, names: list[str], conversations: int = 4, tur
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as http:
         sampler = asyncio.create_task(_sample_rss(samples, stop))
         left_out = await asyncio.gather(*(
-            _conversation(http, i, models, texts, max_tokens, started + time_limit_s, results)
+            _conversation(http, i, models, texts, max_tokens, started + time_limit_s, results, session_header)
             for i, (models, texts) in enumerate(plans)))
         wall = time.monotonic() - started
         stop.set()
@@ -143,6 +146,7 @@ async def load_over_http(url: str, names: list[str], conversations: int = 4, tur
     return summarize_load(results, wall, sum(left_out), samples, rss_start, health,
                           {"conversations": conversations, "turns": turns, "max_tokens": max_tokens,
                            "time_limit_s": time_limit_s, "story_chars": story_chars,
+                           "session_header": session_header,
                            "schedules": [models for models, _ in plans],
                            "conversation_ids": [d.id for d in dialogues[:conversations]]})
 
@@ -190,13 +194,15 @@ def summarize_load(results, wall: float, left_out: int, rss_samples: list[int], 
 
 def run_load_test(models, mappers, config: ServeConfig = ServeConfig(),  # noqa: B008 - frozen
                   conversations: int = 4, turns: int = 5, max_tokens: int = 16, time_limit_s: float = 900.0,
-                  dialogues=None, story_chars: int | None = None, out: str | Path | None = None) -> dict:
+                  dialogues=None, story_chars: int | None = None, out: str | Path | None = None,
+                  session_header: bool = True) -> dict:
     """Serve ``models`` on a free loopback port in this process and run the load test against it; writes the report
     to ``out`` (JSON) when given and returns it."""
     engine = Engine(models, mappers, config)
     with serve_in_thread(engine, host="127.0.0.1") as server:
         report = asyncio.run(load_over_http(server.url, list(models), conversations, turns, max_tokens,
-                                            time_limit_s, dialogues=dialogues, story_chars=story_chars))
+                                            time_limit_s, dialogues=dialogues, story_chars=story_chars,
+                                            session_header=session_header))
     report["settings"].update({"guard": config.guard, "guard_signal": config.guard_signal,
                                "guard_threshold": config.guard_threshold, "handover": config.handover,
                                "recompute": config.recompute.spec, "models": list(models)})
