@@ -54,6 +54,33 @@ def test_export_append_and_write_move_rows(model):
     assert not torch.equal(junk.export(4, 8).layers[0].keys, own.layers[0].keys[:, :, 4:8])
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_batched_decode_step_equals_one_step_per_cache(family):
+    """`read_batch` left-pads caches of different lengths into one forward: the logits and every cache's new rows
+    equal those of reading each token on its own cache (≤ 1e-4), and the default (one by one) agrees too."""
+    batch_model = tiny_model(family, layers=2)
+    caches, alone = [], []
+    for length, seed in ((5, 1), (17, 2), (9, 3)):
+        ids = ids_of(tokens=length, seed=seed)
+        for kept in (caches, alone):
+            kept.append(TransformersCache())
+            kept[-1].read(batch_model, ids)
+    tokens = [3, 40, 7]
+    untouched = [cache.copy() for cache in alone]
+    together = TransformersCache.read_batch(batch_model, caches, tokens)
+    apart = torch.cat([cache.read(batch_model, torch.tensor([[token]]), 1)[:, -1]
+                       for cache, token in zip(alone, tokens, strict=True)])
+    assert together.shape == (3, batch_model.config.vocab_size)
+    torch.testing.assert_close(together, apart, atol=1e-4, rtol=0)
+    for mine, theirs in zip(caches, alone, strict=True):
+        assert mine.length == theirs.length
+        for a, b in zip(mine.native.layers, theirs.native.layers, strict=True):
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-4, rtol=0)
+            torch.testing.assert_close(a.values, b.values, atol=1e-4, rtol=0)
+    one_by_one = KVCache.read_batch.__func__(TransformersCache, batch_model, untouched, tokens)
+    torch.testing.assert_close(one_by_one, together, atol=1e-4, rtol=0)
+
+
 def test_truncate_copy_and_storages(model):
     own, _ = prefill(model, ids_of())
     kv = as_kv_cache(own)

@@ -532,10 +532,15 @@ def test_sixteen_concurrent_sessions_answer_as_one_at_a_time(server):
         return answers
 
     alone = [conversation(i, "alone") for i in range(16)]
+    workers = [server.engine.hosted(name).worker for name in ("small", "large")]
+    before = [(worker.steps, worker.batched_reads) for worker in workers]
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda i: conversation(i, "together"), range(16)))
     assert together == alone
     assert len({tuple(a) for a in alone}) > 1  # the conversations differ, so leakage would show
+    steps = sum(worker.steps - done for worker, (done, _) in zip(workers, before, strict=True))
+    reads = sum(worker.batched_reads - done for worker, (_, done) in zip(workers, before, strict=True))
+    assert reads > steps  # concurrent answers shared decode forwards
 
 
 # -- the agent surface: tools, structured output, the sampling fields, log-probs, the tokenizer routes, the key ------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import threading
 
 import pytest
 import torch
@@ -331,3 +332,80 @@ def test_the_family_renders_with_one_template_so_a_switch_keeps_the_whole_histor
             engine.close()
 
     asyncio.run(main())
+
+
+def test_the_worker_batches_decode_steps_and_runs_prefill_chunks_between_them():
+    """Two jobs: A decodes (a `Read` per step), B prefills in chunks (None per chunk), then decodes. A's steps go on
+    between B's chunks, and once both decode, their steps share one forward."""
+    from kvhandoff.serving.engine import ModelWorker, Read
+
+    log, done = [], threading.Event()
+
+    def step(reads):
+        log.append(("step", tuple(read.token for read in reads)))
+        return [torch.zeros(2) for _ in reads]
+
+    def job_a():
+        for token in range(4):
+            yield Read(None, token)
+
+    def job_b():
+        for chunk in range(3):
+            log.append(("chunk", chunk))
+            yield None
+        for token in (10, 11):
+            yield Read(None, token)
+        done.set()
+
+    gate = threading.Event()
+
+    def hold():  # keeps the worker busy until both jobs are queued
+        gate.wait(5)
+        yield None
+
+    worker = ModelWorker("m", max_queue=4, step=step, max_batch=4)
+    worker.submit(hold)
+    worker.submit(job_a)
+    worker.submit(job_b)
+    gate.set()
+    assert done.wait(10)
+    worker.close()
+    chunks = [i for i, event in enumerate(log) if event[0] == "chunk"]
+    assert any(log[i + 1][0] == "step" for i in chunks[:-1])  # A stepped between B's chunks
+    assert ("step", (3, 10)) in log  # one forward for both
+    assert worker.batched_reads > worker.steps
+
+
+def test_read_together_equals_reading_each_session_alone():
+    models, mappers = two_way()
+    sessions, alone = [], []
+    for seed, length in ((4, 12), (5, 20)):
+        ids = torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+        for kept in (sessions, alone):
+            kept.append(SwitchingSession(models, mappers))
+            kept[-1].read_logprobs("small", ids)
+    together = SwitchingSession.read_together("small", [(sessions[0], 7), (sessions[1], 9)])
+    apart = torch.stack([alone[0].read_logprobs("small", [7])[-1], alone[1].read_logprobs("small", [9])[-1]])
+    torch.testing.assert_close(together, apart, atol=1e-4, rtol=0)
+    assert [s.tokens for s in sessions] == [s.tokens for s in alone]
+    assert all(s.own_length("small") == len(s.tokens) for s in sessions)
+    with pytest.raises(ConfigError, match="already be served"):
+        SwitchingSession.read_together("large", [(sessions[0], 1)])
+
+
+def test_a_prompt_read_in_small_chunks_answers_as_one_read():
+    family, mappers = tiny_family()
+    tokenizer = family["small"][1]
+    messages = [{"role": "user", "content": "Tell me a long story about a cat and a dog, please."}]
+
+    async def scenario():
+        engine = Engine(family, mappers, ServeConfig(guard=False, prefill_chunk=4))
+        try:
+            generation = await engine.start(GenerationRequest(model="small", messages=tuple(messages), max_tokens=6,
+                                                              sampling=SamplingParams(temperature=0)))
+            return await generation.text()
+        finally:
+            engine.close()
+
+    reference = reference_answer(family["small"][0], tokenizer, chat_ids(tokenizer, messages), 6)
+    assert asyncio.run(scenario()) == reference

@@ -174,12 +174,21 @@ def test_exact_mode_never_serves_mapped_rows():
         assert ask(server, "large", messages)[1]["status"] == "none"  # its own exact rows now serve it
 
 
+def settle(engine, seconds: float = 10) -> None:
+    """Wait (bounded) until the engine has finished its requests: the answer reaches the client a moment before
+    the request lets go of its nodes and the memory bound is applied."""
+    deadline = time.monotonic() + seconds
+    while (engine.running() or engine.prefix_cache.tree.stats().locked) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_eviction_keeps_the_cache_in_bounds_and_spares_a_request_in_flight():
     limit = 60_000
     with running(cache_memory_bytes=limit) as server:
         engine = server.engine
         for index in range(6):
             ask(server, "small", [{"role": "user", "content": f"Conversation {index}: " + TURNS[0]}])
+            settle(engine)
             assert engine.prefix_cache.tree.total_bytes() <= limit
         assert engine.prefix_cache.tree.stats().models["small"].evictions > 0
 
@@ -195,8 +204,6 @@ def test_eviction_keeps_the_cache_in_bounds_and_spares_a_request_in_flight():
             held.append(engine.prefix_cache.tree.total_bytes())
             list(lines)
         assert held[0] > 0  # the running request's nodes stayed
-        deadline = time.monotonic() + 10
-        while engine.prefix_cache.tree.stats().locked and time.monotonic() < deadline:  # the request lets go
-            time.sleep(0.01)
+        settle(engine)
         engine.prefix_cache.tree.evict(0)
         assert engine.prefix_cache.tree.total_bytes() == 0

@@ -15,12 +15,13 @@ in different engines or contexts each get their own kind. `new_cache` is the def
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn import functional
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -126,6 +127,14 @@ class KVCache(ABC):
         """``model`` reads ``new_ids`` [batch, N] on top of the cache (which grows by N), recomputing the ``pending``
         positions in the same forward; the logits of the last ``logits_to_keep`` new tokens [batch, keep, vocab]."""
 
+    @classmethod
+    def read_batch(cls, model, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:
+        """``model`` reads one more token on each of ``caches`` (one conversation each, all of this kind), each
+        cache extended by it; the logits after each token [n, vocab]. This default reads them one by one; an engine
+        that can batch them into one forward overrides it (a decode step of several requests)."""
+        return torch.cat([cache.read(model, torch.tensor([[token]]), 1)[:, -1] for cache, token
+                          in zip(caches, tokens, strict=True)])
+
     @abstractmethod
     def generate(self, model, input_ids: torch.Tensor,
                  first_read: Callable[[torch.Tensor, int], torch.Tensor] | None = None, **generate_kwargs):
@@ -218,6 +227,35 @@ class TransformersCache(KVCache):
         if out.cache is not self.cache:  # transformers extends the cache in place; a new object would be lost
             self.cache = out.cache
         return out.logits
+
+    @classmethod
+    @torch.inference_mode()
+    def read_batch(cls, model, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:
+        """One forward over every cache: each is left-padded to the longest into one batch (the padding masked out,
+        each row at its own positions), and each cache then appends its row's new K/V."""
+        if len(caches) == 1 or not all(isinstance(cache, TransformersCache) and cache.length for cache in caches):
+            return super().read_batch(model, caches, tokens)
+        lengths = [cache.length for cache in caches]
+        longest = max(lengths)
+
+        def padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([functional.pad(t, (0, 0, longest - t.shape[2], 0)) for t in tensors])
+
+        layers = zip(*(cache.cache.layers for cache in caches), strict=True)
+        batch = cache_of((padded([layer.keys for layer in rows]), padded([layer.values for layer in rows]))
+                         for rows in layers)
+        device = caches[0].device
+        mask = torch.zeros(len(caches), longest + 1, dtype=torch.long, device=device)
+        for row, length in enumerate(lengths):
+            mask[row, longest - length:] = 1
+        out = model(input_ids=torch.tensor([[token] for token in tokens], device=device), cache=batch,
+                    attention_mask=mask, position_ids=torch.tensor([[length] for length in lengths], device=device),
+                    use_cache=True, logits_to_keep=1)
+        grown = out.cache if out.cache is not None else batch
+        for row, cache in enumerate(caches):
+            cache.append(cache_of((layer.keys[row:row + 1, :, longest:], layer.values[row:row + 1, :, longest:])
+                                  for layer in grown.layers))
+        return out.logits[:, -1]
 
     @torch.inference_mode()
     def generate(self, model, input_ids: torch.Tensor,

@@ -247,6 +247,29 @@ class SwitchingSession:
         self.tokens += ids
         return logits[0].float().log_softmax(-1)
 
+    @staticmethod
+    @torch.inference_mode()
+    def read_together(server: str, reads) -> torch.Tensor:
+        """``server`` reads one more token in each of several sessions, in one forward where its engine batches
+        (`KVCache.read_batch`): ``reads`` (session, token id) pairs, ``server`` already the owner of each (no
+        handover pending: a decode step). Returns the float32 log-probs of the token after each [n, vocab]."""
+        reads = list(reads)
+        if not reads:
+            raise ConfigError("read_together needs at least one (session, token) pair")
+        model = reads[0][0].models[server]
+        for session, _ in reads:
+            if session.owner != server or session.models[server] is not model or server not in session._caches:
+                raise ConfigError(f"read_together: every session must already be served by {server} (a decode "
+                                  "step), on the same model")
+            session.rollback(server)
+        caches = [session._caches[server] for session, _ in reads]
+        before = [cache.length for cache in caches]
+        logits = type(caches[0]).read_batch(model, caches, [token for _, token in reads])
+        for (session, token), length in zip(reads, before, strict=True):
+            session._grown(server, length)
+            session.tokens.append(token)
+        return logits.float().log_softmax(-1)
+
     def reprefill_start(self, server: str, keep_own: bool = True) -> int:
         """Where a `reprefill` of ``server`` starts reading: its `own_length` (keep_own; at most all but the last
         token, whose log-probs it returns), else 0."""

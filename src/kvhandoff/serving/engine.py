@@ -20,6 +20,7 @@ state).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -319,13 +320,32 @@ class Generation:
         self.post("error", error)
 
 
-class ModelWorker:
-    """One model's compute thread and its bounded job queue."""
+@dataclass(frozen=True)
+class Read:
+    """A running request's next decode step: ``session`` reads ``token`` on the worker's model (what a request's
+    job yields; the worker sends back the log-probs of the token after it)."""
 
-    def __init__(self, name: str, max_queue: int) -> None:
+    session: SwitchingSession
+    token: int
+
+
+class ModelWorker:
+    """One model's compute thread: a scheduler of the requests it serves, fed by a bounded queue.
+
+    A request's job is a generator: it yields a `Read` when it needs a decode step (the worker sends back that
+    token's log-probs) and None after each chunk of its prefill (the worker may run others meanwhile). Every round
+    the worker admits queued requests (up to ``max_batch`` running), runs one prefill chunk of one preparing
+    request, then one decode step of every request waiting for one, all in one forward (``step``: the reads →
+    log-probs [n, vocab]). So a long prefill delays running answers by a chunk at most, and concurrent answers share
+    their forwards. Jobs report their own errors; the worker never dies.
+    """
+
+    def __init__(self, name: str, max_queue: int, step=None, max_batch: int = 16) -> None:
         self.name = name
-        self.max_queue = max_queue
+        self.max_queue, self.max_batch, self._step = max_queue, max_batch, step
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.steps = 0  # decode forwards run
+        self.batched_reads = 0  # decode steps they served
         self._thread = threading.Thread(target=self._loop, name=f"kvhandoff-{name}", daemon=True)
         self._thread.start()
 
@@ -339,13 +359,48 @@ class ModelWorker:
     def queued(self) -> int:
         return self._jobs.qsize()
 
+    @torch.inference_mode()
     def _loop(self) -> None:
+        preparing: collections.deque = collections.deque()  # jobs between two prefill chunks
+        decoding: list = []  # (job, Read) waiting for a decode step
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            with contextlib.suppress(Exception):  # jobs report their own errors; the worker never dies
-                job()
+            while len(preparing) + len(decoding) < self.max_batch:
+                try:
+                    job = self._jobs.get() if not (preparing or decoding) else self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    return
+                self._resume(job(), lambda running: running.send(None), preparing, decoding)
+            if preparing:
+                self._resume(preparing.popleft(), lambda running: running.send(None), preparing, decoding)
+            if decoding:
+                batch, decoding[:] = list(decoding), []
+                try:
+                    logprobs = self._step([read for _, read in batch])
+                    self.steps, self.batched_reads = self.steps + 1, self.batched_reads + len(batch)
+                except Exception as exc:  # every request of the step gets the error
+                    for running, _ in batch:
+                        self._resume(running, lambda job, exc=exc: job.throw(exc), preparing, decoding)
+                    continue
+                for (running, _), row in zip(batch, logprobs, strict=True):
+                    self._resume(running, lambda job, row=row: job.send(row), preparing, decoding)
+
+    @staticmethod
+    def _resume(job, advance, preparing, decoding) -> None:
+        """Run ``job`` to its next yield (``advance(job)``) and file it by what it yielded; a job that ended is
+        dropped."""
+        try:
+            wants = advance(job)
+        except StopIteration:
+            return
+        except Exception:  # a job that failed past its own error handling: logged, the worker goes on
+            logger.exception("a request's job failed")
+            return
+        if wants is None:
+            preparing.append(job)
+        else:
+            decoding.append((job, wants))
 
     def close(self, timeout: float = 10.0) -> None:
         self._jobs.put(None)
@@ -409,7 +464,8 @@ class Engine:
         self._mappers = dict(mappers)
         self._models = {
             name: HostedModel(name, model, tokenizer, end_ids(model, tokenizer), model.config.vocab_size,
-                              ModelWorker(name, config.max_queue))
+                              ModelWorker(name, config.max_queue, functools.partial(self._decode_step, name),
+                                          config.max_batch))
             for name, (model, tokenizer) in models.items()
         }
         self.chat_template = family_template(models)
@@ -645,23 +701,28 @@ class Engine:
             raise RequestError("invalid_request", str(exc), param=param) from exc
         return prompt, constraints
 
-    def _run(self, state, hosted, prompt, max_new, request, generation, arrival, constraints) -> None:
+    def _decode_step(self, server: str, reads: list[Read]) -> torch.Tensor:
+        """One decode step of several requests on ``server``: log-probs [n, vocab]."""
+        return SwitchingSession.read_together(server, [(read.session, read.token) for read in reads])
+
+    def _run(self, state, hosted, prompt, max_new, request, generation, arrival, constraints):
+        """A request's job on its model's worker (a generator: see `ModelWorker`)."""
         session, checkout = state.session, None
         try:
             if generation.cancelled.is_set():
                 raise RequestError("cancelled", "the client went away before the request was served")
-            with torch.inference_mode():
-                if state.id is None:
-                    checkout = self.prefix_cache.checkout(request.namespace, prompt, hosted.name, session,
-                                                          exact_only=request.handoff_mode == "exact")
-                report, logprobs = self._prepare(session, hosted.name, prompt, request.handoff_mode)
-                self.metrics.record_first_token(report.to_dict(), time.perf_counter() - arrival)
-                if request.echo:
-                    generation.echo = self._echo(hosted, request, prompt)
-                generation.post("ready", report)
-                self._decode(session, hosted, logprobs, prompt, max_new, request, generation, constraints)
-                if checkout is not None:
-                    self.prefix_cache.checkin(checkout, session, report.source)
+            if state.id is None:
+                checkout = self.prefix_cache.checkout(request.namespace, prompt, hosted.name, session,
+                                                      exact_only=request.handoff_mode == "exact")
+            report, logprobs = yield from self._prepare(session, hosted.name, prompt, request.handoff_mode)
+            self.metrics.record_first_token(report.to_dict(), time.perf_counter() - arrival)
+            if request.echo:
+                generation.echo = self._echo(hosted, request, prompt)
+            generation.post("ready", report)
+            yield from self._decode(session, hosted, logprobs, prompt, max_new, request, generation, constraints)
+            if checkout is not None:  # before the answer ends: the client's next turn finds it
+                self.prefix_cache.checkin(checkout, session, report.source)
+            generation.post("end")
         except Exception as exc:  # the session may be half-way through a change: forget it rather than serve stale KV
             with contextlib.suppress(Exception):
                 session.truncate(0)
@@ -676,7 +737,8 @@ class Engine:
     def _prepare(self, session: SwitchingSession, server: str, prompt: list[int], mode: str = "auto"):
         """Bring ``server``'s cache of the session up to ``prompt``; returns (report, log-probs of the next token).
         At a switch with ``mode`` "reprefill" the model re-prefills the whole conversation instead of mapping; with
-        "exact" it re-reads what it does not hold exactly (its own positions of earlier turns are kept)."""
+        "exact" it re-reads what it does not hold exactly (its own positions of earlier turns are kept). A generator:
+        the new tokens are read `config.prefill_chunk` at a time, yielding None between chunks."""
         started = time.perf_counter()
         common = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
         session.truncate(common)
@@ -701,7 +763,7 @@ class Engine:
             keep = policy.window if policy.active else 1
             reference = (reference_logprobs(self._models[previous].model, session.cache(previous), new, keep)
                          if policy.needs_reference else None)
-            logprobs = session.read_logprobs(server, new, keep)
+            logprobs = yield from self._read_chunked(session, server, new, keep)
             if policy.active:
                 score = guard_score(policy.signal, logprobs, reference, new, mapped / common)
                 guard = policy.report(score)
@@ -709,10 +771,20 @@ class Engine:
                     status, kept = "fallback", session.reprefill_start(server)
                     logprobs = session.reprefill(server)[None]
         else:
-            logprobs = session.read_logprobs(server, new)
+            logprobs = yield from self._read_chunked(session, server, new)
         report = HandoffReport(status, source, server, mapped, len(prompt) - kept, kept, len(prompt), guard,
                                round((time.perf_counter() - started) * 1000, 3))
         return report, logprobs[-1]
+
+    def _read_chunked(self, session: SwitchingSession, server: str, new: list[int], keep: int = 1):
+        """``server`` reads ``new`` in chunks of `config.prefill_chunk` (the last one holds at least ``keep``
+        tokens), yielding None after each but the last; returns the log-probs of the last ``keep`` positions."""
+        chunk = self.config.prefill_chunk
+        last = min((len(new) - 1) // chunk * chunk, max(0, len(new) - keep))  # where the last chunk starts
+        for start in range(0, last, chunk):
+            session.read_logprobs(server, new[start:min(start + chunk, last)], 1)
+            yield None
+        return session.read_logprobs(server, new[last:], keep)
 
     def _echo(self, hosted: HostedModel, request: GenerationRequest, prompt: list[int]):
         """(the prompt's text, its log-prob entries): each token under the model's distribution after the tokens
@@ -728,7 +800,7 @@ class Engine:
                     for i in range(1, len(prompt))]
         return text, entries
 
-    def _decode(self, session, hosted, logprobs, prompt, max_new, request, generation, constraints) -> None:
+    def _decode(self, session, hosted, logprobs, prompt, max_new, request, generation, constraints):
         """Each of the request's answers in turn, from the same distribution after the prompt (the session's cache
         rolled back to the prompt between them); stops early when the client goes away."""
         for index in range(request.choices):
@@ -739,15 +811,15 @@ class Engine:
                 params = replace(params, seed=params.seed + index)
             sampler = Sampler(params, hosted.stop_ids, hosted.vocab_size, prompt)
             constraint = constraints[index] if constraints else None
-            if not self._answer(session, hosted, logprobs, len(prompt), max_new, request, generation, index, sampler,
-                                constraint):
+            if not (yield from self._answer(session, hosted, logprobs, len(prompt), max_new, request, generation,
+                                            index, sampler, constraint)):
                 break
-        generation.post("end")
 
     def _answer(self, session, hosted, logprobs, prompt_length, max_new, request, generation, index, sampler,
-                constraint) -> bool:
-        """One answer, token by token on the session's cache: stops at a stop id, a stop string, the end of the
-        grammar, ``max_new`` tokens, or a cancel (then False)."""
+                constraint):
+        """One answer, token by token on the session's cache (a generator yielding each decode step as a `Read`):
+        stops at a stop id, a stop string, the end of the grammar, ``max_new`` tokens, or a cancel (then returns
+        False, else True)."""
         answer: list[int] = []
         entries: list[TokenEntry] = []
         text, sent, finish = "", 0, "length"
@@ -780,7 +852,7 @@ class Engine:
                 finish = "stop"
                 break
             if step + 1 < max_new:
-                logprobs = session.read_logprobs(hosted.name, [token])[-1]
+                logprobs = yield Read(session, token)  # one decode step, batched with the worker's others
         if len(text) > sent:
             generation.post("delta", index, text[sent:], len(answer), entries)
             entries = []
