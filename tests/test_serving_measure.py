@@ -123,6 +123,19 @@ def test_load_test_without_a_session_header_still_hands_over(tiny_cli, tmp_path)
     assert all(entry["handoff"]["read_tokens"] < entry["prompt_tokens"] for entry in later)  # served from caches
 
 
+def test_bench_concurrency_compares_batched_and_one_at_a_time_workers(tiny_cli, tmp_path):
+    out = tmp_path / "concurrency.json"
+    result = CliRunner().invoke(app, ["bench-concurrency", "--levels", "1,3", "--batches", "1,4", "--turns", "2",
+                                      "--max-tokens", "3", "--story-chars", "40", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert [(row["conversations"], row["max_batch"]) for row in report["rows"]] == [(1, 1), (1, 4), (3, 1), (3, 4)]
+    for row in report["rows"]:
+        assert row["errors"] == 0 and row["requests"] == 2 * row["conversations"]
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p95_s"] and row["generated_tokens_per_s"] > 0
+    assert "max_batch 1" in result.output
+
+
 def test_guard_eval_splits_dev_and_heldout_and_reports_each_signal(tiny_cli, tmp_path):
     out = tmp_path / "serve_guard.json"
     result = CliRunner().invoke(app, ["guard-eval", "--conversations", "4", "--turns", "3", "--max-new-tokens", "3",

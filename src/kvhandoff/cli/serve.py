@@ -71,7 +71,12 @@ def serve(
     session_ttl: Annotated[float, typer.Option(parser=positive_float, help="seconds an idle session is kept")]
     = 1800.0,
     cache_memory: Annotated[int, typer.Option(parser=positive_int, help=(
-        "bytes of KV cache across sessions (least recently used sessions evicted past it)"))] = 4 * 1024**3,
+        "bytes of KV cache of the sessions and the prefix cache together (least recently used evicted past "
+        "it)"))] = 4 * 1024**3,
+    max_batch: Annotated[int, typer.Option(parser=positive_int, help=(
+        "requests a model serves at once; their decode steps share one forward"))] = ServeConfig.max_batch,
+    prefill_chunk: Annotated[int, typer.Option(parser=positive_int, help=(
+        "tokens a prompt is read in at a time (running answers step between chunks)"))] = ServeConfig.prefill_chunk,
     max_body_bytes: Annotated[int, typer.Option(parser=positive_int, help=(
         "the largest request body read (past it: 413, before it is read whole)"))] = ServeConfig.max_body_bytes,
     max_context: Annotated[int | None, typer.Option(parser=positive_int, help=(
@@ -92,7 +97,8 @@ def serve(
         config = ServeConfig(host=host, port=port, guard=guard == "on", guard_signal=guard_signal,
                              guard_threshold=guard_threshold, max_sessions=max_sessions, session_ttl_s=session_ttl,
                              cache_memory_bytes=cache_memory, max_context=max_context,
-                             max_body_bytes=max_body_bytes, recompute=recompute,
+                             max_body_bytes=max_body_bytes, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                             recompute=recompute,
                              api_key=tuple(api_key) if api_key else None, open_probes=open_probes,
                              tool_parser=tool_call_parser, log_level=log_level)
     specs = family_specs(models, mapper, served_model_name)

@@ -1,5 +1,5 @@
 """`kvhandoff-lab` command line: tune, eval, eval-render, eval-switch, bench, bench-fit, analyze, bench-serve,
-load-test, guard-eval, bench-agent.
+load-test, bench-concurrency, guard-eval, bench-agent.
 
 The lab's measurements of the product: one module per command group, sharing the product's option parsers
 (`kvhandoff.cli.options`) and its one-line failure reports (`kvhandoff.cli.group`).
@@ -22,6 +22,7 @@ app.command("bench-fit")(bench.bench_fit)
 app.command()(analyze.analyze)
 app.command("bench-serve")(measure.bench_serve)
 app.command("load-test")(measure.load_test)
+app.command("bench-concurrency")(measure.bench_concurrency)
 app.command("guard-eval")(measure.guard_eval)
 app.command("bench-agent")(measure.bench_agent)
 

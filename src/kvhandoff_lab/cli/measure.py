@@ -1,6 +1,7 @@
-"""`bench-serve`, `load-test`, `guard-eval`, `bench-agent`: the server measured over loopback HTTP on real text — time
-to first token at a switch with the handoff vs a re-prefill, concurrent switching conversations, the quality guard's
-AUROC and threshold, and a tool-using agent switching models on GSM8K."""
+"""`bench-serve`, `load-test`, `bench-concurrency`, `guard-eval`, `bench-agent`: the server measured over loopback
+HTTP on real text — time to first token at a switch with the handoff vs a re-prefill, concurrent switching
+conversations (batched and one at a time), the quality guard's AUROC and threshold, and a tool-using agent switching
+models on GSM8K."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from kvhandoff_lab.serving.agent_bench import (
 from kvhandoff_lab.serving.bench import DEFAULT_SERVE_LENGTHS, DIRECTIONS, run_serve_bench, serve_bench_table
 from kvhandoff_lab.serving.client import require_loopback
 from kvhandoff_lab.serving.guard_eval import guard_table, run_guard_eval
-from kvhandoff_lab.serving.loadtest import load_table, run_load_test
+from kvhandoff_lab.serving.loadtest import concurrency_table, load_table, run_concurrency_bench, run_load_test
 
 TimeLimit = Annotated[float | None, typer.Option("--time-limit", parser=positive_float, help=(
     "seconds; no new measurement starts after it"))]
@@ -121,6 +122,36 @@ def load_test(
     typer.echo(f"wrote {out}")
     if report["errors"]:
         typer.echo(f"{report['errors']} request(s) failed: {report['error_messages'][0]}", err=True)
+        raise typer.Exit(1)
+
+
+def bench_concurrency(
+    models: Models = "",
+    mapper: Mappers = None,
+    levels: Annotated[tuple, typer.Option(parser=positive_ints, metavar="LIST", help=(
+        "numbers of concurrent conversations, comma-separated"))] = "1,4,16",
+    batches: Annotated[tuple, typer.Option(parser=positive_ints, metavar="LIST", help=(
+        "worker batch sizes to compare, comma-separated (1: one request at a time per model)"))] = "1,16",
+    turns: Annotated[int, typer.Option(parser=positive_int, help="turns per conversation")] = 2,
+    max_tokens: Annotated[int, typer.Option(parser=positive_int, help="answer length of each request")] = 16,
+    story_chars: Annotated[int | None, typer.Option(parser=positive_int, help=(
+        "cut each story to this many characters (default: whole stories)"))] = None,
+    time_limit: Annotated[float, typer.Option("--time-limit", parser=positive_float, help=(
+        "seconds per run; no turn starts after it"))] = 900.0,
+    recompute: Recompute = None,
+    out: Annotated[Path, typer.Option(help="the report (JSON)")] = Path("runs/serve_concurrency.json"),
+) -> None:
+    """Throughput and time to first token at several numbers of concurrent switching conversations, with the
+    workers batching decode steps and one request at a time, back to back on the same load."""
+    config = _server_config("off", None, None, recompute)
+    family = load_family(*family_specs(models, mapper), progress=True)
+    report = run_concurrency_bench(*family, config, levels=levels, batches=batches, turns=turns,
+                                   max_tokens=max_tokens, story_chars=story_chars, time_limit_s=time_limit, out=out)
+    _print(concurrency_table(report))
+    typer.echo(f"wrote {out}")
+    errors = sum(row["errors"] for row in report["rows"])
+    if errors:
+        typer.echo(f"{errors} request(s) failed", err=True)
         raise typer.Exit(1)
 
 

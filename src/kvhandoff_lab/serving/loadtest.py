@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import platform
 import resource
@@ -226,4 +227,61 @@ def load_table(report: dict):
     for status, row in report["ttft_by_status"].items():
         table.add_row(status, str(row["requests"]), f"{row['ttft_p50_s']:.3f} s", f"{row['ttft_p95_s']:.3f} s",
                       f"{row['server_ms_p50']:.0f}", f"{row['server_ms_p95']:.0f}", f"{row['prompt_tokens_mean']:.0f}")
+    return table
+
+
+CONCURRENCY_FORMAT = "kvhandoff-serve-concurrency/1"
+
+
+def run_concurrency_bench(models, mappers, config: ServeConfig = ServeConfig(),  # noqa: B008 - frozen
+                          levels: Iterable[int] = (1, 4, 16), batches: Iterable[int] = (1, 16), turns: int = 2,
+                          max_tokens: int = 16, story_chars: int | None = None, time_limit_s: float = 900.0,
+                          out: str | Path | None = None) -> dict:
+    """The load test at each number of concurrent conversations in ``levels``, once per worker batch size in
+    ``batches`` (``max_batch`` 1: one request at a time per model), back to back on the same conversations, each on
+    a fresh server: requests and generated tokens per second, time to first token (client) p50 / p95 over all
+    requests. Writes the report to ``out`` (JSON) when given and returns it."""
+    levels, batches = list(levels), list(batches)
+    dialogues = coqa_dialogues(max(levels), min_turns=turns)
+    rows = []
+    for level in levels:
+        for max_batch in batches:
+            engine = Engine(models, mappers, dataclasses.replace(config, max_batch=max_batch))
+            with serve_in_thread(engine, host="127.0.0.1") as server:
+                report = asyncio.run(load_over_http(server.url, list(models), level, turns, max_tokens,
+                                                    time_limit_s, dialogues=dialogues, story_chars=story_chars))
+            ttft = [entry["ttft_s"] if entry["ttft_s"] is not None else entry["first_chunk_s"]
+                    for entry in report["requests_log"] if not entry["error"]]
+            rows.append({"conversations": level, "max_batch": max_batch, "requests": report["requests"],
+                         "errors": report["errors"], "turns_left_out": report["turns_left_out"],
+                         "wall_s": report["wall_s"], "requests_per_s": report["requests_per_s"],
+                         "generated_tokens_per_s": report["generated_tokens_per_s"],
+                         "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
+                         "prompt_tokens": report["prompt_tokens"]})
+    result = {"format": CONCURRENCY_FORMAT, "kvhandoff_version": kvhandoff.__version__,
+              "settings": {"levels": levels, "batches": batches, "turns": turns, "max_tokens": max_tokens,
+                           "story_chars": story_chars, "time_limit_s": time_limit_s, "models": list(models),
+                           "recompute": config.recompute.spec, "prefill_chunk": config.prefill_chunk},
+              "rows": rows,
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                          "torch_threads": torch.get_num_threads()}}
+    if out is not None:
+        atomic_write_json(Path(out), result)
+    return result
+
+
+def concurrency_table(report: dict):
+    """A rich table of the concurrency bench: one row per (conversations, max_batch)."""
+    from rich.table import Table  # rich is only needed to print, not to measure
+
+    settings = report["settings"]
+    table = Table(title=(f"concurrent conversations: {settings['turns']} turns each, {settings['max_tokens']} "
+                         "answer tokens; max_batch 1 = one request at a time per model"))
+    for column in ("conversations", "max_batch", "requests", "errors", "wall s", "req/s", "gen tok/s", "ttft p50",
+                   "ttft p95"):
+        table.add_column(column, justify="right")
+    for row in report["rows"]:
+        table.add_row(str(row["conversations"]), str(row["max_batch"]), str(row["requests"]), str(row["errors"]),
+                      f"{row['wall_s']:.1f}", f"{row['requests_per_s']:.3f}", f"{row['generated_tokens_per_s']:.2f}",
+                      f"{row['ttft_p50_s']:.3f} s", f"{row['ttft_p95_s']:.3f} s")
     return table
