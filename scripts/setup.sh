@@ -76,7 +76,7 @@ except md.PackageNotFoundError:
     sys.exit(1)
 ok = url.rstrip("/") == "file://" + sys.argv[1].rstrip("/")
 ok = ok and all(importlib.util.find_spec(m) for m in ("pytest", "ruff", "importlinter", "openai", "fastapi", "transformers",
-                                                   "lm_eval"))
+                                                   "lm_eval", "schemathesis"))
 sys.exit(0 if ok else 1)
 EOF
 then

@@ -10,13 +10,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import hypothesis
 import jsonschema
 import openai
 import pytest
+import schemathesis
 import torch
 
 from _serving_support import AGENT_CONTEXT, chat_ids, reference_answer, running, tiny_family
-from kvhandoff.serving.app import field_path
+from kvhandoff.serving.app import create_app, field_path
+from kvhandoff.serving.config import ServeConfig
+from kvhandoff.serving.engine import Engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -357,7 +361,7 @@ def test_a_body_past_the_limit_is_refused_before_it_is_read():
 
         response = httpx.post(server.url + "/v1/chat/completions", content=chunks(),
                               headers={"content-type": "application/json"})
-        assert response.status_code == 413
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
         assert metric(server, 'kvhandoff_requests_total{endpoint="/v1/chat/completions",outcome="413"}') == 1
         small = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         assert httpx.post(server.url + "/v1/chat/completions", json=small).status_code == 200
@@ -784,3 +788,66 @@ def test_a_router_naming_the_cache_pins_the_session_and_gets_the_name_back(agent
         model="small", messages=messages, max_tokens=4, temperature=0, extra_headers=headers,
         extra_body={"kv_handoff": {"mode": "reprefill"}})
     assert second.headers["x-kv-handoff"] == "reprefill" and "x-vsr-kv-mapper-id" not in second.headers
+
+
+# -- the OpenAPI document is the contract: schemathesis against a real server -----------------------------------------
+def openapi_document() -> dict:
+    """The app's OpenAPI document, built without serving (the routes do not depend on the engine's state); the
+    schema is read at collection, the live server's URL given to each call."""
+    models, mappers = tiny_family()
+    engine = Engine(models, mappers, ServeConfig(guard=False))
+    try:
+        return create_app(engine).openapi()
+    finally:
+        engine.close()
+
+
+#: rules between fields, or against the model, that a JSON schema cannot state (a prompt or messages on
+#: /tokenize, a tool message's tool_call_id, best_of equal to n, top_logprobs with logprobs, token ids within the
+#: vocabulary, the context window): their 400 is a right answer to a schema-valid request
+SCHEMA_CONFIG = schemathesis.config.SchemathesisConfig.from_dict(
+    {"checks": {"positive_data_acceptance": {"expected-statuses": ["2xx", "400", "404", "429", "503"]}}})
+SCHEMA = schemathesis.openapi.from_dict(openapi_document(), config=SCHEMA_CONFIG)
+
+
+def cheap(case) -> None:
+    """A generated request that reaches a hosted model (tiny token budgets): past the model lookup, quick to run."""
+    body = case.body
+    if isinstance(body, dict):
+        if isinstance(body.get("model"), str) and body["model"]:
+            body["model"] = "small"
+        for key in ("max_tokens", "max_completion_tokens"):
+            if type(body.get(key)) is int and body[key] > 4:
+                body[key] = 4
+        if type(body.get("n")) is int and body["n"] > 2:
+            body["n"] = 2
+
+
+@SCHEMA.parametrize()
+@hypothesis.settings(max_examples=8, deadline=None, database=None, derandomize=True,
+                     suppress_health_check=list(hypothesis.HealthCheck), phases=[hypothesis.Phase.generate])
+def test_the_server_keeps_to_its_openapi_document(case, server):
+    """schemathesis' default checks on every route, bounded (8 generated requests per route, the same each run)."""
+    cheap(case)
+    case.call_and_validate(base_url=server.url, timeout=30)
+
+
+def test_the_openapi_document_states_errors_streams_and_metrics_as_sent(server):
+    for method, path, body in (("POST", "/v1/chat/completions", None),  # no body: 400
+                               ("POST", "/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 1}),
+                               ("POST", "/v1/chat/completions", {"model": "small", "max_tokens": 1, "stream": True,
+                                                                 "messages": [{"role": "user", "content": "hi"}]}),
+                               ("GET", "/metrics", None), ("GET", "/v1/models/nope", None)):
+        operation = SCHEMA[path.replace("/v1/models/nope", "/v1/models/{model_id}")][method]
+        case = operation.Case(body=body) if body is not None else operation.Case()
+        if path.startswith("/v1/models/"):
+            case.path_parameters = {"model_id": "nope"}
+        case.call_and_validate(base_url=server.url, timeout=30)
+    document = SCHEMA.raw_schema
+    assert all("422" not in op["responses"] for ops in document["paths"].values() for op in ops.values())
+    not_allowed = httpx.request("TRACE", server.url + "/health")
+    assert not_allowed.status_code == 405 and not_allowed.headers["allow"] == "GET"
+    lax = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for field, value in (("n", "2"), ("n", True), ("temperature", "0.5"), ("frequency_penalty", False)):
+        assert httpx.post(server.url + "/v1/chat/completions", json={**lax, field: value}).status_code == 400, field
+    assert httpx.post(server.url + "/v1/chat/completions", json={**lax, "max_tokens": 1.0, "n": 1.0}).status_code == 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -63,43 +64,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_run_server_serves_until_interrupted(tmp_path):
+@contextlib.contextmanager
+def server_process(tmp_path, setup: str = "", **settings):
+    """`run_server` of the tiny family in a process of its own on a free port (``setup``: code run on ``models``
+    before it serves; ``settings``: ServeConfig fields); yields (process, url) once /health answers; killed after
+    if still running."""
     port = free_port()
     script = tmp_path / "serve.py"
-    script.write_text(textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(ROOT / "tests")!r})
-        from _serving_support import tiny_family
-        from kvhandoff.serving.config import ServeConfig
-        from kvhandoff.serving.server import run_server
-        models, mappers = tiny_family()
-        run_server(models, mappers, ServeConfig(port={port}, log_level="warning"))
-    """))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    process = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT)
-    try:
-        for _ in range(600):  # bounded: up to 60 s for torch to import and the server to start
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except httpx.TransportError:
-                assert process.poll() is None, process.stdout.read().decode()[-2000:]
-                time.sleep(0.1)
-        assert health.json()["status"] == "ok"
-        body = {"model": "small", "prompt": "abc", "max_tokens": 3, "temperature": 0}
-        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).status_code == 200
-        process.send_signal(signal.SIGINT)
-        assert process.wait(30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
-
-
-def test_sigterm_drains_running_streams_refuses_new_requests_and_exits(tmp_path):
-    port = free_port()
-    script = tmp_path / "serve.py"
+    config = ", ".join(f"{name}={value!r}" for name, value in {"port": port, "log_level": "warning",
+                                                                  **settings}.items())
     script.write_text(textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT / "tests")!r})
@@ -107,16 +80,7 @@ def test_sigterm_drains_running_streams_refuses_new_requests_and_exits(tmp_path)
         from kvhandoff.serving.config import ServeConfig
         from kvhandoff.serving.server import run_server
         models, mappers = tiny_family()
-        model = models["small"][0]
-        forward = model.forward
-
-        def slow(*args, **kwargs):  # a decode step long enough to act while the stream runs
-            time.sleep(0.02)
-            return forward(*args, **kwargs)
-
-        model.forward = slow
-        run_server(models, mappers, ServeConfig(port={port}, log_level="warning", drain_timeout_s=60))
-    """))
+    """) + textwrap.dedent(setup) + f"run_server(models, mappers, ServeConfig({config}))\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     process = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT)
@@ -129,6 +93,38 @@ def test_sigterm_drains_running_streams_refuses_new_requests_and_exits(tmp_path)
             except httpx.TransportError:
                 assert process.poll() is None, process.stdout.read().decode()[-2000:]
                 time.sleep(0.1)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def test_run_server_serves_until_interrupted(tmp_path):
+    with server_process(tmp_path) as (process, url):
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+        body = {"model": "small", "prompt": "abc", "max_tokens": 3, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+
+
+SLOW_SMALL_MODEL = """
+model = models["small"][0]
+forward = model.forward
+
+
+def slow(*args, **kwargs):  # a decode step long enough to act while the stream runs
+    time.sleep(0.02)
+    return forward(*args, **kwargs)
+
+
+model.forward = slow
+"""
+
+
+def test_sigterm_drains_running_streams_refuses_new_requests_and_exits(tmp_path):
+    with server_process(tmp_path, SLOW_SMALL_MODEL, drain_timeout_s=60) as (process, url):
         body = {"model": "small", "prompt": "abc", "max_tokens": 80, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
@@ -142,10 +138,6 @@ def test_sigterm_drains_running_streams_refuses_new_requests_and_exits(tmp_path)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)  # it finished
         assert process.wait(30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
 
 
 def test_abort_running_ends_a_stream_with_an_error_event():

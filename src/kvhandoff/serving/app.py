@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -15,7 +16,8 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvhandoff
@@ -94,6 +96,46 @@ RETRY_AFTER_S = 1
 #: routes that answer without the API key when the server opens its probes
 PROBE_PATHS = ("/health", "/metrics")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
+
+
+#: what each error status of the API means (the OpenAPI document's responses; every body an `ErrorResponse`)
+ERROR_MEANINGS = {
+    400: "an invalid request: a body that is not JSON, a field that is invalid or unsupported (named in `param`), "
+         "a prompt past the context window (code context_length_exceeded)",
+    401: "no valid API key (the server was started with --api-key)",
+    404: "no such model",
+    413: "the request body is larger than --max-body-bytes",
+    429: "every session is busy (retry after Retry-After seconds)",
+    499: "the client went away",
+    500: "an internal error",
+    503: "the model's queue is full, or the server is draining (retry after Retry-After seconds)",
+}
+RETRY_HEADER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
+
+
+def documented(*statuses: int) -> dict:
+    """The OpenAPI responses of ``statuses``: an `ErrorResponse` each, with Retry-After on 429 and 503."""
+    return {status: {"model": ErrorResponse, "description": ERROR_MEANINGS[status],
+                     **({"headers": RETRY_HEADER} if status in (429, 503) else {})} for status in statuses}
+
+
+#: the completion routes: a JSON body, or server-sent events with ``stream``; and every error they may answer
+GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {"schema": {
+                                  "type": "object", "required": ["data"], "properties": {"data": {
+                                      "type": "string", "description": "a JSON chunk, an error object, or [DONE]"}}}}},
+                              "description": "the answer: JSON, or server-sent events with stream"},
+                        **documented(400, 401, 404, 413, 429, 500, 503)}
+
+
+def openapi_of(app: FastAPI) -> dict:
+    """``app``'s OpenAPI document without FastAPI's 422: an invalid body is a 400 here (`install_error_handlers`)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None,
@@ -290,7 +332,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind)
+        code = "request_too_large" if exc.status_code == 413 else None
+        response = error_response(exc.status_code, str(exc.detail), kind, None, code)
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception):
@@ -556,6 +601,7 @@ def create_app(engine: Engine) -> FastAPI:
     GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /version, GET /health,
     GET /metrics)."""
     app = FastAPI(title="kvhandoff", version=kvhandoff.__version__)
+    app.openapi = functools.partial(openapi_of, app)
     app.state.engine = engine
     install_error_handlers(app)
     install_api_key(app, engine)
@@ -566,11 +612,11 @@ def create_app(engine: Engine) -> FastAPI:
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, created=engine.created, max_model_len=engine.max_context)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the server is draining (shutting down)"}})
     async def health():
         return JSONResponse(engine.health(), status_code=503 if engine.draining else 200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         body, content_type = engine.metrics.render()
         return Response(body, media_type=content_type)
@@ -583,12 +629,12 @@ def create_app(engine: Engine) -> FastAPI:
     async def models():
         return dump(ModelList(data=[card(name) for name in engine.model_names()]))
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=documented(404))
     async def model(model_id: str):
         engine.hosted(model_id)
         return dump(card(model_id))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=documented(400, 404, 413))
     async def tokenize(body: TokenizeRequest):
         ignored.note(body)
         messages = None if body.messages is None else [message.template_message() for message in body.messages]
@@ -596,18 +642,18 @@ def create_app(engine: Engine) -> FastAPI:
                                          body.add_generation_prompt, body.add_special_tokens)
         return dump(TokenizeResponse(count=len(tokens), max_model_len=engine.max_context, tokens=tokens))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=documented(400, 404, 413))
     async def detokenize(body: DetokenizeRequest):
         return dump(DetokenizeResponse(prompt=engine.detokenize(body.model, body.tokens)))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         ignored.note(body)
         generation_request, tools = chat_request(body, session_of(request, body),
                                                  tenant_of(request, body, bool(engine.config.api_key)))
         return await respond_chat(engine, generation_request, tools, body, request.headers.get(CACHE_ID_HEADER))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         ignored.note(body)
         generation_request = completion_request(body, session_of(request, body),

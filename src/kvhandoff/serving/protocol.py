@@ -7,9 +7,20 @@ ignored, as OpenAI and vLLM do; `unknown_fields` names them so the server can lo
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 #: roles a chat message may have ("developer" reads as "system")
@@ -27,6 +38,16 @@ MAX_COMPLETION_LOGPROBS = 5
 HANDOFF_MODES = ("auto", "reprefill", "exact")
 
 
+def _whole_number(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+#: an integer as JSON Schema has it: 1.0 is one; true, "2" and 1.5 are not
+JsonInt = Annotated[StrictInt, BeforeValidator(_whole_number)]
+#: a token id: a non-negative integer
+TokenId = Annotated[JsonInt, Field(ge=0)]
+
+
 def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
     """Names of the fields of ``model`` (and of its nested request models) that no model declares."""
     names = [f"{prefix}{name}" for name in (model.model_extra or {})]
@@ -37,6 +58,18 @@ def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
                 where = f"{prefix}{name}[{index}]." if isinstance(value, list) else f"{prefix}{name}."
                 names += unknown_fields(item, where)
     return names
+
+
+# schemas of fields whose rules a validator checks (with a message naming the fix), stated for the OpenAPI document
+STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
+                         {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+                         {"type": "null"}]}
+LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                                "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+                               {"type": "null"}]}
+REFUSED = {"type": "null", "description": "not supported: only null (or leaving it out) is accepted"}
+TEXT_ONLY = {"anyOf": [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1},
+                       {"type": "null"}]}
 
 
 class Lenient(BaseModel):
@@ -169,26 +202,26 @@ class SamplingRequest(RequestBody):
     """Fields chat and text completions share. None stands for the field's default wherever OpenAI allows null."""
 
     model: str = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(default=None, gt=0)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    min_tokens: StrictInt | None = Field(default=None, ge=0)
+    max_tokens: JsonInt | None = Field(default=None, gt=0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: JsonInt | None = Field(default=None, ge=-1)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, le=2.0)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: Annotated[dict[str, StrictFloat] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
+    min_tokens: JsonInt | None = Field(default=None, ge=0)
     ignore_eos: StrictBool | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    seed: StrictInt | None = None
-    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: JsonInt | None = None
+    stop: Annotated[str | list[str] | None, WithJsonSchema(STOP_SCHEMA)] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     prompt_cache_key: str | None = None
     cache_salt: str | None = None
-    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    n: JsonInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
     kv_handoff: HandoffOptions | None = None
 
     @field_validator("stop")
@@ -257,17 +290,17 @@ class ResponseFormat(Lenient):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, gt=0)
+    max_completion_tokens: JsonInt | None = Field(default=None, gt=0)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    functions: list | None = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: list | None = None
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    functions: Annotated[list | None, WithJsonSchema(REFUSED)] = None
+    function_call: Annotated[Any, WithJsonSchema(REFUSED)] = None
+    audio: Annotated[Any, WithJsonSchema(REFUSED)] = None
+    modalities: Annotated[list | None, WithJsonSchema(TEXT_ONLY)] = None
 
     @field_validator("functions", "function_call")
     @classmethod
@@ -307,13 +340,14 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[StrictInt] | list[str] = Field(min_length=1)
+    prompt: str | list[TokenId] | list[str] = Field(min_length=1)
     # OpenAI's default for text completions; 0 with echo scores a prompt without answering
-    max_tokens: StrictInt | None = Field(default=16, ge=0)
+    max_tokens: JsonInt | None = Field(default=16, ge=0)
     echo: StrictBool | None = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    suffix: str | None = None
-    best_of: StrictInt | None = None
+    logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0},
+                                                             {"type": "null"}]})] = None
+    best_of: JsonInt | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -366,7 +400,7 @@ class TokenizeRequest(RequestBody):
 
 class DetokenizeRequest(RequestBody):
     model: str = Field(min_length=1)
-    tokens: list[StrictInt]
+    tokens: list[TokenId]
 
 
 # -- responses ------------------------------------------------------------------------------------------------------
