@@ -1,20 +1,23 @@
-"""The serving engine: sessions, one worker thread per model, handoff decisions and decoding. No HTTP here: the
-routes (`app.py`) turn requests into `GenerationRequest`s and `RequestError`s into status codes.
+"""The serving engine: conversations, one scheduling worker per model, handoff decisions and decoding. No HTTP here:
+the routes (`app.py`) turn requests into `GenerationRequest`s and `RequestError`s into status codes.
 
-A session is one conversation (`SwitchingSession`): its token ids and each model's cache of them. A request names
-a model and brings the whole conversation (chat template applied); the engine finds the longest common token
-prefix with what the session has cached, rolls every cache back to it (an edited or dropped turn is never served
-from stale KV), and the model reads only the rest. When another model served the session last, the conversation
-is handed over: the history is mapped (incrementally: only what this model has not cached), the new turn is read
-by the receiving model itself, and the pair's quality guard (`guard.GuardPolicy`, one per ordered pair, built when
-the engine starts) may reject the mapped cache: the model then re-prefills what it does not hold exactly (its own
-positions of earlier turns are kept, `SwitchingSession.reprefill`).
+A conversation is a `SwitchingSession`: its token ids and each model's cache of them. A request names a model and
+brings the whole conversation (chat template applied). A request that names a session (within its tenant) is served
+on that session: the engine finds the longest common token prefix with what the session has cached, rolls every
+cache back to it (an edited or dropped turn is never served from stale KV), and the model reads only the rest. A
+request that names none is served from the prefix cache (`prefix_cache.PrefixCache`): a fresh session is filled
+with what each model holds of its prompt, and what the request adds is kept there afterwards. Either way, when
+another model served the conversation last (or holds more of it), the conversation is handed over: the history is
+mapped (incrementally: only what this model has not cached), the new turn is read by the receiving model itself,
+and the pair's quality guard (`guard.GuardPolicy`, one per ordered pair, built when the engine starts) may reject
+the mapped cache: the model then re-prefills what it does not hold exactly (its own positions of earlier turns are
+kept, `SwitchingSession.reprefill`).
 
 Threads: the event loop only admits requests and relays events; each model's compute runs on that model's worker
-thread, fed by a bounded queue (a batching engine can replace the worker later). Requests of one session are
-serialised in arrival order by the session's lock, held until its generation ends. The guard's reference pass runs
-the previous model on the receiving model's worker (a forward of the new turn only; eval-mode forwards share no
-state).
+thread (`ModelWorker`), which schedules the requests it holds: their decode steps share one forward, their prompts
+are read in chunks between the steps. Requests of one named session are serialised in arrival order by the
+session's lock, held until its generation ends. The guard's reference pass runs the previous model on the
+receiving model's worker (a forward of the new turn only; eval-mode forwards share no state).
 """
 
 from __future__ import annotations
