@@ -362,7 +362,7 @@ def test_a_body_past_the_limit_is_refused_before_it_is_read():
         response = httpx.post(server.url + "/v1/chat/completions", content=chunks(),
                               headers={"content-type": "application/json"})
         assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
-        assert metric(server, 'kvhandoff_requests_total{endpoint="/v1/chat/completions",outcome="413"}') == 1
+        assert metric(server, 'kvhandoff_requests_total{endpoint="/v1/chat/completions",outcome="413"}') == 2
         small = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         assert httpx.post(server.url + "/v1/chat/completions", json=small).status_code == 200
 

@@ -7,6 +7,7 @@ import asyncio
 import copy
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -346,7 +347,7 @@ def test_the_worker_batches_decode_steps_and_runs_prefill_chunks_between_them():
         return [torch.zeros(2) for _ in reads]
 
     def job_a():
-        for token in range(4):
+        for token in range(8):
             yield Read(None, token)
 
     def job_b():
@@ -371,9 +372,54 @@ def test_the_worker_batches_decode_steps_and_runs_prefill_chunks_between_them():
     assert done.wait(10)
     worker.close()
     chunks = [i for i, event in enumerate(log) if event[0] == "chunk"]
-    assert any(log[i + 1][0] == "step" for i in chunks[:-1])  # A stepped between B's chunks
-    assert ("step", (3, 10)) in log  # one forward for both
+    assert all(log[i + 1][0] == "step" for i in chunks[:-1])  # A stepped after each of B's chunks
+    assert any(event[0] == "step" and 10 in event[1] and len(event[1]) == 2 for event in log)  # one forward for both
     assert worker.batched_reads > worker.steps
+
+
+def test_a_failed_batched_step_is_retried_one_read_at_a_time_and_close_ends_running_jobs():
+    from kvhandoff.serving.engine import ModelWorker, Read
+
+    got, ended = {}, threading.Event()
+
+    def step(reads):
+        if len(reads) > 1 or reads[0].token == 13:
+            raise RuntimeError("no room")
+        return [torch.full((2,), float(reads[0].token))]
+
+    def job(name, token):
+        def run():
+            try:
+                got[name] = yield Read(None, token)
+            except RuntimeError as exc:
+                got[name] = exc
+            yield Read(None, 99) if name == "stuck" else None
+        return run
+
+    def stuck():
+        try:
+            yield Read(None, 1)
+            while True:
+                yield None
+        finally:
+            ended.set()
+
+    gate = threading.Event()
+
+    def hold():
+        gate.wait(5)
+        yield None
+
+    worker = ModelWorker("m", max_queue=8, step=step, max_batch=8)
+    for queued in (hold, job("good", 7), job("bad", 13), stuck):
+        worker.submit(queued)
+    gate.set()
+    deadline = time.monotonic() + 10
+    while len(got) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert float(got["good"][0]) == 7.0 and isinstance(got["bad"], RuntimeError)  # only its own step failed
+    worker.close()
+    assert ended.is_set()  # the job still running was closed: its cleanup ran
 
 
 def test_read_together_equals_reading_each_session_alone():

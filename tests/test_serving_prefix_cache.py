@@ -5,6 +5,7 @@ every switch, tenants kept apart, eviction under the memory bound, nodes of a re
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -14,6 +15,7 @@ from _serving_support import chat_ids, reference_answer, running, tiny_family
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.prefix_cache import PrefixCache
+from kvhandoff.serving.prefix_tree import mapped_from
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,32 +37,55 @@ def ids(count: int, seed: int = 0) -> list[int]:
 
 
 # -- checkout and checkin ------------------------------------------------------------------------------------------
-def test_checkout_restores_what_each_model_holds_and_checkin_keeps_what_was_added():
+def report(status="none", source=None, cached=0):
+    """The parts of an `engine.HandoffReport` a checkin reads."""
+    return SimpleNamespace(status=status, source=source, cached_tokens=cached)
+
+
+def test_checkout_restores_what_serves_and_checkin_keeps_exact_mapped_and_derived_rows():
     cache, tokens = PrefixCache(), ids(40)
     first = new_session()
     out = cache.checkout("t", tokens[:20], "small", first)
-    assert first.tokens == [] and out.started == {}  # a miss: nothing held
+    assert first.tokens == [] and (out.length, out.exact) == (0, 0)  # a miss: nothing held
     first.read_logprobs("small", tokens[:20])
-    cache.checkin(out, first, None)
+    cache.checkin(out, first, report())
     cache.release(out)
     stats = cache.tree.stats()
     assert stats.models["small"].nodes == 1 and stats.locked == 0
 
-    second = new_session()  # the next turn, on the other model: small holds 19 of the prompt's first 29 positions
+    second = new_session()  # the next turn, on the other model: small holds 20 of the prompt's first 29 positions
     out = cache.checkout("t", tokens[:30], "large", second)
     assert second.owner == "small" and second.tokens == tokens[:20] and second.own_length("small") == 20
-    assert out.started == {"small": (20, 20, ())}
+    assert second.cached_length("large") == 0 and out.length == 0
     logprobs = second.read_logprobs("large", tokens[20:30])  # a handoff: small's 20 positions mapped for large
     alone = second.models["large"](input_ids=torch.tensor([tokens[:30]])).logits[0, -1].log_softmax(-1)
     torch.testing.assert_close(logprobs[-1], alone, atol=1e-4, rtol=0)
-    cache.checkin(out, second, "small")
+    cache.checkin(out, second, report("applied", "small", cached=20))
     cache.release(out)
     large = cache.tree.match("t", tokens[:30], "large").own
-    assert (large.length, large.exact, large.sources) == (30, 0, ("small",))  # mapped, then read on top: mapped
+    assert (large.length, large.exact, large.sources, large.mapped_until) == (30, 0, ("small",), 20)
+
+    third = new_session()  # back on small: large's derived rows 20..29 are handed over, its mapped ones are not
+    out = cache.checkout("t", tokens[:36], "small", third)
+    assert third.owner == "large" and third.cached_length("small") == 20 and third.tokens == tokens[:30]
+    assert (out.length, out.exact, out.source) == (20, 20, None)
+    third.read_logprobs("small", tokens[30:36])
+    cache.checkin(out, third, report("applied", "large", cached=30))
+    cache.release(out)
+    small = cache.tree.match("t", tokens[:36], "small").own
+    assert (small.length, small.exact, small.mapped_until) == (36, 20, 30)
+
+    evicted = PrefixCache()  # a model holding only a mapper's output past the asked model's rows hands nothing over
+    evicted.tree.insert("t", tokens[:10], "small", third.export("small", 0, 10))
+    evicted.tree.insert("t", tokens[:20], "large", second.export("large", 0, 20), mapped_from("small"))
+    fourth = new_session()
+    out = evicted.checkout("t", tokens[:25], "small", fourth)
+    assert fourth.owner == "small" and fourth.tokens == tokens[:10]  # its own 10 rows only: no second trip
+    evicted.release(out)
 
     exact = new_session()  # exact only: large's mapped rows are not checked out
     out = cache.checkout("t", tokens[:35], "large", exact, exact_only=True)
-    assert exact.tokens == [] and out.started == {}
+    assert exact.tokens == [] and out.length == 0
     cache.release(out)
     elsewhere = new_session()  # another namespace holds nothing
     out = cache.checkout("u", tokens[:30], "large", elsewhere)
@@ -68,12 +93,24 @@ def test_checkout_restores_what_each_model_holds_and_checkin_keeps_what_was_adde
     cache.release(out)
 
 
+def test_a_failed_checkin_is_logged_and_the_path_still_released(caplog):
+    cache, tokens = PrefixCache(), ids(12, seed=2)
+    session = new_session()
+    out = cache.checkout("t", tokens, "small", session)
+    session.read_logprobs("small", tokens)
+    session.export = None  # the rows cannot be read: the checkin fails
+    cache.checkin(out, session, report())
+    assert "could not be kept" in caplog.text
+    cache.release(out)
+    assert cache.tree.stats().locked == 0
+
+
 def test_a_failed_checkout_leaves_nothing_pinned():
     cache, tokens = PrefixCache(), ids(12, seed=1)
     session = new_session()
     out = cache.checkout("t", tokens, "small", session)
     session.read_logprobs("small", tokens)
-    cache.checkin(out, session, None)
+    cache.checkin(out, session, report())
     cache.release(out)
     busy = new_session()
     busy.read_logprobs("small", tokens[:3])  # restore needs a new session: this one is refused

@@ -167,6 +167,7 @@ def test_exact_only_lookups_never_see_mapped_rows():
         strict.rows("b", 0, 6)
     assert choose_reuse(strict).kind == "own"  # no handoff for an exact-only request, though a holds 8
     assert choose_reuse(strict).own == 3
+    assert loose.hold("c").mapped_until == 8 and loose.own.mapped_until == 6
     # mapped rows are never a handoff's source: c holds all 8, mapped
     assert choose_reuse(tree.match("t", prompt, "b"), sources={"c"}).kind == "own"
 
@@ -204,7 +205,9 @@ def test_namespace_of_joins_the_api_key_user_and_salt():
     assert key.startswith("key:") and "sk-secret" not in key
     assert key != namespace_of(api_key="sk-other")
     everything = namespace_of(api_key="sk-secret", user="u", cache_salt="s")
-    assert "sk-secret" not in everything and everything.startswith(key)
+    assert "sk-secret" not in everything and key in everything
+    assert namespace_of(user="u\nsalt:s") != namespace_of(user="u", cache_salt="s")  # no value passes for two
+    assert namespace_of(user='u", "salt:s') != namespace_of(user="u", cache_salt="s")
     assert len({everything, key, namespace_of(api_key="sk-secret", user="u"), namespace_of(user="u"),
                 namespace_of(user="u", cache_salt="s")}) == 5
     assert namespace_of(cache_salt="u") == "salt:u" != namespace_of(user="u")

@@ -231,31 +231,24 @@ class TransformersCache(KVCache):
     @classmethod
     @torch.inference_mode()
     def read_batch(cls, model, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:
-        """One forward over every cache: each is left-padded to the longest into one batch (the padding masked out,
-        each row at its own positions), and each cache then appends its row's new K/V."""
+        """Caches of similar lengths (the longest at most `PAD_FACTOR` × the shortest) are read in one forward each:
+        left-padded to the group's longest (the padding masked out, each row at its own positions), each cache then
+        appending its row's new K/V. A cache of another kind, or an empty one, is read on its own."""
         if len(caches) == 1 or not all(isinstance(cache, TransformersCache) and cache.length for cache in caches):
             return super().read_batch(model, caches, tokens)
-        lengths = [cache.length for cache in caches]
-        longest = max(lengths)
-
-        def padded(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat([functional.pad(t, (0, 0, longest - t.shape[2], 0)) for t in tensors])
-
-        layers = zip(*(cache.cache.layers for cache in caches), strict=True)
-        batch = cache_of((padded([layer.keys for layer in rows]), padded([layer.values for layer in rows]))
-                         for rows in layers)
-        device = caches[0].device
-        mask = torch.zeros(len(caches), longest + 1, dtype=torch.long, device=device)
-        for row, length in enumerate(lengths):
-            mask[row, longest - length:] = 1
-        out = model(input_ids=torch.tensor([[token] for token in tokens], device=device), cache=batch,
-                    attention_mask=mask, position_ids=torch.tensor([[length] for length in lengths], device=device),
-                    use_cache=True, logits_to_keep=1)
-        grown = out.cache if out.cache is not None else batch
-        for row, cache in enumerate(caches):
-            cache.append(cache_of((layer.keys[row:row + 1, :, longest:], layer.values[row:row + 1, :, longest:])
-                                  for layer in grown.layers))
-        return out.logits[:, -1]
+        order = sorted(range(len(caches)), key=lambda index: caches[index].length)
+        groups: list[list[int]] = []
+        for index in order:
+            if groups and caches[index].length <= PAD_FACTOR * caches[groups[-1][0]].length:
+                groups[-1].append(index)
+            else:
+                groups.append([index])
+        logits: list[torch.Tensor | None] = [None] * len(caches)
+        for group in groups:
+            rows = _padded_read(model, [caches[i] for i in group], [tokens[i] for i in group])
+            for index, row in zip(group, rows, strict=True):
+                logits[index] = row
+        return torch.stack(logits)
 
     @torch.inference_mode()
     def generate(self, model, input_ids: torch.Tensor,
@@ -291,6 +284,35 @@ class TransformersCache(KVCache):
             yield
         finally:
             restore()
+
+
+#: how much longer than the shortest cache of a batched decode step the longest may be (the padding it costs)
+PAD_FACTOR = 2
+
+
+def _padded_read(model, caches: list[TransformersCache], tokens: list[int]) -> torch.Tensor:
+    """One forward over ``caches`` left-padded to the longest; each cache appends its row's new K/V. The logits
+    after each token [n, vocab]."""
+    if len(caches) == 1:
+        return caches[0].read(model, torch.tensor([tokens], device=caches[0].device).T, 1)[:, -1]
+    lengths = torch.tensor([cache.length for cache in caches])
+    longest = int(lengths.max())
+
+    def padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([functional.pad(t, (0, 0, longest - t.shape[2], 0)) for t in tensors])
+
+    layers = zip(*(cache.cache.layers for cache in caches), strict=True)
+    batch = cache_of((padded([layer.keys for layer in rows]), padded([layer.values for layer in rows]))
+                     for rows in layers)
+    device = caches[0].device
+    mask = (torch.arange(longest + 1) >= (longest - lengths)[:, None]).long().to(device)
+    out = model(input_ids=torch.tensor(tokens, device=device)[:, None], cache=batch, attention_mask=mask,
+                position_ids=lengths[:, None].to(device), use_cache=True, logits_to_keep=1)
+    grown = out.cache if out.cache is not None else batch
+    for row, cache in enumerate(caches):
+        cache.append(cache_of((layer.keys[row:row + 1, :, longest:], layer.values[row:row + 1, :, longest:])
+                              for layer in grown.layers))
+    return out.logits[:, -1]
 
 
 def as_kv_cache(cache) -> KVCache:

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 import kvhandoff
 from kvhandoff.errors import ConfigError
@@ -342,24 +343,37 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error", None, "internal")
 
 
-def install_request_count(app: FastAPI, requests) -> None:
-    """Count every response in ``requests`` by route (its path template; "unmatched" for unknown paths) and
-    status, whatever answered it: a route, an error handler, the API key's check, or a crash (500)."""
+class RequestCount:
+    """Count every response in ``requests`` by route (its path template, whether or not the request reached it;
+    "unmatched" for unknown paths) and status, whatever answered it: a route, an error handler, the API key's
+    check, the body limit, or a crash (500). A plain ASGI wrapper of ``send``: streams pass through untouched."""
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
+    def __init__(self, app, requests, routes) -> None:
+        self.app, self.requests, self.routes = app, requests, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
-            response = await call_next(request)
+            await self.app(scope, receive, counted)
         except Exception:
-            requests.labels(route_of(request), "500").inc()
+            self.requests.labels(self._route(scope), str(status or 500)).inc()
             raise
-        requests.labels(route_of(request), str(response.status_code)).inc()
-        return response
+        self.requests.labels(self._route(scope), str(status or 500)).inc()
 
-
-def route_of(request: Request) -> str:
-    route = request.scope.get("route")
-    return getattr(route, "path", None) or "unmatched"
+    def _route(self, scope) -> str:
+        route = scope.get("route")
+        if route is None:
+            route = next((r for r in self.routes if r.matches(scope)[0] == Match.FULL), None)
+        return getattr(route, "path", None) or "unmatched"
 
 
 class BodyLimit:
@@ -444,7 +458,7 @@ def chat_choice(choice: Choice, request: GenerationRequest, tools: ToolSettings,
                       finish_reason=finish, logprobs=logprobs)
 
 
-async def respond(engine: Engine, request: GenerationRequest, body: SamplingRequest, path: str, prefix: str,
+async def respond(engine: Engine, request: GenerationRequest, body: SamplingRequest, prefix: str,
                   stream, whole, router_cache: str | None = None):
     """Run ``request`` and answer it: with ``body.stream`` the events of ``stream(generation, ident, created)``,
     else the JSON of ``whole(generation, choices, ident, created)``; the handoff status, the router vocabulary and
@@ -468,7 +482,7 @@ async def respond_chat(engine: Engine, request: GenerationRequest, tools: ToolSe
                               choices=[chat_choice(choice, request, tools, parser) for choice in choices],
                               usage=usage_of(generation), kv_handoff=handoff_info(generation))
 
-    return await respond(engine, request, body, "/v1/chat/completions", "chatcmpl",
+    return await respond(engine, request, body, "chatcmpl",
                          lambda g, i, c: stream_chat(g, request, tools, parser, body, i, c), whole, router_cache)
 
 
@@ -488,7 +502,7 @@ async def respond_completion(engine: Engine, request: GenerationRequest, body: C
                           choices=[completion_choice(choice, request, generation) for choice in choices],
                           usage=usage_of(generation), kv_handoff=handoff_info(generation))
 
-    return await respond(engine, request, body, "/v1/completions", "cmpl",
+    return await respond(engine, request, body, "cmpl",
                          lambda g, i, c: stream_completion(g, request, body, i, c), whole, router_cache)
 
 
@@ -606,7 +620,7 @@ def create_app(engine: Engine) -> FastAPI:
     install_error_handlers(app)
     install_api_key(app, engine)
     app.add_middleware(BodyLimit, limit=engine.config.max_body_bytes)
-    install_request_count(app, engine.metrics.requests)  # outermost: every response counted
+    app.add_middleware(RequestCount, requests=engine.metrics.requests, routes=app.router.routes)  # outermost
     ignored = UnknownFieldLog()
 
     def card(name: str) -> ModelCard:

@@ -30,28 +30,30 @@ DEFAULT_GUARD_WINDOW = 64
 class ServeConfig:
     """The kvhandoff server (`kvhandoff.serving`): where it listens, its limits, and the quality guard.
 
-    max_sessions: live sessions at once (a new session past it waits up to admission_wait_s seconds for one to end,
-    then is refused with 429). drain_timeout_s: at SIGTERM, how long running requests may go on (new ones get 503)
-    before they are ended with an error. session_ttl_s: an idle session is dropped after this many seconds.
-    cache_memory_bytes: bytes of KV cache held by the sessions and the prefix cache together; past it the prefix
-    cache's least recently used leaves go first, then the least recently used idle sessions (their next request
-    re-prefills). max_context: tokens a conversation may reach, prompt and answer together (None: the smallest
-    `max_position_embeddings` of the hosted models). default_max_tokens: answer length when a request names none.
-    max_queue: requests waiting per model worker (past it: 503). max_batch: requests a model serves at once (their
-    decode steps share one forward; more wait in its queue). prefill_chunk: tokens a prompt is read in at a time, so
-    a long prefill lets running answers step between its chunks. max_body_bytes: the largest request body read (past
-    it: 413, refused before it is read whole). guard: score a mapped cache before it serves and re-prefill when the
-    score exceeds the pair's threshold (False: never, for every pair). Each ordered pair's guard
-    (`guard.GuardPolicy`): a guard_threshold given here is "configured" for every pair (with guard_signal, default
-    `DEFAULT_GUARD_SIGNAL`, and guard_window, default `DEFAULT_GUARD_WINDOW`); without one each pair uses the guard
-    recorded in its mapper's manifest (`kvhandoff guard-calibrate`) — when a guard_signal or guard_window given here
-    differs from the record's, or there is no record, that pair has no guard (its switches serve mapped; said at
-    start-up). api_key: one key or several (stored as a tuple); when set, every request but the probes (``/health``,
-    ``/metrics``, while ``open_probes``) must carry ``Authorization: Bearer <key>`` with one of them, and each key
-    is a tenant of its own (its caches and sessions serve no other key). tool_parser: how tool calls are read out of
-    answers (a name of `tools.TOOL_PARSERS`). handover: as in `SwitchingSession`. exact_prefix / recompute: the
-    handoffs' `HandoffPlan` (`plan`; exact_prefix None: the mapper's own setting); recompute is a `RecomputePolicy`,
-    given as one or as a spec such as "sinks:10%" and stored parsed (None: `DEFAULT_RECOMPUTE`).
+    max_sessions: live sessions at once (a new session past it waits up to admission_wait_s seconds for one to end —
+    at most max_queue requests wait so — then is refused with 429). drain_timeout_s: at SIGTERM or SIGINT, how long
+    running requests may go on (new ones get 503) before they are ended with an error. session_ttl_s: an idle
+    session is dropped after this many seconds. cache_memory_bytes: bytes of KV cache held by the sessions and the
+    prefix cache together (the copies a running request serving from the prefix cache works on are not counted);
+    past it the prefix cache's least recently used leaves go first, then the least recently used idle sessions
+    (their next request re-prefills). max_context: tokens a conversation may reach, prompt and answer together
+    (None: the smallest `max_position_embeddings` of the hosted models). default_max_tokens: answer length when a
+    request names none. max_queue: requests waiting per model worker (past it: 503). max_batch: requests a model
+    serves at once (their decode steps share one forward; more wait in its queue). prefill_chunk: tokens a prompt is
+    read in at a time, so a long prefill lets running answers step between its chunks (a re-prefill is read whole).
+    max_body_bytes: the largest request body read (past it: 413, refused before it is read whole). guard: score a
+    mapped cache before it serves and re-prefill when the score exceeds the pair's threshold (False: never, for
+    every pair). Each ordered pair's guard (`guard.GuardPolicy`): a guard_threshold given here is "configured" for
+    every pair (with guard_signal, default `DEFAULT_GUARD_SIGNAL`, and guard_window, default
+    `DEFAULT_GUARD_WINDOW`); without one each pair uses the guard recorded in its mapper's manifest (`kvhandoff
+    guard-calibrate`) — when a guard_signal or guard_window given here differs from the record's, or there is no
+    record, that pair has no guard (its switches serve mapped; said at start-up). api_key: one key or several
+    (stored as a tuple); when set, every request but the probes (``/health``, ``/metrics``, while ``open_probes``)
+    must carry ``Authorization: Bearer <key>`` with one of them, and each key is a tenant of its own (its caches and
+    sessions serve no other key). tool_parser: how tool calls are read out of answers (a name of
+    `tools.TOOL_PARSERS`). handover: as in `SwitchingSession`. exact_prefix / recompute: the handoffs' `HandoffPlan`
+    (`plan`; exact_prefix None: the mapper's own setting); recompute is a `RecomputePolicy`, given as one or as a
+    spec such as "sinks:10%" and stored parsed (None: `DEFAULT_RECOMPUTE`).
     """
 
     host: str = "127.0.0.1"

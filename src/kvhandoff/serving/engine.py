@@ -26,6 +26,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import inspect
 import logging
 import queue
 import threading
@@ -193,8 +194,9 @@ CHUNK_CUT_TOKENS = 8
 def surely_longer(tokenizer, text: str, limit: int, add_special_tokens: bool = True) -> bool:
     """Whether ``text`` is surely more than ``limit`` tokens: counted a chunk at a time (`LENGTH_CHUNK_CHARS`,
     each cut allowed `CHUNK_CUT_TOKENS`), stopping once past the limit, so an over-long text is refused without
-    being tokenized whole. False for a text within one chunk: its exact count decides."""
-    if len(text) <= LENGTH_CHUNK_CHARS:
+    being tokenized whole. False, uncounted, for a text of at most `LENGTH_CHUNK_CHARS` or 8 × ``limit``
+    characters: its one exact count decides, at about the cost of this one."""
+    if len(text) <= max(LENGTH_CHUNK_CHARS, 8 * limit):
         return False
     count = 0
     for cuts, start in enumerate(range(0, len(text), LENGTH_CHUNK_CHARS)):
@@ -335,12 +337,15 @@ class Read:
 class ModelWorker:
     """One model's compute thread: a scheduler of the requests it serves, fed by a bounded queue.
 
-    A request's job is a generator: it yields a `Read` when it needs a decode step (the worker sends back that
-    token's log-probs) and None after each chunk of its prefill (the worker may run others meanwhile). Every round
-    the worker admits queued requests (up to ``max_batch`` running), runs one prefill chunk of one preparing
-    request, then one decode step of every request waiting for one, all in one forward (``step``: the reads →
-    log-probs [n, vocab]). So a long prefill delays running answers by a chunk at most, and concurrent answers share
-    their forwards. Jobs report their own errors; the worker never dies.
+    A request's job is a callable that returns a generator: it yields a `Read` when it needs a decode step (the
+    worker sends back that token's log-probs) and None after each chunk of its prompt (the worker may run others
+    meanwhile). Every round the worker takes queued jobs (up to ``max_batch`` held at once), runs one piece of one
+    preparing job (its start up to its first chunk, or its next chunk), then one decode step of every job waiting
+    for one, all in one forward (``step``: the reads → log-probs [n, vocab]). Concurrent answers so share their
+    forwards, and a prompt read in chunks lets running answers step between its chunks (a re-prefill, a guard's
+    reference pass and an echo are read whole). A batched step that fails is retried one read at a time, so only a
+    request whose own step fails gets the error. Jobs report their own errors; a job that fails past them is
+    logged, and the worker goes on. `close` ends the jobs it holds (each generator closed: its cleanup runs).
     """
 
     def __init__(self, name: str, max_queue: int, step=None, max_batch: int = 16) -> None:
@@ -364,7 +369,7 @@ class ModelWorker:
 
     @torch.inference_mode()
     def _loop(self) -> None:
-        preparing: collections.deque = collections.deque()  # jobs between two prefill chunks
+        preparing: collections.deque = collections.deque()  # jobs not started, or between two prompt chunks
         decoding: list = []  # (job, Read) waiting for a decode step
         while True:
             while len(preparing) + len(decoding) < self.max_batch:
@@ -373,32 +378,54 @@ class ModelWorker:
                 except queue.Empty:
                     break
                 if job is None:
+                    for running in [*preparing, *(running for running, _ in decoding)]:
+                        if inspect.isgenerator(running):
+                            with contextlib.suppress(Exception):
+                                running.close()
                     return
-                self._resume(job(), lambda running: running.send(None), preparing, decoding)
+                preparing.append(job)
             if preparing:
-                self._resume(preparing.popleft(), lambda running: running.send(None), preparing, decoding)
+                self._resume(preparing.popleft(), None, preparing, decoding)
             if decoding:
                 batch, decoding[:] = list(decoding), []
-                try:
-                    logprobs = self._step([read for _, read in batch])
-                    self.steps, self.batched_reads = self.steps + 1, self.batched_reads + len(batch)
-                except Exception as exc:  # every request of the step gets the error
-                    for running, _ in batch:
-                        self._resume(running, lambda job, exc=exc: job.throw(exc), preparing, decoding)
-                    continue
-                for (running, _), row in zip(batch, logprobs, strict=True):
-                    self._resume(running, lambda job, row=row: job.send(row), preparing, decoding)
+                for (running, _), outcome in zip(batch, self._decode_step([read for _, read in batch]), strict=True):
+                    self._resume(running, outcome, preparing, decoding)
+
+    def _decode_step(self, reads: list[Read]) -> list:
+        """Each read's log-probs from one batched forward; if that fails, from one forward each (an exception in
+        place of the log-probs of a read whose own forward fails)."""
+        try:
+            rows = list(self._step(reads))
+            if len(rows) != len(reads):
+                raise RuntimeError(f"a decode step returned {len(rows)} rows for {len(reads)} reads")
+            self.steps, self.batched_reads = self.steps + 1, self.batched_reads + len(reads)
+            return rows
+        except Exception as exc:
+            if len(reads) == 1:
+                return [exc]
+            logger.warning("a batched decode step of %d requests failed (%s: %s); they step one by one", len(reads),
+                           type(exc).__name__, exc)
+        outcomes = []
+        for read in reads:
+            try:
+                outcomes.append(self._step([read])[0])
+                self.steps, self.batched_reads = self.steps + 1, self.batched_reads + 1
+            except Exception as exc:
+                outcomes.append(exc)
+        return outcomes
 
     @staticmethod
-    def _resume(job, advance, preparing, decoding) -> None:
-        """Run ``job`` to its next yield (``advance(job)``) and file it by what it yielded; a job that ended is
-        dropped."""
+    def _resume(job, value, preparing, decoding) -> None:
+        """Run ``job`` (started first if it is not yet) to its next yield, sending it ``value`` (thrown into it
+        when an exception), and file it by what it yielded; a job that ended is dropped."""
         try:
-            wants = advance(job)
+            if not inspect.isgenerator(job):
+                job = job()
+            wants = job.throw(value) if isinstance(value, BaseException) else job.send(value)
         except StopIteration:
             return
         except Exception:  # a job that failed past its own error handling: logged, the worker goes on
-            logger.exception("a request's job failed")
+            logger.exception("a request's job failed past its own error handling")
             return
         if wants is None:
             preparing.append(job)
@@ -467,7 +494,7 @@ class Engine:
         self._mappers = dict(mappers)
         self._models = {
             name: HostedModel(name, model, tokenizer, end_ids(model, tokenizer), model.config.vocab_size,
-                              ModelWorker(name, config.max_queue, functools.partial(self._decode_step, name),
+                              ModelWorker(name, config.max_queue, functools.partial(self._step, name),
                                           config.max_batch))
             for name, (model, tokenizer) in models.items()
         }
@@ -544,9 +571,11 @@ class Engine:
         return None if state is None else list(state.session.tokens)
 
     def health(self) -> dict:
-        """Liveness and load: per model the requests queued, sessions, cache bytes, generations running and those of
-        them cancelled (their client went away) that have not stopped yet; per ordered pair ("from → to") its
-        quality guard (`GuardPolicy.to_dict`: source "recorded" | "configured" | "none", signal, threshold)."""
+        """Liveness and load: status ("ok", or "draining" while shutting down), per model the requests queued, the
+        named sessions, cache bytes (sessions and prefix cache), generations running and those of them cancelled
+        (their client went away) that have not stopped yet; per ordered pair ("from → to") its quality guard
+        (`GuardPolicy.to_dict`: source "recorded" | "configured" | "none", signal, threshold); the prefix store's
+        and the prefix cache's figures (`prefix_tree.TreeStats`)."""
         return {"status": "draining" if self.draining else "ok", "models": {name: {"queued": hosted.worker.queued()}
                                            for name, hosted in self._models.items()},
                 "guard": {f"{source} → {target}": policy.to_dict()
@@ -558,6 +587,8 @@ class Engine:
                 "cancelling": sum(g.cancelled.is_set() for g in self._running)}
 
     def close(self) -> None:
+        """Stop the workers; requests still running end with a shutting-down error."""
+        self.abort_running()
         for hosted in self._models.values():
             hosted.worker.close()
 
@@ -578,9 +609,7 @@ class Engine:
         """Admit ``request``; returns its `Generation` once the first token's distribution is known (its report
         set), or raises `RequestError`."""
         arrival = time.perf_counter()
-        if self.draining:
-            raise RequestError("shutting_down", "the server is shutting down; retry against another instance",
-                               code="shutting_down")
+        self._refuse_if_draining()
         hosted = self.hosted(request.model)
         if request.handoff_mode not in HANDOFF_MODES:
             raise RequestError("invalid_request", f"kv_handoff.mode must be one of {', '.join(HANDOFF_MODES)}, got "
@@ -592,6 +621,7 @@ class Engine:
             raise too_long(request.prompt_field, self.max_context, len(prompt))
         limit = self.config.default_max_tokens if request.max_tokens is None else request.max_tokens
         max_new = min(limit, self.max_context - len(prompt))
+        self._refuse_if_draining()  # it may have begun while the prompt was built
         state = await self._admit_waiting(request.session_id, request.namespace)
         state.pending += 1
         try:
@@ -614,6 +644,11 @@ class Engine:
             raise
         return generation
 
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise RequestError("shutting_down", "the server is shutting down; retry against another instance",
+                               code="shutting_down")
+
     async def _admit_waiting(self, session_id: str | None, namespace: str) -> SessionState:
         """`_admit`; while every session is busy, wait for one to end (up to ``config.admission_wait_s``, at most
         ``config.max_queue`` requests waiting), then refuse (429)."""
@@ -625,6 +660,7 @@ class Engine:
                 left = deadline - time.monotonic()
                 if exc.kind != "too_many_sessions" or left <= 0 or len(self._slot_waiters) >= self.config.max_queue:
                     raise
+            self._refuse_if_draining()
             waiter = asyncio.get_running_loop().create_future()
             self._slot_waiters.append(waiter)
             try:
@@ -704,7 +740,7 @@ class Engine:
             raise RequestError("invalid_request", str(exc), param=param) from exc
         return prompt, constraints
 
-    def _decode_step(self, server: str, reads: list[Read]) -> torch.Tensor:
+    def _step(self, server: str, reads: list[Read]) -> torch.Tensor:
         """One decode step of several requests on ``server``: log-probs [n, vocab]."""
         return SwitchingSession.read_together(server, [(read.session, read.token) for read in reads])
 
@@ -717,31 +753,38 @@ class Engine:
             if state.id is None:
                 checkout = self.prefix_cache.checkout(request.namespace, prompt, hosted.name, session,
                                                       exact_only=request.handoff_mode == "exact")
-            report, logprobs = yield from self._prepare(session, hosted.name, prompt, request.handoff_mode)
+            report, logprobs = yield from self._prepare(session, hosted.name, prompt, request.handoff_mode,
+                                                        generation.cancelled)
             self.metrics.record_first_token(report.to_dict(), time.perf_counter() - arrival)
             if request.echo:
                 generation.echo = self._echo(hosted, request, prompt)
             generation.post("ready", report)
             yield from self._decode(session, hosted, logprobs, prompt, max_new, request, generation, constraints)
             if checkout is not None:  # before the answer ends: the client's next turn finds it
-                self.prefix_cache.checkin(checkout, session, report.source)
+                self.prefix_cache.checkin(checkout, session, report)
             generation.post("end")
-        except Exception as exc:  # the session may be half-way through a change: forget it rather than serve stale KV
-            with contextlib.suppress(Exception):
-                session.truncate(0)
+        except Exception as exc:
+            if not (isinstance(exc, RequestError) and exc.kind == "cancelled"):  # a cancel leaves the session whole
+                with contextlib.suppress(Exception):  # it may be half-way through a change: forgotten, never stale
+                    session.truncate(0)
             error = exc if isinstance(exc, RequestError) else RequestError("internal", f"{type(exc).__name__}: {exc}")
             generation.post("error", error)
         finally:
             if checkout is not None:
-                self.prefix_cache.release(checkout)
+                try:
+                    self.prefix_cache.release(checkout)
+                except Exception:
+                    logger.exception("prefix cache: a request's path could not be released")
             state.bytes = session.cache_bytes() if state.id is not None else 0
             generation.call_soon(functools.partial(self._finish, state, generation))
 
-    def _prepare(self, session: SwitchingSession, server: str, prompt: list[int], mode: str = "auto"):
+    def _prepare(self, session: SwitchingSession, server: str, prompt: list[int], mode: str = "auto",
+                 cancelled: threading.Event | None = None):
         """Bring ``server``'s cache of the session up to ``prompt``; returns (report, log-probs of the next token).
         At a switch with ``mode`` "reprefill" the model re-prefills the whole conversation instead of mapping; with
         "exact" it re-reads what it does not hold exactly (its own positions of earlier turns are kept). A generator:
-        the new tokens are read `config.prefill_chunk` at a time, yielding None between chunks."""
+        the new tokens are read `config.prefill_chunk` at a time, yielding None between chunks; a ``cancelled`` set
+        meanwhile stops it there (`RequestError` "cancelled"). Re-prefills are read in one forward."""
         started = time.perf_counter()
         common = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
         session.truncate(common)
@@ -766,7 +809,7 @@ class Engine:
             keep = policy.window if policy.active else 1
             reference = (reference_logprobs(self._models[previous].model, session.cache(previous), new, keep)
                          if policy.needs_reference else None)
-            logprobs = yield from self._read_chunked(session, server, new, keep)
+            logprobs = yield from self._read_chunked(session, server, new, keep, cancelled)
             if policy.active:
                 score = guard_score(policy.signal, logprobs, reference, new, mapped / common)
                 guard = policy.report(score)
@@ -774,19 +817,23 @@ class Engine:
                     status, kept = "fallback", session.reprefill_start(server)
                     logprobs = session.reprefill(server)[None]
         else:
-            logprobs = yield from self._read_chunked(session, server, new)
+            logprobs = yield from self._read_chunked(session, server, new, 1, cancelled)
         report = HandoffReport(status, source, server, mapped, len(prompt) - kept, kept, len(prompt), guard,
                                round((time.perf_counter() - started) * 1000, 3))
         return report, logprobs[-1]
 
-    def _read_chunked(self, session: SwitchingSession, server: str, new: list[int], keep: int = 1):
+    def _read_chunked(self, session: SwitchingSession, server: str, new: list[int], keep: int = 1,
+                      cancelled: threading.Event | None = None):
         """``server`` reads ``new`` in chunks of `config.prefill_chunk` (the last one holds at least ``keep``
-        tokens), yielding None after each but the last; returns the log-probs of the last ``keep`` positions."""
+        tokens), yielding None after each but the last, and stopping there when ``cancelled`` is set; returns the
+        log-probs of the last ``keep`` positions."""
         chunk = self.config.prefill_chunk
         last = min((len(new) - 1) // chunk * chunk, max(0, len(new) - keep))  # where the last chunk starts
         for start in range(0, last, chunk):
             session.read_logprobs(server, new[start:min(start + chunk, last)], 1)
             yield None
+            if cancelled is not None and cancelled.is_set():
+                raise RequestError("cancelled", "the client went away while its prompt was read")
         return session.read_logprobs(server, new[last:], keep)
 
     def _echo(self, hosted: HostedModel, request: GenerationRequest, prompt: list[int]):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+import json
 import logging
 import threading
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -40,9 +41,11 @@ from kvhandoff.runtime.seam import rows_of
 
 logger = logging.getLogger(__name__)
 
-#: what a model's rows are: its own ("exact": computed by the model on its own exact prefix) or "mapped" (from
-#: another model's K/V by a mapper, or computed on top of such rows: approximate)
-PROVENANCES = ("exact", "mapped")
+#: what a model's rows are: its own ("exact": computed by the model on its own exact prefix), "mapped" (a mapper's
+#: output from another model's K/V) or "derived" (computed by the model itself on top of mapped rows). Mapped and
+#: derived rows are approximate; derived rows may be a handoff's source, mapped ones never (no position makes two
+#: trips through mappers)
+PROVENANCES = ("exact", "mapped", "derived")
 
 #: what `choose_reuse` decides for a request (`Reuse.kind`)
 REUSE_KINDS = ("own", "handoff", "miss")
@@ -106,7 +109,8 @@ SEAM_ROWS = SeamRows()
 # -- provenance, namespaces -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Provenance:
-    """Where a model's rows come from: ``kind`` "exact" (its own), or "mapped" from ``source``'s (a model name)."""
+    """Where a model's rows come from: ``kind`` "exact" (its own), "mapped" from ``source``'s (a model name), or
+    "derived": computed on top of rows mapped from ``source``'s."""
 
     kind: str = "exact"
     source: str | None = None
@@ -116,8 +120,8 @@ class Provenance:
             raise ConfigError(f"provenance must be one of {', '.join(PROVENANCES)}, got {self.kind!r}")
         if self.kind == "exact" and self.source is not None:
             raise ConfigError(f"exact rows have no source model, got source {self.source!r}")
-        if self.kind == "mapped":
-            _name(self.source, "a mapped provenance's source model")
+        if self.kind != "exact":
+            _name(self.source, f"a {self.kind} provenance's source model")
 
     @property
     def exact(self) -> bool:
@@ -128,16 +132,22 @@ EXACT = Provenance()
 
 
 def mapped_from(source: str) -> Provenance:
-    """The provenance of rows mapped from ``source``'s K/V (or computed on top of such rows)."""
+    """The provenance of rows a mapper made from ``source``'s K/V."""
     return Provenance("mapped", source)
+
+
+def derived_from(source: str) -> Provenance:
+    """The provenance of rows a model computed itself on top of rows mapped from ``source``'s K/V."""
+    return Provenance("derived", source)
 
 
 def namespace_of(api_key: str | None = None, user: str | None = None, cache_salt: str | None = None,
                  default: str = DEFAULT_NAMESPACE) -> str:
-    """The namespace of a request's cached prefixes: every tenant mark it carries, joined — its API key (hashed:
-    the tree never holds a key), its ``user``, its ``cache_salt`` — so a user under a key is a tenant of its own and
-    a salt splits any of them further; ``default`` (the server's) when it carries none. Each kind has its own
-    prefix, so a user named like a salt shares nothing with it."""
+    """The namespace of a request's cached prefixes: every tenant mark it carries — its API key (hashed: the tree
+    never holds a key), its ``user``, its ``cache_salt`` — so a user under a key is a tenant of its own and a salt
+    splits any of them further; ``default`` (the server's) when it carries none. Each kind has its own prefix, so a
+    user named like a salt shares nothing with it, and several marks are joined as a JSON list, so no value can
+    pass for two."""
     for value, what in ((api_key, "api_key"), (user, "user"), (cache_salt, "cache_salt")):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{what} must be a string, got {type(value).__name__}")
@@ -148,7 +158,9 @@ def namespace_of(api_key: str | None = None, user: str | None = None, cache_salt
         parts.append("user:" + user)
     if cache_salt:
         parts.append("salt:" + cache_salt)
-    return "\n".join(parts) if parts else _name(default, "the default namespace")
+    if len(parts) > 1:
+        return json.dumps(parts)
+    return parts[0] if parts else _name(default, "the default namespace")
 
 
 # -- results ----------------------------------------------------------------------------------------------------------
@@ -176,12 +188,14 @@ class PrefixHandle:
 @dataclass(frozen=True)
 class Hold:
     """What one model holds of a prompt: positions 0..``length`` − 1, the first ``exact`` of them its own K/V and
-    the rest mapped (``sources``: the models they were mapped from)."""
+    the rest mapped or derived (``sources``: the models they were mapped from); ``mapped_until``: where its last run
+    of a mapper's output ends (0: none), so its rows from there on may be handed over."""
 
     model: str
     length: int = 0
     exact: int = 0
     sources: tuple[str, ...] = ()
+    mapped_until: int = 0
     # (start position, positions used, the node's segments) along the path, captured at the match
     parts: tuple = field(default=(), repr=False, compare=False)
     ops: RowOps | None = field(default=None, repr=False, compare=False)
@@ -189,6 +203,13 @@ class Hold:
     @property
     def mapped(self) -> bool:
         return self.length > self.exact
+
+    def transferable(self, start: int) -> int:
+        """How far this model's rows from position ``start`` on may be handed over to another model: to its end when
+        no mapper's output lies past ``start``, else to the end of its exact rows (``start`` when none)."""
+        if self.mapped_until <= start:
+            return self.length
+        return max(start, self.exact)
 
 
 @dataclass(frozen=True)
@@ -252,11 +273,11 @@ class Reuse:
 
 def choose_reuse(match: PrefixMatch, *, limit: int | None = None, sources: Collection[str] | None = None,
                  min_gain: int = 1) -> Reuse:
-    """The reuse of ``match``: a handoff when a model in ``sources`` (None: any) holds an exact prefix at least
-    ``min_gain`` positions longer than what the model itself holds, else its own rows, else a miss. Prefixes are
-    capped at ``limit`` positions (e.g. the prompt's length − 1: the last token is read for its logits). Mapped rows
-    are never a handoff's source (no position makes two trips through mappers) and an exact-only match never hands
-    off (the mapped rows would serve it)."""
+    """The reuse of ``match``: a handoff when a model in ``sources`` (None: any) holds, past what the model itself
+    holds, at least ``min_gain`` positions it may hand over (its exact or derived rows: `Hold.transferable`), else
+    its own rows, else a miss. Prefixes are capped at ``limit`` positions (e.g. the prompt's length − 1: the last
+    token is read for its logits). A mapper's output is never a handoff's source (no position makes two trips
+    through mappers) and an exact-only match never hands off (the mapped rows would serve it)."""
     cap = match.tokens if limit is None else limit
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
         raise ConfigError(f"limit must be a non-negative integer, got {limit!r}")
@@ -264,7 +285,7 @@ def choose_reuse(match: PrefixMatch, *, limit: int | None = None, sources: Colle
         raise ConfigError(f"min_gain must be a positive integer, got {min_gain!r}")
     own = min(match.own.length, cap)
     if not match.exact_only:
-        candidates = sorted((-min(hold.exact, cap), name) for name, hold in match.holds.items()
+        candidates = sorted((-min(hold.transferable(own), cap), name) for name, hold in match.holds.items()
                             if name != match.model and (sources is None or name in sources))
         if candidates and -candidates[0][0] - own >= min_gain:
             return Reuse("handoff", own, candidates[0][1], -candidates[0][0])
@@ -591,7 +612,7 @@ class PrefixTree:
         counts["hit_tokens"] += own.length
         kind = "misses" if not own.length else "hits_mapped" if own.mapped else "hits_own"
         counts[kind] += 1
-        if any(hold.exact > own.length for name, hold in holds.items() if name != model):
+        if any(hold.transferable(own.length) > own.length for name, hold in holds.items() if name != model):
             counts["handoff_candidates"] += 1
 
     def _ops(self, model: str) -> RowOps:
@@ -650,8 +671,8 @@ def _walk(root: _Node, tokens: tuple[int, ...]) -> list[tuple[_Node, int, int]]:
 
 
 def _holds(path, exact_only: bool) -> tuple[dict[str, tuple], int | None]:
-    """What each model holds along ``path``: name → (length, exact, sources, parts), and the index of the deepest
-    node any of them uses (None: none)."""
+    """What each model holds along ``path``: name → (length, exact, sources, mapped_until, parts), and the index of
+    the deepest node any of them uses (None: none)."""
     found: dict[str, list] = {}
     alive: Iterable[str] | None = None
     deepest = None
@@ -661,11 +682,13 @@ def _holds(path, exact_only: bool) -> tuple[dict[str, tuple], int | None]:
             payload = node.payloads.get(name)
             if payload is None or (exact_only and not payload.provenance.exact):
                 continue
-            length, exact, sources, parts = found.setdefault(name, [0, 0, [], []])
+            length, exact, sources, parts, _ = found.setdefault(name, [0, 0, [], [], 0])
             if payload.provenance.exact and exact == length:
                 found[name][1] = depth + count
             elif not payload.provenance.exact and payload.provenance.source not in sources:
                 sources.append(payload.provenance.source)
+            if payload.provenance.kind == "mapped":
+                found[name][4] = depth + count
             found[name][0] = depth + count
             parts.append((depth, count, tuple(payload.segments)))
             still.append(name)
@@ -673,8 +696,8 @@ def _holds(path, exact_only: bool) -> tuple[dict[str, tuple], int | None]:
         alive = still
         if not alive:
             break
-    return {name: (length, exact, tuple(sources), tuple(parts))
-            for name, (length, exact, sources, parts) in found.items()}, deepest
+    return {name: (length, exact, tuple(sources), mapped_until, tuple(parts))
+            for name, (length, exact, sources, parts, mapped_until) in found.items()}, deepest
 
 
 def _missing(root: _Node | None, tokens: tuple[int, ...], model: str, provenance: Provenance,

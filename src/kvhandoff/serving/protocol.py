@@ -7,6 +7,7 @@ ignored, as OpenAI and vLLM do; `unknown_fields` names them so the server can lo
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -80,20 +81,17 @@ class Lenient(BaseModel):
 
 #: the validation error of a string that is not Unicode (JSON's ``"\ud800"``): a 400 naming the field
 LONE_SURROGATE = "lone_surrogate"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def surrogate_path(value, path: str = "") -> str | None:
     """Where in a parsed JSON ``value`` a string holds a lone UTF-16 surrogate (JSON allows ``"\ud800"``, Unicode
     text does not), e.g. ``messages[0].content``; None when every string is valid."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
+        return (path or "body") if _SURROGATE.search(value) else None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        if isinstance(key, str) and surrogate_path(key) is not None:
+        if isinstance(key, str) and _SURROGATE.search(key):
             return path or "body"
         where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
         found = surrogate_path(item, where)
