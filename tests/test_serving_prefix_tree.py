@@ -21,6 +21,7 @@ from kvhandoff.serving.prefix_tree import (
     Provenance,
     RowOps,
     choose_reuse,
+    derived_from,
     mapped_from,
     namespace_of,
 )
@@ -146,6 +147,30 @@ def test_every_model_reports_its_longest_prefix_and_a_longer_one_elsewhere_is_a_
     assert choose_reuse(cold) == choose_reuse(cold, sources={"a"})
     assert (choose_reuse(cold).kind, choose_reuse(cold).own) == ("handoff", 0)
     assert choose_reuse(tree.match("t", [42], "c")).kind == "miss"
+
+
+def test_derived_rows_may_be_handed_over_and_a_mappers_output_never():
+    """b's rows 0..3 are a's mapped, 4..7 computed by b on top (derived): from 4 on, b may hand over to a; from 2
+    on it may not (its rows 2..3 are a mapper's output)."""
+    tree = PrefixTree()
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    insert(tree, prompt[:4], "a")
+    insert(tree, prompt[:4], "b", mapped="a")
+    tree.insert("t", prompt[:8], "b", make_rows(prompt[:8], "b", 4, True), derived_from("a"), start=4)
+    match = tree.match("t", prompt, "a")
+    b = match.hold("b")
+    assert (b.length, b.exact, b.mapped_until, b.sources) == (8, 0, 4, ("a",))
+    assert b.transferable(4) == 8 and b.transferable(2) == 2
+    reuse = choose_reuse(match, limit=len(prompt) - 1)
+    assert (reuse.kind, reuse.own, reuse.source, reuse.source_length) == ("handoff", 4, "b", 8)
+    short = PrefixTree()
+    insert(short, prompt[:2], "a")
+    insert(short, prompt[:4], "b", mapped="a")
+    short.insert("t", prompt[:8], "b", make_rows(prompt[:8], "b", 4, True), derived_from("a"), start=4)
+    assert choose_reuse(short.match("t", prompt, "a")).kind == "own"  # b's rows 2..3 would go back through a mapper
+    assert tree.stats().models["a"].handoff_candidates == 1
+    with pytest.raises(ConfigError, match="derived provenance"):
+        Provenance("derived")
 
 
 def test_exact_only_lookups_never_see_mapped_rows():
