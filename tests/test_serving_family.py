@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+
+import httpx
 import pytest
 
 from kvhandoff import FitConfig, fit_mapper
@@ -10,6 +13,7 @@ from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs, served_names
+from kvhandoff.serving.server import serve_in_thread
 
 from conftest import random_batches, save_tiny_pair
 
@@ -46,6 +50,12 @@ def test_parse_mapper_dirs_splits_names_that_contain_colons():
             parse_mapper_dirs([bad], names)
 
 
+def files_on_disk(folder):
+    """Every file under ``folder``: its size, modification time and sha256."""
+    return {path: (path.stat().st_size, path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
 def test_load_family_from_local_folders_and_saved_mappers(tmp_path):
     small_path, large_path = save_tiny_pair(tmp_path)
     small, tokenizer = load_model(small_path, progress=False)
@@ -58,7 +68,17 @@ def test_load_family_from_local_folders_and_saved_mappers(tmp_path):
     models, mappers = load_family(specs, dirs, progress=False)
     assert set(models) == {"small", "large"} and set(mappers) == {("small", "large"), ("large", "small")}
     assert all(mapper.pending for mapper in mappers.values())  # tensors are read at each mapper's first handoff
-    Engine(models, mappers, ServeConfig()).close()
+    before = files_on_disk(tmp_path)
+    with serve_in_thread(Engine(models, mappers, ServeConfig(guard=False))) as server:  # switches, with no header
+        messages = []
+        for model in ("small", "large", "small"):
+            messages.append({"role": "user", "content": "hello there"})
+            response = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                                  json={"model": model, "messages": messages, "max_tokens": 3, "temperature": 0})
+            assert response.status_code == 200, response.text
+            messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+        assert response.json()["kv_handoff"]["status"] == "applied"
+    assert files_on_disk(tmp_path) == before  # serving never writes the model or mapper files
     swapped = {("small", "large"): tmp_path / "down", ("large", "small"): tmp_path / "up"}
     with pytest.raises(KVHandoffError):  # a mapper fitted for another pair is refused
         load_family(specs, swapped, progress=False)
