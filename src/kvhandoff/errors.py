@@ -6,7 +6,12 @@ class KVHandoffError(Exception):
 
 
 class ConfigError(KVHandoffError, ValueError):
-    """A setting or argument is out of range."""
+    """A setting or argument is out of range; ``field``: the setting's name, where the raiser knows it (e.g. for
+    a request field an edge reports the refusal against)."""
+
+    def __init__(self, *args, field: str | None = None) -> None:
+        super().__init__(*args)
+        self.field = field
 
 
 class UnsupportedModelError(KVHandoffError):

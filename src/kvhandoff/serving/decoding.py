@@ -182,7 +182,8 @@ class Sampler:
         named += [("stop_token_ids", token) for token in params.stop_token_ids]
         for field, token in named:
             if token >= vocab_size:
-                raise ConfigError(f"sampling {field} token id {token} is outside the vocabulary 0..{vocab_size - 1}")
+                raise ConfigError(f"sampling {field} token id {token} is outside the vocabulary 0..{vocab_size - 1}",
+                                  field=field)
         self.params = params
         self.vocab_size = vocab_size
         self._stop_ids = frozenset(() if params.ignore_eos else (int(i) for i in end_ids)) | set(params.stop_token_ids)

@@ -728,8 +728,7 @@ class Engine:
         try:
             Sampler(request.sampling, hosted.stop_ids, hosted.vocab_size, prompt)
         except ConfigError as exc:
-            raise RequestError("invalid_request", str(exc), param="logit_bias" if "logit_bias" in str(exc)
-                               else "stop_token_ids") from exc
+            raise RequestError("invalid_request", str(exc), param=exc.field) from exc
         if request.grammar is None:
             return prompt, None
         try:
