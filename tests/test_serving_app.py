@@ -276,8 +276,6 @@ BAD_REQUESTS = [
      "logit_bias"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "stop_token_ids": [100000]}, 400,
      "stop_token_ids"),
-    ({"model": "small", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"100000": 1}}, 400,
-     "logit_bias"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, 400,
      "presence_penalty"),
     ({"model": "small", "messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400, "temperature"),
