@@ -21,8 +21,6 @@ ratio median re-prefill ÷ median handoff.
 from __future__ import annotations
 
 import asyncio
-import os
-import platform
 import time
 import uuid
 from pathlib import Path
@@ -38,7 +36,7 @@ from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.server import serve_in_thread
 from kvhandoff_lab.bench import summarize
 from kvhandoff_lab.figures import save_figure
-from kvhandoff_lab.serving.client import TurnResult, stream_chat
+from kvhandoff_lab.serving.client import TurnResult, machine_facts, stream_chat
 from kvhandoff_lab.serving.workload import coqa_dialogues, document
 
 SERVE_BENCH_FORMAT = "kvhandoff-serve-bench/1"
@@ -182,7 +180,7 @@ def run_serve_bench(models, mappers, config: ServeConfig = ServeConfig(),  # noq
                      "text": "CoQA validation stories (workload.document), question and follow-up of the first",
                      "ttft": "client: request sent → first SSE chunk with content (streaming, loopback HTTP)",
                      "torch_threads": torch.get_num_threads()},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "machine": machine_facts(),
         **measured,
     }
     if out is not None:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import platform
 import time
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
 import httpx
+import torch
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.app import HANDOFF_HEADER, SESSION_HEADER
@@ -97,3 +100,9 @@ async def stream_chat(http: httpx.AsyncClient, model: str, messages: list[dict],
         result.error = f"{type(exc).__name__}: {exc}"
     result.total_s = time.perf_counter() - started
     return result
+
+
+def machine_facts() -> dict:
+    """What a measurement ran on: platform, CPU count, torch version and threads."""
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads()}

@@ -25,12 +25,8 @@ re-prefilling and escalating at the switches a signal flags.
 
 from __future__ import annotations
 
-import os
-import platform
 import time
 from pathlib import Path
-
-import torch
 
 import kvhandoff
 from kvhandoff.coqa import coqa_places, split_of
@@ -42,6 +38,7 @@ from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.decoding import end_ids
 from kvhandoff.serving.guard import GuardRecord, WithinTime, auroc, guard_records_by_signal, summarize_guard
 from kvhandoff_lab.evaluation.metrics import paired_bootstrap, token_f1
+from kvhandoff_lab.serving.client import machine_facts
 from kvhandoff_lab.serving.workload import coqa_dialogues
 
 GUARD_EVAL_FORMAT = "kvhandoff-serve-guard/1"
@@ -257,8 +254,7 @@ def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, swi
                                  dialogues[r.conversation].id, "heldout" if r.conversation in heldout else "dev",
                                  decode)
                     for i, r in enumerate(first)],
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "torch_threads": torch.get_num_threads()},
+        "machine": machine_facts(),
     }
     result = resummarize(result, SERVED_THRESHOLD if config.guard_threshold is None else config.guard_threshold)
     if out is not None:

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -30,7 +29,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
-import torch
 
 import kvhandoff
 from kvhandoff.errors import ConfigError
@@ -38,7 +36,7 @@ from kvhandoff.files import atomic_write_json
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.server import serve_in_thread
-from kvhandoff_lab.serving.client import TurnResult, require_loopback, stream_chat
+from kvhandoff_lab.serving.client import TurnResult, machine_facts, require_loopback, stream_chat
 from kvhandoff_lab.serving.workload import coqa_dialogues
 
 LOAD_FORMAT = "kvhandoff-serve-load/1"
@@ -188,8 +186,7 @@ def summarize_load(results, wall: float, left_out: int, rss_samples: list[int], 
                            "high-water mark lags it"},
         "server_health_after": health,
         "requests_log": [{"conversation": c, "turn": t, **r.to_dict()} for c, t, r in results],
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "torch_threads": torch.get_num_threads()},
+        "machine": machine_facts(),
     }
 
 
@@ -263,8 +260,7 @@ def run_concurrency_bench(models, mappers, config: ServeConfig = ServeConfig(), 
                            "story_chars": story_chars, "time_limit_s": time_limit_s, "models": list(models),
                            "recompute": config.recompute.spec, "prefill_chunk": config.prefill_chunk},
               "rows": rows,
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                          "torch_threads": torch.get_num_threads()}}
+              "machine": machine_facts()}
     if out is not None:
         atomic_write_json(Path(out), result)
     return result
