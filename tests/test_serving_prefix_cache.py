@@ -151,6 +151,7 @@ def test_a_conversation_without_a_session_header_is_handed_over_at_every_switch(
             if turn:
                 assert handoff["status"] == "applied" and headers["x-vsr-kv-transfer-status"] == "applied"
                 assert handoff["from"] == ["small", "large"][turn - 1] and handoff["mapped_tokens"] > 0
+                assert handoff["approximate_tokens"] == handoff["mapped_tokens"]  # the rest of its cache: its own
                 assert cached(usage) > 0 and handoff["read_tokens"] == usage["prompt_tokens"] - cached(usage)
             messages.append({"role": "assistant", "content": answer})
         assert 0 < handoff["mapped_tokens"] < cached(usage)  # back on small: only large's turn was mapped
@@ -208,7 +209,8 @@ def test_exact_mode_never_serves_mapped_rows():
         assert handoff["status"] == "none" and handoff["mapped_tokens"] == 0 and cached(usage) == 0
         assert text == expected("large", messages)
         ask(server, "small", [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "?"}])
-        assert ask(server, "large", messages)[1]["status"] == "none"  # its own exact rows now serve it
+        handoff = ask(server, "large", messages)[1]
+        assert handoff["status"] == "none" and handoff["approximate_tokens"] == 0  # its own exact rows serve it
 
 
 def settle(engine, seconds: float = 10) -> None:
@@ -244,3 +246,14 @@ def test_eviction_keeps_the_cache_in_bounds_and_spares_a_request_in_flight():
         settle(engine)
         engine.prefix_cache.tree.evict(0)
         assert engine.prefix_cache.tree.total_bytes() == 0
+
+
+@pytest.mark.parametrize("headers", [{}, {"X-Session-ID": "continued"}], ids=["by tokens", "named"])
+def test_a_model_going_on_over_a_mapped_cache_says_how_much_of_it_is_approximate(headers):
+    with running() as server:
+        messages = [{"role": "user", "content": TURNS[0]}]
+        for model in ("small", "large", "large"):
+            answer, handoff, usage, _ = ask(server, model, messages, headers)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": TURNS[1]}]
+        assert handoff["status"] == "none"
+        assert handoff["approximate_tokens"] == cached(usage) > 0  # all of it mapped, or read on top of mapped rows

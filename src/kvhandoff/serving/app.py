@@ -258,7 +258,8 @@ def handoff_info(generation: Generation) -> HandoffInfo:
     report = generation.report
     guard = GuardInfo(**report.guard) if report.guard else None
     return HandoffInfo(status=report.status, from_=report.source, to=report.target, mapped_tokens=report.mapped_tokens,
-                       read_tokens=report.read_tokens, guard=guard, milliseconds=report.milliseconds)
+                       read_tokens=report.read_tokens, approximate_tokens=report.approximate_tokens, guard=guard,
+                       milliseconds=report.milliseconds)
 
 
 def usage_of(generation: Generation) -> Usage:

@@ -125,11 +125,13 @@ class HandoffReport:
     prompt_tokens: int
     guard: dict | None
     milliseconds: float
+    approximate_tokens: int = 0
 
     def to_dict(self) -> dict:
         return {"status": self.status, "from": self.source, "to": self.target, "mapped_tokens": self.mapped_tokens,
                 "read_tokens": self.read_tokens, "cached_tokens": self.cached_tokens,
-                "prompt_tokens": self.prompt_tokens, "guard": self.guard, "milliseconds": self.milliseconds}
+                "approximate_tokens": self.approximate_tokens, "prompt_tokens": self.prompt_tokens,
+                "guard": self.guard, "milliseconds": self.milliseconds}
 
 
 def common_prefix(first, second) -> int:
@@ -789,6 +791,7 @@ class Engine:
         session.truncate(common)
         new = prompt[common:]
         previous = session.owner
+        own_before = session.own_length(server)  # its exact positions of the prompt, before anything is read
         mapped = common - session.cached_length(server) if previous not in (None, server) else 0
         status, source, guard = "none", None, None
         kept = common  # the positions of the prompt served from a cache, not read again
@@ -817,8 +820,9 @@ class Engine:
                     logprobs = session.reprefill(server)[None]
         else:
             logprobs = yield from self._read_chunked(session, server, new, 1, cancelled)
+        approximate = max(0, kept - own_before) if status in ("applied", "none") else 0
         report = HandoffReport(status, source, server, mapped, len(prompt) - kept, kept, len(prompt), guard,
-                               round((time.perf_counter() - started) * 1000, 3))
+                               round((time.perf_counter() - started) * 1000, 3), approximate)
         return report, logprobs[-1]
 
     def _read_chunked(self, session: SwitchingSession, server: str, new: list[int], keep: int = 1,

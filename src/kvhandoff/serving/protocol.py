@@ -414,8 +414,10 @@ class HandoffInfo(BaseModel):
 
     status: "applied" (another model's cache was mapped and served), "fallback" (it was mapped, the guard
     rejected it, the model re-prefilled), "reprefill" (another model served last and the request asked for
-    ``kv_handoff.mode`` "reprefill": nothing was mapped, the model re-prefilled the conversation), "none" (no
-    switch: the model's own cache or a prefill).
+    ``kv_handoff.mode`` "reprefill" or "exact": nothing was mapped, the model re-prefilled), "none" (no switch: the
+    model's own cache or a prefill). approximate_tokens: the prompt positions served from cached K/V that are not
+    the model's own exact ones (mapped at this or an earlier switch, or read on top of mapped ones); 0 when
+    everything cached was its own.
     """
 
     status: Literal["applied", "fallback", "reprefill", "none"]
@@ -423,6 +425,7 @@ class HandoffInfo(BaseModel):
     to: str
     mapped_tokens: int
     read_tokens: int
+    approximate_tokens: int = 0
     guard: GuardInfo | None = None
     milliseconds: float
 
