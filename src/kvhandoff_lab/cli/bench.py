@@ -36,8 +36,9 @@ from kvhandoff.cli.options import (
 )
 from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.fit.corpus import calibration_batches
-from kvhandoff.workflow import load_named_pair, on_source_device
+from kvhandoff.workflow import load_named_pair, obtain_mapper, on_source_device
 from kvhandoff_lab.bench import DEFAULT_LENGTHS, bench_mapper, bench_table, run_bench
+from kvhandoff_lab.engine_bench import DEFAULT_ENGINE_LENGTHS
 from kvhandoff_lab.fitbench import describe_fit_cost, run_fit_bench
 
 
@@ -127,3 +128,53 @@ def bench_fit(
     for line in describe_fit_cost(result):
         typer.echo(line)
     typer.echo(f"wrote {out / 'bench-fit.json'}")
+
+
+def bench_llama_cpp(
+    source: Source = DEFAULT_SOURCE,
+    target: Target = DEFAULT_TARGET,
+    lengths: Annotated[tuple, typer.Option(parser=positive_ints, metavar="LIST", help="comma-separated context "
+                                                                                      "lengths")]
+    = ",".join(map(str, DEFAULT_ENGINE_LENGTHS)),
+    directions: Annotated[str, typer.Option(parser=one_of(("both", "up", "down")), help=(
+        "both, up (source → target) or down (target → source)"))] = "both",
+    new_turn: Annotated[int, typer.Option(parser=positive_int, help="tokens at the end of each context the target "
+                                                                    "reads itself")] = 1,
+    recompute: Recompute = None,
+    repeats: Annotated[int, typer.Option(parser=positive_int, help="timed repeats per length and direction")] = 1,
+    decode_steps: Annotated[int, typer.Option(parser=positive_int, help="greedy decode steps timed after the "
+                                                                        "switch")] = 16,
+    transformers: Annotated[bool, typer.Option(help="also time the transformers engine on the same contexts")]
+    = True,
+    threads: Annotated[int | None, typer.Option(parser=positive_int, help="CPU threads of torch and llama.cpp "
+                                                                          "(default: each library's choice)")] = None,
+    cache_type: Annotated[str, typer.Option(parser=one_of(("f16", "f32", "bf16")), help="llama.cpp's K/V cache "
+                                                                                         "type")] = "f16",
+    flash_attn: Annotated[bool, typer.Option(help="llama.cpp's flash attention")] = False,
+    budget: Annotated[float | None, typer.Option(parser=positive_float, help="start no new row after this many "
+                                                                             "seconds")] = None,
+    out: Annotated[Path, typer.Option(help="the result (JSON, rewritten after every row)")]
+    = Path("runs/bench_llama_cpp.json"),
+) -> None:
+    """A switch in llama.cpp on the registry pair's GGUFs: the handoff's time to first logits against llama.cpp's own
+    re-prefill, where the time goes, decode speed after it, and the KL against the target's own cache — with the
+    transformers engine beside it."""
+    from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings
+    from kvhandoff_lab.engine_bench import engine_table, run_engine_bench
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    pair = load_named_pair(source, target, progress=True)
+    wanted = {"both": [(source, target), (target, source)], "up": [(source, target)],
+              "down": [(target, source)]}[directions]
+    mappers = {}
+    for names in wanted:
+        named = pair if names == (source, target) else pair.reversed()
+        mappers[names] = obtain_mapper(named, progress=True, both_directions=True)[0]
+    settings = LlamaCppSettings(context=2 * max(lengths) + 64, sequences=8, threads=threads, cache_type=cache_type,
+                                flash_attn=flash_attn)
+    result = run_engine_bench({source: pair.source, target: pair.target}, mappers, pair.tokenizer, lengths,
+                              wanted, new_turn, recompute, repeats, decode_steps, transformers, settings, out=out,
+                              time_budget_s=budget)
+    typer.echo("\n".join(engine_table(result)))
+    typer.echo(f"wrote {out}")

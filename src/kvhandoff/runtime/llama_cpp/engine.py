@@ -220,7 +220,8 @@ class LlamaCppModel:
         with self._lock:
             self._lib.llama_memory_seq_cp(self._memory, source, target, start, end)
 
-    def _read_state(self, seq: int) -> seq_state.SeqState:
+    def state_bytes(self, seq: int) -> bytes:
+        """Sequence ``seq``'s state as llama.cpp writes it (`llama_state_seq_get_data`)."""
         lib = self._lib
         with self._lock:
             size = lib.llama_state_seq_get_size(self._ctx, seq)
@@ -228,7 +229,10 @@ class LlamaCppModel:
             written = lib.llama_state_seq_get_data(self._ctx, buffer, size, seq)
         if written != size:
             raise LlamaCppError(f"llama.cpp wrote {written} of the {size} bytes of sequence {seq}'s state")
-        return seq_state.parse(bytes(buffer), self.layout)
+        return bytes(buffer)
+
+    def _read_state(self, seq: int) -> seq_state.SeqState:
+        return seq_state.parse(self.state_bytes(seq), self.layout)
 
     def _write_state(self, seq: int, state: seq_state.SeqState) -> None:
         blob = seq_state.write(state, self.layout, seq)
@@ -268,6 +272,17 @@ class LlamaCppModel:
                         rows[index] = torch.frombuffer(
                             bytearray(ctypes.string_at(pointer, 4 * self.vocab_size)), dtype=torch.float32)
         return torch.stack([rows[index] for index in keep]) if keep else torch.empty(0, self.vocab_size)
+
+
+def llama_cpp_twin(model, gguf: str | Path, settings: LlamaCppSettings | None = None,
+                   name: str | None = None) -> LlamaCppModel:
+    """The llama.cpp model of ``gguf``, the same weights as the transformers ``model`` (e.g. the GGUF a registry
+    model was converted from, `kvhandoff.model.loading.model_gguf`): its config and fingerprint are ``model``'s, so
+    the mappers fitted on ``model`` serve it."""
+    from kvhandoff.model.geometry import model_fingerprint
+
+    return LlamaCppModel(gguf, model.config, model_fingerprint(model), settings,
+                         name=name or str(getattr(model, "name_or_path", "") or gguf))
 
 
 def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:

@@ -125,14 +125,12 @@ def parse(blob: bytes, layout: CacheLayout) -> SeqState:
             continue
         if positions:
             raise StateFormatError("the state holds cells in two streams: not the state of one sequence")
-        for _ in range(cells):
-            pos, n_seq = reader.take("<iI")
-            if n_seq != 1:
-                raise StateFormatError(f"a cell of the state belongs to {n_seq} sequences: read a single "
-                                       "sequence's state (seq_id ≥ 0), or the state has extended cells (M-RoPE "
-                                       "models are not supported)")
-            reader.take("<i")
-            positions.append(pos)
+        meta = reader.tensor(3 * cells, torch.int32).view(cells, 3)  # per cell: pos, n_seq_id (1), seq_id
+        if not bool((meta[:, 1] == 1).all()):
+            raise StateFormatError("a cell of the state belongs to several sequences or none: read a single "
+                                   "sequence's state (seq_id ≥ 0); a state with extended cells (M-RoPE models) "
+                                   "is not supported")
+        positions = meta[:, 0].tolist()
         keys, values = _read_rows(reader, layout, cells)
     if reader.offset != len(reader.view):
         raise StateFormatError(f"{len(reader.view) - reader.offset} bytes follow the state's last field: written by "
