@@ -51,11 +51,12 @@ def write_gguf(model, path: Path) -> Path:
     return path
 
 
-def llama_model(model, folder: Path, name: str = "tiny", **settings):
+def llama_model(model, folder: Path, name: str = "tiny", generation_config=None, **settings):
     """A `LlamaCppModel` of ``model`` (written as a GGUF in ``folder``), fingerprinted as ``model``, with an f32
     cache unless settings say otherwise."""
     from kvhandoff.runtime.llama_cpp.engine import LlamaCppModel, LlamaCppSettings
 
     gguf_path = write_gguf(model, folder / f"{name}.gguf")
     options = {"cache_type": "f32", "context": 1024, "sequences": 8, "threads": 1, "batch": 64, **settings}
-    return LlamaCppModel(gguf_path, model.config, model_fingerprint(model), LlamaCppSettings(**options), name=name)
+    return LlamaCppModel(gguf_path, model.config, model_fingerprint(model), LlamaCppSettings(**options), name=name,
+                         generation_config=generation_config)

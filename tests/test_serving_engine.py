@@ -455,3 +455,51 @@ def test_a_prompt_read_in_small_chunks_answers_as_one_read():
 
     reference = reference_answer(family["small"][0], tokenizer, chat_ids(tokenizer, messages), 6)
     assert asyncio.run(scenario()) == reference
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_family(tmp_path_factory):
+    """The tiny family served by llama.cpp from GGUFs of its models (f32 caches), with its exact mappers."""
+    pytest.importorskip("llama_cpp")
+    from _llama_support import llama_model
+
+    family, mappers = tiny_family()
+    folder = tmp_path_factory.mktemp("llama")
+    served = {name: (llama_model(model, folder, name, sequences=24, context=2048,
+                                 generation_config=model.generation_config), tokenizer)
+              for name, (model, tokenizer) in family.items()}
+    yield served, mappers
+    for model, _ in served.values():
+        model.close()
+
+
+def test_a_llama_cpp_family_serves_a_switching_conversation_as_the_target_alone(llama_cpp_family):
+    import openai
+
+    from _serving_support import running
+
+    served, mappers = llama_cpp_family
+    family, _ = tiny_family()
+    messages = [{"role": "user", "content": "Tell me a story about a cat."}]
+    with running(served, mappers, recompute="recent:10%") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for turn, name in enumerate(("small", "large", "small")):
+            raw = client.chat.completions.with_raw_response.create(
+                model=name, messages=messages, max_tokens=6, temperature=0, extra_headers={"X-Session-ID": "c"})
+            answer = raw.parse()
+            model, tokenizer = family[name]
+            assert answer.choices[0].message.content == reference_answer(model, tokenizer,
+                                                                         chat_ids(tokenizer, messages), 6)
+            assert raw.headers["x-kv-handoff"] == ("none" if turn == 0 else "applied")
+            messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                         {"role": "user", "content": f"And turn {turn + 2}?"}]
+        echoed = client.completions.create(model="large", prompt="abc", max_tokens=1, echo=True, logprobs=1)
+        assert echoed.choices[0].logprobs.tokens[:3] == ["a", "b", "c"]
+
+
+def test_a_llama_cpp_family_refuses_a_recompute_rule_it_cannot_rank_by(llama_cpp_family):
+    served, mappers = llama_cpp_family
+    with pytest.raises(ConfigError, match=r"deviation:10%.*none, sinks, recent"):
+        Engine(served, mappers, ServeConfig(recompute="deviation:10%", guard=False))
+    engine = Engine(served, mappers, ServeConfig(guard=False, max_batch=4, max_sessions=100))
+    assert engine.config.max_sessions == 24 - 4 - 2

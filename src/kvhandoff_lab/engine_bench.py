@@ -173,6 +173,12 @@ def bench_direction(names: tuple[str, str], models: dict, llama: dict, mapper: M
     return row
 
 
+def llama_twins(models: dict, settings: LlamaCppSettings, ggufs: dict | None = None) -> dict[str, LlamaCppModel]:
+    """name → the llama.cpp model of each transformers model (its GGUF: ``ggufs``'s, else the registry model's)."""
+    ggufs = ggufs or {name: model_gguf(name) for name in models}
+    return {name: llama_cpp_twin(model, ggufs[name], settings, name=name) for name, model in models.items()}
+
+
 def run_engine_bench(models: dict, mappers: dict, tokenizer, lengths=DEFAULT_ENGINE_LENGTHS,
                      directions: list[tuple[str, str]] | None = None, new_turn: int = 1,
                      recompute: RecomputePolicy | None = None, repeats: int = 1, decode_steps: int = 16,
@@ -186,7 +192,7 @@ def run_engine_bench(models: dict, mappers: dict, tokenizer, lengths=DEFAULT_ENG
     plan = HandoffPlan.of(recompute=recompute)
     settings = settings or LlamaCppSettings(context=2 * lengths[-1] + 64, sequences=8)
     ggufs = ggufs or {name: model_gguf(name) for name in models}
-    llama = {name: llama_cpp_twin(model, ggufs[name], settings, name=name) for name, model in models.items()}
+    llama = llama_twins(models, settings, ggufs)
     result = {
         "format": ENGINE_BENCH_FORMAT,
         "settings": {"lengths": lengths, "new_turn": new_turn, "recompute": plan.recompute.spec,

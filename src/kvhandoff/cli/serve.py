@@ -19,12 +19,23 @@ from kvhandoff.cli.options import (
     positive_float,
     positive_int,
 )
+from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings
 from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
-from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs, served_names
+from kvhandoff.serving.family import (
+    load_family,
+    parse_gguf_paths,
+    parse_mapper_dirs,
+    parse_model_specs,
+    served_names,
+)
 from kvhandoff.serving.server import run_server
 from kvhandoff.serving.tools import TOOL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+#: what runs the hosted models
+ENGINES = ("transformers", "llama.cpp")
+#: the sequences of a served llama.cpp context (llama.cpp's most): the sessions at once follow from it
+LLAMA_SEQUENCES = 256
 
 
 #: the hosted models (`serve`, and the measurements that host a family)
@@ -91,6 +102,15 @@ def serve(
     log_level: Annotated[str, typer.Option(parser=one_of(LOG_LEVELS), help="uvicorn's log level")] = "info",
     dtype: Dtype = DEFAULT_DTYPE,
     device_map: DeviceMap = None,
+    engine: Annotated[str, typer.Option(parser=one_of(ENGINES), help=(
+        "what runs the models: transformers (float32), or llama.cpp on their GGUF files"))] = "transformers",
+    gguf: Annotated[list[str] | None, typer.Option(help=(
+        "NAME=PATH: the GGUF llama.cpp runs for a hosted model (repeatable; default: a registry model's own, or the "
+        "only .gguf in a local model folder)"))] = None,
+    llama_context: Annotated[int, typer.Option(parser=positive_int, help=(
+        "llama.cpp: KV cells of each model's context, shared by its conversations"))] = LlamaCppSettings.context,
+    llama_threads: Annotated[int | None, typer.Option(parser=positive_int, help=(
+        "llama.cpp: CPU threads (default: llama.cpp's choice)"))] = None,
 ) -> None:
     """Serve a model family behind an OpenAI-compatible API; a conversation that switches models is handed over."""
     with option_errors("--host", "--port", "--guard-threshold", "--max-context", "--api-key"):
@@ -101,6 +121,15 @@ def serve(
                              recompute=recompute,
                              api_key=tuple(api_key) if api_key else None, open_probes=open_probes,
                              tool_parser=tool_call_parser, log_level=log_level)
-    specs = family_specs(models, mapper, served_model_name)
-    run_server(*load_family(*specs, dtype=dtype, progress=True, device_map=device_map), config)
+    specs, mapper_dirs = family_specs(models, mapper, served_model_name)
+    llama_cpp, ggufs = None, None
+    if engine == "llama.cpp":
+        with option_errors("--llama-context", "--gguf"):
+            llama_cpp = LlamaCppSettings(context=llama_context, sequences=LLAMA_SEQUENCES, threads=llama_threads)
+            ggufs = parse_gguf_paths(gguf or [], list(specs) if specs else [DEFAULT_SOURCE, DEFAULT_TARGET])
+    elif gguf:
+        raise typer.BadParameter("--gguf names the files of --engine llama.cpp", param_hint="--gguf")
+    family = load_family(specs, mapper_dirs, dtype=dtype, progress=True, device_map=device_map,
+                         llama_cpp=llama_cpp, ggufs=ggufs)
+    run_server(*family, config)
 

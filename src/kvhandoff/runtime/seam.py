@@ -2,14 +2,15 @@
 target's cache, shaped after vLLM's KV connector (`KVConnectorBase_V1`, docs/ENGINES.md section 3.1).
 
 `KVCache` is the interface; `TransformersCache` implements it on a `transformers` `DynamicCache` (the sparse forward
-of `kvhandoff.runtime.recompute`). An engine's own cache (llama.cpp's sequence state, a vLLM KV connector's paged
-blocks) implements the same methods; the handoff never learns which cache it holds. Rows travel between caches and
-the mapper as a `DynamicCache` of [batch, kv_heads, positions, head_dim] tensors per layer: what `Mapper.transfer`
-reads and returns.
+of `kvhandoff.runtime.recompute`), `kvhandoff.runtime.llama_cpp.engine.LlamaCppCache` on a sequence of a llama.cpp
+context. Another engine's cache (a vLLM KV connector's paged blocks) would implement the same methods; the handoff
+never learns which cache it holds. Rows travel between caches and the mapper as a `DynamicCache` of [batch,
+kv_heads, positions, head_dim] tensors per layer: what `Mapper.transfer` reads and returns.
 
 A model's fresh cache comes from a `CacheFactory`, ``factory(model)``: the side that runs ``model`` makes it (the
 source's engine its prefill's cache, the target's engine the cache the mapped rows go into), so a source and a target
-in different engines or contexts each get their own kind. `new_cache` is the default factory (`TransformersCache`).
+in different engines or contexts each get their own kind. `new_cache` is the default factory: the model's own
+engine's cache where the model makes one, else a `TransformersCache`.
 """
 
 from __future__ import annotations
@@ -326,9 +327,11 @@ CacheFactory = Callable[[Any], KVCache]
 
 
 def new_cache(model=None) -> KVCache:
-    """An empty cache of the default kind (`TransformersCache`) for ``model`` (a `transformers` model; the kind does
-    not depend on which): the default `CacheFactory`."""
-    return TransformersCache()
+    """An empty cache for ``model`` in the engine that runs it: the default `CacheFactory`. A model of another engine
+    makes its own (its ``new_cache()``, e.g. `kvhandoff.runtime.llama_cpp.engine.LlamaCppModel`); a `transformers`
+    model gets a `TransformersCache`."""
+    own = getattr(model, "new_cache", None)
+    return own() if callable(own) else TransformersCache()
 
 
 def rows_of(layers) -> DynamicCache:

@@ -38,7 +38,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvhandoff.errors import ConfigError, KVHandoffError
+from kvhandoff.runtime.llama_cpp.engine import LlamaCppModel, check_recompute
 from kvhandoff.runtime.prefix_store import PrefixStore
+from kvhandoff.runtime.seam import new_cache
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.chat import chat_template_of, render, render_text
 from kvhandoff.serving.config import ServeConfig
@@ -464,6 +466,33 @@ class SessionState:
         return self.pending == 0 and not self.lock.locked()
 
 
+def _window(model) -> int:
+    """The tokens one conversation may reach on ``model``: its context window, and for a llama.cpp model the cells
+    its context holds, less room for a handoff's import."""
+    window = model.config.max_position_embeddings
+    if isinstance(model, LlamaCppModel):
+        window = min(window, model.settings.context // 2)
+    return window
+
+
+def _fit_llama_cpp(config: ServeConfig, models) -> ServeConfig:
+    """``config`` with at most as many sessions as every llama.cpp model's context holds sequences for (less a
+    running batch's and the scratch sequences a handoff uses); said when it lowers them."""
+    sequences = [model.settings.sequences for model in models if isinstance(model, LlamaCppModel)]
+    if not sequences:
+        return config
+    room = min(sequences) - config.max_batch - 2
+    if room < 1:
+        raise ConfigError(f"a llama.cpp context of {min(sequences)} sequences cannot serve a batch of "
+                          f"{config.max_batch}: lower --max-batch or raise --llama-sequences", field="max_batch")
+    if config.max_sessions > room:
+        logger.warning("llama.cpp: at most %d sessions at once (each context holds %d sequences, a batch of %d "
+                       "and two scratch ones); --max-sessions %d lowered", room, min(sequences), config.max_batch,
+                       config.max_sessions)
+        config = replace(config, max_sessions=room)
+    return config
+
+
 class Engine:
     """Serves a model family: ``models`` name → (model, tokenizer) (one tokenizer's ids), ``mappers`` (from, to) →
     `Mapper` for every ordered pair of names, under ``config``'s limits. Use from one asyncio event loop.
@@ -485,8 +514,9 @@ class Engine:
         missing = [f"{a} → {b}" for a in names for b in names if a != b and (a, b) not in mappers]
         if missing:
             raise ConfigError(f"mappers: no mapper for {', '.join(missing)} (every ordered pair needs one)")
+        config = _fit_llama_cpp(config, [model for model, _ in models.values()])
         self.config = config
-        positions = min(model.config.max_position_embeddings for model, _ in models.values())
+        positions = min(_window(model) for model, _ in models.values())
         if config.max_context is not None and config.max_context > positions:
             raise ConfigError(f"max_context {config.max_context} is past the hosted models' window: the smallest "
                               f"max_position_embeddings is {positions}; give at most that (or none)")
@@ -506,6 +536,8 @@ class Engine:
         self.prefix_cache = PrefixCache()  # the conversations that name no session, found by their tokens
         self.prefix_store = PrefixStore()  # the conversations' openings, shared: a switch copies its exact prefix
         self.plan = config.plan(self.prefix_store)  # every session's handoffs
+        if any(isinstance(model, LlamaCppModel) for model, _ in models.values()):
+            check_recompute(self.plan.recompute)
         self.guards: dict[tuple[str, str], GuardPolicy] = guard_policies(config, self._mappers)
         self._announce_guards()
         self._running: set[Generation] = set()  # admitted and not finished
@@ -845,8 +877,7 @@ class Engine:
         text = request.prompt if isinstance(request.prompt, str) else hosted.tokenizer.decode(prompt)
         if request.logprobs is None:
             return text, []
-        device = next(hosted.model.parameters()).device
-        logits = hosted.model(input_ids=torch.tensor([prompt], device=device)).logits[0]
+        logits = new_cache(hosted.model).read(hosted.model, torch.tensor([prompt]), 0)[0]  # every position's
         logprobs = logits.float().log_softmax(-1).cpu()
         entries = [token_entry(hosted.tokenizer, None, prompt[0], 0)]
         entries += [token_entry(hosted.tokenizer, logprobs[i - 1], prompt[i], request.logprobs)

@@ -16,8 +16,17 @@ import torch
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.geometry import check_pair
-from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET, ModelPair, load_model, load_pair
+from kvhandoff.model.loading import (
+    DEFAULT_SOURCE,
+    DEFAULT_TARGET,
+    ModelPair,
+    load_model,
+    load_pair,
+    model_gguf,
+    registry_names,
+)
 from kvhandoff.progress import Progress
+from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings, llama_cpp_twin
 from kvhandoff.workflow import NamedPair, obtain_mapper, on_source_device
 
 
@@ -65,14 +74,47 @@ def parse_mapper_dirs(items: Iterable[str], names: Iterable[str]) -> dict[tuple[
     return dirs
 
 
+def parse_gguf_paths(items: Iterable[str], names: Iterable[str]) -> dict[str, Path]:
+    """``NAME=PATH`` items → {name: GGUF file} for hosted ``names``."""
+    names = list(names)
+    paths: dict[str, Path] = {}
+    for item in items:
+        name, _, path = item.partition("=")
+        if not path or name not in names:
+            raise ConfigError(f"gguf: expected NAME=PATH with NAME one of {', '.join(names)}, got {item!r}")
+        if name in paths:
+            raise ConfigError(f"gguf: {name} is given twice")
+        paths[name] = Path(path).expanduser()
+    return paths
+
+
+def gguf_of(name: str, spec: str, given: Path | None = None) -> Path:
+    """The GGUF file llama.cpp runs for hosted model ``name`` (``spec``): the one given, a registry model's own
+    (`loading.model_gguf`), or the only ``.gguf`` in a local model folder; ConfigError naming the fix otherwise."""
+    if given is not None:
+        if not given.is_file():
+            raise ConfigError(f"gguf: no file at {given} for {name}")
+        return given
+    if spec in registry_names():
+        return model_gguf(spec)
+    folder = Path(spec).expanduser()
+    found = sorted(folder.glob("*.gguf")) if folder.is_dir() else []
+    if len(found) == 1:
+        return found[0]
+    raise ConfigError(f"no GGUF file for {name} ({spec}): give --gguf {name}=PATH (the GGUF of the same weights)")
+
+
 def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str, str], Path] | None = None,
                 dtype: torch.dtype | str = torch.float32, progress: Progress | bool = False,
-                device_map: str | None = None):
+                device_map: str | None = None, llama_cpp: LlamaCppSettings | None = None,
+                ggufs: dict[str, Path] | None = None):
     """(models, mappers) to serve: models name → (model, tokenizer), mappers (from, to) → `Mapper` for every ordered
     pair. ``specs`` None: the embedded default pair under its registry names. A pair in ``mapper_dirs`` is loaded
     (and checked against its models); any other is the cached default mapper of that direction (fitted and cached
     on first use, which takes long: see README). dtype, device_map: the models' placement (`loading.load_model`);
-    progress: bars over a first-use conversion or fit (`kvhandoff.progress`)."""
+    progress: bars over a first-use conversion or fit (`kvhandoff.progress`). With ``llama_cpp`` settings each model
+    is served by llama.cpp from its GGUF (`gguf_of`; ``ggufs`` name → file), fingerprinted as its transformers
+    model, which is not kept."""
     specs = dict(specs) if specs else {DEFAULT_SOURCE: DEFAULT_SOURCE, DEFAULT_TARGET: DEFAULT_TARGET}
     mapper_dirs = dict(mapper_dirs or {})
     names = list(specs)
@@ -105,4 +147,8 @@ def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str
                 mappers[source, target] = obtain_mapper(pair, progress=progress, both_directions=both)[0]
     for (source, _), mapper in mappers.items():
         on_source_device(mapper, models[source][0])
+    if llama_cpp is not None:
+        models = {name: (llama_cpp_twin(model, gguf_of(name, specs[name], (ggufs or {}).get(name)), llama_cpp,
+                                        name=name), tokenizer)
+                  for name, (model, tokenizer) in models.items()}
     return models, mappers

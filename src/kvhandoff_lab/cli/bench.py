@@ -3,6 +3,7 @@ next to the models' own forwards."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -177,4 +178,48 @@ def bench_llama_cpp(
                               wanted, new_turn, recompute, repeats, decode_steps, transformers, settings, out=out,
                               time_budget_s=budget)
     typer.echo("\n".join(engine_table(result)))
+    typer.echo(f"wrote {out}")
+
+
+def eval_llama_cpp(
+    source: Source = DEFAULT_SOURCE,
+    target: Target = DEFAULT_TARGET,
+    task: Annotated[str, typer.Option(help="a generative task of the switch benchmark (coqa_gen, nq_open, "
+                                           "boolq_long, gsm8k_cot)")] = "coqa_gen",
+    limit: Annotated[int, typer.Option(parser=positive_int, help="items per direction (report pool)")] = 40,
+    histories: Annotated[int, typer.Option(parser=positive_int, help="histories the items share")] = 8,
+    directions: Annotated[str, typer.Option(parser=one_of(("both", "up", "down")), help=(
+        "both, up (source → target) or down (target → source)"))] = "both",
+    recompute: Recompute = None,
+    threads: Annotated[int | None, typer.Option(parser=positive_int, help="CPU threads of torch and llama.cpp "
+                                                                          "(default: each library's choice)")] = None,
+    budget: Annotated[float | None, typer.Option(parser=positive_float, help="start no new item after this many "
+                                                                             "seconds (rerun to continue)")] = None,
+    out: Annotated[Path, typer.Option(help="the result (JSON, rewritten after every item; a rerun continues)")]
+    = Path("runs/eval_llama_cpp.json"),
+) -> None:
+    """A switch's answers in llama.cpp against the same switch in transformers, on the switch benchmark's generative
+    items: target alone and switch, per engine and direction, with paired intervals."""
+    from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings
+    from kvhandoff.serving.decoding import end_ids
+    from kvhandoff_lab.engine_bench import llama_twins
+    from kvhandoff_lab.engine_quality import run_engine_quality
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    pair = load_named_pair(source, target, progress=True)
+    wanted = {"both": [(source, target), (target, source)], "up": [(source, target)],
+              "down": [(target, source)]}[directions]
+    mappers = {names: obtain_mapper(pair if names == (source, target) else pair.reversed(), progress=True,
+                                    both_directions=True)[0] for names in wanted}
+    models = {source: pair.source, target: pair.target}
+    twins = llama_twins(models, LlamaCppSettings(context=16384, sequences=16, threads=threads))
+    try:
+        result = run_engine_quality({"llama.cpp": twins, "transformers": models}, mappers, pair.tokenizer,
+                                    end_ids(pair.target, pair.tokenizer), task, limit, histories, wanted, recompute,
+                                    out, budget)
+    finally:
+        for model in twins.values():
+            model.close()
+    typer.echo(json.dumps(result["summary"], indent=2))
     typer.echo(f"wrote {out}")

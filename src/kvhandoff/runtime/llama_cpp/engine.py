@@ -38,6 +38,18 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3")
 
 
+#: the recompute rules a llama.cpp target serves (the others rank positions with the transformers model's layers)
+RECOMPUTE_RULES = ("none", "sinks", "recent")
+
+
+def check_recompute(policy) -> None:
+    """ConfigError unless a llama.cpp target can serve recompute ``policy`` (a `RecomputePolicy`)."""
+    if policy.active and policy.rule not in RECOMPUTE_RULES:
+        raise ConfigError(f"recompute {policy.spec!r}: a llama.cpp target recomputes by the rules "
+                          f"{', '.join(RECOMPUTE_RULES)} (the others rank positions with a transformers model's "
+                          "layers); choose one of those, e.g. recent:5%", field="recompute")
+
+
 class LlamaCppError(KVHandoffError):
     """llama.cpp refused a call (the call and the fix are named)."""
 
@@ -94,15 +106,18 @@ class LlamaCppModel:
     """A model run by llama.cpp from ``gguf`` (a path), for the runtime: `config` is the model's transformers config
     (its geometry and context window: what `check_context` reads), `kvhandoff_fingerprint` the fingerprint of the
     transformers model the mapper was fitted on for these weights (what `verify_mapper` checks), and
-    `new_cache` the `CacheFactory` of its conversations. `close` frees the context and the weights."""
+    `new_cache` the `CacheFactory` of its conversations (`seam.new_cache` calls it). `close` frees the context and
+    the weights. Recompute policies that rank positions by the target's own forward (deviation, source_attention,
+    mix) need a transformers model: `RECOMPUTE_RULES` are the ones it serves."""
 
     device = torch.device("cpu")
     dtype = torch.float32
 
     def __init__(self, gguf: str | Path, config, fingerprint: dict, settings: LlamaCppSettings | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, generation_config=None) -> None:
         self.settings = settings or LlamaCppSettings()
         self.config, self.kvhandoff_fingerprint = config, fingerprint
+        self.generation_config = generation_config  # the stop ids a server reads (`decoding.end_ids`)
         self.gguf = Path(gguf)
         self.name_or_path = name or str(self.gguf)
         if not self.gguf.is_file():
@@ -282,7 +297,8 @@ def llama_cpp_twin(model, gguf: str | Path, settings: LlamaCppSettings | None = 
     from kvhandoff.model.geometry import model_fingerprint
 
     return LlamaCppModel(gguf, model.config, model_fingerprint(model), settings,
-                         name=name or str(getattr(model, "name_or_path", "") or gguf))
+                         name=name or str(getattr(model, "name_or_path", "") or gguf),
+                         generation_config=getattr(model, "generation_config", None))
 
 
 def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:

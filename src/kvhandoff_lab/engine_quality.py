@@ -1,0 +1,128 @@
+"""A switch's answers in llama.cpp against the same switch in transformers, on the switch benchmark's generative
+items (`switch.turn_items`: a history of few-shot exemplars, the item's own passage, a question answered greedily).
+
+Per direction and engine, through the public `SwitchingSession` (one session per history, forked per item):
+"target" — the target reads the history and the passage itself and answers; "switch" — the source reads them, the
+target answers on the mapped cache (the default recompute policy unless given). Scored by the task's metric
+(`switchtasks.item_score`), with paired bootstrap intervals of the differences that matter: each engine's switch
+against its target alone, and llama.cpp's switch against transformers'. The result is rewritten after every item
+and a rerun with the same file continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kvhandoff.files import atomic_write_json
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import RecomputePolicy
+from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff_lab.evaluation.metrics import paired_bootstrap
+from kvhandoff_lab.evaluation.switch import turn_items
+from kvhandoff_lab.evaluation.switchtasks import DEFAULT_MAX_NEW_TOKENS, get_switch_task, item_score
+from kvhandoff_lab.evaluation.tasks import cut_at_stop
+
+logger = logging.getLogger(__name__)
+
+ENGINE_QUALITY_FORMAT = "kvhandoff-engine-quality/1"
+CONDITIONS = ("target", "switch")
+
+
+def _answer(session: SwitchingSession, server: str, question, tokenizer, max_new_tokens: int, stop, end_ids):
+    answer = session.generate(server, list(question), max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=sorted(end_ids), pad_token_id=sorted(end_ids)[0])
+    return cut_at_stop(tokenizer.decode(answer, skip_special_tokens=True), stop)[0]
+
+
+def run_engine_quality(engines: dict, mappers: dict, tokenizer, end_ids: Sequence[int], task: str = "coqa_gen",
+                       limit: int = 40, histories: int = 8, directions: Sequence[tuple[str, str]] | None = None,
+                       recompute: RecomputePolicy | None = None, out: Path | None = None,
+                       time_budget_s: float | None = None) -> dict:
+    """engines: engine name → {model name → model} (the same models, e.g. transformers and their llama.cpp twins);
+    mappers: (source, target) → `Mapper`. Items of the report pool; see the module docstring."""
+    switch_task = get_switch_task(task)
+    max_new_tokens = DEFAULT_MAX_NEW_TOKENS[switch_task.family]
+    items = turn_items(task, tokenizer, histories=histories, limit=limit)
+    plan = HandoffPlan.of(recompute=recompute)
+    directions = list(directions or mappers)
+    result = {"format": ENGINE_QUALITY_FORMAT, "task": task, "items": len(items), "histories": histories,
+              "recompute": plan.recompute.spec, "directions": [" → ".join(d) for d in directions],
+              "engines": list(engines), "records": {}}
+    if out is not None and out.exists():
+        stored = json.loads(out.read_text())
+        if {key: stored.get(key) for key in ("format", "task", "recompute", "histories")} == \
+                {key: result[key] for key in ("format", "task", "recompute", "histories")}:
+            result["records"] = stored.get("records", {})
+    started = time.perf_counter()
+    for source, target in directions:
+        for engine, models in engines.items():
+            key = f"{engine}: {source} → {target}"
+            done = result["records"].setdefault(key, {})
+            bases: dict[str, dict[str, SwitchingSession]] = {}
+            for item in items:
+                if item.id in done:
+                    continue
+                if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
+                    break
+                if item.history.key not in bases:
+                    bases.clear()  # one history's sessions at a time
+                    alone = SwitchingSession(models, {}, plan=plan)
+                    alone.read(target, item.history.ids)
+                    switching = SwitchingSession(models, {(source, target): mappers[source, target]}, plan=plan)
+                    switching.read(source, item.history.ids)
+                    bases[item.history.key] = {"target": alone, "switch": switching}
+                record = {"answers": list(item.answers)}
+                for condition, base in bases[item.history.key].items():
+                    session = base.fork()
+                    reader = target if condition == "target" else source
+                    if item.extension:
+                        session.read(reader, item.extension)
+                    output = _answer(session, target, item.question, tokenizer, max_new_tokens, switch_task.stop,
+                                     end_ids)
+                    record[condition] = {"output": output,
+                                         "score": item_score(switch_task, {"output": output,
+                                                                           "answers": list(item.answers)})}
+                done[item.id] = record
+                if out is not None:
+                    atomic_write_json(out, {**result, "summary": summarize_quality(result)})
+    result["summary"] = summarize_quality(result)
+    if out is not None:
+        atomic_write_json(out, result)
+    return result
+
+
+def summarize_quality(result: dict) -> dict:
+    """Per direction: each engine's mean per condition, switch − target with its interval, and llama.cpp's switch
+    − transformers' on the items both engines scored."""
+    summary: dict = {}
+    for direction in result["directions"]:
+        by_engine = {engine: result["records"].get(f"{engine}: {direction}", {}) for engine in result["engines"]}
+        common = sorted(set.intersection(*(set(records) for records in by_engine.values()))) if by_engine else []
+        entry: dict = {"items": len(common)}
+        scores = {engine: {c: np.array([records[i][c]["score"] for i in common]) for c in CONDITIONS}
+                  for engine, records in by_engine.items()}
+        for engine, per in scores.items():
+            entry[engine] = {c: float(per[c].mean()) if common else None for c in CONDITIONS}
+            if common:
+                entry[engine]["switch_minus_target"] = _difference(per["switch"], per["target"])
+        engines = list(scores)
+        if len(engines) == 2 and common:
+            first, second = engines
+            entry[f"{first}_minus_{second}"] = {c: _difference(scores[first][c], scores[second][c])
+                                                for c in CONDITIONS}
+            entry["same_switch_answers"] = float(np.mean([
+                by_engine[first][i]["switch"]["output"].strip() == by_engine[second][i]["switch"]["output"].strip()
+                for i in common]))
+        summary[direction] = entry
+    return summary
+
+
+def _difference(a: np.ndarray, b: np.ndarray) -> dict:
+    low, high = paired_bootstrap({"a": a, "b": b}, lambda s: float(s["a"].mean() - s["b"].mean()))
+    return {"mean": float(a.mean() - b.mean()), "ci95": [low, high]}
