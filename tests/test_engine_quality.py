@@ -1,0 +1,40 @@
+"""A switch's answers in llama.cpp and in transformers on the switch benchmark's generative items: on the tiny exactly
+related family both engines answer as the target alone, and a rerun continues the stored result."""
+
+import json
+
+import pytest
+
+from _serving_support import AGENT_CONTEXT, tiny_family
+from kvhandoff.serving.decoding import end_ids
+
+pytest.importorskip("llama_cpp")
+
+from _llama_support import llama_model
+from kvhandoff_lab.engine_quality import run_engine_quality
+
+
+def test_both_engines_answer_as_the_target_alone_on_an_exact_pair(tmp_path):
+    family, mappers = tiny_family(AGENT_CONTEXT)
+    models = {name: model for name, (model, _) in family.items()}
+    tokenizer = family["small"][1]
+    twins = {name: llama_model(model, tmp_path, name, context=8192, sequences=8) for name, model in models.items()}
+    out = tmp_path / "quality.json"
+    try:
+        first = run_engine_quality({"llama.cpp": twins, "transformers": models}, mappers, tokenizer,
+                                   end_ids(models["large"], tokenizer), task="coqa_gen", limit=3, histories=1,
+                                   directions=[("small", "large")], out=out, time_budget_s=0)
+        assert first["summary"]["small → large"]["items"] == 0  # the budget stopped it before the first item
+        result = run_engine_quality({"llama.cpp": twins, "transformers": models}, mappers, tokenizer,
+                                    end_ids(models["large"], tokenizer), task="coqa_gen", limit=3, histories=1,
+                                    directions=[("small", "large")], out=out)
+    finally:
+        for twin in twins.values():
+            twin.close()
+    summary = result["summary"]["small → large"]
+    assert summary["items"] == 3 and summary["same_switch_answers"] == 1.0
+    for engine in ("llama.cpp", "transformers"):
+        assert summary[engine]["switch_minus_target"]["mean"] == 0
+    records = result["records"]["llama.cpp: small → large"]
+    assert all(r["switch"]["output"] == r["target"]["output"] for r in records.values())
+    assert json.loads(out.read_text())["records"] == result["records"]
