@@ -38,3 +38,10 @@ def test_both_engines_answer_as_the_target_alone_on_an_exact_pair(tmp_path):
     records = result["records"]["llama.cpp: small → large"]
     assert all(r["switch"]["output"] == r["target"]["output"] for r in records.values())
     assert json.loads(out.read_text())["records"] == result["records"]
+
+
+def test_a_task_that_scores_choices_is_refused():
+    from kvhandoff.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="generative task"):
+        run_engine_quality({}, {}, tiny_family()[0]["small"][1], [], task="boolq_long")

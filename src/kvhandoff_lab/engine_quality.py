@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import RecomputePolicy
@@ -61,6 +62,9 @@ def run_engine_quality(engines: dict, mappers: dict, tokenizer, end_ids: Sequenc
     """engines: engine name → {model name → model} (the same models, e.g. transformers and their llama.cpp twins);
     mappers: (source, target) → `Mapper`. Items of the report pool; see the module docstring."""
     switch_task = get_switch_task(task)
+    if not switch_task.family:
+        raise ConfigError(f"{task} scores choices; the engines' answers are compared on a generative task "
+                          "(coqa_gen, nq_open, gsm8k_cot)")
     max_new_tokens = DEFAULT_MAX_NEW_TOKENS[switch_task.family]
     items = turn_items(task, tokenizer, histories=histories, limit=limit)
     plan = HandoffPlan.of(recompute=recompute)

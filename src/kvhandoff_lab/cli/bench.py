@@ -131,14 +131,31 @@ def bench_fit(
     typer.echo(f"wrote {out / 'bench-fit.json'}")
 
 
+#: the switch directions of the engine commands
+Directions = Annotated[str, typer.Option(parser=one_of(("both", "up", "down")), help=(
+    "both, up (source → target) or down (target → source)"))]
+#: the CPU threads of both engines
+EngineThreads = Annotated[int | None, typer.Option(parser=positive_int, help=(
+    "CPU threads of torch and llama.cpp (default: each library's choice)"))]
+
+
+def _pair_directions(source: str, target: str, directions: str):
+    """(the pair in transformers, the directions asked for as (source, target) names, each one's default mapper)."""
+    pair = load_named_pair(source, target, progress=True)
+    wanted = {"both": [(source, target), (target, source)], "up": [(source, target)],
+              "down": [(target, source)]}[directions]
+    mappers = {names: obtain_mapper(pair if names == (source, target) else pair.reversed(), progress=True,
+                                    both_directions=True)[0] for names in wanted}
+    return pair, wanted, mappers
+
+
 def bench_llama_cpp(
     source: Source = DEFAULT_SOURCE,
     target: Target = DEFAULT_TARGET,
     lengths: Annotated[tuple, typer.Option(parser=positive_ints, metavar="LIST", help="comma-separated context "
                                                                                       "lengths")]
     = ",".join(map(str, DEFAULT_ENGINE_LENGTHS)),
-    directions: Annotated[str, typer.Option(parser=one_of(("both", "up", "down")), help=(
-        "both, up (source → target) or down (target → source)"))] = "both",
+    directions: Directions = "both",
     new_turn: Annotated[int, typer.Option(parser=positive_int, help="tokens at the end of each context the target "
                                                                     "reads itself")] = 1,
     recompute: Recompute = None,
@@ -147,8 +164,7 @@ def bench_llama_cpp(
                                                                         "switch")] = 16,
     transformers: Annotated[bool, typer.Option(help="also time the transformers engine on the same contexts")]
     = True,
-    threads: Annotated[int | None, typer.Option(parser=positive_int, help="CPU threads of torch and llama.cpp "
-                                                                          "(default: each library's choice)")] = None,
+    threads: EngineThreads = None,
     cache_type: Annotated[str, typer.Option(parser=one_of(("f16", "f32", "bf16")), help="llama.cpp's K/V cache "
                                                                                          "type")] = "f16",
     flash_attn: Annotated[bool, typer.Option(help="llama.cpp's flash attention")] = False,
@@ -165,13 +181,7 @@ def bench_llama_cpp(
 
     if threads is not None:
         torch.set_num_threads(threads)
-    pair = load_named_pair(source, target, progress=True)
-    wanted = {"both": [(source, target), (target, source)], "up": [(source, target)],
-              "down": [(target, source)]}[directions]
-    mappers = {}
-    for names in wanted:
-        named = pair if names == (source, target) else pair.reversed()
-        mappers[names] = obtain_mapper(named, progress=True, both_directions=True)[0]
+    pair, wanted, mappers = _pair_directions(source, target, directions)
     settings = LlamaCppSettings(context=2 * max(lengths) + 64, sequences=8, threads=threads, cache_type=cache_type,
                                 flash_attn=flash_attn)
     result = run_engine_bench({source: pair.source, target: pair.target}, mappers, pair.tokenizer, lengths,
@@ -185,14 +195,12 @@ def eval_llama_cpp(
     source: Source = DEFAULT_SOURCE,
     target: Target = DEFAULT_TARGET,
     task: Annotated[str, typer.Option(help="a generative task of the switch benchmark (coqa_gen, nq_open, "
-                                           "boolq_long, gsm8k_cot)")] = "coqa_gen",
+                                           "gsm8k_cot)")] = "coqa_gen",
     limit: Annotated[int, typer.Option(parser=positive_int, help="items per direction (report pool)")] = 40,
     histories: Annotated[int, typer.Option(parser=positive_int, help="histories the items share")] = 8,
-    directions: Annotated[str, typer.Option(parser=one_of(("both", "up", "down")), help=(
-        "both, up (source → target) or down (target → source)"))] = "both",
+    directions: Directions = "both",
     recompute: Recompute = None,
-    threads: Annotated[int | None, typer.Option(parser=positive_int, help="CPU threads of torch and llama.cpp "
-                                                                          "(default: each library's choice)")] = None,
+    threads: EngineThreads = None,
     budget: Annotated[float | None, typer.Option(parser=positive_float, help="start no new item after this many "
                                                                              "seconds (rerun to continue)")] = None,
     out: Annotated[Path, typer.Option(help="the result (JSON, rewritten after every item; a rerun continues)")]
@@ -207,11 +215,7 @@ def eval_llama_cpp(
 
     if threads is not None:
         torch.set_num_threads(threads)
-    pair = load_named_pair(source, target, progress=True)
-    wanted = {"both": [(source, target), (target, source)], "up": [(source, target)],
-              "down": [(target, source)]}[directions]
-    mappers = {names: obtain_mapper(pair if names == (source, target) else pair.reversed(), progress=True,
-                                    both_directions=True)[0] for names in wanted}
+    pair, wanted, mappers = _pair_directions(source, target, directions)
     models = {source: pair.source, target: pair.target}
     twins = llama_twins(models, LlamaCppSettings(context=16384, sequences=16, threads=threads))
     try:
