@@ -6,8 +6,9 @@ answers read a token at a time, so both engines decode alike):
 "target" — the target reads the history and the passage itself and answers; "switch" — the source reads them, the
 target answers on the mapped cache (the default recompute policy unless given). Scored by the task's metric
 (`switchtasks.item_score`), with paired bootstrap intervals of the differences that matter: each engine's switch
-against its target alone, and llama.cpp's switch against transformers'. The result is rewritten after every item
-and a rerun with the same file continues where it stopped.
+against its target alone, and llama.cpp's switch against transformers'. Histories are taken one at a time, each
+in every direction and engine, so a run stopped by its budget leaves items scored by both engines. The result is
+rewritten after every item and a rerun with the same file continues where it stopped.
 """
 
 from __future__ import annotations
@@ -78,41 +79,52 @@ def run_engine_quality(engines: dict, mappers: dict, tokenizer, end_ids: Sequenc
                 {key: result[key] for key in ("format", "task", "recompute", "histories")}:
             result["records"] = stored.get("records", {})
     started = time.perf_counter()
-    for source, target in directions:
-        for engine, models in engines.items():
-            key = f"{engine}: {source} → {target}"
-            done = result["records"].setdefault(key, {})
-            bases: dict[str, dict[str, SwitchingSession]] = {}
-            for item in items:
-                if item.id in done:
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(item.history.key, []).append(item)
+    for group in groups.values():  # history by history, every direction and engine on it: a stopped run is paired
+        for source, target in directions:
+            for engine, models in engines.items():
+                done = result["records"].setdefault(f"{engine}: {source} → {target}", {})
+                todo = [item for item in group if item.id not in done]
+                if not todo:
                     continue
                 if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
                     break
-                if item.history.key not in bases:
-                    bases.clear()  # one history's sessions at a time
-                    alone = SwitchingSession(models, {}, plan=plan)
-                    alone.read(target, item.history.ids)
-                    switching = SwitchingSession(models, {(source, target): mappers[source, target]}, plan=plan)
-                    switching.read(source, item.history.ids)
-                    bases[item.history.key] = {"target": alone, "switch": switching}
-                record = {"answers": list(item.answers)}
-                for condition, base in bases[item.history.key].items():
-                    session = base.fork()
-                    reader = target if condition == "target" else source
-                    if item.extension:
-                        session.read(reader, item.extension)
-                    output = _answer(session, target, item.question, tokenizer, max_new_tokens, switch_task.stop,
-                                     end_ids)
-                    record[condition] = {"output": output,
-                                         "score": item_score(switch_task, {"output": output,
-                                                                           "answers": list(item.answers)})}
-                done[item.id] = record
-                if out is not None:
-                    atomic_write_json(out, {**result, "summary": summarize_quality(result)})
+                bases = _history_sessions(models, mappers, source, target, todo[0].history, plan)
+                for item in todo:
+                    done[item.id] = _item_record(bases, item, source, target, tokenizer, switch_task,
+                                                 max_new_tokens, end_ids)
+                    if out is not None:
+                        atomic_write_json(out, {**result, "summary": summarize_quality(result)})
     result["summary"] = summarize_quality(result)
     if out is not None:
         atomic_write_json(out, result)
     return result
+
+
+def _history_sessions(models: dict, mappers: dict, source: str, target: str, history, plan: HandoffPlan) -> dict:
+    """The two conditions' sessions of one history: the target alone has read it, the source has read it for a
+    switch to the target."""
+    alone = SwitchingSession(models, {}, plan=plan)
+    alone.read(target, history.ids)
+    switching = SwitchingSession(models, {(source, target): mappers[source, target]}, plan=plan)
+    switching.read(source, history.ids)
+    return {"target": alone, "switch": switching}
+
+
+def _item_record(bases: dict, item, source: str, target: str, tokenizer, switch_task, max_new_tokens: int,
+                 end_ids) -> dict:
+    """One item's answers and scores under each condition (each on a fork of its history's session)."""
+    record: dict = {"answers": list(item.answers)}
+    for condition, base in bases.items():
+        session = base.fork()
+        if item.extension:
+            session.read(target if condition == "target" else source, item.extension)
+        output = _answer(session, target, item.question, tokenizer, max_new_tokens, switch_task.stop, end_ids)
+        record[condition] = {"output": output,
+                             "score": item_score(switch_task, {"output": output, "answers": list(item.answers)})}
+    return record
 
 
 def summarize_quality(result: dict) -> dict:
