@@ -16,6 +16,7 @@ from kvhandoff.runtime.session import SwitchingSession
 
 pytest.importorskip("llama_cpp")
 
+from kvhandoff.runtime.llama_cpp import state
 from kvhandoff.runtime.llama_cpp.engine import LlamaCppCache, LlamaCppError
 from kvhandoff.runtime.llama_cpp.state import StateFormatError
 
@@ -58,6 +59,20 @@ def test_rows_leave_and_enter_the_context_bit_for_bit(pair):
     assert max_kv_diff(twin.export(), rows) == 0
     assert max_kv_diff(cache.export(4, 9), rows_of((k[:, :, 4:9], v[:, :, 4:9]) for k, v in
                                                    ((layer.keys, layer.values) for layer in rows.layers))) == 0
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_llama_cpp_state_parses_and_writes_back_bit_for_bit(pair, tmp_path, flash_attn):
+    source = pair[0]
+    model = llama_model(source, tmp_path, "f16", cache_type="f16", flash_attn=flash_attn)
+    try:
+        cache, _ = _prefilled(model, ids_of(tokens=9))
+        blob = model.state_bytes(cache.seq)
+        parsed = state.parse(blob, model.layout)
+        assert parsed.positions.tolist() == list(range(9)) and model.layout.v_trans is not flash_attn
+        assert state.write(parsed, model.layout, cache.seq) == blob
+    finally:
+        model.close()
 
 
 def test_copy_truncate_and_batched_reads(pair):
