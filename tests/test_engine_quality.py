@@ -10,18 +10,19 @@ from kvhandoff.serving.decoding import end_ids
 
 pytest.importorskip("llama_cpp")
 
-#: a window that holds a CoQA history written byte by byte
-LONG_CONTEXT = 8192
-
 from _llama_support import llama_model
 from kvhandoff_lab.engine_quality import run_engine_quality
+
+#: a window that holds a CoQA history written byte by byte
+LONG_CONTEXT = 8192
 
 
 def test_both_engines_answer_as_the_target_alone_on_an_exact_pair(tmp_path):
     family, mappers = tiny_family(LONG_CONTEXT)
     models = {name: model for name, (model, _) in family.items()}
     tokenizer = family["small"][1]
-    twins = {name: llama_model(model, tmp_path, name, context=4 * LONG_CONTEXT, sequences=8) for name, model in models.items()}
+    twins = {name: llama_model(model, tmp_path, name, context=4 * LONG_CONTEXT, sequences=8)
+             for name, model in models.items()}
     out = tmp_path / "quality.json"
     try:
         first = run_engine_quality({"llama.cpp": twins, "transformers": models}, mappers, tokenizer,

@@ -85,7 +85,7 @@ def test_copy_truncate_and_batched_reads(pair):
     together = LlamaCppCache.read_batch(small, [cache, twin], [7, 7])
     assert torch.allclose(together, torch.stack(alone), atol=1e-5)
     assert (cache.length, twin.length) == (13, 6)
-    assert cache.storages() != twin.storages()
+    assert list(cache.storages().values()) == [13 * small.bytes_per_token]
 
 
 def test_runs_of_positions_recompute_as_the_transformers_engine_does(pair):
@@ -136,13 +136,54 @@ def test_a_refused_import_leaves_the_cache_as_it_was(pair):
     with pytest.raises(StateFormatError, match="KV heads"):
         cache.append(rows_of((k[:, :1], v[:, :1]) for k, v in ((layer.keys, layer.values) for layer in
                                                                 before.layers)))
+    free = len(small._free_seqs)
     with pytest.raises(LlamaCppError, match="no room"):
         cache.append(rows_of((k.repeat(1, 1, 200, 1), v.repeat(1, 1, 200, 1)) for k, v in
                              ((layer.keys, layer.values) for layer in before.layers)))
+    assert len(small._free_seqs) == free  # the scratch sequence went back
     assert cache.length == 10
     assert max_kv_diff(cache.export(), before) == 0
     with pytest.raises(ConfigError, match="cannot read it"):
         cache.read(large, torch.tensor([[1]]))
+
+
+def test_a_failed_read_leaves_the_cache_as_it_was(pair, tmp_path):
+    source = pair[0]
+    model = llama_model(source, tmp_path, "cramped", context=64, batch=16, sequences=4)
+    try:
+        cache, _ = _prefilled(model, ids_of(tokens=20))
+        before = cache.export()
+        with pytest.raises(LlamaCppError, match="no room"):
+            cache.read(model, ids_of(tokens=300, seed=4))  # llama.cpp pads the context to 256 cells: it fills midway
+        assert cache.length == 20 and max_kv_diff(cache.export(), before) == 0
+        assert cache.read(model, torch.tensor([[3]])).shape == (1, 1, model.vocab_size)
+    finally:
+        model.close()
+    with pytest.raises(LlamaCppError, match="closed"):
+        cache.read(model, torch.tensor([[3]]))
+
+
+def test_write_replaces_rows_in_place(pair):
+    _, _, _, small, _ = pair
+    cache, _ = _prefilled(small, ids_of(tokens=12))
+    other, _ = _prefilled(small, ids_of(tokens=12, seed=9))
+    cache.write(3, other.export(3, 7))
+    rows, theirs = cache.export(), other.export()
+    assert cache.length == 12
+    assert max_kv_diff(rows, theirs, slice(3, 7)) == 0 and max_kv_diff(rows, theirs, slice(7, None)) > 0
+    with pytest.raises(ConfigError, match="past a cache"):
+        cache.write(10, other.export(0, 4))
+
+
+def test_settings_are_checked_where_they_enter():
+    from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings
+
+    with pytest.raises(ConfigError, match="batch 512 is past the context's 100"):
+        LlamaCppSettings(context=100)
+    with pytest.raises(ConfigError, match="cache_type"):
+        LlamaCppSettings(cache_type="q8_0")
+    with pytest.raises(ConfigError, match="sequences"):
+        LlamaCppSettings(sequences=1)
 
 
 def test_sequences_are_returned_to_the_context(pair):

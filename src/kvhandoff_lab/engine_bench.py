@@ -117,7 +117,9 @@ def bench_direction(names: tuple[str, str], models: dict, llama: dict, mapper: M
         tf_source_cache = TransformersCache()
         tf_source_cache.read(models[source_name], history)
     timings: dict[str, list[float]] = {}
+    cache = own = None
     for repeat in range(warmup + repeats):
+        cache = own = None  # the last repeat's sequences go back to the context before this one's import
         if repeat == warmup:
             timings.clear()
         started = time.perf_counter()

@@ -214,7 +214,7 @@ def map_for_target(source_model, target_model, mapper: Mapper, input_ids: torch.
     `transformers` cache; e.g. a reused few-shot prefix extended by the rest); the source prefill is then skipped.
     selection_info: what the recompute policy may know beyond the cache (turn starts, the source's attention).
     cache_factory: makes each model's fresh cache, ``cache_factory(model)`` → an empty `KVCache` of the engine that
-    runs it (`CacheFactory`; default `new_cache`, a `TransformersCache`): the target's, which the mapped rows go
+    runs it (`CacheFactory`; default `new_cache`: the model's own engine's): the target's, which the mapped rows go
     into, and the source's for its prefill (none when ``source_cache`` is given). The target's cache never comes
     from the source's kind: the two may live in different engines.
 

@@ -72,7 +72,7 @@ class PrefixStore:
     def prime(self, model, prefix_ids: torch.Tensor) -> None:
         """Store ``model``'s own K/V of ``prefix_ids`` [batch, p] (a prefill of those p tokens), e.g. a system
         prompt's opening before the first switch."""
-        cache = new_cache()
+        cache = new_cache(model)
         cache.read(model, prefix_ids.to(model_device(model)))
         self.remember(model, prefix_ids, cache)
 

@@ -331,7 +331,12 @@ def new_cache(model=None) -> KVCache:
     makes its own (its ``new_cache()``, e.g. `kvhandoff.runtime.llama_cpp.engine.LlamaCppModel`); a `transformers`
     model gets a `TransformersCache`."""
     own = getattr(model, "new_cache", None)
-    return own() if callable(own) else TransformersCache()
+    if not callable(own):
+        return TransformersCache()
+    cache = own()
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"{type(model).__name__}.new_cache() made a {type(cache).__name__}, not a KVCache")
+    return cache
 
 
 def rows_of(layers) -> DynamicCache:

@@ -29,7 +29,7 @@ class SwitchingSession:
     `PrefixStore` the models' exact prefixes are copied from and kept in (shared by the sessions of one server,
     whose conversations open alike). The session knows where each turn (each `read`, each generated answer)
     starts, for "sinks". Each model's cache sits behind the cache seam (`KVCache`); cache_factory makes a model's
-    fresh one, ``cache_factory(model)`` (`CacheFactory`; default `new_cache`, a `TransformersCache`): at its first
+    fresh one, ``cache_factory(model)`` (`CacheFactory`; default `new_cache`: the model's own engine's): at its first
     turn, at a re-prefill, and when a handover maps the conversation for it — always by the model's own engine,
     never of the kind of the cache it is mapped from.
 

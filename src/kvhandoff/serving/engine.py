@@ -481,10 +481,11 @@ def _fit_llama_cpp(config: ServeConfig, models) -> ServeConfig:
     sequences = [model.settings.sequences for model in models if isinstance(model, LlamaCppModel)]
     if not sequences:
         return config
+    check_recompute(config.recompute)
     room = min(sequences) - config.max_batch - 2
     if room < 1:
         raise ConfigError(f"a llama.cpp context of {min(sequences)} sequences cannot serve a batch of "
-                          f"{config.max_batch}: lower --max-batch or raise --llama-sequences", field="max_batch")
+                          f"{config.max_batch}: lower --max-batch", field="max_batch")
     if config.max_sessions > room:
         logger.warning("llama.cpp: at most %d sessions at once (each context holds %d sequences, a batch of %d "
                        "and two scratch ones); --max-sessions %d lowered", room, min(sequences), config.max_batch,
@@ -519,7 +520,8 @@ class Engine:
         positions = min(_window(model) for model, _ in models.values())
         if config.max_context is not None and config.max_context > positions:
             raise ConfigError(f"max_context {config.max_context} is past the hosted models' window: the smallest "
-                              f"max_position_embeddings is {positions}; give at most that (or none)")
+                              f"is {positions} (max_position_embeddings, or half a llama.cpp context's cells); "
+                              "give at most that (or none)")
         self.max_context = config.max_context or positions
         self.metrics = metrics or ServingMetrics()
         self.created = int(time.time())
@@ -536,8 +538,6 @@ class Engine:
         self.prefix_cache = PrefixCache()  # the conversations that name no session, found by their tokens
         self.prefix_store = PrefixStore()  # the conversations' openings, shared: a switch copies its exact prefix
         self.plan = config.plan(self.prefix_store)  # every session's handoffs
-        if any(isinstance(model, LlamaCppModel) for model, _ in models.values()):
-            check_recompute(self.plan.recompute)
         self.guards: dict[tuple[str, str], GuardPolicy] = guard_policies(config, self._mappers)
         self._announce_guards()
         self._running: set[Generation] = set()  # admitted and not finished

@@ -118,6 +118,11 @@ def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str
     specs = dict(specs) if specs else {DEFAULT_SOURCE: DEFAULT_SOURCE, DEFAULT_TARGET: DEFAULT_TARGET}
     mapper_dirs = dict(mapper_dirs or {})
     names = list(specs)
+    if llama_cpp is not None:  # before any model is loaded or mapper fitted: a missing file is said at once
+        if device_map is not None:
+            raise ConfigError("device_map places transformers models; llama.cpp runs the models on the CPU: give "
+                              "no device map with the llama.cpp engine")
+        ggufs = {name: gguf_of(name, specs[name], (ggufs or {}).get(name)) for name in names}
     for pair in mapper_dirs:
         if pair[0] not in specs or pair[1] not in specs:
             raise ConfigError(f"mappers: {pair[0]} → {pair[1]} names a model that is not hosted ({', '.join(names)})")
@@ -148,7 +153,6 @@ def load_family(specs: dict[str, str] | None = None, mapper_dirs: dict[tuple[str
     for (source, _), mapper in mappers.items():
         on_source_device(mapper, models[source][0])
     if llama_cpp is not None:
-        models = {name: (llama_cpp_twin(model, gguf_of(name, specs[name], (ggufs or {}).get(name)), llama_cpp,
-                                        name=name), tokenizer)
+        models = {name: (llama_cpp_twin(model, ggufs[name], llama_cpp, name=name), tokenizer)
                   for name, (model, tokenizer) in models.items()}
     return models, mappers

@@ -3,7 +3,7 @@ pinned llama-cpp-python), and `LlamaCppCache`, one conversation's KV cache as a 
 
 One context per model holds every conversation the model serves: a unified KV cache of ``context`` cells shared
 by up to ``sequences`` sequences, each `LlamaCppCache` one sequence. Copies share cells (llama.cpp's
-``seq_cp`` copies no data), so a fork or a kept prefix costs nothing until it grows. Rows leave the context through
+``seq_cp`` copies no data), so a fork or a kept prefix takes no new cells until it grows. Rows leave the context through
 the sequence-state API (`state.parse`) and enter it through a scratch sequence (`state.write`, then ``seq_cp``), so
 an import that llama.cpp refuses leaves the cache as it was. Positions are recomputed in runs: each run of
 consecutive positions is decoded in a scratch sequence that sees the cache's cells before it, and its fresh cells
@@ -97,6 +97,9 @@ class LlamaCppSettings:
                                          or self.threads < 1):
             raise ConfigError(f"llama.cpp threads must be a positive integer or None, got {self.threads!r}",
                               field="threads")
+        if self.batch > self.context:
+            raise ConfigError(f"llama.cpp batch {self.batch} is past the context's {self.context} cells: give a batch "
+                              "of at most the context", field="batch")
         if self.cache_type not in GGML_TYPE_NAMES:
             raise ConfigError(f"llama.cpp cache_type must be one of {', '.join(GGML_TYPE_NAMES)} (kvhandoff maps "
                               f"float caches), got {self.cache_type!r}", field="cache_type")
@@ -124,7 +127,8 @@ class LlamaCppModel:
             raise ConfigError(f"no GGUF file at {self.gguf}: pass the path of the model's .gguf")
         self._lib = llama_library()
         self._lock = threading.RLock()
-        self._model = self._ctx = self._batch = None
+        self._model = self._ctx = self._memory = self._batch = None
+        self._dropped: list[int] = []  # sequences of caches let go while another thread held the lock
         self._load()
         self._free_seqs = list(range(self.settings.sequences - 1, -1, -1))
 
@@ -164,14 +168,16 @@ class LlamaCppModel:
         self._memory = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(settings.batch, 0, 1)
         self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
-        layers = lib.llama_model_n_layer(self._model)
         geometry = (self.config.num_hidden_layers, self.config.num_key_value_heads,
                     getattr(self.config, "head_dim", None)
                     or self.config.hidden_size // self.config.num_attention_heads)
-        if layers != geometry[0]:
+        found = (lib.llama_model_n_layer(self._model), lib.llama_model_n_head_kv(self._model),
+                 lib.llama_model_n_embd(self._model) // max(lib.llama_model_n_head(self._model), 1))
+        if found[:2] != geometry[:2] or self.vocab_size != self.config.vocab_size:
             self.close()
-            raise ConfigError(f"{self.gguf.name} has {layers} layers, its transformers config {geometry[0]}: give the "
-                              "config of the same model")
+            raise ConfigError(f"{self.gguf.name} has {found[0]} layers, {found[1]} KV heads and a vocabulary of "
+                              f"{self.vocab_size}; its transformers config {geometry[0]}, {geometry[1]} and "
+                              f"{self.config.vocab_size}: give the GGUF and the config of the same model")
         self.layout = CacheLayout(*geometry, k_type=kind, v_type=kind, v_trans=not settings.flash_attn)
         logger.info("llama.cpp: %s, %d cells × %d sequences, %s cache", self.gguf.name, settings.context,
                     settings.sequences, settings.cache_type)
@@ -190,7 +196,7 @@ class LlamaCppModel:
                 self._batch = None
             if self._ctx:
                 lib.llama_free(self._ctx)
-                self._ctx = None
+                self._ctx = self._memory = None
             if self._model:
                 lib.llama_model_free(self._model)
                 self._model = None
@@ -212,8 +218,19 @@ class LlamaCppModel:
         return 2 * layout.layers * layout.width * element
 
     # -- the context's calls, each under the lock ---------------------------------------------------------------------
+    def _live(self) -> None:
+        """LlamaCppError once the model is closed (a context call would then touch freed memory); frees the
+        sequences of caches dropped meanwhile. Called under the lock."""
+        if not self._ctx:
+            raise LlamaCppError(f"{self!r} is closed: its caches cannot be used")
+        while self._dropped:
+            seq = self._dropped.pop()
+            self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            self._free_seqs.append(seq)
+
     def _acquire(self) -> int:
         with self._lock:
+            self._live()
             if not self._free_seqs:
                 raise LlamaCppError(f"the llama.cpp context of {self.gguf.name} holds {self.settings.sequences} "
                                     "sequences, all in use: raise LlamaCppSettings.sequences, or hold fewer "
@@ -221,24 +238,34 @@ class LlamaCppModel:
             return self._free_seqs.pop()
 
     def _release(self, seq: int) -> None:
-        with self._lock:
+        """Give ``seq`` back: at once when the lock is free, else at the next call into the context (a cache dropped
+        on another thread, e.g. the server's event loop, never waits for a running decode)."""
+        if not self._lock.acquire(blocking=False):
+            self._dropped.append(seq)
+            return
+        try:
             if self._ctx:
                 self._lib.llama_memory_seq_rm(self._memory, seq, -1, -1)
             self._free_seqs.append(seq)
+        finally:
+            self._lock.release()
 
     def _seq_rm(self, seq: int, start: int, end: int = -1) -> None:
         with self._lock:
+            self._live()
             if not self._lib.llama_memory_seq_rm(self._memory, seq, start, end):
                 raise LlamaCppError(f"llama.cpp could not drop positions {start}..{end} of sequence {seq}")
 
     def _seq_cp(self, source: int, target: int, start: int, end: int) -> None:
         with self._lock:
+            self._live()
             self._lib.llama_memory_seq_cp(self._memory, source, target, start, end)
 
     def state_bytes(self, seq: int) -> bytes:
         """Sequence ``seq``'s state as llama.cpp writes it (`llama_state_seq_get_data`)."""
         lib = self._lib
         with self._lock:
+            self._live()
             size = lib.llama_state_seq_get_size(self._ctx, seq)
             buffer = (ctypes.c_uint8 * size)()
             written = lib.llama_state_seq_get_data(self._ctx, buffer, size, seq)
@@ -253,6 +280,7 @@ class LlamaCppModel:
         blob = seq_state.write(state, self.layout, seq)
         buffer = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         with self._lock:
+            self._live()
             read = self._lib.llama_state_seq_set_data(self._ctx, buffer, len(blob), seq)
         if read != len(blob):
             raise LlamaCppError(f"llama.cpp did not take the {state.length} cells (read {read} of {len(blob)} bytes): "
@@ -267,6 +295,7 @@ class LlamaCppModel:
         wanted = set(keep)
         rows: dict[int, torch.Tensor] = {}
         with self._lock:
+            self._live()
             for begin in range(0, len(tokens), size):
                 end = min(begin + size, len(tokens))
                 for slot, index in enumerate(range(begin, end)):
@@ -277,7 +306,9 @@ class LlamaCppModel:
                     batch.logits[slot] = index in wanted
                 batch.n_tokens = end - begin
                 status = lib.llama_decode(self._ctx, batch)
-                if status != 0:
+                if status != 0:  # what earlier calls of this decode added goes too: each sequence as it was
+                    for seq, first in _first_positions(seqs, positions).items():
+                        lib.llama_memory_seq_rm(self._memory, seq, first, -1)
                     raise LlamaCppError(f"llama.cpp's decode failed (status {status})"
                                         + (": no room in the KV cache, raise LlamaCppSettings.context"
                                            if status == 1 else ""))
@@ -287,6 +318,14 @@ class LlamaCppModel:
                         rows[index] = torch.frombuffer(
                             bytearray(ctypes.string_at(pointer, 4 * self.vocab_size)), dtype=torch.float32)
         return torch.stack([rows[index] for index in keep]) if keep else torch.empty(0, self.vocab_size)
+
+
+def _first_positions(seqs: Sequence[int], positions: Sequence[int]) -> dict[int, int]:
+    """Each sequence's first position among a decode's tokens."""
+    first: dict[int, int] = {}
+    for seq, position in zip(seqs, positions, strict=True):
+        first[int(seq)] = min(first.get(int(seq), int(position)), int(position))
+    return first
 
 
 def llama_cpp_twin(model, gguf: str | Path, settings: LlamaCppSettings | None = None,
@@ -350,14 +389,27 @@ class LlamaCppCache(KVCache):
         return model
 
     def export(self, start: int = 0, end: int | None = None) -> DynamicCache:
+        """The rows of start..end − 1, float32: the range's cells shared into a scratch sequence (no data copied),
+        whose state alone is read and parsed."""
         end = self._length if end is None else end
         if not 0 <= start <= end <= self._length:
             raise ConfigError(f"export {start}..{end} of a cache of {self._length} positions")
-        state = self.model._read_state(self.seq)
-        if not torch.equal(state.positions, torch.arange(self._length)):
-            raise StateFormatError(f"sequence {self.seq} holds positions other than 0..{self._length - 1}")
-        rows = seq_state.to_rows(state, self.model.layout)
-        return rows_of((keys[:, :, start:end], values[:, :, start:end]) for keys, values in rows)
+        layout = self.model.layout
+        if start == end:
+            empty = torch.empty(1, layout.kv_heads, 0, layout.head_dim)
+            return rows_of((empty, empty) for _ in range(layout.layers))
+        whole = start == 0 and end == self._length
+        seq = self.seq if whole else self.model._acquire()
+        try:
+            if not whole:
+                self.model._seq_cp(self.seq, seq, start, end)
+            state = self.model._read_state(seq)
+        finally:
+            if not whole:
+                self.model._release(seq)
+        if not torch.equal(state.positions, torch.arange(start, end)):
+            raise StateFormatError(f"sequence {self.seq} does not hold positions {start}..{end - 1} exactly")
+        return rows_of(seq_state.to_rows(state, layout))
 
     def _place(self, rows: DynamicCache, start: int) -> int:
         """Put ``rows`` at positions start.. of this sequence, replacing what it holds there: written into a scratch
@@ -403,6 +455,8 @@ class LlamaCppCache(KVCache):
         return LlamaCppCache(self.model)
 
     def storages(self) -> dict[tuple, int]:
+        """The bytes of this sequence's cells, as if it held them alone: cells a copy shares are counted for each
+        sequence that holds them (llama.cpp does not say which are shared), so a server's accounting errs high."""
         return {("llama.cpp", id(self.model), self.seq): self._length * self.model.bytes_per_token}
 
     def supports_recompute(self, model) -> bool:
@@ -414,12 +468,15 @@ class LlamaCppCache(KVCache):
         model = self._own_model(model)
         if not pending:
             return
-        if pending.positions.shape[0] != 1:
-            raise ConfigError("a llama.cpp cache holds one conversation: recompute positions of batch 1")
-        ids = pending.input_ids[0].tolist()
-        for first, stop in _runs(pending.positions[0].tolist()):
-            if stop > self._length:
-                raise ConfigError(f"recompute position {stop - 1} past a cache of {self._length} positions")
+        positions, ids = pending.positions, pending.input_ids
+        if positions.dim() != 2 or positions.shape[0] != 1 or ids.dim() != 2 or ids.shape != (1, self._length):
+            raise ConfigError(f"a llama.cpp cache of {self._length} positions recomputes positions [1, n] of its "
+                              f"tokens [1, {self._length}], got {tuple(positions.shape)} of {tuple(ids.shape)}")
+        positions = torch.unique(positions[0])  # sorted, each once
+        if positions.numel() and not 0 <= int(positions[0]) <= int(positions[-1]) < self._length:
+            raise ConfigError(f"recompute positions must be in 0..{self._length - 1}, got {positions.tolist()}")
+        ids = ids[0].tolist()
+        for first, stop in _runs(positions.tolist()):
             scratch = model._acquire()
             try:
                 if first:
@@ -463,7 +520,8 @@ class LlamaCppCache(KVCache):
                  eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                  generator: torch.Generator | None = None, **unknown) -> torch.Tensor:
         """Greedy decoding (or sampling at ``temperature`` with ``do_sample``) of up to ``max_new_tokens``, stopping
-        after an ``eos_token_id``; the last token is not fed back (as ``transformers``' ``generate``)."""
+        after an ``eos_token_id`` (None: the model's generation config's, as ``transformers``' ``generate``; its
+        other sampling settings are not applied); the last token is not fed back (as ``generate``)."""
         if unknown:
             raise ConfigError(f"the llama.cpp engine's generate takes max_new_tokens, do_sample, temperature, "
                               f"eos_token_id, pad_token_id and generator; not {', '.join(sorted(unknown))}")
@@ -471,6 +529,8 @@ class LlamaCppCache(KVCache):
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] <= self._length:
             raise ConfigError(f"input_ids must be [1, tokens] with more than the {self._length} cached tokens, got "
                               f"{tuple(input_ids.shape)}")
+        if eos_token_id is None:
+            eos_token_id = getattr(model.generation_config, "eos_token_id", None)
         stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
         sequence = input_ids[0].tolist()
         new_ids = input_ids[:, self._length:]

@@ -12,8 +12,9 @@ The layout is the one of the llama.cpp that the pinned llama-cpp-python builds (
         per layer, V rows: i32 type, u64 row bytes, cell_count rows
           or, transposed (v_trans): i32 type, u32 element bytes, u32 row width, width × cell_count elements
 
-Only float K/V caches are read (f32, f16, bf16); a quantized cache, another model's width or layer count, a cache
-with extended cells (M-RoPE) or any byte left over is refused with the mismatch named. Pure functions of bytes and
+Only float K/V caches are read (f32, f16, bf16); a quantized cache, another model's width or layer count, or any
+byte left over is refused with the mismatch named. Models whose cells carry extended fields (M-RoPE, per-layer
+embeddings) are not read: their states do not parse as these. Pure functions of bytes and
 tensors: nothing here touches a llama.cpp context.
 """
 
@@ -235,7 +236,8 @@ def from_rows(layers, positions: torch.Tensor, layout: CacheLayout) -> SeqState:
     keys, values = [], []
     for layer_keys, layer_values in layers:
         for name, rows in (("keys", layer_keys), ("values", layer_values)):
-            if rows.dim() != 4 or rows.shape[0] != 1 or rows.shape[1] * rows.shape[3] != layout.width:
+            if rows.dim() != 4 or rows.shape[0] != 1 or (rows.shape[1], rows.shape[3]) != (layout.kv_heads,
+                                                                                          layout.head_dim):
                 raise StateFormatError(f"{name} of shape {tuple(rows.shape)} for a cache of {layout.kv_heads} KV "
                                        f"heads × head dim {layout.head_dim} (one sequence)")
         keys.append(layer_keys[0].transpose(0, 1).reshape(-1, layout.width).to(GGML_FLOAT_TYPES[layout.k_type]))
