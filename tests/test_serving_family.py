@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import httpx
 import pytest
@@ -112,3 +113,28 @@ def test_load_family_obtains_the_cached_default_mapper_of_each_missing_direction
     asked.clear()
     load_family(specs, {}, progress=False)  # both directions fitted: the first pass serves the second
     assert [entry[3] for entry in asked] == [True, True]
+
+
+def test_the_gguf_of_each_model_is_named_found_or_asked_for(tmp_path):
+    from kvhandoff.serving.family import gguf_of, parse_gguf_paths
+
+    assert parse_gguf_paths(["small=~/a.gguf"], ["small", "large"]) == {"small": Path("~/a.gguf").expanduser()}
+    for bad in (["tiny=a.gguf"], ["small"], ["small=a", "small=b"]):
+        with pytest.raises(ConfigError, match="gguf"):
+            parse_gguf_paths(bad, ["small", "large"])
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="--gguf small=PATH"):
+        gguf_of("small", str(folder))
+    (folder / "weights.gguf").write_bytes(b"")
+    assert gguf_of("small", str(folder)) == folder / "weights.gguf"
+    with pytest.raises(ConfigError, match="no file"):
+        gguf_of("small", str(folder), tmp_path / "missing.gguf")
+
+
+def test_the_llama_cpp_engine_takes_no_device_map(tmp_path):
+    from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings
+
+    (tmp_path / "a.gguf").write_bytes(b"")
+    with pytest.raises(ConfigError, match="device map"):
+        load_family({"a": str(tmp_path), "b": str(tmp_path)}, device_map="auto", llama_cpp=LlamaCppSettings())
