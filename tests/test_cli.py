@@ -478,6 +478,8 @@ def test_every_entry_point_refuses_a_pair_whose_tokenizers_differ(command, tmp_p
     (["guard-calibrate", "--signal", "vibes"], "--signal"),
     (["guard-calibrate", "--label", "vibes"], "--label"),
     (["guard-calibrate", "--turns", "1"], "--turns"),
+    (["serve", "--engine", "vllm"], "--engine"),
+    (["serve", "--engine", "llama.cpp", "--llama-context", "100"], "--llama-context"),
 ])
 def test_bad_command_line_values_exit_2_with_one_line(arguments, option):
     result = invoke(arguments)
@@ -498,10 +500,11 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
 
     calls = {}
 
-    def fake_load_family(specs, mapper_dirs, dtype, progress, device_map):
+    def fake_load_family(specs, mapper_dirs, dtype, progress, device_map, llama_cpp=None, ggufs=None):
         calls["family"] = (specs, mapper_dirs)
         calls["placement"] = (dtype, device_map)
         calls["progress"] = progress
+        calls["llama_cpp"] = (llama_cpp, ggufs)
         return {"models": 1}, {"mappers": 2}
 
     monkeypatch.setattr(serve_cli, "load_family", fake_load_family)
@@ -518,6 +521,16 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
     assert (models, mappers) == ({"models": 1}, {"mappers": 2})
     assert (config.port, config.guard, config.max_context, config.cache_memory_bytes) == (0, False, 300, 1000)
     assert config.recompute == Sinks(0.1) and config.recompute.spec == "sinks:10%"  # parsed by the option, once
+    assert calls["llama_cpp"] == (None, None)
+
+    result = invoke(["serve", "--models", "small=/m/s,large=/m/l", "--engine", "llama.cpp", "--gguf",
+                     f"small={tmp_path}/s.gguf", "--llama-context", "4096", "--llama-threads", "1"])
+    assert result.exit_code == 0, result.output
+    settings, ggufs = calls["llama_cpp"]
+    assert (settings.context, settings.threads, settings.sequences) == (4096, 1, 256)
+    assert ggufs == {"small": tmp_path / "s.gguf"}
+    result = invoke(["serve", "--gguf", f"small={tmp_path}/s.gguf"])
+    assert result.exit_code == 2 and "--engine llama.cpp" in result.output
 
 
 @pytest.mark.parametrize("args, option", [
