@@ -115,6 +115,9 @@ def test_a_handoff_through_llama_cpp_reproduces_the_target(pair):
     logits = mapped.read(large, ids[:, -1:])
     assert isinstance(mapped.cache, LlamaCppCache)
     assert torch.allclose(logits, own_logits, atol=2e-3)
+    with pytest.raises(ConfigError, match=r"layers:50%.*positions"):  # whole layers need a transformers forward
+        map_for_target(small, large, mapper, ids[:, :-1], HandoffPlan.of(recompute="layers:50%"),
+                       cache_factory=lambda model: model.new_cache())
 
 
 def test_a_conversation_switches_in_llama_cpp_and_answers_as_the_target_alone(pair):

@@ -16,6 +16,7 @@ from kvhandoff.runtime.policy import (
     RECOMPUTE_BUDGETS,
     RULES,
     Deviation,
+    LeadingLayers,
     Mix,
     NoRecompute,
     Recent,
@@ -53,7 +54,7 @@ def test_budget_rounding():
 
 
 def test_one_registry_names_every_rule_class():
-    assert tuple(RULES) == ("none", "sinks", "recent", "deviation", "source_attention", "mix")
+    assert tuple(RULES) == ("none", "sinks", "recent", "deviation", "source_attention", "mix", "layers")
     assert all(kind.rule == name and issubclass(kind, RecomputePolicy) for name, kind in RULES.items())
     assert policy_for("recent", 0.2) == Recent(0.2) and policy_for("none") == NoRecompute()
     assert policy_for("source_attention", 0.1, window=8) == SourceAttention(0.1, source_window=8)
@@ -150,8 +151,13 @@ def test_policy_parses_and_validates():
     assert isinstance(policy.parse("source_attention:2%"), SourceAttention)
     assert policy.parse("source_attention:2%:window=8").window == 8
     assert policy.parse(Recent(0.1)) == Recent(0.1)  # a policy as it is
+    layers = policy.parse("layers:25%")
+    assert layers == LeadingLayers(0.25) and layers.spec == "layers:25%" and layers.active
+    assert [layers.leading_layers(n) for n in (28, 24, 2)] == [7, 6, 1]
+    assert Recent(0.5).leading_layers(28) == 0 and LeadingLayers(0).leading_layers(28) == 0
     for bad in ("deviation", "nearby:10%", "recent:150%", "recent:-1", "recent:x", "mix(sinks=0.5):10%",
-                "mix(sinks=0.5,mix=0.5):10%", "recent:10%:depth=2", "recent:10%:window=8", 3):
+                "mix(sinks=0.5,mix=0.5):10%", "mix(layers=0.5,recent=0.5):10%", "layers:10%:window=8",
+                "recent:10%:depth=2", "recent:10%:window=8", 3):
         with pytest.raises(ConfigError):
             policy.parse(bad)
     for bad_policy in (lambda: Recent(1.5), lambda: Recent("0.1"), lambda: SourceAttention(0.1, source_window=0),

@@ -11,6 +11,7 @@ from kvhandoff.model.cache import cache_of, cache_view
 from kvhandoff.runtime.policy import SelectionInfo, SourceAttention, layer0_kv
 from kvhandoff.runtime.recompute import (
     attention_from_queries,
+    leading_layer_rows,
     recompute_and_read,
     recompute_positions,
     record_queries,
@@ -253,6 +254,56 @@ def test_a_session_recomputes_at_every_handover_and_knows_the_turns(inexact):
         HandoffPlan.of(recompute="fast:1")
     with pytest.raises(ConfigError, match="HandoffPlan"):  # below the edge a spec is refused, never parsed
         SwitchingSession({"small": source}, {}, plan="sinks:10%")
+
+
+# -- whole layers ----------------------------------------------------------------------------------------------------
+
+
+def first_layers(cache, count):
+    return cache_of((layer.keys, layer.values) for layer in cache.layers[:count])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_leading_layer_rows_are_the_targets_own_first_layers(family):
+    target = tiny_model(family, layers=4)
+    ids = ids_of(batch=2, tokens=30)
+    own, _ = prefill(target, ids)
+    rows = leading_layer_rows(target, ids, 2)
+    assert len(rows.layers) == 2 and rows.get_seq_length() == 30
+    assert max_kv_diff(first_layers(own, 2), rows) <= 1e-5
+    # read on top of the rows before them: the same K/V at the later positions
+    later = leading_layer_rows(target, ids[:, 18:], 3, cache_view(own, 0, 18))
+    assert later.get_seq_length() == 12 and max_kv_diff(first_layers(cache_view(own, 18), 3), later) <= 1e-5
+    for bad in (0, 5, True):
+        with pytest.raises(ConfigError, match="leading layers"):
+            leading_layer_rows(target, ids, bad)
+
+
+def test_layers_recompute_makes_the_first_layers_exact_and_keeps_the_others_mapped(inexact):
+    source, target, mapper = inexact
+    ids = ids_of(tokens=48)
+    context, later = ids[:, :40], ids[:, 40:]
+    own, _ = prefill(target, context)
+    mapped = handoff_cache(source, target, mapper, context, HandoffPlan.of(0, "none"))
+    cache = handoff_cache(source, target, mapper, context, HandoffPlan.of(0, "layers:67%"))  # 2 of 3 layers
+    mapped_part = cache.layers[2]
+    assert max_kv_diff(first_layers(own, 2), first_layers(cache, 2)) <= 1e-4
+    assert torch.equal(mapped_part.keys, mapped.layers[2].keys) and torch.equal(mapped_part.values,
+                                                                                 mapped.layers[2].values)
+    reference = next_logits(target, own, later)
+    error = {name: (next_logits(target, c, later) - reference).abs().max().item() for name, c in
+             (("none", mapped), ("layers", cache))}
+    assert error["layers"] < error["none"]
+    full = handoff_cache(source, target, mapper, context, HandoffPlan.of(0, "layers:100%"))
+    assert max_kv_diff(own, full) <= 1e-4
+    # at a catch-up only the newly mapped positions' first layers are recomputed, on top of the kept ones
+    source_cache, _ = prefill(source, context)
+    kept, _ = prefill(target, context[:, :25])
+    pending = catch_up(kept, source_cache, mapper, source, target, context, HandoffPlan.of(recompute="layers:34%"))
+    assert pending.pending.numel() == 0 and kept.get_seq_length() == 40
+    assert max_kv_diff(first_layers(own, 1), first_layers(kept, 1)) <= 1e-4
+    assert (kept.layers[1].keys[:, :, 25:] - own.layers[1].keys[:, :, 25:]).abs().max() > 1e-2
+    assert max_kv_diff(own, kept, slice(0, 25)) <= 1e-6
 
 
 def test_stacked_query_attention_is_sdpa_without_copying_the_cache():

@@ -499,7 +499,8 @@ def test_a_llama_cpp_family_serves_a_switching_conversation_as_the_target_alone(
 
 def test_a_llama_cpp_family_refuses_a_recompute_rule_it_cannot_rank_by(llama_cpp_family):
     served, mappers = llama_cpp_family
-    with pytest.raises(ConfigError, match=r"deviation:10%.*none, sinks, recent"):
-        Engine(served, mappers, ServeConfig(recompute="deviation:10%", guard=False))
+    for spec in ("deviation:10%", "layers:25%"):
+        with pytest.raises(ConfigError, match=spec + r".*none, sinks, recent"):
+            Engine(served, mappers, ServeConfig(recompute=spec, guard=False))
     engine = Engine(served, mappers, ServeConfig(guard=False, max_batch=4, max_sessions=100))
     assert engine.config.max_sessions == 24 - 4 - 2

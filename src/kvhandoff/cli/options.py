@@ -227,7 +227,8 @@ Recompute = Annotated[RecomputePolicy | None, typer.Option(
     "--recompute", parser=recompute_policy, metavar="RULE:BUDGET",
     help=f"selective recompute after the handoff: the target recomputes BUDGET (a fraction or a percentage) of the "
          f"mapped positions itself, chosen by RULE ({', '.join(RULES)}; 'mix(sinks=0.2,...)' for other "
-         f"shares), e.g. deviation:10%, or none; default: {DEFAULT_RECOMPUTE.spec}")]
+         f"shares; 'layers': that fraction of its first layers at every position), e.g. deviation:10%, or none; "
+         f"default: {DEFAULT_RECOMPUTE.spec}")]
 #: the models' placement for their forwards (`config.ModelPlacement`), on every command that loads a pair
 Dtype = Annotated[str, typer.Option("--dtype", parser=model_dtype, metavar="DTYPE", help=(
     "dtype of the model forwards: fp32, bf16 or fp16 (or float32, bfloat16, float16); calibration statistics are "

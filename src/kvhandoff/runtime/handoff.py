@@ -18,7 +18,7 @@ from kvhandoff.model.cache import model_device
 from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
 from kvhandoff.runtime.policy import SelectionInfo
 from kvhandoff.runtime.prefix_store import PrefixStore
-from kvhandoff.runtime.recompute import attention_from_queries, record_queries
+from kvhandoff.runtime.recompute import attention_from_queries, leading_layer_rows, record_queries
 from kvhandoff.runtime.seam import CacheFactory, KVCache, Pending, as_kv_cache, new_cache
 
 
@@ -75,6 +75,26 @@ def _prefill_prefix(cache: KVCache, target_model, input_ids: torch.Tensor, count
     cache.write(0, own.export())
 
 
+def _recompute_leading_layers(cache: KVCache, target_model, input_ids: torch.Tensor, start: int,
+                              plan: HandoffPlan) -> None:
+    """The target's own K/V of its first layers (as many as the plan's policy recomputes) at positions start..T−1 of
+    ``input_ids`` [batch, T], written over the mapped ones; positions before ``start`` are the target's own in those
+    layers (its kept cache, or layers recomputed at an earlier switch), and the new ones are read on top of them."""
+    geometry = cache.geometry()
+    count = plan.recompute.leading_layers(geometry[0]) if geometry is not None else 0
+    if not count or start >= input_ids.shape[1]:
+        return
+    if not isinstance(target_model, torch.nn.Module) or not cache.supports_recompute(target_model):
+        raise ConfigError(f"recompute {plan.recompute.spec!r} runs the target's first layers in a transformers "
+                          "forward, which this target cannot: choose a rule that picks positions (e.g. recent:5%)")
+    past = cache.export(0, start) if start else None
+    rows = leading_layer_rows(target_model, input_ids[:, start:], count, past)
+    merged = cache.export(start)
+    for layer, fresh in zip(merged.layers, rows.layers, strict=False):
+        layer.keys, layer.values = fresh.keys, fresh.values
+    cache.write(start, merged)
+
+
 def _nothing(input_ids: torch.Tensor | None, device) -> torch.Tensor:
     return torch.empty(1 if input_ids is None else input_ids.shape[0], 0, dtype=torch.long, device=device)
 
@@ -110,6 +130,7 @@ class MappedCache:
         cache = as_kv_cache(cache)
         source = None if source_cache is None else as_kv_cache(source_cache)
         input_ids = input_ids.to(cache.device)
+        _recompute_leading_layers(cache, target_model, input_ids, 0, plan)
         own = plan.prefix_length(mapper, input_ids.shape[1])
         positions = _pending_positions(cache, target_model, input_ids, own, plan, selection_info, source_model,
                                        source)
@@ -277,6 +298,7 @@ def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, targ
     if not policy.active:
         return MappedCache(target, input_ids, _nothing(input_ids, target.device))
     input_ids = input_ids.to(target.device)
+    _recompute_leading_layers(target, target_model, input_ids, have, plan)
     info = replace(selection_info or SelectionInfo(), start=have)
     picked = policy.positions(target_model, target.export(), input_ids, info, source_model, source.export())
     return MappedCache(target, input_ids, picked.to(target.device))

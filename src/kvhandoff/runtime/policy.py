@@ -3,8 +3,10 @@ positions the target recomputes itself.
 
 One small frozen class per rule (`NoRecompute`, `Sinks`, `Recent`, `Deviation`, `SourceAttention`, `Mix`), each
 ranking the candidate positions its own way; a policy at a budget takes the first `budget_count` of its ranking
-(`RecomputePolicy.positions`). `RULES` names the classes; `parse` reads a spec such as "recent:5%" — at the edges
-only (a command-line option, a server's settings, a stored result), so everything below holds policy objects.
+(`RecomputePolicy.positions`). `LeadingLayers` recomputes whole layers instead (DroidSpeak, arXiv 2411.02820): the
+target's first layers at every mapped position (`RecomputePolicy.leading_layers`). `RULES` names the classes; `parse`
+reads a spec such as "recent:5%" — at the edges only (a command-line option, a server's settings, a stored result), so
+everything below holds policy objects.
 """
 
 from __future__ import annotations
@@ -129,6 +131,10 @@ class RecomputePolicy:
     def rank(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
         """Every candidate position start..T−1, most wanted first [batch, T − start]."""
         raise NotImplementedError
+
+    def leading_layers(self, num_layers: int) -> int:
+        """How many of the target's first layers (of ``num_layers``) it recomputes at every mapped position."""
+        return 0
 
     def positions(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
                   source_model=None, source_cache=None) -> torch.Tensor:
@@ -339,12 +345,32 @@ class Mix(RecomputePolicy):
         return torch.stack(rows)
 
 
+@dataclass(frozen=True)
+class LeadingLayers(RecomputePolicy):
+    """Whole layers instead of positions: the target recomputes its first `leading_layers` layers (the budget is
+    the fraction of its layers, `budget_count` of them) at every mapped position, and the layers above keep the
+    mapped K/V; it costs about that fraction of a prefill of the mapped positions
+    (`kvhandoff.runtime.recompute.leading_layer_rows`). A layer's own K/V need the layers below it, so the layers
+    recomputed are the first ones. Picks no positions."""
+
+    rule: ClassVar[str] = "layers"
+
+    def leading_layers(self, num_layers: int) -> int:
+        return budget_count(self.budget, num_layers) if self.active else 0
+
+    def rank(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
+        return _empty(input_ids.shape[0], input_ids.device)
+
+    def _pick(self, target_model, cache, input_ids, info: SelectionInfo, count: int) -> torch.Tensor:
+        return _empty(input_ids.shape[0], input_ids.device)
+
+
 #: the recompute rules by name: the one registry `parse` and `policy_for` read
 RULES: dict[str, type[RecomputePolicy]] = {
-    policy.rule: policy for policy in (NoRecompute, Sinks, Recent, Deviation, SourceAttention, Mix)
+    policy.rule: policy for policy in (NoRecompute, Sinks, Recent, Deviation, SourceAttention, Mix, LeadingLayers)
 }
-#: the rules a "mix" may share its budget between
-_MIXABLE = tuple(name for name in RULES if name not in (NoRecompute.rule, Mix.rule))
+#: the rules a "mix" may share its budget between: those that rank positions
+_MIXABLE = tuple(name for name in RULES if name not in (NoRecompute.rule, Mix.rule, LeadingLayers.rule))
 
 #: the handoffs' default selective-recompute policy: the target recomputes the last 5% of the mapped positions.
 #: Chosen on the switch benchmark's dev pool (docs/RESULTS.md "Switch benchmark").

@@ -6,6 +6,9 @@ up to its own (mapped K/V where not in S, its own fresh K/V where in S — a lay
 that layer attends), and the fresh K/V replace the mapped ones in place. Cost ∝ |S| tokens (plus |S| × T
 attention); S = every position gives the target's own prefill.
 
+`leading_layer_rows` is the other axis (DroidSpeak, arXiv 2411.02820): the target's own K/V of its first layers at
+every position, from a prefill that stops after the last of them; cost ∝ that share of the layers.
+
 The source's attention (`record_queries`, `attention_from_queries`, `source_attention_scores`) serves the policies
 that rank positions by it (`kvhandoff.runtime.policy`), which choose the positions.
 """
@@ -20,7 +23,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.model.cache import cache_view, prefill
+from kvhandoff.model.cache import cache_of, cache_view, model_device, prefill
 from kvhandoff.model.capture import projection_hooks
 from kvhandoff.model.geometry import decoder_layers
 from kvhandoff.model.rope import apply_rope, rope_frequencies
@@ -183,6 +186,43 @@ def recompute_and_read(target_model, cache, input_ids: torch.Tensor, positions, 
         return target_model(input_ids=new_ids.to(positions.device), cache=cache, use_cache=True,
                             logits_to_keep=logits_to_keep).logits
     return _sparse_forward(target_model, cache, input_ids, positions, new_ids, logits_to_keep).logits
+
+
+# -- whole layers ----------------------------------------------------------------------------------------------------
+
+
+class _LayersDone(Exception):
+    """Stops a forward once the layers asked for have written their K/V."""
+
+
+def _stop(*_args) -> None:
+    raise _LayersDone
+
+
+@torch.inference_mode()
+def leading_layer_rows(target_model, input_ids: torch.Tensor, count: int, past: DynamicCache | None = None
+                       ) -> DynamicCache:
+    """The target's own K/V of its first ``count`` layers for ``input_ids`` [batch, N], read on top of ``past`` (rows
+    of the positions before them, at least those ``count`` layers; None: from position 0): a forward that stops after
+    layer ``count`` − 1, so it costs about count / L of a prefill of the N tokens. A layer's own K/V depend only on
+    the layers below it, so these are exactly what the target's full prefill would cache there. Returns the rows of
+    the N positions, ``count`` layers."""
+    layers = decoder_layers(target_model)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= len(layers):
+        raise ConfigError(f"leading layers must be in 1..{len(layers)} (the target's layers), got {count!r}")
+    if past is not None and len(past.layers) < count:
+        raise ConfigError(f"the rows before the new positions hold {len(past.layers)} layers, need {count}")
+    cache = DynamicCache() if past is None else cache_of((layer.keys, layer.values) for layer in past.layers[:count])
+    start = cache.get_seq_length()
+    body = getattr(target_model, "model", target_model)
+    hook = layers[count - 1].register_forward_hook(_stop)
+    try:
+        body(input_ids=input_ids.to(model_device(target_model)), cache=cache, use_cache=True)
+    except _LayersDone:
+        pass
+    finally:
+        hook.remove()
+    return cache_view(cache, start)
 
 
 # -- the source's attention ------------------------------------------------------------------------------------------
