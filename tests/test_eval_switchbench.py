@@ -146,8 +146,33 @@ def test_benchmark_with_generative_tasks_adds_their_table_and_pooled_differences
     assert "| BoolQ, passage in history | acc | 4 |" in table
     assert "| **pooled, generative (2 tasks), recent:10%** | | 8 |" in table
     assert table.count("| Task | Metric |") == 2  # one generative table per direction
-    with pytest.raises(ConfigError, match="leave out nq_open"):
+    with pytest.raises(ConfigError, match="not both: sweep nq_open, boolq_long apart from winogrande"):
         B.run_recompute_sweep(directions, TOK, "bytes", mixed, tmp_path)
+
+
+def test_a_sweep_of_the_generative_group_ranks_by_it_and_times_on_a_multiple_choice_history(directions, tmp_path,
+                                                                                           monkeypatch):
+    timed = []
+    real = B.ttft_history
+
+    def history(task, *args):
+        timed.append(task)
+        return real(task, *args)
+
+    monkeypatch.setattr(B, "ttft_history", history)
+    points = B.recompute_points(("recent", "layers"), (0.0, 0.5))
+    generative = settings(tasks=("nq_open", "boolq_long"), histories=1, generative_histories=2, policies=points,
+                          max_new_tokens={"answer": 3})
+    swept = B.run_recompute_sweep(directions, TOK, "bytes", generative, tmp_path, lengths=(64,))
+    assert swept["group"] == "generative" and swept["complete"] and swept["histories_done"] == 2
+    assert set(timed) == {B.TTFT_TASK}
+    point = next(p for p in swept["points"] if p["policy"] == "layers:50%")
+    assert point["retention"]["forward"]["tasks"] == 2 and point["speedup"]["64"]["forward"] > 0
+    assert point["minus_target"]["forward"]["n"] == 8  # 4 items × 2 tasks, pooled
+    assert point["choice_kl_change"]["forward"]["n"] == 8  # the first answer token's KL where a task generates
+    table = (tmp_path / "sweep_recompute.md").read_text()
+    assert "Items per generative task and direction: 4" in table and "| layers:50% |" in table
+    assert B.sweep_group(("arc_challenge", "mmlu")) == "core"
 
 
 def test_generative_table_alone_and_with_a_stopped_task():

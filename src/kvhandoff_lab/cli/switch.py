@@ -34,10 +34,10 @@ from kvhandoff_lab.evaluation.switchbench import (
     DEFAULT_SWEEP_BUDGETS,
     DEFAULT_TTFT_LENGTHS,
     Direction,
-    check_sweep_tasks,
     recompute_points,
     run_recompute_sweep,
     run_switch_benchmark,
+    sweep_group,
     sweep_markdown,
     switch_markdown,
 )
@@ -214,7 +214,7 @@ def eval_switch(
                                   generative_histories=generative_histories,
                                   max_new_tokens=tuple((max_new_tokens or {}).items()))
         if sweep:
-            check_sweep_tasks(settings.tasks)
+            sweep_group(settings.tasks)
     pair = load_named_pair(source, target, dtype, progress, device_map=device_map)
     directions = pair_directions(pair, MapperSource(mapper, reverse_mapper=reverse, both_directions=both_directions),
                                  out, progress)

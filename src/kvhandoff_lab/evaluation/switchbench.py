@@ -8,7 +8,8 @@ result balanced over tasks and directions (the last finished round; records are 
 have a table of their own, with each switch's pooled differences over the group (`switch.pooled_difference`).
 `run_recompute_sweep` is the Pareto trade-off of selective recompute on the dev pool: the time to first token of
 every (rule, budget) point against re-prefill on one history per length (1K and 2K tokens by default, both
-directions, interleaved), then the retention of every point on the core tasks;
+directions, interleaved), then the retention of every point on the core tasks, or on the generative group's
+(`sweep_group`: one group per sweep);
 ``<out>/sweep_recompute.{json,md,png}``. Choose a policy on the dev pool, report it with `run_switch_benchmark` on
 the report pool.
 """
@@ -48,6 +49,8 @@ SWEEP_FORMAT = "kvhandoff-switch-sweep/1"
 DEFAULT_SWEEP_RULES = ("recent", "sinks", "deviation")
 DEFAULT_SWEEP_BUDGETS = (0.0, 0.02, 0.05, 0.10, 0.20, 0.50)
 DEFAULT_TTFT_LENGTHS = (1024, 2048)
+#: the multiple-choice task whose histories time a sweep of the generative group (the time depends on the lengths)
+TTFT_TASK = "arc_challenge"
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,7 @@ def sweep_ttft(directions: Sequence[Direction], tokenizer, settings: SwitchSetti
                repeats: int = 1) -> dict:
     """Per direction and history length: seconds and speed-ups of every policy against re-prefill (on a history
     of the first task; one short untimed round first warms each direction up)."""
-    task = settings.tasks[0]
+    task = settings.tasks[0] if settings.tasks[0] not in SWITCH_TASKS else TTFT_TASK
     out: dict = {}
     for direction in directions:
         args = (direction.source, direction.target, direction.mapper)
@@ -251,12 +254,15 @@ def sweep_ttft(directions: Sequence[Direction], tokenizer, settings: SwitchSetti
 
 
 def sweep_points(result: dict) -> list[dict]:
-    """Per policy: mean retention over the core tasks per direction and both, and the TTFT speed-ups."""
+    """Per policy: mean retention over the sweep's group (the core tasks, or the generative group's) per direction
+    and both, the change of the choice (or first-answer-token) KL against no recompute, the pooled difference to the
+    target alone (``minus_target``), and the TTFT speed-ups."""
+    group = result.get("group", "core")
     points = []
     for policy in result["policies"]:
         parsed = recompute_policies.parse(policy)  # a stored result's spec
         name = switch_name(parsed)
-        per_direction = {d: mean_retention(entry["tasks"], name, "core") for d, entry in result["directions"].items()}
+        per_direction = {d: mean_retention(entry["tasks"], name, group) for d, entry in result["directions"].items()}
         speedups = {length: {d: result["ttft"][d][length]["speedup"][name] for d in result["ttft"]}
                     for length in next(iter(result["ttft"].values()), {})}
         points.append({
@@ -267,25 +273,36 @@ def sweep_points(result: dict) -> list[dict]:
                                                      for r in per_direction.values()]),
             "mean_agreement": mean([r.get("mean_agreement", math.nan) for r in per_direction.values()]),
             "mean_choice_kl": mean([r.get("mean_choice_kl", math.nan) for r in per_direction.values()]),
-            "choice_kl_change": {d: choice_kl_change(entry["tasks"], name, switch_name(NoRecompute()))
+            "choice_kl_change": {d: choice_kl_change(entry["tasks"], name, switch_name(NoRecompute()), group)
                                  for d, entry in result["directions"].items()},
+            "minus_target": {d: _pooled_minus_target(entry["tasks"], name, group)
+                             for d, entry in result["directions"].items()},
             "speedup": {length: {**by_dir, "mean": mean(list(by_dir.values()))} for length, by_dir in speedups.items()},
         })
     return points
 
 
+def _pooled_minus_target(tasks: dict, condition: str, group: str) -> dict:
+    """``condition`` − target alone over the items of ``group`` pooled (where its tasks keep per-item scores)."""
+    pooled = pooled_difference(tasks, condition, group) if any(
+        t.get("group") == group and condition in t.get("scores", {}) for t in tasks.values()) else None
+    return {"n": 0} if pooled is None else {**pooled["minus_target"], "n": pooled["n"]}
+
+
 def choice_kl_change(tasks: dict, policy: str, baseline: str, group: str = "core",
                      n_resamples: int = 1000, seed: int = 0) -> dict:
     """How much ``policy`` lowers the choice KL to the target alone against ``baseline`` (no recompute), over the
-    items of every task of ``group`` pooled: the mean paired difference (policy − baseline, negative = closer to the
-    target) with a bootstrap interval, and the item count. The sweep's selection statistic: graded and paired, it
-    resolves differences that accuracy at a few dozen items cannot."""
+    items of every task of ``group`` pooled (a generating task's KL of the first answer token): the mean paired
+    difference (policy − baseline, negative = closer to the target) with a bootstrap interval, and the item count.
+    The sweep's selection statistic: graded and paired, it resolves differences that accuracy at a few dozen items
+    cannot."""
     diffs = []
     for task in tasks.values():
         transfers = task.get("transfers", {})
         if task.get("group") != group or policy not in transfers or baseline not in transfers:
             continue
-        ours, theirs = (transfers[name].get("choice_kl", {}).get("per_item") for name in (policy, baseline))
+        ours, theirs = (transfers[name].get("choice_kl", transfers[name].get("answer_kl", {})).get("per_item")
+                        for name in (policy, baseline))
         if ours is None or theirs is None:
             continue
         diffs += [a - b for a, b in zip(ours, theirs, strict=True)]
@@ -316,10 +333,10 @@ def run_recompute_sweep(directions: Sequence[Direction], tokenizer, tok_id: str,
     """TTFT of every policy (``settings.policies``) at each history length, then retention per history round
     (`run_in_history_rounds`); ``<out_dir>/sweep_recompute.{json,md,png}`` after each finished round (see the
     module docstring)."""
-    check_sweep_tasks(settings.tasks)
+    group = sweep_group(settings.tasks)
     out_dir = Path(out_dir)
     settings = replace(settings, ttft_repeats=0, all_mapped=False)
-    result: dict = {"format": SWEEP_FORMAT, "settings": _settings_record(settings),
+    result: dict = {"format": SWEEP_FORMAT, "settings": _settings_record(settings), "group": group,
                     "policies": [policy.spec for policy in settings.policies],
                     "ttft_lengths": [str(n) for n in lengths],
                     "ttft_repeats": ttft_repeats,
@@ -333,7 +350,7 @@ def run_recompute_sweep(directions: Sequence[Direction], tokenizer, tok_id: str,
             return
         counts = [t["n"] for d in done.values() for t in d["tasks"].values()]
         result.update(directions=done, histories_done=used, items_per_task=min(counts, default=0),
-                      complete=finished and used == settings.histories)
+                      complete=finished and used == settings.rounds)
         result["points"] = sweep_points(result)
         result["pareto"] = {length: pareto_front(result["points"], length) for length in result["ttft_lengths"]}
         write_sweep(result, out_dir)
@@ -342,11 +359,14 @@ def run_recompute_sweep(directions: Sequence[Direction], tokenizer, tok_id: str,
     return result
 
 
-def check_sweep_tasks(tasks: Sequence[str]) -> None:
-    """ConfigError for a sweep over generative-group tasks (the sweep ranks policies by multiple-choice tasks)."""
+def sweep_group(tasks: Sequence[str]) -> str:
+    """The group a sweep ranks its policies by: "core" for multiple-choice tasks, the generative group for its
+    tasks; ConfigError for a mix of the two (their retentions do not average)."""
     named = [task for task in tasks if task in SWITCH_TASKS]
-    if named:
-        raise ConfigError(f"the recompute sweep scores multiple-choice tasks; leave out {', '.join(named)}")
+    if named and len(named) != len(tasks):
+        raise ConfigError(f"a recompute sweep ranks policies by multiple-choice tasks or by the {GROUP} group's, not "
+                          f"both: sweep {', '.join(named)} apart from {', '.join(t for t in tasks if t not in named)}")
+    return GROUP if named else "core"
 
 
 def stored_ttft(out_dir: Path, header: dict) -> dict | None:
@@ -398,7 +418,9 @@ def sweep_markdown(result: dict) -> str:
     head += [f"Agreement {d}" for d in directions] + [f"Choice KL {d}" for d in directions]
     head += [f"Choice KL vs none {d} [95% CI]" for d in directions]
     head += [f"Speed-up {n} {d}" for n in lengths for d in directions]
-    lines = [f"Items per core task and direction: {result['items_per_task']} (dev pool); complete: "
+    group = result.get("group", "core")
+    head += [f"Pooled − target {d} [95% CI]" for d in directions]
+    lines = [f"Items per {group} task and direction: {result['items_per_task']} (dev pool); complete: "
              f"{result['complete']}. Pareto front (mean retention vs mean speed-up): "
              + "; ".join(f"{n} tokens: {', '.join(front)}" for n, front in result.get("pareto", {}).items()), "",
              "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
@@ -409,6 +431,7 @@ def sweep_markdown(result: dict) -> str:
                   for d in directions]
         cells += [_signed_ci(point.get("choice_kl_change", {}).get(d)) for d in directions]
         cells += [_fmt(point["speedup"][n][d], 1) + "×" for n in lengths for d in directions]
+        cells += [_signed_ci(point.get("minus_target", {}).get(d)) for d in directions]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -440,10 +463,11 @@ def sweep_plot(result: dict, path: Path) -> Path:
                                 textcoords="offset points")
             ax.axhline(1.0, ls="--", lw=0.8, color="grey")
             ax.set_xlabel(f"TTFT speed-up vs re-prefill, {length}-token history")
-            ax.set_ylabel("mean retention (core tasks)")
+            ax.set_ylabel(f"mean retention ({result.get('group', 'core')} tasks)")
             entry = result["directions"][direction]
             ax.set_title(f"{entry['source']} → {entry['target']}", fontsize=9)
             ax.legend(fontsize=7)
-    fig.suptitle(f"Selective recompute at a switch: {result['items_per_task']} dev items per core task", fontsize=10)
+    fig.suptitle(f"Selective recompute at a switch: {result['items_per_task']} dev items per "
+                 f"{result.get('group', 'core')} task", fontsize=10)
     fig.tight_layout()
     return save_figure(fig, path, dpi=120)
