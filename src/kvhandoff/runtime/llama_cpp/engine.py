@@ -214,7 +214,7 @@ class LlamaCppModel:
     @property
     def bytes_per_token(self) -> int:
         layout = self.layout
-        element = torch.tensor([], dtype=seq_state.GGML_FLOAT_TYPES[layout.k_type]).element_size()
+        element = seq_state.element_size(seq_state.GGML_FLOAT_TYPES[layout.k_type])
         return 2 * layout.layers * layout.width * element
 
     # -- the context's calls, each under the lock ---------------------------------------------------------------------

@@ -91,7 +91,7 @@ class _Reader:
         return values if len(values) > 1 else values[0]
 
     def tensor(self, count: int, dtype: torch.dtype) -> torch.Tensor:
-        size = count * torch.tensor([], dtype=dtype).element_size()
+        size = count * element_size(dtype)
         if self.offset + size > len(self.view):
             raise StateFormatError(f"the state ends at byte {len(self.view)}, {size} bytes of K/V expected from "
                                    f"byte {self.offset}: truncated, or written for another model")
@@ -154,7 +154,7 @@ def _read_rows(reader: _Reader, layout: CacheLayout, cells: int) -> tuple[list[t
         for _ in range(n_layer):
             kind, element, width = reader.take("<iII")
             _check_type(kind, layout.v_type, "V")
-            _check(element, torch.tensor([], dtype=GGML_FLOAT_TYPES[kind]).element_size(), "V element size",
+            _check(element, element_size(GGML_FLOAT_TYPES[kind]), "V element size",
                    "written by another llama.cpp version")
             _check(width, layout.width, "V row width (KV heads × head dim)", "a state of another model")
             values.append(reader.tensor(width * cells, GGML_FLOAT_TYPES[kind]).view(width, cells).T.contiguous())
@@ -173,7 +173,7 @@ def _read_plain(reader: _Reader, expected_type: int, width: int, cells: int, whi
     kind, row_bytes = reader.take("<iQ")
     _check_type(kind, expected_type, which)
     dtype = GGML_FLOAT_TYPES[kind]
-    _check(row_bytes, width * torch.tensor([], dtype=dtype).element_size(), f"{which} row size in bytes",
+    _check(row_bytes, width * element_size(dtype), f"{which} row size in bytes",
            "a state of another model (another KV head count or head dim)")
     return reader.tensor(width * cells, dtype).view(cells, width)
 
@@ -193,21 +193,22 @@ def write(state: SeqState, layout: CacheLayout, seq_id: int = 0) -> bytes:
         parts.append(struct.pack("<II", int(layout.v_trans), layout.layers))
         k_dtype, v_dtype = GGML_FLOAT_TYPES[layout.k_type], GGML_FLOAT_TYPES[layout.v_type]
         for keys in state.keys:
-            parts.append(struct.pack("<iQ", layout.k_type, layout.width * _size(k_dtype)))
+            parts.append(struct.pack("<iQ", layout.k_type, layout.width * element_size(k_dtype)))
             parts.append(_bytes(_rows(keys, cells, layout.width).to(k_dtype)))
         for values in state.values:
             rows = _rows(values, cells, layout.width).to(v_dtype)
             if layout.v_trans:
-                parts.append(struct.pack("<iII", layout.v_type, _size(v_dtype), layout.width))
+                parts.append(struct.pack("<iII", layout.v_type, element_size(v_dtype), layout.width))
                 parts.append(_bytes(rows.T))
             else:
-                parts.append(struct.pack("<iQ", layout.v_type, layout.width * _size(v_dtype)))
+                parts.append(struct.pack("<iQ", layout.v_type, layout.width * element_size(v_dtype)))
                 parts.append(_bytes(rows))
     parts.extend(struct.pack("<I", 0) for _ in range(layout.n_stream - (1 if cells else 0)))
     return b"".join(parts)
 
 
-def _size(dtype: torch.dtype) -> int:
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
     return torch.tensor([], dtype=dtype).element_size()
 
 
