@@ -375,7 +375,7 @@ def test_eval_switch_generative_tasks_with_several_policies(fake_models, tmp_pat
     assert set(saved["directions"]["forward"]["tasks"]["nq_open"]["transfers"]) == {"switch", "switch:recent:10%"}
     assert "| NQ-open (recent:10%) | exact_match | 2 | 2 |" in result.output
     for extra, named in ((["--max-new-tokens", "essay=5"], "essay"), (["--recompute", "none,loud:5%"], "loud"),
-                         (["--sweep-recompute", "recent"], "nq_open")):
+                         (["--tasks", "nq_open,winogrande", "--sweep-recompute", "recent"], "apart from winogrande")):
         result = invoke([*base, "--out", str(tmp_path), *extra])
         assert result.exit_code == 2 and named in result.output, (extra, result.output)
 

@@ -6,7 +6,7 @@ import pytest
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.config import MAPPER_FORMAT_VERSION
 from kvhandoff.errors import MapperFormatError
-from kvhandoff.mapper.manifest import GuardCalibration, MapperManifest, dumps, loads
+from kvhandoff.mapper.manifest import GuardCalibration, MapperManifest, RecomputeChoice, dumps, loads
 from kvhandoff.model.capture import FeatureLayout
 
 from conftest import random_batches, tiny_model
@@ -137,3 +137,37 @@ def test_a_bad_guard_record_names_its_field(manifest, edit, field):
         MapperManifest.from_dict(data)
     with pytest.raises(MapperFormatError, match="field 'guard'"):  # a field missing, or one it does not know
         MapperManifest.from_dict({**manifest.to_dict(), "guard": {"signal": "entropy"}})
+
+
+def recompute_record(**changes) -> RecomputeChoice:
+    values = dict(spec="recent:20%", rule="fastest_at_min_retention", min_retention=0.97, group="generative",
+                  tasks=("coqa_gen", "boolq_long"), pool="dev", items_per_task=24, mean_retention=0.98,
+                  history_tokens=2048, speedup=3.1)
+    return RecomputeChoice(**{**values, **changes})
+
+
+def test_a_recompute_record_round_trips_and_leaves_a_manifest_without_one_as_it_was(manifest):
+    assert manifest.recompute is None and "recompute" not in manifest.to_dict()
+    chosen = manifest.with_recompute(recompute_record())
+    assert chosen.checksum() != manifest.checksum() and manifest.recompute is None
+    again = loads(dumps(chosen), "manifest.json")
+    assert again == chosen and again.recompute == recompute_record() and again["recompute"]["tasks"] == [
+        "coqa_gen", "boolq_long"]
+    assert dataclasses.replace(again, recompute=None) == manifest
+    assert "fastest with mean retention >= 0.97 over generative tasks coqa_gen, boolq_long (24 dev items each: " \
+           "retention 0.980, 3.1x faster than re-prefill at 2048 tokens)" in again.recompute.describe()
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    ({"spec": ""}, "recompute.spec"),
+    ({"rule": "cheapest"}, "recompute.rule"),
+    ({"tasks": []}, "recompute.tasks"),
+    ({"speedup": float("inf")}, "recompute.speedup"),
+    ({"mean_retention": "high"}, "recompute.mean_retention"),
+    ({"items_per_task": 0}, "recompute.items_per_task"),
+    ({"history_tokens": True}, "recompute.history_tokens"),
+])
+def test_a_bad_recompute_record_names_its_field_and_the_fix(manifest, edit, field):
+    data = {**manifest.to_dict(), "recompute": {**recompute_record().to_dict(), **edit}}
+    with pytest.raises(MapperFormatError, match=f"field '{field}'.*record-recompute"):
+        MapperManifest.from_dict(data)

@@ -8,7 +8,7 @@ import torch
 
 from _mapper_support import hand_manifest
 from kvhandoff.errors import MapperFormatError, NonFiniteError
-from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
+from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration, RecomputeChoice
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.mapper.storage import (
     MANIFEST_FILE,
@@ -66,6 +66,8 @@ def saved_mapper(tmp_path):
     return mapper, mapper.save(tmp_path / "m")
 
 
+CHOICE = RecomputeChoice("recent:20%", "fastest_at_min_retention", 0.97, "generative", ("coqa_gen",), "dev", 24,
+                         0.98, 2048, 3.1)
 GUARD = GuardCalibration("entropy", 2.5, 0.8, "answer_changed", GUARD_RULES[0], None, 30, 12, 0.75, 0.1, 10,
                          "recent:5%", 64)
 
@@ -88,6 +90,13 @@ def test_recording_a_guard_rewrites_only_the_manifest_and_it_loads_back(saved_ma
     in_memory = type(mapper).from_tensors(mapper.saved_tensors(), mapper.manifest)
     with pytest.raises(MapperFormatError, match="not saved"):
         in_memory.record_guard(GUARD)  # no folder to write to
+    # the recompute policy chosen for the pair is recorded the same way
+    mapper.record_recompute(CHOICE)
+    assert Mapper.load(folder).manifest.recompute == CHOICE and (folder / TENSOR_FILE).read_bytes() == tensors_before
+    mapper.record_recompute(None)
+    assert "recompute" not in json.loads((folder / MANIFEST_FILE).read_text())
+    with pytest.raises(MapperFormatError, match="not saved"):
+        in_memory.record_recompute(CHOICE)
 
 
 def test_a_failed_manifest_write_leaves_the_old_manifest(saved_mapper, monkeypatch):

@@ -176,7 +176,8 @@ def test_the_engine_and_its_sessions_hold_the_settings_parsed_once():
     family, mappers = tiny_family()
     config = ServeConfig(guard=False, exact_prefix=2, recompute="sinks:10%")
     assert config.recompute == Sinks(0.1) and config.to_dict()["recompute"] == "sinks:10%"
-    assert ServeConfig().recompute is DEFAULT_RECOMPUTE and ServeConfig(recompute=None).recompute is DEFAULT_RECOMPUTE
+    assert ServeConfig().recompute is None and ServeConfig().served_recompute is DEFAULT_RECOMPUTE  # None: per pair
+    assert ServeConfig().to_dict()["recompute"] is None
     assert ServeConfig(guard=False, exact_prefix=2, recompute=Sinks(0.1)) == config
     engine = Engine(family, mappers, config)
     try:

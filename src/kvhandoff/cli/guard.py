@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvhandoff.cli.options import DEFAULT_DTYPE, DeviceMap, Dtype, Recompute, one_of, positive_float, positive_int
+from kvhandoff.cli.options import DEFAULT_DTYPE, DeviceMap, Dtype, PairRecompute, one_of, positive_float, positive_int
 from kvhandoff.cli.serve import Mappers, Models, family_specs
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.calibrate import SIGNAL_CHOICES, calibrate_guard, record_guards
@@ -48,7 +48,7 @@ def guard_calibrate(
         "default: no bound, the threshold that best separates bad switches from good ones"))] = None,
     time_limit: Annotated[float, typer.Option("--time-limit", parser=positive_float, help=(
         "seconds; no conversation starts after it"))] = 1800.0,
-    recompute: Recompute = None,
+    recompute: PairRecompute = None,
     dtype: Dtype = DEFAULT_DTYPE,
     device_map: DeviceMap = None,
 ) -> None:

@@ -223,12 +223,18 @@ Sequences = Annotated[int, typer.Option("--sequences", parser=positive_int, help
 SeqLen = Annotated[int, typer.Option("--seq-len", parser=positive_int, help="tokens per calibration window")]
 Stride = Annotated[int, typer.Option("--stride", parser=positive_int, help="keep every n-th calibration token")]
 JsonOut = Annotated[Path | None, typer.Option("--json", help="also write the results here")]
+_RECOMPUTE_HELP = (
+    "selective recompute after the handoff: the target recomputes BUDGET (a fraction or a percentage) of the mapped "
+    f"positions itself, chosen by RULE ({', '.join(RULES)}; 'mix(sinks=0.2,...)' for other shares; 'layers': that "
+    "fraction of its first layers at every position), e.g. deviation:10%, or none")
 Recompute = Annotated[RecomputePolicy | None, typer.Option(
     "--recompute", parser=recompute_policy, metavar="RULE:BUDGET",
-    help=f"selective recompute after the handoff: the target recomputes BUDGET (a fraction or a percentage) of the "
-         f"mapped positions itself, chosen by RULE ({', '.join(RULES)}; 'mix(sinks=0.2,...)' for other "
-         f"shares; 'layers': that fraction of its first layers at every position), e.g. deviation:10%, or none; "
-         f"default: {DEFAULT_RECOMPUTE.spec}")]
+    help=f"{_RECOMPUTE_HELP}; default: {DEFAULT_RECOMPUTE.spec}")]
+#: the served pairs' policy: one for every pair, or (not given) each pair's own
+PairRecompute = Annotated[RecomputePolicy | None, typer.Option(
+    "--recompute", parser=recompute_policy, metavar="RULE:BUDGET",
+    help=f"{_RECOMPUTE_HELP}; for every pair (default: each pair's policy recorded with its mapper by `kvhandoff-lab "
+         f"record-recompute`, else {DEFAULT_RECOMPUTE.spec})")]
 #: the models' placement for their forwards (`config.ModelPlacement`), on every command that loads a pair
 Dtype = Annotated[str, typer.Option("--dtype", parser=model_dtype, metavar="DTYPE", help=(
     "dtype of the model forwards: fp32, bf16 or fp16 (or float32, bfloat16, float16); calibration statistics are "

@@ -12,7 +12,7 @@ from kvhandoff.cli.options import (
     DEFAULT_TARGET,
     DeviceMap,
     Dtype,
-    Recompute,
+    PairRecompute,
     non_negative_int,
     one_of,
     option_errors,
@@ -92,7 +92,7 @@ def serve(
         "the largest request body read (past it: 413, before it is read whole)"))] = ServeConfig.max_body_bytes,
     max_context: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "tokens a conversation may reach (default: the hosted models' smallest max_position_embeddings)"))] = None,
-    recompute: Recompute = None,
+    recompute: PairRecompute = None,
     api_key: Annotated[list[str] | None, typer.Option(envvar="KVHANDOFF_API_KEY", help=(
         "require 'Authorization: Bearer KEY' on every request; repeatable, each key a tenant whose caches no other "
         "key reaches (env KVHANDOFF_API_KEY: keys separated by spaces)"))] = None,

@@ -6,10 +6,12 @@ that reads the tensors (`mapper.register_method`). A manifest is checked when it
 file, and every problem names its field. On disk it carries a checksum over its own canonical content, which
 includes the tensor file's sha256 (`tensor_sha256`), so an edit to either file is refused on load.
 
-A `MapperManifest` is immutable: change one with `dataclasses.replace` (or `with_metrics`, `with_guard`). It also
-reads as a mapping of its JSON form (``manifest["fit_metrics"]``, ``manifest.get("method")``) for code that reports
-it. The optional `guard` record (`GuardCalibration`, written by `kvhandoff guard-calibrate`) is the quality guard
-measured for this mapper's pair; a manifest without one reads (and checksums) as before.
+A `MapperManifest` is immutable: change one with `dataclasses.replace` (or `with_metrics`, `with_guard`,
+`with_recompute`). It also reads as a mapping of its JSON form (``manifest["fit_metrics"]``,
+``manifest.get("method")``) for code that reports it. The optional `guard` record (`GuardCalibration`, written by
+`kvhandoff guard-calibrate`) is the quality guard measured for this mapper's pair, the optional `recompute` record
+(`RecomputeChoice`) the selective-recompute policy chosen for it; a manifest without them reads (and checksums) as
+before.
 """
 
 from __future__ import annotations
@@ -115,6 +117,76 @@ class GuardCalibration:
         return dataclasses.asdict(self)
 
 
+#: how a recorded recompute policy was chosen: the fastest measured point (the highest speed-up over re-prefill at
+#: `RecomputeChoice.history_tokens`) whose mean retention over the tasks is at least `RecomputeChoice.min_retention`,
+#: else the point of the highest mean retention
+RECOMPUTE_RULES = ("fastest_at_min_retention",)
+
+
+def _bad_recompute(name: str, problem: str) -> MapperFormatError:
+    return MapperFormatError(f"mapper manifest field 'recompute.{name}' {problem}; record the policy again "
+                             "(`kvhandoff-lab record-recompute`)")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class RecomputeChoice:
+    """The selective-recompute policy chosen for a mapper's pair from a measured trade-off of accuracy against the
+    time to the first token (the switch benchmark's recompute sweep on dev items): the server hands this pair's
+    switches over under ``spec`` (`kvhandoff.runtime.policy.parse` reads it where the server starts) unless it is
+    told a policy.
+
+    rule: how the point was chosen (`RECOMPUTE_RULES`), at ``min_retention``; group / tasks / pool /
+    items_per_task: what the retention was measured on; mean_retention: the chosen point's, over those tasks;
+    history_tokens / speedup: the history length its time to the first token was measured at, and its speed-up
+    over the target's re-prefill there.
+    """
+
+    spec: str
+    rule: str
+    min_retention: float
+    group: str
+    tasks: tuple[str, ...]
+    pool: str
+    items_per_task: int
+    mean_retention: float
+    history_tokens: int
+    speedup: float
+
+    def __post_init__(self) -> None:
+        for name in ("spec", "group", "pool"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _bad_recompute(name, f"must be a non-empty string, got {getattr(self, name)!r}")
+        if self.rule not in RECOMPUTE_RULES:
+            raise _bad_recompute("rule", f"must be one of {', '.join(RECOMPUTE_RULES)}, got {self.rule!r}")
+        tasks = self.tasks
+        if not isinstance(tasks, list | tuple) or not tasks or not all(isinstance(t, str) and t for t in tasks):
+            raise _bad_recompute("tasks", f"must be a non-empty list of task names, got {tasks!r}")
+        object.__setattr__(self, "tasks", tuple(tasks))
+        for name in ("min_retention", "mean_retention", "speedup"):
+            value = getattr(self, name)
+            if not _finite(value) or value < 0:
+                raise _bad_recompute(name, f"must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in ("items_per_task", "history_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise _bad_recompute(name, f"must be a positive integer, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "tasks": list(self.tasks)}
+
+    def describe(self) -> str:
+        """One line on where the choice comes from."""
+        return (f"chosen as the fastest with mean retention >= {self.min_retention:g} over {self.group} tasks "
+                f"{', '.join(self.tasks)} ({self.items_per_task} {self.pool} items each: retention "
+                f"{self.mean_retention:.3f}, {self.speedup:.1f}x faster than re-prefill at {self.history_tokens} "
+                "tokens)")
+
+
 @dataclass(frozen=True)
 class MapperManifest(Mapping):
     """Everything a mapper records besides its tensors.
@@ -133,6 +205,7 @@ class MapperManifest(Mapping):
     storage: what the saved tensors take (set on save): {"parameters", "tensor_bytes", "file_bytes",
         "weight_dtype"} — read without loading the tensors (`Mapper.load(lazy=True)`).
     guard: the quality guard measured for this pair (`GuardCalibration`; None: never measured).
+    recompute: the selective-recompute policy chosen for this pair (`RecomputeChoice`; None: never chosen).
     """
 
     method: str
@@ -154,6 +227,7 @@ class MapperManifest(Mapping):
     tensor_sha256: str | None = None
     storage: dict | None = None
     guard: GuardCalibration | None = None
+    recompute: RecomputeChoice | None = None
     format_version: int = MAPPER_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -177,6 +251,7 @@ class MapperManifest(Mapping):
             "refinement": (dict, type(None)), "mlp_config": (MLPConfig, type(None)),
             "mlp_features": (dict, type(None)), "tensor_sha256": (str, type(None)),
             "storage": (dict, type(None)), "guard": (GuardCalibration, type(None)),
+            "recompute": (RecomputeChoice, type(None)),
         }
         for name, kind in expected.items():
             if not isinstance(getattr(self, name), kind):
@@ -257,6 +332,10 @@ class MapperManifest(Mapping):
         """This manifest with ``guard`` as its guard record (None: without one)."""
         return dataclasses.replace(self, guard=guard)
 
+    def with_recompute(self, recompute: RecomputeChoice | None) -> MapperManifest:
+        """This manifest with ``recompute`` as its recompute record (None: without one)."""
+        return dataclasses.replace(self, recompute=recompute)
+
     # -- JSON form --------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """The JSON form (what `manifest.json` holds, less the checksum); optional fields that are unset are left
@@ -266,7 +345,7 @@ class MapperManifest(Mapping):
             value = getattr(self, spec.name)
             if value is None:
                 continue
-            if isinstance(value, FitConfig | MLPConfig | GuardCalibration):
+            if isinstance(value, FitConfig | MLPConfig | GuardCalibration | RecomputeChoice):
                 value = value.to_dict()
             elif isinstance(value, FeatureLayout):
                 value = dataclasses.asdict(value)
@@ -302,6 +381,8 @@ class MapperManifest(Mapping):
             values["mlp_config"] = _build("mlp_config", MLPConfig, values["mlp_config"])
         if values.get("guard") is not None:
             values["guard"] = _build("guard", GuardCalibration, values["guard"])
+        if values.get("recompute") is not None:
+            values["recompute"] = _build("recompute", RecomputeChoice, values["recompute"])
         for side in SIDES:
             values[f"{side}_layout"] = _build(f"{side}_layout", FeatureLayout, values[f"{side}_layout"])
         return cls(**values)

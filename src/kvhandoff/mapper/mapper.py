@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from kvhandoff.errors import ConfigError, ContextTooLongError, MapperFormatError, MapperMismatchError, NonFiniteError
-from kvhandoff.mapper.manifest import GuardCalibration, MapperManifest
+from kvhandoff.mapper.manifest import GuardCalibration, MapperManifest, RecomputeChoice
 from kvhandoff.mapper.storage import (
     check_file_size,
     read_manifest,
@@ -313,6 +313,15 @@ class Mapper(ABC):
             raise MapperFormatError("this mapper is not saved (no folder): save it (`Mapper.save`) before recording "
                                     "its guard")
         self.manifest = write_manifest(self.folder, self.manifest.with_guard(guard))
+        return self.manifest
+
+    def record_recompute(self, recompute: RecomputeChoice | None) -> MapperManifest:
+        """Record ``recompute`` (the selective-recompute policy chosen for this pair; None: drop the record) in
+        this mapper's manifest, in memory and in its `folder`, as `record_guard` does."""
+        if self.folder is None:
+            raise MapperFormatError("this mapper is not saved (no folder): save it (`Mapper.save`) before recording "
+                                    "its recompute policy")
+        self.manifest = write_manifest(self.folder, self.manifest.with_recompute(recompute))
         return self.manifest
 
     @classmethod

@@ -4,6 +4,7 @@ cache (`handoff`), never by re-prefilling it."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
 
@@ -27,11 +28,12 @@ class SwitchingSession:
     `DEFAULT_PLAN`): the exact prefix a model recomputes itself the first time it is handed the conversation, the
     recompute policy by which the receiving model recomputes a share of the positions just mapped for it, and the
     `PrefixStore` the models' exact prefixes are copied from and kept in (shared by the sessions of one server,
-    whose conversations open alike). The session knows where each turn (each `read`, each generated answer)
-    starts, for "sinks". Each model's cache sits behind the cache seam (`KVCache`); cache_factory makes a model's
-    fresh one, ``cache_factory(model)`` (`CacheFactory`; default `new_cache`: the model's own engine's): at its first
-    turn, at a re-prefill, and when a handover maps the conversation for it — always by the model's own engine,
-    never of the kind of the cache it is mapped from.
+    whose conversations open alike). pair_plans: (from name, to name) → the `HandoffPlan` of that pair's handovers
+    instead (e.g. a recompute policy chosen per pair). The session knows where each turn (each `read`, each
+    generated answer) starts, for "sinks". Each model's cache sits behind the cache seam (`KVCache`); cache_factory
+    makes a model's fresh one, ``cache_factory(model)`` (`CacheFactory`; default `new_cache`: the model's own
+    engine's): at its first turn, at a re-prefill, and when a handover maps the conversation for it — always by the
+    model's own engine, never of the kind of the cache it is mapped from.
 
     `read(server, ids)` lets ``server`` read the next tokens of the conversation, switching to it first when
     another model served last; `generate(server, ids, ...)` also answers, and the answer joins the conversation.
@@ -49,11 +51,18 @@ class SwitchingSession:
     """
 
     def __init__(self, models, mappers, handover: str = "incremental", plan: HandoffPlan | None = None, *,
-                 cache_factory: CacheFactory = new_cache) -> None:
+                 cache_factory: CacheFactory = new_cache,
+                 pair_plans: Mapping[tuple[str, str], HandoffPlan] | None = None) -> None:
         if handover not in HANDOVERS:
             raise ConfigError(f"handover must be one of {', '.join(HANDOVERS)}, got {handover!r}")
-        if plan is not None and not isinstance(plan, HandoffPlan):
-            raise ConfigError(f"a session's plan is a HandoffPlan (HandoffPlan.of reads the settings), got {plan!r}")
+        pair_plans = dict(pair_plans or {})
+        for given in (plan, *pair_plans.values()):
+            if given is not None and not isinstance(given, HandoffPlan):
+                raise ConfigError(f"a session's plan is a HandoffPlan (HandoffPlan.of reads the settings), got "
+                                  f"{given!r}")
+        unknown = [pair for pair in pair_plans if pair not in mappers]
+        if unknown:
+            raise ConfigError(f"pair_plans name pairs without a mapper: {unknown}")
         self.models, self.mappers = dict(models), dict(mappers)
         for (source, target), mapper in self.mappers.items():
             unknown = [name for name in (source, target) if name not in self.models]
@@ -62,6 +71,7 @@ class SwitchingSession:
                                   f"serves {', '.join(self.models)}")
             verify_mapper(mapper, self.models[source], self.models[target])
         self.handover, self.plan, self.cache_factory = handover, plan or DEFAULT_PLAN, cache_factory
+        self.pair_plans = pair_plans
         self._turn_starts: list[int] = []  # where each read turn and each generated answer began
         self.tokens: list[int] = []
         self.owner: str | None = None  # the model that read the conversation last
@@ -123,12 +133,13 @@ class SwitchingSession:
                 current = self._caches.pop(owner)
                 self._own.pop(owner, None)
             ids = torch.tensor([self.tokens], device=current.device)
+            plan = self.pair_plans.get((owner, server), self.plan)
             info = SelectionInfo(turn_starts=tuple(p for p in self._turn_starts if p < len(self.tokens)))
             if server in self._caches:  # the positions appended are mapped: its own prefix stays as it was
                 mapped = catch_up(self._caches[server], current, mapper, self.models[owner], self.models[server],
-                                  ids, self.plan, info)
+                                  ids, plan, info)
             else:  # mapped from the start: nothing of it is its own (its exact prefix is recomputed in place)
-                mapped = map_for_target(self.models[owner], self.models[server], mapper, ids, self.plan, current,
+                mapped = map_for_target(self.models[owner], self.models[server], mapper, ids, plan, current,
                                         info, cache_factory=self.cache_factory)
                 self._caches[server] = mapped.cache
                 self._own[server] = 0

@@ -38,6 +38,7 @@ from kvhandoff.serving.guard import (
     relabel,
     summarize_guard,
 )
+from kvhandoff.serving.recompute import pair_recomputes
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,8 @@ def calibrate_guard(models, mappers, conversations: int = 20, turns: int = 4, si
     signal: one of `GUARD_SIGNALS`, or `BEST_SIGNAL` (every signal measured in the same pass, each direction taking
     the one with the highest dev AUROC). label: what makes a switch bad (`guard.GUARD_LABELS`). target_rate: the
     bound on the dev false-fallback rate the threshold is chosen under (None: none). config: the server's settings
-    the switches are handed over under (handover, exact prefix, recompute) and the window scored
+    the switches are handed over under (handover, exact prefix, and each pair's recompute policy as the server
+    would choose it, `recompute.pair_recomputes`) and the window scored
     (``guard_window``, default `DEFAULT_GUARD_WINDOW`). time_limit_s: no conversation starts after it. progress: a
     bar over the conversations (`kvhandoff.progress`)."""
     if signal not in SIGNAL_CHOICES:
@@ -155,20 +157,22 @@ def calibrate_guard(models, mappers, conversations: int = 20, turns: int = 4, si
     names = list(models)
     built = calibration_conversations(models[names[0]][1], names, conversations, turns, story_chars)
     signals = GUARD_SIGNALS if signal == BEST_SIGNAL else (signal,)
+    recomputes = pair_recomputes(config, mappers)
+    pair_plans = {pair: config.plan().with_recompute(chosen.policy) for pair, chosen in recomputes.items()}
     window = config.guard_window or DEFAULT_GUARD_WINDOW
     stop_ids = frozenset().union(*(end_ids(model, tokenizer) for model, tokenizer in models.values()))
     started = time.monotonic()
     with as_progress(progress)(built, total=len(built), desc="guard: dev conversations", unit="conversation") as bar:
         records = guard_records_by_signal({name: model for name, (model, _) in models.items()}, mappers, bar,
                                           signals, max_new_tokens, window, stop_ids, config.handover, config.plan(),
-                                          time_limit_s=time_limit_s)
+                                          time_limit_s=time_limit_s, pair_plans=pair_plans)
     ran = len({r.conversation for r in records[signals[0]]})
     logger.info("guard measured on %d switches of %d dev conversations in %.0f s", len(records[signals[0]]), ran,
                 time.monotonic() - started)
     results: dict[tuple[str, str], GuardCalibration | None] = {}
     for pair in mappers:
         candidates = {s: _calibration(relabel([r for r in records[s] if (r.source, r.target) == pair], label), s,
-                                      label, target_rate, config.recompute.spec, window)
+                                      label, target_rate, recomputes[pair].policy.spec, window)
                       for s in signals}
         results[pair] = _best(candidates) if signal == BEST_SIGNAL else candidates[signal]
     return results

@@ -52,8 +52,9 @@ class ServeConfig:
     must carry ``Authorization: Bearer <key>`` with one of them, and each key is a tenant of its own (its caches and
     sessions serve no other key). tool_parser: how tool calls are read out of answers (a name of
     `tools.TOOL_PARSERS`). handover: as in `SwitchingSession`. exact_prefix / recompute: the handoffs' `HandoffPlan`
-    (`plan`; exact_prefix None: the mapper's own setting); recompute is a `RecomputePolicy`, given as one or as a
-    spec such as "sinks:10%" and stored parsed (None: `DEFAULT_RECOMPUTE`).
+    (`plan`; exact_prefix None: the mapper's own setting); recompute is a `RecomputePolicy` for every pair, given as
+    one or as a spec such as "sinks:10%" and stored parsed; None: each pair's policy recorded with its mapper, else
+    `DEFAULT_RECOMPUTE` (`recompute.pair_recomputes`).
     """
 
     host: str = "127.0.0.1"
@@ -79,7 +80,7 @@ class ServeConfig:
     tool_parser: str = "hermes"
     handover: str = "incremental"
     exact_prefix: int | None = None
-    recompute: RecomputePolicy | str | None = DEFAULT_RECOMPUTE
+    recompute: RecomputePolicy | str | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -123,16 +124,24 @@ class ServeConfig:
         if self.exact_prefix is not None:
             require_positive("serve exact_prefix", self.exact_prefix, minimum=0)
         # parsed here, once: the engine and its sessions hold the policy object
-        object.__setattr__(self, "recompute", DEFAULT_RECOMPUTE if self.recompute is None
-                           else policy.parse(self.recompute))
+        if self.recompute is not None:
+            object.__setattr__(self, "recompute", policy.parse(self.recompute))
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ConfigError(f"serve log_level must be a uvicorn log level, got {self.log_level!r}")
 
+    @property
+    def served_recompute(self) -> RecomputePolicy:
+        """The recompute policy of a pair without a recorded one: the configured one, else `DEFAULT_RECOMPUTE`."""
+        return DEFAULT_RECOMPUTE if self.recompute is None else self.recompute
+
     def plan(self, prefix_store: PrefixStore | None = None) -> HandoffPlan:
-        """The handoffs' plan under these settings, the exact prefixes kept in ``prefix_store``."""
-        return HandoffPlan(self.exact_prefix, self.recompute, prefix_store)
+        """The handoffs' plan under these settings (`served_recompute`), the exact prefixes kept in
+        ``prefix_store``."""
+        return HandoffPlan(self.exact_prefix, self.served_recompute, prefix_store)
 
     def to_dict(self) -> dict:
-        """The settings as plain values (the recompute policy as its spec; the API key never written)."""
+        """The settings as plain values (the recompute policy as its spec, None: each pair's; the API key never
+        written)."""
         keys = f"{len(self.api_key)} set" if self.api_key else None
-        return {**asdict(self), "recompute": self.recompute.spec, "api_key": keys}
+        recompute = None if self.recompute is None else self.recompute.spec
+        return {**asdict(self), "recompute": recompute, "api_key": keys}

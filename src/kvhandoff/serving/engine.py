@@ -51,6 +51,7 @@ from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.prefix_cache import PrefixCache
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE
 from kvhandoff.serving.protocol import HANDOFF_MODES
+from kvhandoff.serving.recompute import pair_recomputes
 from kvhandoff.serving.tools import tool_parser
 
 logger = logging.getLogger(__name__)
@@ -475,13 +476,15 @@ def _window(model) -> int:
     return window
 
 
-def _fit_llama_cpp(config: ServeConfig, models) -> ServeConfig:
+def _fit_llama_cpp(config: ServeConfig, models, recomputes) -> ServeConfig:
     """``config`` with at most as many sessions as every llama.cpp model's context holds sequences for (less a
-    running batch's and the scratch sequences a handoff uses); said when it lowers them."""
+    running batch's and the scratch sequences a handoff uses); said when it lowers them. ``recomputes``: each pair's
+    `PairRecompute`, which a llama.cpp family must be able to serve."""
     sequences = [model.settings.sequences for model in models if isinstance(model, LlamaCppModel)]
     if not sequences:
         return config
-    check_recompute(config.recompute)
+    for recompute in recomputes.values():
+        check_recompute(recompute.policy)
     room = min(sequences) - config.max_batch - 2
     if room < 1:
         raise ConfigError(f"a llama.cpp context of {min(sequences)} sequences cannot serve a batch of "
@@ -498,9 +501,10 @@ class Engine:
     """Serves a model family: ``models`` name → (model, tokenizer) (one tokenizer's ids), ``mappers`` (from, to) →
     `Mapper` for every ordered pair of names, under ``config``'s limits. Use from one asyncio event loop.
 
-    ``guards``: each ordered pair's `GuardPolicy` (`guard.guard_policies`: ``config``'s threshold for every pair,
-    else the one recorded in the pair's mapper manifest, else none), built here once and logged, one line per
-    pair."""
+    ``recomputes``: each ordered pair's `PairRecompute` (`recompute.pair_recomputes`: ``config``'s policy for every
+    pair, else the one recorded with the pair's mapper, else `DEFAULT_RECOMPUTE`) and ``guards``: each ordered
+    pair's `GuardPolicy` (`guard.guard_policies`: ``config``'s threshold for every pair, else the one recorded in
+    the pair's mapper manifest, else none), built here once and logged, one line per pair."""
 
     def __init__(self, models, mappers, config: ServeConfig = ServeConfig(),  # noqa: B008 - frozen
                  metrics: ServingMetrics | None = None) -> None:
@@ -515,7 +519,8 @@ class Engine:
         missing = [f"{a} → {b}" for a in names for b in names if a != b and (a, b) not in mappers]
         if missing:
             raise ConfigError(f"mappers: no mapper for {', '.join(missing)} (every ordered pair needs one)")
-        config = _fit_llama_cpp(config, [model for model, _ in models.values()])
+        self.recomputes = pair_recomputes(config, mappers)
+        config = _fit_llama_cpp(config, [model for model, _ in models.values()], self.recomputes)
         self.config = config
         positions = min(_window(model) for model, _ in models.values())
         if config.max_context is not None and config.max_context > positions:
@@ -537,8 +542,12 @@ class Engine:
         self._sessions: OrderedDict[tuple[str, str], SessionState] = OrderedDict()  # least recently used first
         self.prefix_cache = PrefixCache()  # the conversations that name no session, found by their tokens
         self.prefix_store = PrefixStore()  # the conversations' openings, shared: a switch copies its exact prefix
-        self.plan = config.plan(self.prefix_store)  # every session's handoffs
-        self.guards: dict[tuple[str, str], GuardPolicy] = guard_policies(config, self._mappers)
+        self.plan = config.plan(self.prefix_store)  # every session's handoffs, each pair's recompute its own
+        self.plans = {pair: self.plan.with_recompute(chosen.policy) for pair, chosen in self.recomputes.items()}
+        self.guards: dict[tuple[str, str], GuardPolicy] = guard_policies(
+            config, self._mappers, {pair: chosen.policy for pair, chosen in self.recomputes.items()})
+        for (source, target), chosen in self.recomputes.items():
+            logger.info("%s", chosen.describe(source, target))
         self._announce_guards()
         self._running: set[Generation] = set()  # admitted and not finished
         self._slot_waiters: list[asyncio.Future] = []  # requests waiting for a session slot (at most max_queue)
@@ -608,12 +617,15 @@ class Engine:
         """Liveness and load: status ("ok", or "draining" while shutting down), per model the requests queued, the
         named sessions, cache bytes (sessions and prefix cache), generations running and those of them cancelled
         (their client went away) that have not stopped yet; per ordered pair ("from → to") its quality guard
-        (`GuardPolicy.to_dict`: source "recorded" | "configured" | "none", signal, threshold); the prefix store's
+        (`GuardPolicy.to_dict`: source "recorded" | "configured" | "none", signal, threshold) and its recompute
+        policy (`PairRecompute.to_dict`: policy, source "configured" | "recorded" | "default"); the prefix store's
         and the prefix cache's figures (`prefix_tree.TreeStats`)."""
         return {"status": "draining" if self.draining else "ok", "models": {name: {"queued": hosted.worker.queued()}
                                            for name, hosted in self._models.items()},
                 "guard": {f"{source} → {target}": policy.to_dict()
                           for (source, target), policy in self.guards.items()},
+                "recompute": {f"{source} → {target}": chosen.to_dict()
+                              for (source, target), chosen in self.recomputes.items()},
                 "sessions": len(self._sessions), "cache_bytes": self.cache_bytes(), "running": len(self._running),
                 "prefix_store": {"openings": len(self.prefix_store), "hits": self.prefix_store.hits,
                                  "misses": self.prefix_store.misses},
@@ -728,7 +740,7 @@ class Engine:
 
     def _new_session(self) -> SwitchingSession:
         return SwitchingSession({name: hosted.model for name, hosted in self._models.items()}, self._mappers,
-                                self.config.handover, self.plan)
+                                self.config.handover, self.plan, pair_plans=self.plans)
 
     def _evict(self, key: tuple[str, str], reason: str) -> None:
         del self._sessions[key]

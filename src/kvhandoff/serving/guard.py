@@ -187,9 +187,11 @@ def recorded_guard(mapper) -> GuardCalibration | None:
     return manifest.guard if isinstance(manifest, MapperManifest) else None
 
 
-def guard_policy(config: ServeConfig, recorded: GuardCalibration | None, pair: str = "this pair") -> GuardPolicy:
+def guard_policy(config: ServeConfig, recorded: GuardCalibration | None, pair: str = "this pair",
+                 recompute: RecomputePolicy | None = None) -> GuardPolicy:
     """One pair's `GuardPolicy` under ``config`` (`ServeConfig`'s rule), given the guard recorded for it (None:
-    none). ``pair`` names it in the notes."""
+    none). ``pair`` names it in the notes; ``recompute``: the policy its switches are served under (None:
+    ``config.served_recompute``)."""
     if not config.guard:
         return GuardPolicy("none", note="the quality guard is off (--guard off): switches are served mapped")
     if config.guard_threshold is not None:
@@ -212,15 +214,19 @@ def guard_policy(config: ServeConfig, recorded: GuardCalibration | None, pair: s
             f"record one for the configured signal (`kvhandoff guard-calibrate --signal "
             f"{config.guard_signal or recorded.signal}`)"), recorded=recorded)
     note = None
-    if recorded.recompute != config.recompute.spec:
-        note = (f"measured under recompute {recorded.recompute}, served under {config.recompute.spec}: record it "
-                f"again under the served policy (`kvhandoff guard-calibrate --recompute {config.recompute.spec}`)")
+    served = (recompute or config.served_recompute).spec
+    if recorded.recompute != served:
+        note = (f"measured under recompute {recorded.recompute}, served under {served}: record it again under the "
+                f"served policy (`kvhandoff guard-calibrate --recompute {served}`)")
     return GuardPolicy("recorded", recorded.signal, recorded.threshold, recorded.window, note, recorded)
 
 
-def guard_policies(config: ServeConfig, mappers: Mapping) -> dict[tuple[str, str], GuardPolicy]:
-    """Each ordered pair's `GuardPolicy`: ``mappers`` (from, to) → mapper, under ``config``."""
-    return {pair: guard_policy(config, recorded_guard(mapper), f"{pair[0]} → {pair[1]}")
+def guard_policies(config: ServeConfig, mappers: Mapping, recomputes: Mapping | None = None
+                   ) -> dict[tuple[str, str], GuardPolicy]:
+    """Each ordered pair's `GuardPolicy`: ``mappers`` (from, to) → mapper, under ``config``; ``recomputes``: (from,
+    to) → the `RecomputePolicy` its switches are served under (absent: ``config.served_recompute``)."""
+    recomputes = recomputes or {}
+    return {pair: guard_policy(config, recorded_guard(mapper), f"{pair[0]} → {pair[1]}", recomputes.get(pair))
             for pair, mapper in mappers.items()}
 
 
@@ -363,7 +369,7 @@ def _escalated_answer(session: SwitchingSession, server: str, ids: list[int], es
     """The answer after the same switch handed over under the ``escalated`` plan, on a fork of the session (the
     session itself is left as it was)."""
     twin = session.fork()
-    twin.plan = escalated
+    twin.plan, twin.pair_plans = escalated, {}
     return answering.answer(twin, server, twin.read_logprobs(server, ids)[-1])
 
 
@@ -386,18 +392,20 @@ class WithinTime:
 def guard_records_by_signal(models, mappers, conversations, signals: Sequence[str] = GUARD_SIGNALS,
                             max_new_tokens: int = 16, window: int = 64, stop_ids=(), handover: str = "incremental",
                             plan: HandoffPlan | None = None, time_limit_s: float | None = None,
-                            escalate: RecomputePolicy | None = None) -> dict[str, list[GuardRecord]]:
+                            escalate: RecomputePolicy | None = None,
+                            pair_plans: Mapping | None = None) -> dict[str, list[GuardRecord]]:
     """`guard_records` for several signals in one pass (the answers do not depend on the signal): signal → records.
     With ``time_limit_s`` no conversation starts after that many seconds (the records of those that ran). With
     ``escalate`` (a `RecomputePolicy`, e.g. `Recent(0.5)`) every switch is also handed over with that policy
-    and its answer recorded (`GuardRecord.escalated`): what a guard raising the recompute budget would serve."""
+    and its answer recorded (`GuardRecord.escalated`): what a guard raising the recompute budget would serve.
+    pair_plans: as in `SwitchingSession`."""
     signals = tuple(check_signal(signal) for signal in signals)
     reference_needed = any(needs_reference(signal) for signal in signals)
     answering = _Answering(max_new_tokens, frozenset(stop_ids))
     escalated = None if escalate is None else (plan or DEFAULT_PLAN).with_recompute(escalate)
     records: dict[str, list[GuardRecord]] = {signal: [] for signal in signals}
     for c, turns in enumerate(WithinTime(conversations, time_limit_s)):
-        session = SwitchingSession(models, mappers, handover, plan)
+        session = SwitchingSession(models, mappers, handover, plan, pair_plans=pair_plans)
         for t, (server, ids) in enumerate(turns):
             ids = list(ids)
             previous = session.owner

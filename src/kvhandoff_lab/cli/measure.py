@@ -24,7 +24,7 @@ from kvhandoff.cli.options import (
     recompute_policy,
 )
 from kvhandoff.cli.serve import GuardSignal, GuardSwitch, GuardThreshold, Mappers, Models, family_specs
-from kvhandoff.runtime.policy import RecomputePolicy
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.family import load_family
 from kvhandoff_lab.serving.agent_bench import (
@@ -49,9 +49,11 @@ TimeLimit = Annotated[float | None, typer.Option("--time-limit", parser=positive
 
 def _server_config(guard: str, guard_signal: str, guard_threshold: float,
                    recompute: RecomputePolicy | None) -> ServeConfig:
+    """The measured server's settings: the measurements name their recompute policy (default `DEFAULT_RECOMPUTE`
+    for every pair), so that a result says what it was served under."""
     with option_errors("--guard-threshold"):
         return ServeConfig(guard=guard == "on", guard_signal=guard_signal, guard_threshold=guard_threshold,
-                           recompute=recompute, log_level="warning")
+                           recompute=recompute or DEFAULT_RECOMPUTE, log_level="warning")
 
 
 def _print(table) -> None:
@@ -188,7 +190,7 @@ def guard_eval(
                             signals=signals, max_new_tokens=max_new_tokens, window=window,
                             heldout_every=heldout_every, max_false_fallback=max_false_fallback,
                             time_limit_s=time_limit, story_chars=story_chars, escalate=escalate,
-                            config=ServeConfig(recompute=recompute), out=out)
+                            config=ServeConfig(recompute=recompute or DEFAULT_RECOMPUTE), out=out)
     _print(guard_table(result))
     typer.echo(f"wrote {out}")
 

@@ -83,13 +83,18 @@ def _stable(obj: Any) -> Any:
     return obj
 
 
+#: manifest records of how a pair is served, not of what its map computes: left out of a mapper's identity
+_SERVING_RECORDS = ("recompute",)
+
+
 def mapper_identity(mapper) -> dict:
-    """A mapper's identity: its manifest (hashed, timings left out) when it has one; otherwise (stand-in
-    mappers in tests) its class and public scalar attributes."""
+    """A mapper's identity: its manifest (hashed, timings and the recompute policy chosen for serving left out)
+    when it has one; otherwise (stand-in mappers in tests) its class and public scalar attributes."""
     manifest = getattr(mapper, "manifest", None)
     if isinstance(manifest, Mapping):
         top_k = (manifest.get("config") or {}).get("top_k")
-        return {"manifest_sha": sha256_json(_stable(manifest), 32), "top_k": top_k}
+        kept = {key: value for key, value in manifest.items() if key not in _SERVING_RECORDS}
+        return {"manifest_sha": sha256_json(_stable(kept), 32), "top_k": top_k}
     attributes = {
         k: v for k, v in sorted(vars(mapper).items()) if not k.startswith("_") and isinstance(v, int | float | str)
     } if hasattr(mapper, "__dict__") else {}

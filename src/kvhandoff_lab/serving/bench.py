@@ -176,7 +176,7 @@ def run_serve_bench(models, mappers, config: ServeConfig = ServeConfig(),  # noq
         "settings": {"lengths": lengths, "direction": direction, "repeats": repeats, "max_tokens": max_tokens,
                      "warmup": warmup, "time_limit_s": time_limit_s, "guard": config.guard,
                      "guard_signal": config.guard_signal, "guard_threshold": config.guard_threshold,
-                     "handover": config.handover, "recompute": config.recompute.spec, "temperature": 0.0,
+                     "handover": config.handover, "recompute": config.served_recompute.spec, "temperature": 0.0,
                      "text": "CoQA validation stories (workload.document), question and follow-up of the first",
                      "ttft": "client: request sent → first SSE chunk with content (streaming, loopback HTTP)",
                      "torch_threads": torch.get_num_threads()},

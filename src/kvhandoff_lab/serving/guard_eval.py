@@ -239,7 +239,7 @@ def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, swi
                 "signals": list(signals), "max_new_tokens": max_new_tokens, "window": window,
                 "heldout_every": heldout_every, "max_false_fallback": max_false_fallback, "time_limit_s": time_limit_s,
                 "story_chars": story_chars, "handover": config.handover,
-                "recompute": config.recompute.spec, "escalate": None if escalate is None else escalate.spec,
+                "recompute": config.served_recompute.spec, "escalate": None if escalate is None else escalate.spec,
                 "labels": list(LABELS), "text": "CoQA validation conversations in the chat template"}
     result = {
         "format": GUARD_EVAL_FORMAT,

@@ -203,7 +203,7 @@ def run_load_test(models, mappers, config: ServeConfig = ServeConfig(),  # noqa:
                                             session_header=session_header))
     report["settings"].update({"guard": config.guard, "guard_signal": config.guard_signal,
                                "guard_threshold": config.guard_threshold, "handover": config.handover,
-                               "recompute": config.recompute.spec, "models": list(models)})
+                               "recompute": config.served_recompute.spec, "models": list(models)})
     if out is not None:
         atomic_write_json(Path(out), report)
     return report
@@ -258,7 +258,7 @@ def run_concurrency_bench(models, mappers, config: ServeConfig = ServeConfig(), 
     result = {"format": CONCURRENCY_FORMAT, "kvhandoff_version": kvhandoff.__version__,
               "settings": {"levels": levels, "batches": batches, "turns": turns, "max_tokens": max_tokens,
                            "story_chars": story_chars, "time_limit_s": time_limit_s, "models": list(models),
-                           "recompute": config.recompute.spec, "prefill_chunk": config.prefill_chunk},
+                           "recompute": config.served_recompute.spec, "prefill_chunk": config.prefill_chunk},
               "rows": rows,
               "machine": machine_facts()}
     if out is not None:

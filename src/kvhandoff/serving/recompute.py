@@ -1,0 +1,79 @@
+"""Each hosted pair's selective-recompute policy, chosen once where the server starts: the policy it is told
+(`ServeConfig.recompute`, for every pair), else the one recorded with the pair's mapper (`RecomputeChoice`, chosen
+from a measured trade-off by `kvhandoff-lab record-recompute`), else `DEFAULT_RECOMPUTE`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvhandoff.errors import ConfigError
+from kvhandoff.mapper.manifest import MapperManifest, RecomputeChoice
+from kvhandoff.runtime import policy
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
+from kvhandoff.serving.config import ServeConfig
+
+#: where a pair's recompute policy came from
+RECOMPUTE_SOURCES = ("configured", "recorded", "default")
+
+
+@dataclass(frozen=True)
+class PairRecompute:
+    """One ordered pair's recompute policy as the server applies it, where it came from (`RECOMPUTE_SOURCES`) and
+    the record it was read from (source "recorded" only)."""
+
+    policy: RecomputePolicy
+    source: str
+    recorded: RecomputeChoice | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in RECOMPUTE_SOURCES:
+            raise ConfigError(f"a recompute policy's source must be one of {', '.join(RECOMPUTE_SOURCES)}, got "
+                              f"{self.source!r}")
+
+    def describe(self, source: str, target: str) -> str:
+        """One line for the server's start-up log."""
+        line = f"recompute for {source} → {target}: {self.policy.spec}"
+        if self.source == "configured":
+            return f"{line} (--recompute, for every pair)"
+        if self.recorded is not None:
+            return f"{line} (recorded with its mapper: {self.recorded.describe()})"
+        return (f"{line} (the default: none recorded with its mapper; `kvhandoff-lab record-recompute` records one "
+                "chosen from the switch benchmark's recompute sweep)")
+
+    def to_dict(self) -> dict:
+        """The policy as /health shows it: its spec, source and record."""
+        data: dict = {"policy": self.policy.spec, "source": self.source}
+        if self.recorded is not None:
+            data["recorded"] = self.recorded.to_dict()
+        return data
+
+
+def recorded_recompute(mapper) -> RecomputeChoice | None:
+    """The recompute policy recorded in ``mapper``'s manifest (None: none, or a stand-in without a manifest)."""
+    manifest = getattr(mapper, "manifest", None)
+    return manifest.recompute if isinstance(manifest, MapperManifest) else None
+
+
+def pair_recompute(config: ServeConfig, recorded: RecomputeChoice | None, pair: str = "this pair"
+                   ) -> PairRecompute:
+    """One pair's `PairRecompute` under ``config``, given the policy recorded for it (None: none). A record this
+    kvhandoff cannot read is refused (ConfigError naming the pair and the fix)."""
+    if config.recompute is not None:
+        return PairRecompute(config.recompute, "configured")
+    if recorded is None:
+        return PairRecompute(DEFAULT_RECOMPUTE, "default")
+    try:
+        chosen = policy.parse(recorded.spec)  # the record's spec is read here, where the server starts
+    except ConfigError as exc:
+        raise ConfigError(f"the recompute policy recorded with the mapper of {pair} ({recorded.spec!r}) cannot be "
+                          f"read ({exc}): record it again (`kvhandoff-lab record-recompute`) or serve with "
+                          "--recompute", field="recompute") from exc
+    return PairRecompute(chosen, "recorded", recorded)
+
+
+def pair_recomputes(config: ServeConfig, mappers: Mapping) -> dict[tuple[str, str], PairRecompute]:
+    """Each ordered pair's `PairRecompute`: ``mappers`` (from, to) → mapper, under ``config``."""
+    return {pair: pair_recompute(config, recorded_recompute(mapper), f"{pair[0]} → {pair[1]}")
+            for pair, mapper in mappers.items()}

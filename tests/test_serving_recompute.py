@@ -1,0 +1,106 @@
+"""Each served pair's recompute policy: configured for every pair, recorded with the pair's mapper, or the default;
+said at start-up, shown on /health, and the one each pair's switches run under."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import httpx
+import pytest
+
+from _serving_support import running, tiny_family
+from kvhandoff.errors import ConfigError
+from kvhandoff.mapper.manifest import RecomputeChoice
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, LeadingLayers, Recent
+from kvhandoff.serving.config import ServeConfig
+from kvhandoff.serving.engine import Engine
+from kvhandoff.serving.guard import guard_policies
+from kvhandoff.serving.recompute import PairRecompute, pair_recompute, pair_recomputes, recorded_recompute
+
+FORWARD, BACKWARD = ("small", "large"), ("large", "small")
+
+
+def choice(spec: str = "recent:20%") -> RecomputeChoice:
+    return RecomputeChoice(spec, "fastest_at_min_retention", 0.97, "generative", ("coqa_gen", "boolq_long"), "dev",
+                           24, 0.98, 2048, 3.1)
+
+
+def with_choice(mapper, chosen: RecomputeChoice):
+    """A shallow copy of ``mapper`` (the shared tiny family's are never changed) with ``chosen`` recorded."""
+    copied = copy.copy(mapper)
+    copied.manifest = mapper.manifest.with_recompute(chosen)
+    return copied
+
+
+def family_with_a_recorded_forward_recompute(chosen: RecomputeChoice | None = None):
+    models, mappers = tiny_family()
+    return models, {**mappers, FORWARD: with_choice(mappers[FORWARD], chosen or choice())}
+
+
+def test_each_pair_takes_the_configured_policy_its_recorded_one_or_the_default():
+    _, mappers = family_with_a_recorded_forward_recompute()
+    chosen = pair_recomputes(ServeConfig(), mappers)
+    assert chosen[FORWARD] == PairRecompute(Recent(0.2), "recorded", choice())
+    assert chosen[BACKWARD] == PairRecompute(DEFAULT_RECOMPUTE, "default")
+    configured = pair_recomputes(ServeConfig(recompute="layers:25%"), mappers)
+    assert {c.policy for c in configured.values()} == {LeadingLayers(0.25)}
+    assert {c.source for c in configured.values()} == {"configured"}
+    assert recorded_recompute(object()) is None  # a stand-in without a manifest
+    assert "recent:20% (recorded with its mapper: chosen as the fastest with mean retention >= 0.97" in \
+        chosen[FORWARD].describe("small", "large")
+    assert "(the default: none recorded with its mapper; `kvhandoff-lab record-recompute`" in \
+        chosen[BACKWARD].describe("large", "small")
+    assert chosen[FORWARD].to_dict()["recorded"]["spec"] == "recent:20%"
+    with pytest.raises(ConfigError, match=r"small → large \('nearby:20%'\) cannot be read.*--recompute"):
+        pair_recompute(ServeConfig(), choice("nearby:20%"), "small → large")
+    with pytest.raises(ConfigError, match="source"):
+        PairRecompute(Recent(0.1), "guessed")
+
+
+def test_the_server_hands_each_pair_over_under_its_own_policy_and_says_so(caplog):
+    models, mappers = family_with_a_recorded_forward_recompute()
+    caplog.set_level(logging.INFO, logger="kvhandoff.serving.engine")
+    engine = Engine(models, mappers, ServeConfig(guard=False))
+    try:
+        assert engine.plans[FORWARD].recompute == Recent(0.2)
+        assert engine.plans[BACKWARD].recompute == DEFAULT_RECOMPUTE
+        assert engine.plans[FORWARD].prefix_store is engine.prefix_store  # the rest of the plan is the server's
+        session = engine._new_session()
+        assert session.pair_plans == engine.plans
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("recompute for")]
+        assert len(lines) == 2 and any("small → large: recent:20% (recorded" in line for line in lines)
+    finally:
+        engine.close()
+    # a guard recorded under the pair's own policy carries no note
+    guards = guard_policies(ServeConfig(), mappers, {FORWARD: Recent(0.2)})
+    assert guards[FORWARD].note is None or "measured under recompute" not in guards[FORWARD].note
+
+
+def test_a_switch_runs_under_the_pairs_policy_and_health_shows_it(monkeypatch):
+    from kvhandoff.runtime import session as session_module
+
+    used = []
+    for name in ("map_for_target", "catch_up"):
+        real = getattr(session_module, name)
+
+        def spy(*args, real=real, **kwargs):
+            plan = next(a for a in (*args, *kwargs.values()) if isinstance(a, HandoffPlan))
+            used.append(plan.recompute)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(session_module, name, spy)
+    models, mappers = family_with_a_recorded_forward_recompute(choice("recent:50%"))
+    with running(models, mappers) as server:
+        health = httpx.get(server.url + "/health", timeout=30).json()["recompute"]
+        assert health["small → large"]["policy"] == "recent:50%" and health["small → large"]["source"] == "recorded"
+        assert health["large → small"] == {"policy": DEFAULT_RECOMPUTE.spec, "source": "default"}
+        messages = [{"role": "user", "content": "tell me a story about a cat and a dog"}]
+        for model in ("small", "large", "small"):
+            body = {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0}
+            reply = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Session-ID": "s1"},
+                               timeout=60)
+            assert reply.status_code == 200, reply.text
+            messages = [*messages, reply.json()["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+    assert used == [Recent(0.5), DEFAULT_RECOMPUTE]  # small → large, then large → small
