@@ -345,18 +345,39 @@ def test_eval_switch_benchmark_and_recompute_sweep(fake_models, tmp_path):
     assert set(saved["directions"]) == {"forward", "reverse"}
     assert "### small → large" in result.output and "### large → small" in result.output
     result = invoke([*SWITCH_BASE, "--out", str(out), "--sweep-recompute", "recent,mix",
-                                      "--budgets", "0,20", "--ttft-lengths", "64"])
-    assert result.exit_code == 0, result.output
+                                      "--budgets", "0,20", "--ttft-lengths", "64", "--record-recompute",
+                                      "--min-retention", "0"])
     sweep = json.loads((out / "sweep_recompute.json").read_text())
     assert sweep["settings"]["pool"] == "dev" and sweep["policies"] == ["none", "recent:20%", "mix:20%"]
     assert sweep["complete"] and (out / "sweep_recompute.png").is_file()
+    # the stand-in mappers cannot hold a record: refused before any is written, naming the fix
+    assert result.exit_code == 1 and "not a saved kvhandoff mapper" in result.output
+
+
+def test_a_sweeps_choice_is_recorded_with_each_directions_mapper(pair, tmp_path):
+    from kvhandoff_lab.cli import switch as switch_cli
+    from kvhandoff_lab.evaluation.switchbench import Direction
+
+    small, large = pair
+    result = invoke(["fit", "--source", small, "--target", large, "--out", str(tmp_path / "m"), "--top-k", "1",
+                     "--sequences", "3", "--seq-len", "48"])
+    assert result.exit_code == 0, result.output
+    mapper = Mapper.load(tmp_path / "m")
+    point = {"retention": {"forward": {"mean_retention": 0.99}}, "speedup": {"64": {"forward": 3.0}}}
+    sweep = {"ttft_lengths": ["64"], "group": "core", "items_per_task": 4, "directions": {"forward": {}},
+             "settings": {"tasks": ["arc_challenge"], "pool": "dev"},
+             "points": [{**point, "policy": "recent:20%"}, {**point, "policy": "none", "speedup": {"64": {
+                 "forward": 5.0}}, "retention": {"forward": {"mean_retention": 0.5}}}]}
+    switch_cli._record_choices(sweep, [Direction("forward", None, None, mapper, "small", "large")], 0.97)
+    assert Mapper.load(tmp_path / "m").manifest.recompute.spec == "recent:20%"  # "none" is faster but loses
 
 
 def test_eval_switch_argument_errors_exit_2_naming_the_option(fake_models, tmp_path):
     for extra, named in ((["--tasks", "gsm8k"], "--tasks"), (["--sweep-recompute", "loudest"], "loudest"),
                          (["--sweep-recompute", "none"], "none"),
                          (["--budgets", "5,200"], "--budgets"), (["--pool", "train"], "--pool"),
-                         (["--ttft-lengths", "1"], "--ttft-lengths")):
+                         (["--ttft-lengths", "1"], "--ttft-lengths"), (["--record-recompute"], "--sweep-recompute"),
+                         (["--sweep-recompute", "recent", "--min-retention", "x"], "--min-retention")):
         result = invoke([*SWITCH_BASE, "--out", str(tmp_path), *extra])
         assert result.exit_code == 2 and named in result.output, (extra, result.output)
     assert fake_models == []

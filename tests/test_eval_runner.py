@@ -219,6 +219,9 @@ def test_identities():
     assert R.mapper_identity(timed) == R.mapper_identity(retimed)  # timings do not change the identity
     retimed.manifest["fit_metrics"]["r2"] = 0.6
     assert R.mapper_identity(timed) != R.mapper_identity(retimed)
+    served = WithManifest()
+    served.manifest["recompute"] = {"spec": "recent:20%"}  # how the pair is served, not what the map computes
+    assert R.mapper_identity(served) == R.mapper_identity(WithManifest())
     assert R.mapper_identity(NoisyMapper(scale=0.1)) != R.mapper_identity(NoisyMapper(scale=0.2))
     counted = IdentityMapper()
     before = R.mapper_identity(counted)

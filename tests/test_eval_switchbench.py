@@ -180,3 +180,26 @@ def test_generative_table_alone_and_with_a_stopped_task():
     result = {"directions": {"forward": {"source": "s", "target": "t", "tasks": {"coqa_gen": task}}}}
     table = B.switch_markdown(result)
     assert "| CoQA | | 0 |" in table and "| Task | n | History tokens" not in table
+
+
+def test_choose_recompute_takes_the_fastest_point_that_keeps_the_retention():
+    def point(policy, retention, speedup):
+        return {"policy": policy, "retention": {"forward": {"mean_retention": retention}},
+                "speedup": {"1024": {"forward": 2 * speedup}, "2048": {"forward": speedup}}}
+
+    result = {"ttft_lengths": ["1024", "2048"], "group": "generative", "items_per_task": 24,
+              "directions": {"forward": {}}, "settings": {"tasks": ["coqa_gen"], "pool": "dev"},
+              "points": [point("none", 0.6, 11.0), point("recent:20%", 0.95, 3.0), point("recent:50%", 0.99, 1.8),
+                         point("recent:35%", 0.98, 2.4), point("sinks:5%", float("nan"), 9.0)]}
+    chosen = B.choose_recompute(result, "forward")
+    assert (chosen.spec, chosen.history_tokens, chosen.speedup, chosen.mean_retention) == ("recent:35%", 2048, 2.4,
+                                                                                             0.98)
+    assert chosen.group == "generative" and chosen.tasks == ("coqa_gen",) and chosen.items_per_task == 24
+    assert B.choose_recompute(result, "forward", 0.9).spec == "recent:20%"
+    assert B.choose_recompute(result, "forward", 0.999).spec == "recent:50%"  # none keeps it: the most retentive
+    assert B.choose_recompute(result, "forward", length="1024").speedup == 4.8
+    with pytest.raises(ConfigError, match="not 4096"):
+        B.choose_recompute(result, "forward", length="4096")
+    with pytest.raises(ConfigError, match="no direction 'reverse'"):
+        B.choose_recompute(result, "reverse")
+    assert B.choose_recompute({**result, "points": []}, "forward") is None

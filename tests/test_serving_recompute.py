@@ -50,7 +50,7 @@ def test_each_pair_takes_the_configured_policy_its_recorded_one_or_the_default()
     assert recorded_recompute(object()) is None  # a stand-in without a manifest
     assert "recent:20% (recorded with its mapper: chosen as the fastest with mean retention >= 0.97" in \
         chosen[FORWARD].describe("small", "large")
-    assert "(the default: none recorded with its mapper; `kvhandoff-lab record-recompute`" in \
+    assert "(the default: none recorded with its mapper; `kvhandoff-lab eval-switch --sweep-recompute" in \
         chosen[BACKWARD].describe("large", "small")
     assert chosen[FORWARD].to_dict()["recorded"]["spec"] == "recent:20%"
     with pytest.raises(ConfigError, match=r"small → large \('nearby:20%'\) cannot be read.*--recompute"):

@@ -234,7 +234,7 @@ Recompute = Annotated[RecomputePolicy | None, typer.Option(
 PairRecompute = Annotated[RecomputePolicy | None, typer.Option(
     "--recompute", parser=recompute_policy, metavar="RULE:BUDGET",
     help=f"{_RECOMPUTE_HELP}; for every pair (default: each pair's policy recorded with its mapper by `kvhandoff-lab "
-         f"record-recompute`, else {DEFAULT_RECOMPUTE.spec})")]
+         f"eval-switch --sweep-recompute RULES --record-recompute`, else {DEFAULT_RECOMPUTE.spec})")]
 #: the models' placement for their forwards (`config.ModelPlacement`), on every command that loads a pair
 Dtype = Annotated[str, typer.Option("--dtype", parser=model_dtype, metavar="DTYPE", help=(
     "dtype of the model forwards: fp32, bf16 or fp16 (or float32, bfloat16, float16); calibration statistics are "

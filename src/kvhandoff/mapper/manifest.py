@@ -125,7 +125,7 @@ RECOMPUTE_RULES = ("fastest_at_min_retention",)
 
 def _bad_recompute(name: str, problem: str) -> MapperFormatError:
     return MapperFormatError(f"mapper manifest field 'recompute.{name}' {problem}; record the policy again "
-                             "(`kvhandoff-lab record-recompute`)")
+                             "(`kvhandoff-lab eval-switch --sweep-recompute RULES --record-recompute`)")
 
 
 def _finite(value) -> bool:

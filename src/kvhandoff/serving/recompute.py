@@ -1,6 +1,6 @@
 """Each hosted pair's selective-recompute policy, chosen once where the server starts: the policy it is told
 (`ServeConfig.recompute`, for every pair), else the one recorded with the pair's mapper (`RecomputeChoice`, chosen
-from a measured trade-off by `kvhandoff-lab record-recompute`), else `DEFAULT_RECOMPUTE`.
+from a measured trade-off: `RECORD_HINT`), else `DEFAULT_RECOMPUTE`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from kvhandoff.runtime import policy
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.serving.config import ServeConfig
 
+#: the command that measures a pair's trade-off and records its policy
+RECORD_HINT = "`kvhandoff-lab eval-switch --sweep-recompute RULES --record-recompute`"
 #: where a pair's recompute policy came from
 RECOMPUTE_SOURCES = ("configured", "recorded", "default")
 
@@ -39,8 +41,7 @@ class PairRecompute:
             return f"{line} (--recompute, for every pair)"
         if self.recorded is not None:
             return f"{line} (recorded with its mapper: {self.recorded.describe()})"
-        return (f"{line} (the default: none recorded with its mapper; `kvhandoff-lab record-recompute` records one "
-                "chosen from the switch benchmark's recompute sweep)")
+        return f"{line} (the default: none recorded with its mapper; {RECORD_HINT} records one)"
 
     def to_dict(self) -> dict:
         """The policy as /health shows it: its spec, source and record."""
@@ -68,8 +69,8 @@ def pair_recompute(config: ServeConfig, recorded: RecomputeChoice | None, pair: 
         chosen = policy.parse(recorded.spec)  # the record's spec is read here, where the server starts
     except ConfigError as exc:
         raise ConfigError(f"the recompute policy recorded with the mapper of {pair} ({recorded.spec!r}) cannot be "
-                          f"read ({exc}): record it again (`kvhandoff-lab record-recompute`) or serve with "
-                          "--recompute", field="recompute") from exc
+                          f"read ({exc}): record it again ({RECORD_HINT}) or serve with --recompute",
+                          field="recompute") from exc
     return PairRecompute(chosen, "recorded", recorded)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Annotated
@@ -24,6 +25,8 @@ from kvhandoff.cli.options import (
     positive_int,
     recompute_policy,
 )
+from kvhandoff.errors import ConfigError
+from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.geometry import tokenizer_hash
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RULES
 from kvhandoff.workflow import load_named_pair
@@ -34,6 +37,7 @@ from kvhandoff_lab.evaluation.switchbench import (
     DEFAULT_SWEEP_BUDGETS,
     DEFAULT_TTFT_LENGTHS,
     Direction,
+    choose_recompute,
     recompute_points,
     run_recompute_sweep,
     run_switch_benchmark,
@@ -128,6 +132,33 @@ def switch_tasks_option(value) -> str:
     return value
 
 
+def fraction(value) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not 0.0 <= number <= 10.0:
+        raise typer.BadParameter(f"give a retention such as 0.97, got {value!r}")
+    return number
+
+
+def _record_choices(result: dict, directions: list[Direction], min_retention: float) -> None:
+    """Record each direction's chosen policy (`choose_recompute`) with its mapper (`Mapper.record_recompute`)."""
+    for direction in directions:
+        if not isinstance(direction.mapper, Mapper):
+            raise ConfigError(f"the mapper of {direction.source_name} → {direction.target_name} is not a saved "
+                              "kvhandoff mapper, so no policy can be recorded with it: sweep with saved mappers "
+                              "(--mapper, --reverse-mapper, or the pair's default ones)")
+    for direction in directions:
+        chosen = choose_recompute(result, direction.name, min_retention)
+        if chosen is None:
+            typer.echo(f"{direction.source_name} → {direction.target_name}: no point scored yet; nothing recorded")
+            continue
+        direction.mapper.record_recompute(chosen)
+        typer.echo(f"{direction.source_name} → {direction.target_name}: recompute {chosen.spec}, "
+                   f"{chosen.describe()} — recorded in {direction.mapper.folder}")
+
+
 def pair_directions(pair, mappers: MapperSource, out: Path, progress: bool) -> list[Direction]:
     """The forward direction with its mapper (fitted or reused), and the reverse one where ``mappers`` asks."""
     forward, backward, _ = pair_mappers(pair, mappers, EvalOptions(), out, progress)
@@ -186,6 +217,12 @@ def eval_switch(
     = ",".join(f"{b * 100:g}" for b in DEFAULT_SWEEP_BUDGETS),
     ttft_lengths: Annotated[tuple, typer.Option(parser=length_list, metavar="TOKENS", help=(
         "History lengths of the sweep's TTFT measurement."))] = ",".join(map(str, DEFAULT_TTFT_LENGTHS)),
+    record_recompute: Annotated[bool, typer.Option(help=(
+        "After --sweep-recompute, record each direction's policy with its mapper, where `kvhandoff serve` reads "
+        "it: the fastest at the longest --ttft-lengths whose mean retention is at least --min-retention (else the "
+        "most retentive)."))] = False,
+    min_retention: Annotated[float, typer.Option(parser=fraction, help=(
+        "The mean retention a recorded policy must keep (--record-recompute)."))] = 0.97,
     time_limit: Annotated[float | None, typer.Option(help=(
         "Minutes after which no new item is started; the last finished history round is the result (the next "
         "run with the same --out resumes)."))] = None,
@@ -203,6 +240,9 @@ def eval_switch(
     agreement with the target and the first-answer-token KL. With --sweep-recompute: the rule × budget trade-off
     on the dev pool (OUT/sweep_recompute.{json,md,png}).
     """
+    if record_recompute and sweep_recompute is None:
+        raise typer.BadParameter("records the policy a sweep chooses: give --sweep-recompute too",
+                                 param_hint="--record-recompute")
     if threads is not None:
         torch.set_num_threads(threads)
     deadline = None if time_limit is None else time.monotonic() + 60 * time_limit
@@ -224,6 +264,8 @@ def eval_switch(
                                      progress, deadline)
         typer.echo(sweep_markdown(result))
         typer.echo(f"wrote {out / 'sweep_recompute.json'}, .md and .png")
+        if record_recompute:
+            _record_choices(result, directions, min_retention)
         return
     result = run_switch_benchmark(directions, pair.tokenizer, tok_id, settings, out, progress, deadline)
     typer.echo(switch_markdown(result))
