@@ -24,6 +24,7 @@ from kvhandoff.runtime.policy import (
     SelectionInfo,
     Sinks,
     SourceAttention,
+    TurnAttention,
     budget_count,
     policy_for,
     turn_marker_ids,
@@ -54,7 +55,8 @@ def test_budget_rounding():
 
 
 def test_one_registry_names_every_rule_class():
-    assert tuple(RULES) == ("none", "sinks", "recent", "deviation", "source_attention", "mix", "layers")
+    assert tuple(RULES) == ("none", "sinks", "recent", "deviation", "source_attention", "mix", "layers",
+                            "turn_attention")
     assert all(kind.rule == name and issubclass(kind, RecomputePolicy) for name, kind in RULES.items())
     assert policy_for("recent", 0.2) == Recent(0.2) and policy_for("none") == NoRecompute()
     assert policy_for("source_attention", 0.1, window=8) == SourceAttention(0.1, source_window=8)
@@ -151,6 +153,8 @@ def test_policy_parses_and_validates():
     assert isinstance(policy.parse("source_attention:2%"), SourceAttention)
     assert policy.parse("source_attention:2%:window=8").window == 8
     assert policy.parse(Recent(0.1)) == Recent(0.1)  # a policy as it is
+    assert policy.parse("turn_attention:10%:window=8") == TurnAttention(0.1, source_window=8)
+    assert TurnAttention(0.1).reads_new_turn and not Recent(0.1).reads_new_turn
     layers = policy.parse("layers:25%")
     assert layers == LeadingLayers(0.25) and layers.spec == "layers:25%" and layers.active
     assert [layers.leading_layers(n) for n in (28, 24, 2)] == [7, 6, 1]

@@ -8,7 +8,7 @@ from _runtime_support import exact_pair, ids_of, inexact_pair, max_kv_diff
 from kvhandoff import FitConfig, HandoffPlan, SwitchingSession, catch_up, fit_mapper, handoff_cache, prefill
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import cache_of, cache_view
-from kvhandoff.runtime.policy import SelectionInfo, SourceAttention, layer0_kv
+from kvhandoff.runtime.policy import SelectionInfo, SourceAttention, TurnAttention, layer0_kv
 from kvhandoff.runtime.recompute import (
     attention_from_queries,
     leading_layer_rows,
@@ -16,6 +16,7 @@ from kvhandoff.runtime.recompute import (
     recompute_positions,
     record_queries,
     source_attention_scores,
+    turn_attention_scores,
 )
 
 from conftest import random_batches, tiny_model
@@ -254,6 +255,47 @@ def test_a_session_recomputes_at_every_handover_and_knows_the_turns(inexact):
         HandoffPlan.of(recompute="fast:1")
     with pytest.raises(ConfigError, match="HandoffPlan"):  # below the edge a spec is refused, never parsed
         SwitchingSession({"small": source}, {}, plan="sinks:10%")
+
+
+def test_turn_attention_ranks_by_what_the_source_attends_to_reading_the_new_turn(exact):
+    """The scores equal the eager attention weights the source's new-turn queries pay the history, summed over
+    layers, heads and the turn; the source's cache is left as it was; the policy picks the top positions by them and,
+    without a new turn, ranks as source_attention does."""
+    source, target, _ = exact
+    ids = ids_of(batch=1, tokens=44)
+    history, turn = ids[:, :36], ids[:, 36:]
+    with torch.inference_mode():
+        out = source(input_ids=ids, output_attentions=True, use_cache=True)
+    reference = sum(att[:, :, 36:, :36].sum(dim=(1, 2)) for att in out.attentions)
+    source_cache, _ = prefill(source, history)
+    scores = turn_attention_scores(source, source_cache, turn)
+    assert source_cache.get_seq_length() == 36 and (scores - reference).abs().max() <= 1e-4
+    cache, _ = prefill(target, history)
+    policy = TurnAttention(4 / 36)
+    picked = policy.positions(target, cache, history, SelectionInfo(new_turn=tuple(turn[0].tolist())), source,
+                              source_cache)
+    assert torch.equal(picked, reference.topk(4, dim=1).indices.sort(dim=1).values)
+    fallback = policy.positions(target, cache, history, SelectionInfo(), source, source_cache)
+    assert torch.equal(fallback, SourceAttention(4 / 36).positions(target, cache, history, SelectionInfo(), source,
+                                                                    source_cache))
+    with pytest.raises(ConfigError, match="source model"):
+        policy.positions(target, cache, history, SelectionInfo(new_turn=(1, 2)))
+
+
+def test_a_session_hands_the_new_turn_to_a_policy_that_reads_it(inexact, monkeypatch):
+    from kvhandoff.runtime import policy as policy_module
+
+    source, target, mapper = inexact
+    seen = []
+    real = policy_module.turn_attention_scores
+    monkeypatch.setattr(policy_module, "turn_attention_scores",
+                        lambda model, cache, turn: seen.append(turn[0].tolist()) or real(model, cache, turn))
+    session = SwitchingSession({"small": source, "large": target}, {("small", "large"): mapper},
+                               plan=HandoffPlan.of(0, "turn_attention:20%"))
+    first, turn = ids_of(tokens=20, seed=1)[0].tolist(), ids_of(tokens=6, seed=2)[0].tolist()
+    session.read("small", first)
+    session.read("large", turn)
+    assert seen == [turn]
 
 
 # -- whole layers ----------------------------------------------------------------------------------------------------

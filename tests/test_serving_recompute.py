@@ -104,3 +104,25 @@ def test_a_switch_runs_under_the_pairs_policy_and_health_shows_it(monkeypatch):
             assert reply.status_code == 200, reply.text
             messages = [*messages, reply.json()["choices"][0]["message"], {"role": "user", "content": "and then?"}]
     assert used == [Recent(0.5), DEFAULT_RECOMPUTE]  # small → large, then large → small
+
+
+def test_a_policy_that_reads_the_new_turn_gets_all_of_it_when_the_prompt_is_read_in_chunks(monkeypatch):
+    from kvhandoff.runtime import policy as policy_module
+
+    seen = []
+    real = policy_module.turn_attention_scores
+    monkeypatch.setattr(policy_module, "turn_attention_scores",
+                        lambda model, cache, turn: seen.append(turn.shape[1]) or real(model, cache, turn))
+    with running(recompute="turn_attention:20%", prefill_chunk=8) as server:
+        messages = [{"role": "user", "content": "tell me a story about a cat and a dog"}]
+        headers = {"X-Session-ID": "chunks"}
+        first = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=60, json={
+            "model": "small", "messages": messages, "max_tokens": 4, "temperature": 0}).json()
+        messages += [first["choices"][0]["message"],
+                     {"role": "user", "content": "and what did the dog do after the cat ran away?"}]
+        reply = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=60, json={
+            "model": "large", "messages": messages, "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        handoff = reply.json()["kv_handoff"]
+    assert handoff["status"] == "applied" and len(seen) == 1
+    assert seen[0] == handoff["read_tokens"] > 8  # the whole new turn, though it was read 8 tokens at a time

@@ -20,7 +20,7 @@ import torch
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.geometry import decoder_layers
 from kvhandoff.model.rope import apply_rope, rope_frequencies
-from kvhandoff.runtime.recompute import source_attention_scores
+from kvhandoff.runtime.recompute import source_attention_scores, turn_attention_scores
 
 #: the budgets (fractions of the mapped history) a retention-vs-speed sweep measures
 RECOMPUTE_BUDGETS: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -43,12 +43,14 @@ class SelectionInfo:
     turn_starts: positions where a turn begins (shared by the batch), for "sinks".
     marker_ids: token ids that open a turn (e.g. `<|im_start|>`, see `turn_marker_ids`), for "sinks".
     source_attention: [batch, T] attention the source paid each position (`source_attention_scores`).
+    new_turn: the token ids the target reads right after the handoff (shared by the batch), for "turn_attention".
     """
 
     start: int = 0
     turn_starts: tuple[int, ...] = ()
     marker_ids: tuple[int, ...] = ()
     source_attention: torch.Tensor | None = field(default=None, compare=False)
+    new_turn: tuple[int, ...] = ()
 
 
 def turn_marker_ids(tokenizer) -> tuple[int, ...]:
@@ -116,6 +118,11 @@ class RecomputePolicy:
     def window(self) -> int:
         """How many of the history's last source queries the source's attention is read from."""
         return DEFAULT_WINDOW
+
+    @property
+    def reads_new_turn(self) -> bool:
+        """Whether the policy's picks depend on the turn the target reads next (`SelectionInfo.new_turn`)."""
+        return False
 
     @property
     def spec(self) -> str:
@@ -281,6 +288,49 @@ class SourceAttention(RecomputePolicy):
 
 
 @dataclass(frozen=True)
+class TurnAttention(RecomputePolicy):
+    """The positions the source attends to most while it reads the new turn (``info.new_turn``) on its cache
+    (`turn_attention_scores`): what the turn the target reads next is about. Without a new turn, the source's last
+    ``window`` queries of the history rank them (as `SourceAttention`)."""
+
+    source_window: int = DEFAULT_WINDOW
+    rule: ClassVar[str] = "turn_attention"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_window(self.source_window)
+
+    @property
+    def window(self) -> int:
+        return self.source_window
+
+    @property
+    def reads_new_turn(self) -> bool:
+        return True
+
+    def positions(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
+                  source_model=None, source_cache=None) -> torch.Tensor:
+        info = info or SelectionInfo()
+        if self.active and info.source_attention is None:
+            if source_model is None or source_cache is None:
+                raise ConfigError(f"recompute rule {self.rule!r} needs the source model and its cache (the source "
+                                  "reads the new turn on it)")
+            if source_cache.get_seq_length() != input_ids.shape[1]:
+                raise ConfigError(f"the source cache holds {source_cache.get_seq_length()} positions, input_ids "
+                                  f"{input_ids.shape[1]}")
+            if info.new_turn:
+                turn = torch.tensor([list(info.new_turn)] * input_ids.shape[0], device=input_ids.device)
+                scores = turn_attention_scores(source_model, source_cache, turn)
+            else:
+                scores = source_attention_scores(source_model, source_cache, input_ids, self.window)
+            info = replace(info, source_attention=scores)
+        return super().positions(target_model, cache, input_ids, info, source_model, source_cache)
+
+    def rank(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
+        return _by_score(info.source_attention.to(input_ids.device), info.start)
+
+
+@dataclass(frozen=True)
 class Mix(RecomputePolicy):
     """Shares of the other rules: each rule of ``shares`` ((rule, share) pairs, shares > 0 summing to 1) takes its
     share of the budget (largest remainders round) from its ranking, skipping what the rules before it took.
@@ -367,10 +417,12 @@ class LeadingLayers(RecomputePolicy):
 
 #: the recompute rules by name: the one registry `parse` and `policy_for` read
 RULES: dict[str, type[RecomputePolicy]] = {
-    policy.rule: policy for policy in (NoRecompute, Sinks, Recent, Deviation, SourceAttention, Mix, LeadingLayers)
+    policy.rule: policy for policy in (NoRecompute, Sinks, Recent, Deviation, SourceAttention, Mix, LeadingLayers,
+                                       TurnAttention)
 }
 #: the rules a "mix" may share its budget between: those that rank positions
-_MIXABLE = tuple(name for name in RULES if name not in (NoRecompute.rule, Mix.rule, LeadingLayers.rule))
+_MIXABLE = tuple(name for name in RULES if name not in (NoRecompute.rule, Mix.rule, LeadingLayers.rule,
+                                                         TurnAttention.rule))
 
 #: the handoffs' default selective-recompute policy: the target recomputes the last 5% of the mapped positions.
 #: Chosen on the switch benchmark's dev pool (docs/RESULTS.md "Switch benchmark").
@@ -384,8 +436,9 @@ def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
         raise ConfigError(f"recompute rule must be one of {', '.join(RULES)}, got {rule!r}")
     kind = RULES[rule]
     if "window" in options:
-        if kind not in (SourceAttention, Mix):
-            raise ConfigError(f"recompute rule {rule!r} takes no window (only source_attention and mix do)")
+        if kind not in (SourceAttention, Mix, TurnAttention):
+            raise ConfigError(f"recompute rule {rule!r} takes no window (only source_attention, turn_attention and "
+                              "mix do)")
         options["source_window"] = options.pop("window")
     try:
         return kind(budget, **options)

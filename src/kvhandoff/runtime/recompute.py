@@ -265,6 +265,18 @@ def attention_from_queries(model, queries, cache) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def turn_attention_scores(source_model, source_cache, new_turn: torch.Tensor) -> torch.Tensor:
+    """[batch, T]: the attention the source pays each of the T cached positions while it reads ``new_turn`` [batch,
+    N] (the turn the target reads next) on top of its cache, summed over layers, heads and the turn's tokens; the
+    source's cache is not changed (the turn is read on a view of it). Cost: the source's forward of N tokens."""
+    total = source_cache.get_seq_length()
+    view = cache_view(source_cache, 0)
+    with record_queries(source_model, new_turn.shape[1]) as queries:
+        prefill(source_model, new_turn.to(source_cache.layers[0].keys.device), view)
+    return attention_from_queries(source_model, queries, view)[:, :total]
+
+
+@torch.inference_mode()
 def source_attention_scores(source_model, source_cache, input_ids: torch.Tensor, window: int = 32) -> torch.Tensor:
     """[batch, T]: the attention the source's last ``window`` queries over the T cached positions paid each
     position, from its cache alone: the last ``window`` tokens are read again on a view of the cache before them

@@ -115,9 +115,10 @@ class SwitchingSession:
             mapped.settle(self.models[server])
         return self.cache(server)
 
-    def _switch(self, server: str) -> MappedCache | None:
+    def _switch(self, server: str, upcoming=()) -> MappedCache | None:
         """Make ``server`` the owner; at a handover, its cache of `tokens` as a `MappedCache` whose recompute (the
-        exact prefix, the policy's picks) is left to the model's next forward (`MappedCache.read`); else None."""
+        exact prefix, the policy's picks) is left to the model's next forward (`MappedCache.read`); else None.
+        ``upcoming``: the tokens it reads next (the new turn), which a policy may pick positions by."""
         self.require_model(server)
         owner = self.owner
         for name in (owner, server):
@@ -134,7 +135,8 @@ class SwitchingSession:
                 self._own.pop(owner, None)
             ids = torch.tensor([self.tokens], device=current.device)
             plan = self.pair_plans.get((owner, server), self.plan)
-            info = SelectionInfo(turn_starts=tuple(p for p in self._turn_starts if p < len(self.tokens)))
+            info = SelectionInfo(turn_starts=tuple(p for p in self._turn_starts if p < len(self.tokens)),
+                                 new_turn=tuple(upcoming))
             if server in self._caches:  # the positions appended are mapped: its own prefix stays as it was
                 mapped = catch_up(self._caches[server], current, mapper, self.models[owner], self.models[server],
                                   ids, plan, info)
@@ -148,10 +150,11 @@ class SwitchingSession:
         self.owner = server
         return None
 
-    def _read_on(self, server: str, ids: list[int], keep: int) -> torch.Tensor:
+    def _read_on(self, server: str, ids: list[int], keep: int, upcoming=None) -> torch.Tensor:
         """``server`` reads ``ids`` on its cache of the conversation, switching to it first (at a handover the
-        recompute and the read are one forward); logits of the last ``keep`` of them [1, keep, vocab]."""
-        mapped = self._switch(server)
+        recompute and the read are one forward; ``upcoming``: the whole new turn when ``ids`` is its first part);
+        logits of the last ``keep`` of them [1, keep, vocab]."""
+        mapped = self._switch(server, ids if upcoming is None else upcoming)
         model = self.models[server]
         input_ids = torch.tensor([ids], device=model.device)
         cache = mapped.cache if mapped is not None else self._own_cache(server)
@@ -188,7 +191,7 @@ class SwitchingSession:
         if not ids:
             raise ConfigError("generate needs at least one token of the new turn")
         self._check_length(server, len(ids))
-        mapped = self._switch(server)
+        mapped = self._switch(server, ids)
         model = self.models[server]
         input_ids = torch.tensor([self.tokens + ids], device=model.device)
         if mapped is not None:  # at a handover, generate's first forward also recomputes (`MappedCache.generate`)
@@ -245,16 +248,17 @@ class SwitchingSession:
             self._own[name] = min(self._own.get(name, 0), cache.length)
 
     @torch.inference_mode()
-    def read_logprobs(self, server: str, ids, keep: int = 1) -> torch.Tensor:
+    def read_logprobs(self, server: str, ids, keep: int = 1, upcoming=None) -> torch.Tensor:
         """As `read`, but returns the float32 log-probs of the last ``keep`` positions of ``ids`` [min(keep,
         len(ids)), vocab] (row i: the distribution of the token after that position); only those logits are
-        computed."""
+        computed. ``upcoming``: the whole new turn when ``ids`` is only its first part (a prompt read in chunks),
+        for a recompute policy that picks positions by it."""
         ids = list(ids)
         if not ids:
             raise ConfigError("read_logprobs needs at least one token")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be a positive integer, got {keep!r}")
-        logits = self._read_on(server, ids, min(keep, len(ids)))
+        logits = self._read_on(server, ids, min(keep, len(ids)), None if upcoming is None else list(upcoming))
         self.tokens += ids
         return logits[0].float().log_softmax(-1)
 

@@ -877,11 +877,11 @@ class Engine:
         chunk = self.config.prefill_chunk
         last = min((len(new) - 1) // chunk * chunk, max(0, len(new) - keep))  # where the last chunk starts
         for start in range(0, last, chunk):
-            session.read_logprobs(server, new[start:min(start + chunk, last)], 1)
+            session.read_logprobs(server, new[start:min(start + chunk, last)], 1, upcoming=new[start:])
             yield None
             if cancelled is not None and cancelled.is_set():
                 raise RequestError("cancelled", "the client went away while its prompt was read")
-        return session.read_logprobs(server, new[last:], keep)
+        return session.read_logprobs(server, new[last:], keep, upcoming=new[last:])
 
     def _echo(self, hosted: HostedModel, request: GenerationRequest, prompt: list[int]):
         """(the prompt's text, its log-prob entries): each token under the model's distribution after the tokens

@@ -49,7 +49,7 @@ from kvhandoff.model.geometry import model_fingerprint
 from kvhandoff.runtime import policy as recompute_policies
 from kvhandoff.runtime.handoff import handoff_cache
 from kvhandoff.runtime.plan import HandoffPlan
-from kvhandoff.runtime.policy import NoRecompute, RecomputePolicy
+from kvhandoff.runtime.policy import NoRecompute, RecomputePolicy, SelectionInfo
 from kvhandoff.runtime.seam import as_kv_cache
 from kvhandoff_lab.evaluation.metrics import mean, paired_bootstrap, summarise_conditions
 from kvhandoff_lab.evaluation.runner import (
@@ -344,16 +344,26 @@ class SwitchOnHistory(SwitchCondition):
         self.exact_prefix, self.recompute = exact_prefix, recompute
         self._mapped: tuple[str, Any] | None = None
 
-    def history_cache(self, history: History):
-        if self._mapped is None or self._mapped[0] != history.key:
-            self._mapped = (history.key, self.switch(history))
+    def history_cache(self, history: History, question: Sequence[int] = ()):
+        """The switch's cache of ``history``, made once per history (and per question, for a policy that picks
+        positions by the turn read next)."""
+        key = (history.key, tuple(question) if self.recompute.reads_new_turn else ())
+        if self._mapped is None or self._mapped[0] != key:
+            self._mapped = None  # the old mapped cache is dropped before the next is made
+            self._mapped = (key, self.switch(history, question=key[1]))
         return self._mapped[1]
 
-    def switch(self, history: History, source_cache=None):
-        """The target's cache of the history from the source's (the switch itself)."""
+    def score(self, item: SwitchItem) -> list[float]:
+        return score_turns(self.reader, self.history_cache(item.history, item.question), item.turns,
+                           item.continuation_lengths)
+
+    def switch(self, history: History, source_cache=None, question: Sequence[int] = ()):
+        """The target's cache of the history from the source's (the switch itself); ``question``: the turn the
+        target reads next, for a policy that picks positions by it."""
         source_cache = self.prefills.of(self.source, history) if source_cache is None else source_cache
         ids = torch.tensor([list(history.ids)])
-        return handoff_cache(self.source, self.reader, self.mapper, ids, self.plan, source_cache)
+        return handoff_cache(self.source, self.reader, self.mapper, ids, self.plan, source_cache,
+                             selection_info=SelectionInfo(new_turn=tuple(question)))
 
 
 class AllMapped(SwitchCondition):
@@ -697,12 +707,13 @@ class SwitchOnTurn(TurnCondition):
         self._mapped: tuple[tuple[str, tuple[int, ...]], Any] | None = None
 
     def turn_cache(self, item: TurnItem):
-        key = (item.history.key, item.extension)
+        key = (item.history.key, item.extension, item.question if self.recompute.reads_new_turn else ())
         if self._mapped is None or self._mapped[0] != key:
             self._mapped = None  # the old mapped cache is dropped before the next is made
             source_cache = self.prefills.extended(self.source, item.history, item.extension)
             ids = torch.tensor([list(item.history.ids) + list(item.extension)])
-            self._mapped = (key, handoff_cache(self.source, self.reader, self.mapper, ids, self.plan, source_cache))
+            self._mapped = (key, handoff_cache(self.source, self.reader, self.mapper, ids, self.plan, source_cache,
+                                               selection_info=SelectionInfo(new_turn=key[2])))
         return self._mapped[1]
 
 
@@ -863,7 +874,7 @@ def time_to_first_token(source, target, mapper, history: History, question: Sequ
     for round_ in range(warmup + repeats):
         timed = {"reprefill": _seconds(lambda: prefill(target, both))}
         for name, switch in switches.items():
-            timed[name] = _seconds(lambda s=switch: prefill(target, turn, s.switch(history, source_cache)))
+            timed[name] = _seconds(lambda s=switch: prefill(target, turn, s.switch(history, source_cache, question)))
         if round_ >= warmup:
             for name, seconds in timed.items():
                 times[name].append(seconds)
