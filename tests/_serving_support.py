@@ -4,6 +4,8 @@ both ways, a server on a free loopback port, and reference answers computed with
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 
 import torch
@@ -37,6 +39,14 @@ def tiny_family(max_position_embeddings: int = 512):
     tokenizer = chat_tokenizer()
     return ({"small": (small, tokenizer), "large": (large, tokenizer)},
             {("small", "large"): forward, ("large", "small"): backward})
+
+
+def with_record(mapper, **records):
+    """A shallow copy of ``mapper`` (the shared tiny family's are never changed) whose manifest carries ``records``
+    (guard=..., recompute=...)."""
+    copied = copy.copy(mapper)
+    copied.manifest = dataclasses.replace(mapper.manifest, **records)
+    return copied
 
 
 @contextlib.contextmanager

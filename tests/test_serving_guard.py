@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from _serving_support import EXACT_FIT, VOCAB, chat_ids, running, tiny_family
+from _serving_support import EXACT_FIT, VOCAB, chat_ids, running, tiny_family, with_record
 from kvhandoff import fit_mapper
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
@@ -197,17 +197,10 @@ def recorded(signal: str = "entropy", threshold: float = 7.0, window: int = 32,
                             recompute, window)
 
 
-def with_guard(mapper, guard: GuardCalibration):
-    """A shallow copy of ``mapper`` (the shared tiny family's are never changed) with ``guard`` in its manifest."""
-    copied = copy.copy(mapper)
-    copied.manifest = mapper.manifest.with_guard(guard)
-    return copied
-
-
 def family_with_a_recorded_forward_guard(guard: GuardCalibration | None = None):
     """The tiny family with ``guard`` (default `recorded()`) recorded for small → large and none for large → small."""
     models, mappers = tiny_family()
-    return models, {**mappers, ("small", "large"): with_guard(mappers["small", "large"], guard or recorded())}
+    return models, {**mappers, ("small", "large"): with_record(mappers["small", "large"], guard=guard or recorded())}
 
 
 FORWARD, BACKWARD = ("small", "large"), ("large", "small")

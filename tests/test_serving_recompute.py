@@ -3,13 +3,12 @@ said at start-up, shown on /health, and the one each pair's switches run under."
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import httpx
 import pytest
 
-from _serving_support import running, tiny_family
+from _serving_support import running, tiny_family, with_record
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.manifest import RecomputeChoice
 from kvhandoff.runtime.plan import HandoffPlan
@@ -27,16 +26,9 @@ def choice(spec: str = "recent:20%") -> RecomputeChoice:
                            24, 0.98, 2048, 3.1)
 
 
-def with_choice(mapper, chosen: RecomputeChoice):
-    """A shallow copy of ``mapper`` (the shared tiny family's are never changed) with ``chosen`` recorded."""
-    copied = copy.copy(mapper)
-    copied.manifest = mapper.manifest.with_recompute(chosen)
-    return copied
-
-
 def family_with_a_recorded_forward_recompute(chosen: RecomputeChoice | None = None):
     models, mappers = tiny_family()
-    return models, {**mappers, FORWARD: with_choice(mappers[FORWARD], chosen or choice())}
+    return models, {**mappers, FORWARD: with_record(mappers[FORWARD], recompute=chosen or choice())}
 
 
 def test_each_pair_takes_the_configured_policy_its_recorded_one_or_the_default():

@@ -288,21 +288,16 @@ class SourceAttention(RecomputePolicy):
 
 
 @dataclass(frozen=True)
-class TurnAttention(RecomputePolicy):
+class TurnAttention(SourceAttention):
     """The positions the source attends to most while it reads the new turn (``info.new_turn``) on its cache
     (`turn_attention_scores`): what the turn the target reads next is about. Without a new turn, the source's last
     ``window`` queries of the history rank them (as `SourceAttention`)."""
 
-    source_window: int = DEFAULT_WINDOW
     rule: ClassVar[str] = "turn_attention"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_window(self.source_window)
-
     @property
-    def window(self) -> int:
-        return self.source_window
+    def needs_source_attention(self) -> bool:
+        return False  # its own scores, from the new turn: `positions` reads them
 
     @property
     def reads_new_turn(self) -> bool:
@@ -325,9 +320,6 @@ class TurnAttention(RecomputePolicy):
                 scores = source_attention_scores(source_model, source_cache, input_ids, self.window)
             info = replace(info, source_attention=scores)
         return super().positions(target_model, cache, input_ids, info, source_model, source_cache)
-
-    def rank(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
-        return _by_score(info.source_attention.to(input_ids.device), info.start)
 
 
 @dataclass(frozen=True)
