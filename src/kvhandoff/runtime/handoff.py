@@ -18,7 +18,7 @@ from kvhandoff.model.cache import model_device
 from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
 from kvhandoff.runtime.policy import SelectionInfo
 from kvhandoff.runtime.prefix_store import PrefixStore
-from kvhandoff.runtime.recompute import attention_from_queries, leading_layer_rows, record_queries
+from kvhandoff.runtime.recompute import attention_from_queries, record_queries, with_leading_layers
 from kvhandoff.runtime.seam import CacheFactory, KVCache, Pending, as_kv_cache, new_cache
 
 
@@ -88,11 +88,7 @@ def _recompute_leading_layers(cache: KVCache, target_model, input_ids: torch.Ten
         raise ConfigError(f"recompute {plan.recompute.spec!r} runs the target's first layers in a transformers "
                           "forward, which this target cannot: choose a rule that picks positions (e.g. recent:5%)")
     past = cache.export(0, start) if start else None
-    rows = leading_layer_rows(target_model, input_ids[:, start:], count, past)
-    merged = cache.export(start)
-    for layer, fresh in zip(merged.layers, rows.layers, strict=False):
-        layer.keys, layer.values = fresh.keys, fresh.values
-    cache.write(start, merged)
+    cache.write(start, with_leading_layers(cache.export(start), target_model, input_ids[:, start:], count, past))
 
 
 def _nothing(input_ids: torch.Tensor | None, device) -> torch.Tensor:

@@ -225,6 +225,15 @@ def leading_layer_rows(target_model, input_ids: torch.Tensor, count: int, past: 
     return cache_view(cache, start)
 
 
+def with_leading_layers(rows: DynamicCache, target_model, input_ids: torch.Tensor, count: int,
+                        past: DynamicCache | None = None) -> DynamicCache:
+    """``rows`` (every layer's rows of the positions of ``input_ids``) with their first ``count`` layers replaced
+    by the target's own (`leading_layer_rows`, read on top of ``past``); the other layers' rows as they are."""
+    fresh = leading_layer_rows(target_model, input_ids, count, past)
+    return cache_of([(layer.keys, layer.values) for layer in fresh.layers]
+                    + [(layer.keys, layer.values) for layer in rows.layers[count:]])
+
+
 # -- the source's attention ------------------------------------------------------------------------------------------
 
 
