@@ -624,7 +624,8 @@ def test_guard_calibrate_records_each_directions_guard_in_its_mapper_folder(pair
         # 2 conversations of 2 turns, one per direction: one switch each
         assert (guard.signal, guard.label, guard.dev_switches, guard.dev_conversations) == (
             "entropy", "answer_changed", 1, 1)
-        assert guard.recompute == ServeConfig().served_recompute.spec and guard.window == 64 and guard.target_rate is None
+        assert guard.recompute == ServeConfig().served_recompute.spec
+        assert guard.window == 64 and guard.target_rate is None
         assert (folder / "mapper.safetensors").read_bytes() == tensors[source, target]
         assert f"{source} → {target}: re-prefill when entropy > " in result.output and str(folder) in result.output
     policies = guard_policies(ServeConfig(), loaded)
