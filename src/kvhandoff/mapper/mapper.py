@@ -309,19 +309,19 @@ class Mapper(ABC):
         manifest, in memory and in its `folder`: only `manifest.json` is rewritten, atomically
         (`storage.write_manifest`); the tensors stay as they are. Refused (MapperFormatError) for a mapper that is
         only in memory, or when the folder holds another mapper by now."""
-        if self.folder is None:
-            raise MapperFormatError("this mapper is not saved (no folder): save it (`Mapper.save`) before recording "
-                                    "its guard")
-        self.manifest = write_manifest(self.folder, self.manifest.with_guard(guard))
-        return self.manifest
+        return self._rewrite_manifest(self.manifest.with_guard(guard), "its guard")
 
     def record_recompute(self, recompute: RecomputeChoice | None) -> MapperManifest:
         """Record ``recompute`` (the selective-recompute policy chosen for this pair; None: drop the record) in
         this mapper's manifest, in memory and in its `folder`, as `record_guard` does."""
+        return self._rewrite_manifest(self.manifest.with_recompute(recompute), "its recompute policy")
+
+    def _rewrite_manifest(self, manifest: MapperManifest, what: str) -> MapperManifest:
+        """``manifest`` as this mapper's, in memory and in its `folder` (only `manifest.json` rewritten)."""
         if self.folder is None:
             raise MapperFormatError("this mapper is not saved (no folder): save it (`Mapper.save`) before recording "
-                                    "its recompute policy")
-        self.manifest = write_manifest(self.folder, self.manifest.with_recompute(recompute))
+                                    f"{what}")
+        self.manifest = write_manifest(self.folder, manifest)
         return self.manifest
 
     @classmethod

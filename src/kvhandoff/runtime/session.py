@@ -258,7 +258,7 @@ class SwitchingSession:
             raise ConfigError("read_logprobs needs at least one token")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be a positive integer, got {keep!r}")
-        logits = self._read_on(server, ids, min(keep, len(ids)), None if upcoming is None else list(upcoming))
+        logits = self._read_on(server, ids, min(keep, len(ids)), upcoming)
         self.tokens += ids
         return logits[0].float().log_softmax(-1)
 

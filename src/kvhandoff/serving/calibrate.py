@@ -38,7 +38,7 @@ from kvhandoff.serving.guard import (
     relabel,
     summarize_guard,
 )
-from kvhandoff.serving.recompute import pair_recomputes
+from kvhandoff.serving.recompute import pair_plans, pair_recomputes
 
 logger = logging.getLogger(__name__)
 
@@ -158,14 +158,14 @@ def calibrate_guard(models, mappers, conversations: int = 20, turns: int = 4, si
     built = calibration_conversations(models[names[0]][1], names, conversations, turns, story_chars)
     signals = GUARD_SIGNALS if signal == BEST_SIGNAL else (signal,)
     recomputes = pair_recomputes(config, mappers)
-    pair_plans = {pair: config.plan().with_recompute(chosen.policy) for pair, chosen in recomputes.items()}
+    plans = pair_plans(config.plan(), recomputes)
     window = config.guard_window or DEFAULT_GUARD_WINDOW
     stop_ids = frozenset().union(*(end_ids(model, tokenizer) for model, tokenizer in models.values()))
     started = time.monotonic()
     with as_progress(progress)(built, total=len(built), desc="guard: dev conversations", unit="conversation") as bar:
         records = guard_records_by_signal({name: model for name, (model, _) in models.items()}, mappers, bar,
                                           signals, max_new_tokens, window, stop_ids, config.handover, config.plan(),
-                                          time_limit_s=time_limit_s, pair_plans=pair_plans)
+                                          time_limit_s=time_limit_s, pair_plans=plans)
     ran = len({r.conversation for r in records[signals[0]]})
     logger.info("guard measured on %d switches of %d dev conversations in %.0f s", len(records[signals[0]]), ran,
                 time.monotonic() - started)

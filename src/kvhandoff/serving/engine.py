@@ -51,7 +51,7 @@ from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.prefix_cache import PrefixCache
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE
 from kvhandoff.serving.protocol import HANDOFF_MODES
-from kvhandoff.serving.recompute import pair_recomputes
+from kvhandoff.serving.recompute import pair_plans, pair_recomputes
 from kvhandoff.serving.tools import tool_parser
 
 logger = logging.getLogger(__name__)
@@ -543,9 +543,9 @@ class Engine:
         self.prefix_cache = PrefixCache()  # the conversations that name no session, found by their tokens
         self.prefix_store = PrefixStore()  # the conversations' openings, shared: a switch copies its exact prefix
         self.plan = config.plan(self.prefix_store)  # every session's handoffs, each pair's recompute its own
-        self.plans = {pair: self.plan.with_recompute(chosen.policy) for pair, chosen in self.recomputes.items()}
+        self.plans = pair_plans(self.plan, self.recomputes)
         self.guards: dict[tuple[str, str], GuardPolicy] = guard_policies(
-            config, self._mappers, {pair: chosen.policy for pair, chosen in self.recomputes.items()})
+            config, self._mappers, {pair: plan.recompute for pair, plan in self.plans.items()})
         for (source, target), chosen in self.recomputes.items():
             logger.info("%s", chosen.describe(source, target))
         self._announce_guards()

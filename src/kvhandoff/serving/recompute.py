@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.manifest import MapperManifest, RecomputeChoice
 from kvhandoff.runtime import policy
+from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.serving.config import ServeConfig
 
@@ -78,3 +79,9 @@ def pair_recomputes(config: ServeConfig, mappers: Mapping) -> dict[tuple[str, st
     """Each ordered pair's `PairRecompute`: ``mappers`` (from, to) → mapper, under ``config``."""
     return {pair: pair_recompute(config, recorded_recompute(mapper), f"{pair[0]} → {pair[1]}")
             for pair, mapper in mappers.items()}
+
+
+def pair_plans(plan: HandoffPlan, recomputes: Mapping[tuple[str, str], PairRecompute]
+               ) -> dict[tuple[str, str], HandoffPlan]:
+    """Each ordered pair's handoff plan: ``plan`` under the pair's recompute policy (`pair_recomputes`)."""
+    return {pair: plan.with_recompute(chosen.policy) for pair, chosen in recomputes.items()}
