@@ -3,6 +3,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from _serving_support import with_record
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.cli import app
 from kvhandoff.cli.demo import short_names
@@ -18,6 +19,7 @@ from kvhandoff.demo import (
     run_demo,
 )
 from kvhandoff.errors import ConfigError
+from kvhandoff.mapper.manifest import RecomputeChoice
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
 
@@ -162,3 +164,17 @@ def test_demo_end_to_end_on_the_real_pair():
     assert result.story_tokens >= 1000 and len(result.switches) == 3
     assert all(switch.speedup > 1 and switch.handoff.text for switch in result.switches)
     assert "two" in result.turns[1].answer.text.lower()  # the 1.5B, handed the conversation, finds the count
+
+
+def test_each_switch_runs_under_its_pairs_recorded_policy_and_says_which(exact_family):
+    models, mappers = exact_family
+    recorded = RecomputeChoice("recent:50%", "fastest_at_min_retention", 0.97, "generative", ("coqa_gen",), "dev",
+                               12, 0.98, 2048, 3.0)
+    marked = {**mappers, ("small", "large"): with_record(mappers["small", "large"], recompute=recorded)}
+    _, switches = converse(models, marked, chat_template_tokenizer(), Script("bees", story(400), QUESTIONS),
+                           max_new_tokens=3)
+    assert [(s.source, s.recompute) for s in switches] == [("small", "recent:50%"), ("large", "recent:5%"),
+                                                            ("small", "recent:50%")]
+    _, told = converse(models, marked, chat_template_tokenizer(), Script("bees", story(400), QUESTIONS),
+                       max_new_tokens=3, recompute="none")
+    assert {s.recompute for s in told} == {"none"}  # a policy named for every pair wins over the record

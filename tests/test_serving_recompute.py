@@ -11,12 +11,12 @@ import pytest
 from _serving_support import running, tiny_family, with_record
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.manifest import RecomputeChoice
-from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.plan import HandoffPlan, recorded_recompute
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, LeadingLayers, Recent
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.guard import guard_policies
-from kvhandoff.serving.recompute import PairRecompute, pair_recompute, pair_recomputes, recorded_recompute
+from kvhandoff.serving.recompute import PairRecompute, pair_recompute, pair_recomputes
 
 FORWARD, BACKWARD = ("small", "large"), ("large", "small")
 

@@ -7,7 +7,7 @@ from kvhandoff import FitConfig, fit_mapper, workflow
 from kvhandoff.config import CalibrationSpec
 from kvhandoff.fit.corpus import calibration_batches
 from kvhandoff.fit.statistics import CalibrationStats
-from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
+from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration, RecomputeChoice
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.workflow import load_named_pair, mapper_dir, obtain_mapper, on_source_device, statistics_path
 
@@ -220,10 +220,22 @@ def test_a_mapper_with_a_measured_guard_records_it_when_fitted(pair, monkeypatch
                              rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=10, bad_switches=4,
                              catch_rate=0.5, false_fallback_rate=0.1, dev_conversations=5, recompute="recent:5%",
                              window=64)
-    monkeypatch.setattr(workflow, "MEASURED_GUARDS", (
-        workflow.MeasuredGuard(pair.source_spec, pair.target_spec, FitConfig(), CALIBRATION, guard),))
+    monkeypatch.setattr(workflow, "MEASURED_RECORDS", (
+        workflow.MeasuredRecord(pair.source_spec, pair.target_spec, FitConfig(), CALIBRATION, guard=guard),))
     mapper, folder, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
-    assert mapper.manifest.guard == guard
+    assert mapper.manifest.guard == guard and mapper.manifest.recompute is None
     assert Mapper.load(folder, pair.source, pair.target).manifest.guard == guard
     reverse, _, _ = obtain_mapper(pair.reversed(), calibration=CALIBRATION, progress=False)
     assert reverse.manifest.guard is None  # measured for one direction only
+
+
+def test_a_mapper_with_a_measured_recompute_policy_records_it_when_fitted(pair, monkeypatch):
+    choice = RecomputeChoice("turn_attention:5%", "fastest_at_min_retention", 0.97, "generative",
+                             ("coqa_gen", "boolq_long"), "dev", 12, 0.98, 2048, 8.2)
+    monkeypatch.setattr(workflow, "MEASURED_RECORDS", (
+        workflow.MeasuredRecord(pair.source_spec, pair.target_spec, FitConfig(), CALIBRATION, recompute=choice),))
+    mapper, folder, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
+    assert mapper.manifest.recompute == choice and mapper.manifest.guard is None
+    assert Mapper.load(folder, pair.source, pair.target).manifest.recompute == choice
+    other, _, _ = obtain_mapper(pair, FitConfig(ridge_lambda=0.5), CALIBRATION, progress=False)
+    assert other.manifest.recompute is None  # measured for the default fit only

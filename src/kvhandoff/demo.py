@@ -22,7 +22,7 @@ from kvhandoff.coqa import DEMO_STORY_ID, coqa_conversation
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.loading import end_of_text_ids
 from kvhandoff.model.placement import ModelPlacement
-from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan, recorded_plans
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.workflow import (
     NamedPair,
@@ -93,6 +93,7 @@ class Switch:
     read_tokens: int  # tokens the target reads itself before it answers
     handoff: Answer
     reprefill: Answer
+    recompute: str  # the spec of the recompute policy the switch ran under
 
     @property
     def speedup(self) -> float:
@@ -159,7 +160,8 @@ def run_demo(
     mapper_path / reverse_mapper_path: a saved mapper of source → target / target → source (e.g. a refined one)
     instead of the pair's default, which is fitted (one calibration pass serves both directions) or reused from the
     cache under `config` and `calibration`. recompute: the handoffs' selective-recompute policy (a `RecomputePolicy`
-    or a spec; None: the default). placement: the models' dtype and device map.
+    or a spec; None: each pair's policy recorded with its mapper, else the default). placement: the models' dtype
+    and device map.
     """
     if source_spec == target_spec:
         raise ConfigError(f"the demo switches between two models; both are {source_spec!r}")
@@ -239,13 +241,15 @@ def _measure_switch(session: SwitchingSession, model, server: str, turn: int, fu
     then the handoff, which carries the conversation on. Returns the turn-boundary row, then the paper's."""
     source = session.owner
     mapped = len(session.tokens) - session.cached_length(server)
+    recompute = session.plan_for(source, server).recompute.spec
     reprefill = _timed_generate(_session({server: model}, {}, None), server, full, tokenizer, generation)
     rows = []
     if paper:
         answer = _question_mapped(session, source, server, new, tokenizer, generation)
-        rows.append(Switch(turn, source, server, QUESTION_MAPPED, mapped + len(new) - 1, 1, answer, reprefill))
+        rows.append(Switch(turn, source, server, QUESTION_MAPPED, mapped + len(new) - 1, 1, answer, reprefill,
+                           recompute))
     handoff = _timed_generate(session, server, new, tokenizer, generation)
-    return [Switch(turn, source, server, TURN_BOUNDARY, mapped, len(new), handoff, reprefill), *rows]
+    return [Switch(turn, source, server, TURN_BOUNDARY, mapped, len(new), handoff, reprefill, recompute), *rows]
 
 
 def chat_messages(script: Script, answers: list[str]) -> list[dict]:
@@ -283,8 +287,11 @@ def _new_turn(session: SwitchingSession, full: list[int]) -> list[int]:
 
 # -- the calls into the runtime, kept together ----------------------------------------------------------------------
 def _session(models: dict, mappers: dict, recompute) -> SwitchingSession:
-    plan = None if recompute is None else HandoffPlan.of(recompute=recompute)
-    return SwitchingSession(models, mappers, plan=plan)
+    """The demo's session: every pair under ``recompute`` when one is given, else each pair under the policy
+    recorded with its mapper (the default where none is), as `kvhandoff serve` hands it over."""
+    if recompute is not None:
+        return SwitchingSession(models, mappers, plan=HandoffPlan.of(recompute=recompute))
+    return SwitchingSession(models, mappers, pair_plans=recorded_plans(DEFAULT_PLAN, mappers))
 
 
 def _question_mapped(session: SwitchingSession, source: str, target: str, new: list[int], tokenizer,

@@ -39,7 +39,7 @@ from kvhandoff.fit.pipeline import (
 from kvhandoff.fit.refine import check_refinable, refine_mapper
 from kvhandoff.fit.selection import layer_r2_matrix
 from kvhandoff.fit.statistics import CalibrationStats, SumsContent
-from kvhandoff.mapper.manifest import GuardCalibration
+from kvhandoff.mapper.manifest import GuardCalibration, RecomputeChoice
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.cache import model_device
 from kvhandoff.model.geometry import PAIRING_KEYS, check_pair, model_fingerprint
@@ -54,25 +54,27 @@ IDENTITY_KEYS = (*PAIRING_KEYS, "weights_checksum")
 logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
-class MeasuredGuard:
-    """The quality guard measured for one direction's mapper of `config` over `calibration`'s windows."""
+class MeasuredRecord:
+    """What was measured for one direction's ridge mapper of `config` over `calibration`'s windows: its quality
+    guard and the selective-recompute policy chosen for it (None: not measured)."""
 
     source: str
     target: str
     config: FitConfig
     calibration: CalibrationSpec
-    guard: GuardCalibration
+    guard: GuardCalibration | None = None
+    recompute: RecomputeChoice | None = None
 
 
-#: the guards measured for the embedded pair's default mappers (`kvhandoff guard-calibrate --conversations 20
-#: --turns 4 --signal entropy --label answer_changed`, docs/SERVING.md "The quality guard"): recorded in their
-#: manifests when they are fitted, so that a fresh machine serves the default pair with the guard measured for it
-MEASURED_GUARDS: tuple[MeasuredGuard, ...] = (
-    MeasuredGuard(DEFAULT_SOURCE, DEFAULT_TARGET, FitConfig(), CalibrationSpec(), GuardCalibration(
+#: the records measured for the embedded pair's default mappers, written into their manifests when they are fitted,
+#: so that a fresh machine serves the default pair with them. Guards: `kvhandoff guard-calibrate --conversations 20
+#: --turns 4 --signal entropy --label answer_changed` (docs/SERVING.md "The quality guard").
+MEASURED_RECORDS: tuple[MeasuredRecord, ...] = (
+    MeasuredRecord(DEFAULT_SOURCE, DEFAULT_TARGET, FitConfig(), CalibrationSpec(), guard=GuardCalibration(
         signal="entropy", threshold=1.418224573135376, auroc=0.66, label="answer_changed",
         rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=30, bad_switches=20, catch_rate=0.6,
         false_fallback_rate=0.2, dev_conversations=20, recompute="recent:5%", window=64)),
-    MeasuredGuard(DEFAULT_TARGET, DEFAULT_SOURCE, FitConfig(), CalibrationSpec(), GuardCalibration(
+    MeasuredRecord(DEFAULT_TARGET, DEFAULT_SOURCE, FitConfig(), CalibrationSpec(), guard=GuardCalibration(
         signal="entropy", threshold=1.6679993867874146, auroc=0.6574074074074074, label="answer_changed",
         rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=30, bad_switches=12,
         catch_rate=0.4166666666666667, false_fallback_rate=0.05555555555555555, dev_conversations=20,
@@ -80,9 +82,9 @@ MEASURED_GUARDS: tuple[MeasuredGuard, ...] = (
 )
 
 
-def measured_guard(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec) -> GuardCalibration | None:
-    """The guard measured for `pair`'s ridge mapper of `config` over `calibration` (`MEASURED_GUARDS`), or None."""
-    return next((m.guard for m in MEASURED_GUARDS if (m.source, m.target, m.config, m.calibration)
+def measured_record(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec) -> MeasuredRecord | None:
+    """What was measured for `pair`'s ridge mapper of `config` over `calibration` (`MEASURED_RECORDS`), or None."""
+    return next((m for m in MEASURED_RECORDS if (m.source, m.target, m.config, m.calibration)
                  == (pair.source_spec, pair.target_spec, config, calibration)), None)
 
 
@@ -489,9 +491,9 @@ def obtain_mapper(
         mapper = fit_mlp_mapper(mapper, features["folder"], r2, mlp, reverse=features["reverse"],
                                 progress=progress)
     mapper.save(folder)
-    measured = measured_guard(pair, config, calibration) if mlp is None else None
+    measured = measured_record(pair, config, calibration) if mlp is None else None
     if measured is not None:
-        mapper.record_guard(measured)
+        mapper.record_measured(measured.guard, measured.recompute)
     return mapper, folder, False
 
 

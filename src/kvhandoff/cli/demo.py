@@ -21,7 +21,7 @@ from kvhandoff.cli.options import (
     Dtype,
     JsonOut,
     Mix,
-    Recompute,
+    PairRecompute,
     SeqLen,
     Sequences,
     Source,
@@ -53,7 +53,7 @@ def demo(
     = None,
     reverse_mapper: Annotated[Path | None, typer.Option(help="a saved mapper of the way back (TARGET → SOURCE) "
                                                              "instead of the default")] = None,
-    recompute: Recompute = None,
+    recompute: PairRecompute = None,
     dtype: Dtype = DEFAULT_DTYPE,
     device_map: DeviceMap = None,
 ) -> None:
@@ -118,6 +118,6 @@ def _switch_cells(switch: Switch, names: dict[str, str]) -> tuple[str, ...]:
     label = f"turn {switch.turn}, {names[switch.source]} → {names[switch.target]}"
     if switch.condition == QUESTION_MAPPED:
         label += f", {QUESTION_MAPPED} (the paper's condition)"
-    return (label, f"{switch.mapped_tokens:,} mapped, {switch.read_tokens} read",
+    return (label, f"{switch.mapped_tokens:,} mapped ({switch.recompute}), {switch.read_tokens} read",
             f"{switch.handoff.ttft_seconds:.2f} s", f"{switch.reprefill.ttft_seconds:.2f} s", f"{switch.speedup:.1f}×",
             switch.handoff.text, switch.reprefill.text, "yes" if switch.same_answer else "no")

@@ -316,6 +316,16 @@ class Mapper(ABC):
         this mapper's manifest, in memory and in its `folder`, as `record_guard` does."""
         return self._rewrite_manifest(self.manifest.with_recompute(recompute), "its recompute policy")
 
+    def record_measured(self, guard: GuardCalibration | None, recompute: RecomputeChoice | None) -> MapperManifest:
+        """Record what was measured for this pair, its guard and its recompute policy (None: leave that record as
+        it is), in one rewrite of the manifest, as `record_guard` does."""
+        manifest = self.manifest
+        if guard is not None:
+            manifest = manifest.with_guard(guard)
+        if recompute is not None:
+            manifest = manifest.with_recompute(recompute)
+        return self._rewrite_manifest(manifest, "what was measured for it")
+
     def _rewrite_manifest(self, manifest: MapperManifest, what: str) -> MapperManifest:
         """``manifest`` as this mapper's, in memory and in its `folder` (only `manifest.json` rewritten)."""
         if self.folder is None:

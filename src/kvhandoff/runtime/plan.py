@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from kvhandoff.errors import ConfigError
+from kvhandoff.mapper.manifest import MapperManifest, RecomputeChoice
 from kvhandoff.runtime import policy
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.runtime.prefix_store import PrefixStore
@@ -59,3 +61,37 @@ class HandoffPlan:
 
 #: the plan of a handoff that names none: the mapper's exact prefix, `DEFAULT_RECOMPUTE`, no prefix store
 DEFAULT_PLAN = HandoffPlan()
+
+
+#: the command that measures a pair's trade-off and records its policy with its mapper
+RECORD_HINT = "`kvhandoff-lab eval-switch --sweep-recompute RULES --record-recompute`"
+
+
+def recorded_recompute(mapper) -> RecomputeChoice | None:
+    """The recompute policy recorded in ``mapper``'s manifest (None: none, or a stand-in without a manifest)."""
+    manifest = getattr(mapper, "manifest", None)
+    return manifest.recompute if isinstance(manifest, MapperManifest) else None
+
+
+def recorded_policy(recorded: RecomputeChoice | None, pair: str = "this pair") -> RecomputePolicy | None:
+    """The policy of a pair's record (None: none recorded). A record this kvhandoff cannot read is refused
+    (ConfigError naming the pair and the fix)."""
+    if recorded is None:
+        return None
+    try:
+        return policy.parse(recorded.spec)
+    except ConfigError as exc:
+        raise ConfigError(f"the recompute policy recorded with the mapper of {pair} ({recorded.spec!r}) cannot be "
+                          f"read ({exc}): record it again ({RECORD_HINT}) or name a policy (--recompute)",
+                          field="recompute") from exc
+
+
+def recorded_plans(plan: HandoffPlan, mappers: Mapping) -> dict[tuple[str, str], HandoffPlan]:
+    """``plan`` under each pair's recorded recompute policy, for the pairs of ``mappers`` ((from, to) → mapper)
+    that record one (`recorded_recompute`)."""
+    plans = {}
+    for (source, target), mapper in mappers.items():
+        chosen = recorded_policy(recorded_recompute(mapper), f"{source} → {target}")
+        if chosen is not None:
+            plans[source, target] = plan.with_recompute(chosen)
+    return plans

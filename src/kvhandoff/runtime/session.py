@@ -79,6 +79,10 @@ class SwitchingSession:
         # per model: the leading positions of its cache it computed itself over the exact conversation
         self._own: dict[str, int] = {}
 
+    def plan_for(self, source: str, target: str) -> HandoffPlan:
+        """The plan of a handover from ``source`` to ``target``: the pair's own (``pair_plans``), else the session's."""
+        return self.pair_plans.get((source, target), self.plan)
+
     def require_model(self, server: str) -> None:
         """ConfigError unless ``server`` is one of the session's models."""
         if server not in self.models:
@@ -134,7 +138,7 @@ class SwitchingSession:
                 current = self._caches.pop(owner)
                 self._own.pop(owner, None)
             ids = torch.tensor([self.tokens], device=current.device)
-            plan = self.pair_plans.get((owner, server), self.plan)
+            plan = self.plan_for(owner, server)
             info = SelectionInfo(turn_starts=tuple(p for p in self._turn_starts if p < len(self.tokens)),
                                  new_turn=tuple(upcoming))
             if server in self._caches:  # the positions appended are mapped: its own prefix stays as it was

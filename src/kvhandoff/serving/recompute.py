@@ -9,14 +9,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.mapper.manifest import MapperManifest, RecomputeChoice
-from kvhandoff.runtime import policy
-from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.mapper.manifest import RecomputeChoice
+from kvhandoff.runtime.plan import RECORD_HINT, HandoffPlan, recorded_policy, recorded_recompute
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.serving.config import ServeConfig
 
-#: the command that measures a pair's trade-off and records its policy
-RECORD_HINT = "`kvhandoff-lab eval-switch --sweep-recompute RULES --record-recompute`"
 #: where a pair's recompute policy came from
 RECOMPUTE_SOURCES = ("configured", "recorded", "default")
 
@@ -52,26 +49,15 @@ class PairRecompute:
         return data
 
 
-def recorded_recompute(mapper) -> RecomputeChoice | None:
-    """The recompute policy recorded in ``mapper``'s manifest (None: none, or a stand-in without a manifest)."""
-    manifest = getattr(mapper, "manifest", None)
-    return manifest.recompute if isinstance(manifest, MapperManifest) else None
-
-
 def pair_recompute(config: ServeConfig, recorded: RecomputeChoice | None, pair: str = "this pair"
                    ) -> PairRecompute:
     """One pair's `PairRecompute` under ``config``, given the policy recorded for it (None: none). A record this
     kvhandoff cannot read is refused (ConfigError naming the pair and the fix)."""
     if config.recompute is not None:
         return PairRecompute(config.recompute, "configured")
-    if recorded is None:
+    chosen = recorded_policy(recorded, pair)  # the record's spec is read here, where the server starts
+    if chosen is None:
         return PairRecompute(DEFAULT_RECOMPUTE, "default")
-    try:
-        chosen = policy.parse(recorded.spec)  # the record's spec is read here, where the server starts
-    except ConfigError as exc:
-        raise ConfigError(f"the recompute policy recorded with the mapper of {pair} ({recorded.spec!r}) cannot be "
-                          f"read ({exc}): record it again ({RECORD_HINT}) or serve with --recompute",
-                          field="recompute") from exc
     return PairRecompute(chosen, "recorded", recorded)
 
 
