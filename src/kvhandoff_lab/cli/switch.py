@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Annotated
@@ -19,6 +18,7 @@ from kvhandoff.cli.options import (
     Progress,
     Source,
     Target,
+    non_negative_float,
     non_negative_int,
     one_of,
     option_errors,
@@ -132,16 +132,6 @@ def switch_tasks_option(value) -> str:
     return value
 
 
-def fraction(value) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
-    if not 0.0 <= number <= 10.0:
-        raise typer.BadParameter(f"give a retention such as 0.97, got {value!r}")
-    return number
-
-
 def _record_choices(result: dict, directions: list[Direction], min_retention: float) -> None:
     """Record each direction's chosen policy (`choose_recompute`) with its mapper (`Mapper.record_recompute`)."""
     for direction in directions:
@@ -221,7 +211,7 @@ def eval_switch(
         "After --sweep-recompute, record each direction's policy with its mapper, where `kvhandoff serve` reads "
         "it: the fastest at the longest --ttft-lengths whose mean retention is at least --min-retention (else the "
         "most retentive)."))] = False,
-    min_retention: Annotated[float, typer.Option(parser=fraction, help=(
+    min_retention: Annotated[float, typer.Option(parser=non_negative_float, help=(
         "The mean retention a recorded policy must keep (--record-recompute)."))] = 0.97,
     time_limit: Annotated[float | None, typer.Option(help=(
         "Minutes after which no new item is started; the last finished history round is the result (the next "
