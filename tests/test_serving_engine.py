@@ -505,3 +505,21 @@ def test_a_llama_cpp_family_refuses_a_recompute_rule_it_cannot_rank_by(llama_cpp
             Engine(served, mappers, ServeConfig(recompute=spec, guard=False))
     engine = Engine(served, mappers, ServeConfig(guard=False, max_batch=4, max_sessions=100))
     assert engine.config.max_sessions == 24 - 4 - 2
+
+
+def test_a_llama_cpp_family_serves_a_pair_whose_recorded_rule_it_cannot_rank_by_under_the_default(
+        llama_cpp_family, caplog):
+    from _serving_support import with_record
+    from kvhandoff.mapper.manifest import RecomputeChoice
+
+    served, mappers = llama_cpp_family
+    recorded = RecomputeChoice("turn_attention:5%", "fastest_at_min_retention", 0.97, "generative", ("coqa_gen",),
+                               "dev", 12, 0.98, 2048, 8.2)
+    marked = {**mappers, ("small", "large"): with_record(mappers["small", "large"], recompute=recorded)}
+    caplog.set_level(logging.WARNING, logger="kvhandoff.serving.engine")
+    engine = Engine(served, marked, ServeConfig(guard=False, max_batch=4, max_sessions=8))
+    assert engine.recomputes["small", "large"].policy == DEFAULT_RECOMPUTE
+    assert engine.plans["small", "large"].recompute == DEFAULT_RECOMPUTE
+    assert "recorded for small → large (turn_attention:5%) ranks positions with a transformers model" in caplog.text
+    with pytest.raises(ConfigError, match="turn_attention:5%.*none, sinks, recent"):
+        Engine(served, marked, ServeConfig(recompute="turn_attention:5%", guard=False))

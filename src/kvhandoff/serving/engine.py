@@ -38,7 +38,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvhandoff.errors import ConfigError, KVHandoffError
-from kvhandoff.runtime.llama_cpp.engine import LlamaCppModel, check_recompute
+from kvhandoff.runtime.llama_cpp.engine import LlamaCppModel, check_recompute, serves_recompute
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE
 from kvhandoff.runtime.prefix_store import PrefixStore
 from kvhandoff.runtime.seam import new_cache
 from kvhandoff.runtime.session import SwitchingSession
@@ -51,7 +52,7 @@ from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.prefix_cache import PrefixCache
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE
 from kvhandoff.serving.protocol import HANDOFF_MODES
-from kvhandoff.serving.recompute import pair_plans, pair_recomputes
+from kvhandoff.serving.recompute import PairRecompute, pair_plans, pair_recomputes
 from kvhandoff.serving.tools import tool_parser
 
 logger = logging.getLogger(__name__)
@@ -476,15 +477,28 @@ def _window(model) -> int:
     return window
 
 
-def _fit_llama_cpp(config: ServeConfig, models, recomputes) -> ServeConfig:
+def _llama_cpp_recomputes(recomputes: dict) -> dict:
+    """Each pair's `PairRecompute` as a llama.cpp family serves it: a configured policy it cannot serve is refused
+    (`check_recompute`); a recorded one (measured with the transformers engine) gives way to `DEFAULT_RECOMPUTE`,
+    said at start-up."""
+    served = {}
+    for (source, target), recompute in recomputes.items():
+        if recompute.source == "recorded" and not serves_recompute(recompute.policy):
+            logger.warning("llama.cpp: the recompute policy recorded for %s → %s (%s) ranks positions with a "
+                           "transformers model's layers; this pair is served under %s instead", source, target,
+                           recompute.policy.spec, DEFAULT_RECOMPUTE.spec)
+            recompute = PairRecompute(DEFAULT_RECOMPUTE, "default")
+        check_recompute(recompute.policy)
+        served[source, target] = recompute
+    return served
+
+
+def _fit_llama_cpp(config: ServeConfig, models) -> ServeConfig:
     """``config`` with at most as many sessions as every llama.cpp model's context holds sequences for (less a
-    running batch's and the scratch sequences a handoff uses); said when it lowers them. ``recomputes``: each pair's
-    `PairRecompute`, which a llama.cpp family must be able to serve."""
+    running batch's and the scratch sequences a handoff uses); said when it lowers them."""
     sequences = [model.settings.sequences for model in models if isinstance(model, LlamaCppModel)]
     if not sequences:
         return config
-    for recompute in recomputes.values():
-        check_recompute(recompute.policy)
     room = min(sequences) - config.max_batch - 2
     if room < 1:
         raise ConfigError(f"a llama.cpp context of {min(sequences)} sequences cannot serve a batch of "
@@ -519,8 +533,11 @@ class Engine:
         missing = [f"{a} → {b}" for a in names for b in names if a != b and (a, b) not in mappers]
         if missing:
             raise ConfigError(f"mappers: no mapper for {', '.join(missing)} (every ordered pair needs one)")
+        hosted = [model for model, _ in models.values()]
         self.recomputes = pair_recomputes(config, mappers)
-        config = _fit_llama_cpp(config, [model for model, _ in models.values()], self.recomputes)
+        if any(isinstance(model, LlamaCppModel) for model in hosted):
+            self.recomputes = _llama_cpp_recomputes(self.recomputes)
+        config = _fit_llama_cpp(config, hosted)
         self.config = config
         positions = min(_window(model) for model, _ in models.values())
         if config.max_context is not None and config.max_context > positions:

@@ -42,9 +42,14 @@ SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3")
 RECOMPUTE_RULES = ("none", "sinks", "recent")
 
 
+def serves_recompute(policy) -> bool:
+    """Whether a llama.cpp target can serve recompute ``policy`` (a `RecomputePolicy`)."""
+    return not policy.active or policy.rule in RECOMPUTE_RULES
+
+
 def check_recompute(policy) -> None:
     """ConfigError unless a llama.cpp target can serve recompute ``policy`` (a `RecomputePolicy`)."""
-    if policy.active and policy.rule not in RECOMPUTE_RULES:
+    if not serves_recompute(policy):
         raise ConfigError(f"recompute {policy.spec!r}: a llama.cpp target recomputes by the rules "
                           f"{', '.join(RECOMPUTE_RULES)} (the others rank positions with a transformers model's "
                           "layers); choose one of those, e.g. recent:5%", field="recompute")
