@@ -521,5 +521,8 @@ def test_a_llama_cpp_family_serves_a_pair_whose_recorded_rule_it_cannot_rank_by_
     assert engine.recomputes["small", "large"].policy == DEFAULT_RECOMPUTE
     assert engine.plans["small", "large"].recompute == DEFAULT_RECOMPUTE
     assert "recorded for small → large (turn_attention:5%) ranks positions with a transformers model" in caplog.text
-    with pytest.raises(ConfigError, match="turn_attention:5%.*none, sinks, recent"):
+    assert "does not serve the one recorded with its mapper, turn_attention:5%" in \
+        engine.recomputes["small", "large"].describe("small", "large")
+    assert engine.recomputes["small", "large"].to_dict()["recorded"]["spec"] == "turn_attention:5%"
+    with pytest.raises(ConfigError, match=r"turn_attention:5%.*none, sinks, recent"):
         Engine(served, marked, ServeConfig(recompute="turn_attention:5%", guard=False))

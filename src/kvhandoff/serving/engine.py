@@ -487,7 +487,7 @@ def _llama_cpp_recomputes(recomputes: dict) -> dict:
             logger.warning("llama.cpp: the recompute policy recorded for %s → %s (%s) ranks positions with a "
                            "transformers model's layers; this pair is served under %s instead", source, target,
                            recompute.policy.spec, DEFAULT_RECOMPUTE.spec)
-            recompute = PairRecompute(DEFAULT_RECOMPUTE, "default")
+            recompute = PairRecompute(DEFAULT_RECOMPUTE, "default", recompute.recorded)
         check_recompute(recompute.policy)
         served[source, target] = recompute
     return served

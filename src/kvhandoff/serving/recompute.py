@@ -21,7 +21,8 @@ RECOMPUTE_SOURCES = ("configured", "recorded", "default")
 @dataclass(frozen=True)
 class PairRecompute:
     """One ordered pair's recompute policy as the server applies it, where it came from (`RECOMPUTE_SOURCES`) and
-    the record it was read from (source "recorded" only)."""
+    the record with the pair's mapper (source "recorded"; with source "default", a record the engine does not
+    serve)."""
 
     policy: RecomputePolicy
     source: str
@@ -37,8 +38,11 @@ class PairRecompute:
         line = f"recompute for {source} → {target}: {self.policy.spec}"
         if self.source == "configured":
             return f"{line} (--recompute, for every pair)"
-        if self.recorded is not None:
+        if self.recorded is not None and self.source == "recorded":
             return f"{line} (recorded with its mapper: {self.recorded.describe()})"
+        if self.recorded is not None:
+            return f"{line} (the default: the engine does not serve the one recorded with its mapper, " \
+                   f"{self.recorded.spec})"
         return f"{line} (the default: none recorded with its mapper; {RECORD_HINT} records one)"
 
     def to_dict(self) -> dict:
