@@ -193,6 +193,18 @@ def _boolq_validation_passages() -> set[str]:
         return {json.loads(line)["doc"]["query"].rsplit("\nQuestion:", 1)[0].strip() for line in handle}
 
 
+def test_reading_texts_are_train_passages_each_with_its_question_and_answer():
+    texts = calibration_texts(("boolq-reading",))
+    blocks = [b for t in texts for b in t.split("\n\n")]
+    assert max(len(t.split("\n\n")) for t in texts) == corpus.READING_ITEMS_PER_TEXT
+    assert len(blocks) == len(set(blocks)) > 5000
+    assert all(" -- " in b and "\nQuestion: " in b and b.endswith(("\nAnswer: yes", "\nAnswer: no")) for b in blocks)
+    passages = {corpus._boolq_passage(b) for b in blocks}
+    assert len(passages) == len(blocks)  # every passage once
+    assert not passages & corpus._boolq_validation_passages()  # no passage the switch benchmark's BoolQ reads
+    assert CALIBRATION_GROUPS["reading"] == ("boolq-reading",)
+
+
 def test_calibration_excludes_evaluation_and_heldout_text():
     cal = set(calibration_texts())
     assert len(cal) > 10_000

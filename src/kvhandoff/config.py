@@ -34,6 +34,7 @@ CALIBRATION_GROUPS: dict[str, tuple[str, ...]] = {
     "exams": ("mc-exams",),
     "math": ("math-solutions",),
     "tasks": ("task-train",),
+    "reading": ("boolq-reading",),
 }
 #: the default mix: prose, and the few-shot and chain-of-thought layouts a handoff meets (docs/RESULTS.md compares
 #: the mixes)

