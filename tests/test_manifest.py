@@ -156,6 +156,9 @@ def test_a_recompute_record_round_trips_and_leaves_a_manifest_without_one_as_it_
     assert dataclasses.replace(again, recompute=None) == manifest
     assert "fastest with mean retention >= 0.97 over generative tasks coqa_gen, boolq_long (24 dev items each: " \
            "retention 0.980, 3.1x faster than re-prefill at 2048 tokens)" in again.recompute.describe()
+    short = recompute_record(mean_retention=0.949).describe()  # no point kept 0.97: the most retentive
+    assert short.startswith("chosen as the most retentive (no policy kept a mean retention of 0.97) over "
+                            "generative tasks") and "retention 0.949" in short
 
 
 @pytest.mark.parametrize(("edit", "field"), [

@@ -181,7 +181,10 @@ class RecomputeChoice:
 
     def describe(self) -> str:
         """One line on where the choice comes from."""
-        return (f"chosen as the fastest with mean retention >= {self.min_retention:g} over {self.group} tasks "
+        how = (f"chosen as the fastest with mean retention >= {self.min_retention:g}"
+               if self.mean_retention >= self.min_retention
+               else f"chosen as the most retentive (no policy kept a mean retention of {self.min_retention:g})")
+        return (f"{how} over {self.group} tasks "
                 f"{', '.join(self.tasks)} ({self.items_per_task} {self.pool} items each: retention "
                 f"{self.mean_retention:.3f}, {self.speedup:.1f}x faster than re-prefill at {self.history_tokens} "
                 "tokens)")
