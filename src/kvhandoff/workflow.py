@@ -67,18 +67,29 @@ class MeasuredRecord:
 
 
 #: the records measured for the embedded pair's default mappers, written into their manifests when they are fitted,
-#: so that a fresh machine serves the default pair with them. Guards: `kvhandoff guard-calibrate --conversations 20
-#: --turns 4 --signal entropy --label answer_changed` (docs/SERVING.md "The quality guard").
+#: so that a fresh machine serves the default pair with them. Recompute policies: `kvhandoff-lab eval-switch --tasks
+#: coqa_gen,boolq_long --sweep-recompute recent,turn_attention --budgets 0,5 --limit 24 --ttft-lengths 2048
+#: --record-recompute` (docs/RESULTS.md "Each pair's recorded policy"); guards, under those policies: `kvhandoff
+#: guard-calibrate --conversations 20 --turns 4 --signal entropy --label answer_changed` (docs/SERVING.md "The
+#: quality guard").
 MEASURED_RECORDS: tuple[MeasuredRecord, ...] = (
     MeasuredRecord(DEFAULT_SOURCE, DEFAULT_TARGET, FitConfig(), CalibrationSpec(), guard=GuardCalibration(
         signal="entropy", threshold=1.418224573135376, auroc=0.66, label="answer_changed",
         rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=30, bad_switches=20, catch_rate=0.6,
-        false_fallback_rate=0.2, dev_conversations=20, recompute="recent:5%", window=64)),
+        false_fallback_rate=0.2, dev_conversations=20, recompute="recent:5%", window=64),
+        recompute=RecomputeChoice(
+            spec="turn_attention:5%", rule="fastest_at_min_retention", min_retention=0.97, group="generative",
+            tasks=("coqa_gen", "boolq_long"), pool="dev", items_per_task=21, mean_retention=0.9487403050783332,
+            history_tokens=2048, speedup=7.409889666867409)),
     MeasuredRecord(DEFAULT_TARGET, DEFAULT_SOURCE, FitConfig(), CalibrationSpec(), guard=GuardCalibration(
         signal="entropy", threshold=1.6679993867874146, auroc=0.6574074074074074, label="answer_changed",
         rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=30, bad_switches=12,
         catch_rate=0.4166666666666667, false_fallback_rate=0.05555555555555555, dev_conversations=20,
-        recompute="recent:5%", window=64)),
+        recompute="recent:5%", window=64),
+        recompute=RecomputeChoice(
+            spec="turn_attention:5%", rule="fastest_at_min_retention", min_retention=0.97, group="generative",
+            tasks=("coqa_gen", "boolq_long"), pool="dev", items_per_task=21, mean_retention=0.9299049681222182,
+            history_tokens=2048, speedup=3.3931510606535715)),
 )
 
 
