@@ -221,6 +221,7 @@ def test_identities():
     assert R.mapper_identity(timed) != R.mapper_identity(retimed)
     served = WithManifest()
     served.manifest["recompute"] = {"spec": "recent:20%"}  # how the pair is served, not what the map computes
+    served.manifest["guard"] = {"signal": "entropy", "threshold": 1.4}
     assert R.mapper_identity(served) == R.mapper_identity(WithManifest())
     assert R.mapper_identity(NoisyMapper(scale=0.1)) != R.mapper_identity(NoisyMapper(scale=0.2))
     counted = IdentityMapper()

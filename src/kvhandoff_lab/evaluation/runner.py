@@ -84,12 +84,13 @@ def _stable(obj: Any) -> Any:
 
 
 #: manifest records of how a pair is served, not of what its map computes: left out of a mapper's identity
-_SERVING_RECORDS = ("recompute",)
+_SERVING_RECORDS = ("recompute", "guard")
 
 
 def mapper_identity(mapper) -> dict:
-    """A mapper's identity: its manifest (hashed, timings and the recompute policy chosen for serving left out)
-    when it has one; otherwise (stand-in mappers in tests) its class and public scalar attributes."""
+    """A mapper's identity: its manifest (hashed; timings and the records of how it is served, its recompute
+    policy and its guard, left out) when it has one; otherwise (stand-in mappers in tests) its class and public
+    scalar attributes."""
     manifest = getattr(mapper, "manifest", None)
     if isinstance(manifest, Mapping):
         top_k = (manifest.get("config") or {}).get("top_k")
