@@ -74,18 +74,19 @@ class MeasuredRecord:
 #: quality guard").
 MEASURED_RECORDS: tuple[MeasuredRecord, ...] = (
     MeasuredRecord(DEFAULT_SOURCE, DEFAULT_TARGET, FitConfig(), CalibrationSpec(), guard=GuardCalibration(
-        signal="entropy", threshold=1.418224573135376, auroc=0.66, label="answer_changed",
-        rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=30, bad_switches=20, catch_rate=0.6,
-        false_fallback_rate=0.2, dev_conversations=20, recompute="recent:5%", window=64),
+        signal="entropy", threshold=1.2423617839813232, auroc=0.5637254901960784, label="answer_changed",
+        rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=29, bad_switches=17,
+        catch_rate=0.5882352941176471, false_fallback_rate=0.25, dev_conversations=19, recompute="turn_attention:5%",
+        window=64),
         recompute=RecomputeChoice(
             spec="turn_attention:5%", rule="fastest_at_min_retention", min_retention=0.97, group="generative",
             tasks=("coqa_gen", "boolq_long"), pool="dev", items_per_task=21, mean_retention=0.9487403050783332,
             history_tokens=2048, speedup=7.409889666867409)),
     MeasuredRecord(DEFAULT_TARGET, DEFAULT_SOURCE, FitConfig(), CalibrationSpec(), guard=GuardCalibration(
-        signal="entropy", threshold=1.6679993867874146, auroc=0.6574074074074074, label="answer_changed",
-        rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=30, bad_switches=12,
-        catch_rate=0.4166666666666667, false_fallback_rate=0.05555555555555555, dev_conversations=20,
-        recompute="recent:5%", window=64),
+        signal="entropy", threshold=1.403809666633606, auroc=0.6524064171122995, label="answer_changed",
+        rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=28, bad_switches=11,
+        catch_rate=0.5454545454545454, false_fallback_rate=0.17647058823529413, dev_conversations=19,
+        recompute="turn_attention:5%", window=64),
         recompute=RecomputeChoice(
             spec="turn_attention:5%", rule="fastest_at_min_retention", min_retention=0.97, group="generative",
             tasks=("coqa_gen", "boolq_long"), pool="dev", items_per_task=21, mean_retention=0.9299049681222182,
