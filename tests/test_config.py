@@ -14,6 +14,7 @@ from kvhandoff.model.placement import ModelPlacement
         ("ridge_lambda", 0.0, "ridge_lambda"),
         ("token_stride", 0, "token_stride"),
         ("skip_first_tokens", -1, "skip_first_tokens"),
+        ("row_weights", "loss", "row_weights must be one of uniform, attention"),
     ],
 )
 def test_invalid_settings_are_refused(field, value, message):
@@ -25,6 +26,16 @@ def test_defaults_follow_the_paper_and_errors_share_a_base():
     config = FitConfig()
     assert (config.ridge_lambda, config.token_stride, config.top_k) == (0.01, 4, "all")
     assert issubclass(ConfigError, KVHandoffError)
+
+
+def test_row_weights_key_the_pass_and_the_mapper_only_when_weighted():
+    uniform, weighted = FitConfig(), FitConfig(row_weights="attention")
+    assert uniform.pass_key() == (4, 0) and weighted.pass_key() == (4, 0, "attention")
+    assert "row_weights" not in uniform.key_dict() and "row_weights" not in uniform.to_dict()
+    assert weighted.key_dict()["row_weights"] == weighted.to_dict()["row_weights"] == "attention"
+    assert not uniform.weighted and weighted.weighted
+    with pytest.raises(ConfigError, match="held-out calibration rows unweighted"):
+        FitConfig(top_k="heldout", ridge_lambda="heldout", row_weights="attention")
 
 
 def test_home_follows_environment(monkeypatch, tmp_path):

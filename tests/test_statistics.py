@@ -299,3 +299,26 @@ def test_a_pass_of_fewer_moments_gives_the_mapper_of_a_pass_of_all(pair):
         assert a.manifest["selected_layers"] == b.manifest["selected_layers"]
         torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=1e-6)
         torch.testing.assert_close(a.bias, b.bias, rtol=0, atol=1e-6)
+
+
+def test_a_row_of_weight_two_counts_as_the_row_twice(pair):
+    x, y = _dense_rows(pair, random_batches(1))
+    source, target = feature_layout(pair[0]), feature_layout(pair[1])
+    weights = torch.tensor([2.0 if i % 3 == 0 else 1.0 for i in range(x.shape[0])], dtype=torch.float64)
+    repeats = weights.long()
+    weighted = CalibrationStats(source, target, target_gram=True, kv_cross=True)
+    weighted.add_rows(x, y, weights)
+    expected = CalibrationStats.from_rows(source, target, x.repeat_interleave(repeats, 0),
+                                          y.repeat_interleave(repeats, 0), target_gram=True, kv_cross=True)
+    _close(weighted, expected)
+    assert isinstance(weighted.count, int)
+
+
+def test_attention_weighted_statistics_keep_their_fractional_count_through_a_save(pair, tmp_path):
+    batches = random_batches(2)
+    uniform = _collect(pair, batches)
+    weighted = _collect(pair, batches, config=FitConfig(row_weights="attention"))
+    assert isinstance(weighted.count, float) and weighted.count == pytest.approx(uniform.count, rel=0.05)
+    assert not torch.allclose(weighted.sum_y / weighted.count, uniform.sum_y / uniform.count)
+    weighted.save(tmp_path / "w.safetensors")
+    assert CalibrationStats.load(tmp_path / "w.safetensors").count == weighted.count

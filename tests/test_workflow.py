@@ -5,6 +5,7 @@ import torch
 
 from kvhandoff import FitConfig, fit_mapper, workflow
 from kvhandoff.config import CalibrationSpec
+from kvhandoff.errors import ConfigError
 from kvhandoff.fit.corpus import calibration_batches
 from kvhandoff.fit.statistics import CalibrationStats
 from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration, RecomputeChoice
@@ -65,6 +66,21 @@ def test_a_pass_for_one_direction_leaves_the_reverse_its_own_pass(pair, caplog):
     # asking for both directions later reuses the cached pass of each as it is
     again, _, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False, both_directions=True, refit=True)
     assert torch.equal(again.weight, forward.weight)
+
+
+def test_attention_weighted_rows_are_a_pass_of_their_own_that_serves_one_direction(pair):
+    weighted = FitConfig(row_weights="attention")
+    obtain_mapper(pair, calibration=CALIBRATION, progress=False, both_directions=True)
+    mapper, folder, reused = obtain_mapper(pair, weighted, CALIBRATION, progress=False)
+    assert not reused and folder != mapper_dir(pair, FitConfig(), CALIBRATION)
+    assert statistics_path(pair, weighted, CALIBRATION).is_file() and mapper.manifest["config"]["row_weights"] == \
+        "attention"
+    # the uniform pass of the other direction holds its Gram, but its rows are not weighted by this target
+    reverse, _, _ = obtain_mapper(pair.reversed(), weighted, CALIBRATION, progress=False)
+    assert "reused_reverse_pass" not in reverse.manifest["calibration"]
+    assert statistics_path(pair.reversed(), weighted, CALIBRATION).is_file()
+    with pytest.raises(ConfigError, match="nor the reverse direction"):
+        obtain_mapper(pair, weighted, CALIBRATION, progress=False, both_directions=True, refit=True)
 
 
 def test_damaged_cached_mapper_is_refitted_not_reused(pair, caplog):

@@ -50,6 +50,10 @@ TOP_K_CHOICES: tuple[int | str, ...] = (1, 2, 4, 6, 8, 10, 12, 16, 20, 24, "all"
 HEAD_CHOICES: tuple[str, ...] = ("all", "aligned")
 PROJECTIONS: tuple[str, ...] = ("rrr", "pca")
 STORAGE_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+#: `FitConfig.row_weights` choices: every calibration row counts alike, or by the target's attention to it
+ROW_WEIGHTS: tuple[str, ...] = ("uniform", "attention")
+#: settings of the statistics pass left out of cache keys and manifests at their defaults
+_PASS_DEFAULTS = {"row_weights": "uniform"}
 #: the k each target layer may take with `FitConfig.k_tolerance` (up to top_k; "all" always a candidate)
 LAYER_KS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
 #: compact-mapper settings at their defaults (the full ridge map): left out of manifests and cache keys
@@ -116,6 +120,9 @@ class FitConfig:
         source Gram, then ridge on them).
     storage_dtype: dtype of the saved weight tensors ("float32", "float16", "bfloat16"); biases stay float32 and
         the map computes in float32 (the fitted mapper's weights are rounded to it, so it equals the saved one).
+    row_weights: "uniform" (every kept calibration row counts alike, the paper) or "attention" (each row weighted by
+        the attention the target pays it, `kvhandoff.fit.weighting`: the maps are fitted hardest where the target
+        reads). Weighted by one direction's target, such statistics serve that direction only.
     """
 
     top_k: int | str = "all"
@@ -129,6 +136,7 @@ class FitConfig:
     rank: int = 0
     projection: str = "rrr"
     storage_dtype: str = "float32"
+    row_weights: str = "uniform"
 
     def __post_init__(self) -> None:
         if isinstance(self.top_k, str):
@@ -153,6 +161,11 @@ class FitConfig:
             raise ConfigError(f"source_inputs must be 'own' or 'kv', got {self.source_inputs!r}")
         if self.source_inputs == "kv" and self.top_k == "heldout":
             raise ConfigError("source_inputs='kv' is not combined with top_k='heldout'; choose a fixed k or 'all'")
+        if self.row_weights not in ROW_WEIGHTS:
+            raise ConfigError(f"row_weights must be one of {', '.join(ROW_WEIGHTS)}, got {self.row_weights!r}")
+        if self.weighted and self.top_k == "heldout":
+            raise ConfigError("top_k='heldout' scores held-out calibration rows unweighted: use it with "
+                              "row_weights='uniform', or choose a fixed k with row_weights='attention'")
         self._check_compact()
 
     def _check_compact(self) -> None:
@@ -181,18 +194,23 @@ class FitConfig:
             )
 
     @property
+    def weighted(self) -> bool:
+        """Whether the statistics weight their rows (`row_weights` other than "uniform")."""
+        return self.row_weights != "uniform"
+
+    def pass_key(self) -> tuple:
+        """The settings of the statistics pass as its cache key sees them (the row weighting only when weighted)."""
+        return (self.token_stride, self.skip_first_tokens, *((self.row_weights,) if self.weighted else ()))
+
+    @property
     def compact(self) -> bool:
         """Whether the map has a compact structure (head-aligned, k per layer or low-rank), not the full ridge."""
         return self.heads != "all" or bool(self.k_tolerance) or bool(self.rank)
 
     def key_dict(self) -> dict:
-        """The config as cache keys see it: every field, less the compact-mapper settings at their defaults (the key
-        of a full ridge map names none of them)."""
-        data = asdict(self)
-        for name, default in _COMPACT_DEFAULTS.items():
-            if data[name] == default:
-                del data[name]
-        return data
+        """The config as cache keys see it: every field, less the compact-mapper settings and the row weighting at
+        their defaults (the key of a full ridge map from uniform rows names none of them)."""
+        return _without_defaults(asdict(self))
 
     def input_modalities(self, modality: int) -> tuple[int, ...]:
         """Source modalities (0 = K, 1 = V) the map of target `modality` reads, in the order of its input columns."""
@@ -215,10 +233,15 @@ class FitConfig:
         data = asdict(self)
         if self.source_inputs == "own":
             del data["source_inputs"]
-        for name, default in _COMPACT_DEFAULTS.items():
-            if data[name] == default:
-                del data[name]
-        return data
+        return _without_defaults(data)
+
+
+def _without_defaults(data: dict) -> dict:
+    """A FitConfig's fields less the compact-mapper and pass settings at their defaults."""
+    for name, default in {**_COMPACT_DEFAULTS, **_PASS_DEFAULTS}.items():
+        if data[name] == default:
+            del data[name]
+    return data
 
 
 @dataclass(frozen=True)

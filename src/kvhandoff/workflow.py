@@ -195,7 +195,7 @@ def pair_dir(pair: NamedPair) -> Path:
 
 
 def statistics_path(pair: NamedPair, config: FitConfig, calibration: CalibrationSpec) -> Path:
-    key = _key(pair, asdict(calibration), config.token_stride, config.skip_first_tokens)
+    key = _key(pair, asdict(calibration), *config.pass_key())
     return pair_dir(pair) / f"stats-{key}.safetensors"
 
 
@@ -262,7 +262,7 @@ def _cached_statistics(pair: NamedPair, config, calibration, features: bool, kee
     collected for the opposite direction serve when they hold its target's Gram (a pass for both directions).
     keep_gram: keep the target's Gram where the cached pass of this direction has one; kv_cross: the pass must
     hold the K–V cross moments."""
-    for candidate_pair, flip in ((pair, False), (pair.reversed(), True)):
+    for candidate_pair, flip in _pass_directions(pair, config):
         candidate = statistics_path(candidate_pair, config, calibration)
         feature_folder = features_dir(candidate_pair, config, calibration)
         if not (candidate.is_file() and candidate.with_suffix(".json").is_file()):
@@ -292,10 +292,15 @@ def _cached_statistics(pair: NamedPair, config, calibration, features: bool, kee
 def _statistics_on_disk(pair: NamedPair, config: FitConfig, calibration) -> bool:
     """Whether statistics of `calibration`'s windows that serve `config`'s maps are cached for the pair, in either
     direction (not read)."""
-    candidates = ((pair, False), (pair.reversed(), True))
     return any(statistics_path(candidate, config, calibration).is_file()
                and _shortfall(statistics_path(candidate, config, calibration), flip, config.joint_inputs)[1] is None
-               for candidate, flip in candidates)
+               for candidate, flip in _pass_directions(pair, config))
+
+
+def _pass_directions(pair: NamedPair, config: FitConfig) -> tuple[tuple[NamedPair, bool], ...]:
+    """The directions whose cached pass may serve `config`'s fit of `pair`, each with whether it is the reverse one;
+    rows weighted by one target's attention serve that direction only."""
+    return ((pair, False),) if config.weighted else ((pair, False), (pair.reversed(), True))
 
 
 def _split_mix(calibration: CalibrationSpec, leading: int) -> tuple[CalibrationSpec, CalibrationSpec] | None:
@@ -474,6 +479,10 @@ def obtain_mapper(
     (`fit_in_layer_blocks`; the mapper is cached, the statistics are not).
     both_directions: a pass run for it keeps what the reverse direction's fit needs too (`obtain_statistics`).
     progress: bars over the passes and the MLP's training (`kvhandoff.progress`)."""
+    if config.weighted and (mlp is not None or both_directions):
+        raise ConfigError("attention-weighted statistics weight the rows by this direction's target: they serve "
+                          "neither the MLP mapper (which trains on unweighted rows) nor the reverse direction; fit "
+                          "with row_weights='uniform' (`--row-weights uniform`), or without --both-directions")
     if mlp is not None and config.compact:
         raise ConfigError("the MLP corrects the full ridge map; fit it without heads, k_tolerance or rank")
     if layer_block is not None and config.compact:

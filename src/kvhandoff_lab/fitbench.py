@@ -95,7 +95,7 @@ def time_fit_step(stats: CalibrationStats, source_model, target_model, window: t
                   config: FitConfig) -> tuple[float, float]:
     """(capture seconds, sums seconds) of one window added to `stats`, as a fit's pass adds it."""
     started = time.perf_counter()
-    source, target = capture_batch(source_model, target_model, window)
+    source, target, _ = capture_batch(source_model, target_model, window)
     captured = time.perf_counter()
     stats.update(source, target, token_stride=config.token_stride, skip_first_tokens=config.skip_first_tokens)
     return captured - started, time.perf_counter() - captured

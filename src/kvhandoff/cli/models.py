@@ -34,6 +34,7 @@ from kvhandoff.cli.options import (
 from kvhandoff.config import (
     HEAD_CHOICES,
     PROJECTIONS,
+    ROW_WEIGHTS,
     STORAGE_DTYPES,
     CalibrationSpec,
     FitConfig,
@@ -107,6 +108,9 @@ def fit(
     = FitConfig().projection,
     storage: Annotated[str, typer.Option(parser=one_of(STORAGE_DTYPES, "storage dtype"), help=(
         "dtype of the saved weights (the map computes in float32)"))] = FitConfig().storage_dtype,
+    row_weights: Annotated[str, typer.Option(parser=one_of(ROW_WEIGHTS, "row weighting"), help=(
+        "'uniform' (every calibration row alike) or 'attention' (each row weighted by the attention the target "
+        "pays it; serves this direction only)"))] = FitConfig().row_weights,
     checkpoint_every: Annotated[int, typer.Option(parser=positive_int, help=(
         "under torchrun: windows each rank reads between two reductions; rank 0 checkpoints every reduction, so "
         "a re-run resumes"))] = DEFAULT_CHECKPOINT_EVERY,
@@ -130,10 +134,11 @@ def fit(
     Under torchrun (WORLD_SIZE > 1) the calibration windows are shared out between the ranks and their float64
     sums added up on rank 0, which solves and saves; `torchrun --nproc-per-node N -m kvhandoff.cli fit ...`.
     """
-    with option_errors("--top-k", "--lambda", "--inputs", "--heads", "--k-tolerance", "--rank", "--storage"):
+    with option_errors("--top-k", "--lambda", "--inputs", "--heads", "--k-tolerance", "--rank", "--storage",
+                       "--row-weights"):
         config = FitConfig(top_k=k, ridge_lambda="heldout" if k == "heldout" else lam, token_stride=stride,
                            exact_prefix=exact_prefix, source_inputs=inputs, heads=heads, k_tolerance=k_tolerance,
-                           rank=rank, projection=projection, storage_dtype=storage)
+                           rank=rank, projection=projection, storage_dtype=storage, row_weights=row_weights)
     refuse_conflicting_fit_options(config, method, texts, layer_block, stats_memory, both_directions)
     calibration = None  # --texts packs the file's text; otherwise the built-in corpus
     if texts is None:
@@ -170,6 +175,11 @@ def refuse_conflicting_fit_options(config: FitConfig, method: str, texts: Path |
         raise typer.BadParameter("--both-directions keeps the cached pass over the built-in corpus for the reverse "
                                  "direction: a fit on --texts or in layer blocks keeps no statistics",
                                  param_hint="--both-directions")
+    if config.weighted and (method == "mlp" or both_directions):
+        raise typer.BadParameter("--row-weights attention weights the rows by this direction's target: the MLP "
+                                 "trains on unweighted rows and the reverse direction reads another target; drop "
+                                 "--method mlp / --both-directions, or fit with --row-weights uniform",
+                                 param_hint="--row-weights")
     needs_rows = method == "mlp" or config.top_k == "heldout"
     if texts is not None and not texts.is_file():
         raise typer.BadParameter(f"not a file: {texts}", param_hint="--texts")

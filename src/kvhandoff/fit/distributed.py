@@ -37,7 +37,7 @@ from kvhandoff.config import FitConfig, require_positive
 from kvhandoff.errors import ConfigError, DistributedError, KVHandoffError
 from kvhandoff.files import sha256_bytes
 from kvhandoff.fit.pipeline import add_batch, empty_statistics
-from kvhandoff.fit.statistics import CalibrationStats
+from kvhandoff.fit.statistics import CalibrationStats, integral
 from kvhandoff.progress import Progress, as_progress
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Ranks:
         """Add every rank's sums (and token count) into rank 0's `stats`, in place."""
         if not self.distributed:
             return
-        count = torch.tensor([stats.count], dtype=torch.int64)
+        count = torch.tensor([stats.count], dtype=torch.float64)  # weighted rows count fractionally
 
         def reduce_all() -> None:
             for tensor in (count, *stats.sums()):
@@ -133,7 +133,7 @@ class Ranks:
 
         self._collective(step, reduce_all)
         if self.is_root:
-            stats.count = int(count.item())
+            stats.count = integral(count.item())
 
 
 def timeout_from_environment() -> float:

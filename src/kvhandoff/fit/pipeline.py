@@ -23,6 +23,7 @@ from kvhandoff.fit.compact import solve_compact
 from kvhandoff.fit.selection import layer_r2_matrix, resolve_k, select_layers
 from kvhandoff.fit.solve import layers_per_solve, solve_layers
 from kvhandoff.fit.statistics import CalibrationStats, sum_shapes
+from kvhandoff.fit.weighting import RowWeighting, UniformRows, row_weighting
 from kvhandoff.mapper.dense import DenseMapper
 from kvhandoff.mapper.manifest import MapperManifest
 from kvhandoff.mapper.mapper import Mapper, mapper_class
@@ -77,23 +78,29 @@ def empty_statistics(source_model, target_model, target_layers: range | None = N
                             source_sums=source_sums, target_gram=target_gram, kv_cross=kv_cross)
 
 
-def capture_batch(source_model, target_model, input_ids: torch.Tensor,
-                  target_layers: range | None = None) -> tuple[ContentKV, ContentKV]:
+def capture_batch(source_model, target_model, input_ids: torch.Tensor, target_layers: range | None = None,
+                  weighting: RowWeighting = UniformRows(),  # noqa: B008 - stateless
+                  ) -> tuple[ContentKV, ContentKV, torch.Tensor | None]:
     """Both models' forwards over one calibration batch [batch, tokens] with their content K/V captured (the
-    target's `target_layers` only; None: all)."""
+    target's `target_layers` only; None: all), and the positions' weights under `weighting` (None: uniform; from
+    all the target's layers)."""
     if input_ids.dim() != 2:
         raise StatisticsError(f"calibration batches must be [batch, tokens] token ids, got {tuple(input_ids.shape)}")
     source = capture_content_kv(source_model, input_ids)
-    return source, capture_content_kv(target_model, input_ids).layers(target_layers)
+    target = capture_content_kv(target_model, input_ids, with_queries=weighting.needs_queries)
+    weights = weighting.position_weights(target_model, target)
+    return source, ContentKV(target.keys, target.values).layers(target_layers), weights
 
 
 def add_batch(stats: CalibrationStats, source_model, target_model, input_ids: torch.Tensor,
               config: FitConfig = FitConfig(),  # noqa: B008 - frozen, immutable default
               target_layers: range | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One calibration batch [batch, tokens] into `stats` (`capture_batch`, then the kept rows summed). Returns
-    the rows (`CalibrationStats.update`)."""
-    source, target = capture_batch(source_model, target_model, input_ids, target_layers)
-    return stats.update(source, target, token_stride=config.token_stride, skip_first_tokens=config.skip_first_tokens)
+    """One calibration batch [batch, tokens] into `stats` (`capture_batch`, then the kept rows summed, weighted
+    as `config.row_weights` says). Returns the rows (`CalibrationStats.update`)."""
+    source, target, weights = capture_batch(source_model, target_model, input_ids, target_layers,
+                                            row_weighting(config.row_weights))
+    return stats.update(source, target, token_stride=config.token_stride, skip_first_tokens=config.skip_first_tokens,
+                        position_weights=weights)
 
 
 def collect_statistics(

@@ -164,9 +164,11 @@ class CalibrationStats:
 
     # -- accumulation -----------------------------------------------------------------------------
     def update(
-        self, source: ContentKV, target: ContentKV, token_stride: int = 4, skip_first_tokens: int = 0
+        self, source: ContentKV, target: ContentKV, token_stride: int = 4, skip_first_tokens: int = 0,
+        position_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add one batch. Both captures must cover the same token ids; every `token_stride`-th position is kept.
+        """Add one batch. Both captures must cover the same token ids; every `token_stride`-th position is kept,
+        weighted by `position_weights` [batch, tokens] where given (`add_rows`).
         Returns the rows added (x [n, source width], y [n, target width], float64)."""
         tokens = source.num_tokens
         if target.num_tokens != tokens or source.keys.shape[1] != target.keys.shape[1]:
@@ -179,20 +181,29 @@ class CalibrationStats:
         positions = torch.arange(skip_first_tokens, tokens, token_stride)
         x = self.source.flatten(source, positions)
         y = self.target.flatten(target, positions)
-        self.add_rows(x, y)
+        weights = None if position_weights is None else position_weights[:, positions].reshape(-1).double().cpu()
+        self.add_rows(x, y, weights)
         return x, y
 
-    def add_rows(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add feature rows x [n, source width], y [n, target width] (float64)."""
-        self.count += x.shape[0]
+    def add_rows(self, x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Add feature rows x [n, source width], y [n, target width] (float64), each counting `weights` [n] where
+        given (the count then sums the weights: the means and moments are the weighted ones)."""
+        if weights is None:
+            self.count += x.shape[0]
+            weighted_x, weighted_y = x, y
+        else:
+            self.count = integral(self.count + float(weights.sum()))
+            weighted_x, weighted_y = x * weights[:, None], y * weights[:, None]
         if self.source_sums:
-            self.sum_x += x.sum(0)
-        self.sum_y += y.sum(0)
-        self.sum_y_squared += y.square().sum(0)
-        # each modality's columns, as views: K of every layer, then V
-        sides = {"x": x.split(self.source.modality_width, dim=1), "y": y.split(self.target.modality_width, dim=1)}
+            self.sum_x += weighted_x.sum(0)
+        self.sum_y += weighted_y.sum(0)
+        self.sum_y_squared += (weighted_y * y).sum(0)
+        # each modality's columns, as views: K of every layer, then V; the weights enter once per product
+        sides = {"x": x.split(self.source.modality_width, dim=1), "y": y.split(self.target.modality_width, dim=1),
+                 "wx": weighted_x.split(self.source.modality_width, dim=1),
+                 "wy": weighted_y.split(self.target.modality_width, dim=1)}
         for (kind, a, b), tensor in self.moments.items():
-            tensor.addmm_(sides[kind[0]][a].T, sides[kind[1]][b])
+            tensor.addmm_(sides["w" + kind[0]][a].T, sides[kind[1]][b])
 
     def merge(self, other: CalibrationStats) -> CalibrationStats:
         """Statistics of the union of both token sets (shards of one calibration run add up exactly); of the
@@ -365,13 +376,18 @@ class CalibrationStats:
                     raise StatisticsError(f"statistics file {path}: {missing_moment(kind, 0, a, True)}")
                 tensors = {name: read_sum(handle, name, source, target, whole)
                            for name in sum_shapes(source, target, True, target_gram, kv_cross)}
-            return cls.holding(source, target, int(meta["count"]), tensors, kv_cross)
+            return cls.holding(source, target, integral(meta["count"]), tensors, kv_cross)
         except StatisticsError:
             raise
         except Exception as exc:  # safetensors raises several types for corrupt files
             raise StatisticsError(
                 f"cannot read statistics file {path}: {exc}; re-run the calibration"
             ) from exc
+
+
+def integral(count: float) -> int | float:
+    """A token count as an int where it is whole (unweighted rows), else the float sum of the rows' weights."""
+    return int(count) if float(count).is_integer() else float(count)
 
 
 def held_content(names: set[str]) -> SumsContent:

@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvhandoff.errors import ConfigError
+from kvhandoff.model.attention import received_attention
 from kvhandoff.model.cache import cache_of, cache_view, model_device, prefill
 from kvhandoff.model.capture import projection_hooks
 from kvhandoff.model.geometry import decoder_layers
@@ -261,14 +262,9 @@ def attention_from_queries(model, queries, cache) -> torch.Tensor:
     for layer, q, cached in zip(decoder_layers(model), queries, cache.layers, strict=True):
         if q is None:
             raise ConfigError("no queries were recorded for a layer: record them during the source's forward")
-        count = q.shape[2]
-        at = torch.arange(total - count, total, device=q.device)
-        q = apply_rope(q, at, inv_freq.to(q.device), scaling).float()
-        keys = cached.keys.float()
-        keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
-        logits = (q @ keys.transpose(2, 3)) * layer.self_attn.scaling
-        logits = logits.masked_fill(torch.arange(total, device=q.device) > at[:, None], float("-inf"))
-        weights = logits.softmax(-1).sum(dim=(1, 2))
+        at = torch.arange(total - q.shape[2], total, device=q.device)
+        q = apply_rope(q, at, inv_freq.to(q.device), scaling)
+        weights = received_attention(q, cached.keys, at, layer.self_attn.scaling)
         scores = weights if scores is None else scores + weights
     return scores
 

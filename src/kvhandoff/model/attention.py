@@ -1,0 +1,27 @@
+"""The attention each key position receives: what ranks positions for selective recompute and weights the rows
+of an attention-weighted calibration."""
+
+from __future__ import annotations
+
+import torch
+
+#: query rows scored at once: bounds the [batch, heads, rows, keys] logits of a long read
+QUERY_CHUNK = 256
+
+
+def received_attention(queries: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                       scaling: float) -> torch.Tensor:
+    """[batch, T]: the attention weight each of T key positions receives, summed over heads and queries.
+
+    queries [batch, heads, n, head_dim] and keys [batch, kv_heads, T, head_dim] both carry RoPE at their positions
+    (the keys at 0..T−1, the queries at ``query_positions`` [n]); a query at position p sees the keys at ≤ p (causal),
+    and each query's weights sum to 1. Grouped-query heads share their KV head, as in the model's attention."""
+    keys = keys.float().repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
+    total = keys.shape[2]
+    received = torch.zeros(queries.shape[0], total, device=queries.device)
+    for start in range(0, queries.shape[2], QUERY_CHUNK):
+        rows, at = queries[:, :, start : start + QUERY_CHUNK].float(), query_positions[start : start + QUERY_CHUNK]
+        logits = (rows @ keys.transpose(2, 3)) * scaling
+        logits = logits.masked_fill(torch.arange(total, device=queries.device) > at[:, None], float("-inf"))
+        received += logits.softmax(-1).sum(dim=(1, 2))
+    return received
