@@ -53,6 +53,19 @@ def test_fit_for_both_directions_leaves_the_reverse_fit_no_pass_to_run(pair, tmp
     assert Mapper.load(tmp_path / "r").manifest["calibration"]["reused_reverse_pass"] is True
 
 
+def test_fit_with_attention_weighted_rows_records_it_and_keeps_its_own_pass(pair, tmp_path):
+    small, large = pair
+    common = ["--source", small, "--target", large, "--sequences", "3", "--seq-len", "48", "--top-k", "1"]
+    assert invoke(["fit", *common, "--out", str(tmp_path / "u")]).exit_code == 0
+    result = invoke(["fit", *common, "--out", str(tmp_path / "w"), "--row-weights", "attention"])
+    assert result.exit_code == 0, result.output
+    uniform, weighted = Mapper.load(tmp_path / "u"), Mapper.load(tmp_path / "w")
+    assert weighted.manifest["config"]["row_weights"] == "attention" and "row_weights" not in uniform.manifest["config"]
+    assert weighted.manifest["calibration"]["tokens_in_statistics"] != uniform.manifest["calibration"][
+        "tokens_in_statistics"]
+    assert not torch.allclose(weighted.weight, uniform.weight)
+
+
 def test_bench_fit_measures_the_fit_next_to_the_forwards(pair, tmp_path):
     small, large = pair
     result = invoke(["bench-fit", "--source", small, "--target", large, "--windows", "3",
