@@ -27,6 +27,6 @@ def test_received_attention_is_each_querys_causal_softmax_summed(monkeypatch, ch
     torch.testing.assert_close(got, _reference(queries, keys, positions, 0.5), rtol=1e-5, atol=1e-5)
     # every head of every query hands out a whole unit, none of it to keys after the query
     torch.testing.assert_close(got.sum(1), torch.full((2,), 4.0 * 5))
-    assert got[:, 12:].numel() == 0 and torch.all(got[:, :] >= 0)
+    assert torch.all(got >= 0)
     late = received_attention(queries[:, :, :1], keys, positions[:1], 0.5)
     assert torch.all(late[:, 4:] == 0)

@@ -37,7 +37,7 @@ from kvhandoff.config import FitConfig, require_positive
 from kvhandoff.errors import ConfigError, DistributedError, KVHandoffError
 from kvhandoff.files import sha256_bytes
 from kvhandoff.fit.pipeline import add_batch, empty_statistics
-from kvhandoff.fit.statistics import CalibrationStats, integral
+from kvhandoff.fit.statistics import CalibrationStats, as_count
 from kvhandoff.progress import Progress, as_progress
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class Ranks:
 
         self._collective(step, reduce_all)
         if self.is_root:
-            stats.count = integral(count.item())
+            stats.count = as_count(count.item())
 
 
 def timeout_from_environment() -> float:
@@ -246,8 +246,9 @@ def _ranges(windows: list[int]) -> str:
 
 # -- checkpoints ------------------------------------------------------------------------------------------------
 def _checkpoint_info(ids_hash: str, config: FitConfig, windows: list[int], runs: list[dict]) -> dict:
+    weighting = {"row_weights": config.row_weights} if config.weighted else {}
     return {"kind": CHECKPOINT_KIND, "token_ids_sha256": ids_hash, "token_stride": config.token_stride,
-            "skip_first_tokens": config.skip_first_tokens, "windows": sorted(windows), "runs": runs}
+            "skip_first_tokens": config.skip_first_tokens, **weighting, "windows": sorted(windows), "runs": runs}
 
 
 def load_checkpoint(path: Path, empty: CalibrationStats, ids_hash: str,

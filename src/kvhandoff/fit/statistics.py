@@ -29,6 +29,7 @@ layer's columns, so the blocks' solves together give the whole mapper (`pipeline
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,7 +193,7 @@ class CalibrationStats:
             self.count += x.shape[0]
             weighted_x, weighted_y = x, y
         else:
-            self.count = integral(self.count + float(weights.sum()))
+            self.count = as_count(self.count + float(weights.sum()))
             weighted_x, weighted_y = x * weights[:, None], y * weights[:, None]
         if self.source_sums:
             self.sum_x += weighted_x.sum(0)
@@ -250,7 +251,8 @@ class CalibrationStats:
 
     def adopt_source_sums(self, other: CalibrationStats) -> None:
         """Take x and xxᵀ (no copy) from `other`, a pass over the same tokens that summed them."""
-        if not other.source_sums or other.source != self.source or other.count != self.count:
+        # weighted counts are float sums: passes over the same tokens agree to round-off
+        if not other.source_sums or other.source != self.source or not math.isclose(other.count, self.count):
             raise StatisticsError(f"the source sums must come from a pass over the same tokens and source model "
                                   f"({other.count} vs {self.count} tokens)")
         gram = {("xx", a, b): other.block("xx", a, b) for a, b in moment_blocks("xx", self.kv_cross)}
@@ -376,7 +378,7 @@ class CalibrationStats:
                     raise StatisticsError(f"statistics file {path}: {missing_moment(kind, 0, a, True)}")
                 tensors = {name: read_sum(handle, name, source, target, whole)
                            for name in sum_shapes(source, target, True, target_gram, kv_cross)}
-            return cls.holding(source, target, integral(meta["count"]), tensors, kv_cross)
+            return cls.holding(source, target, as_count(meta["count"]), tensors, kv_cross)
         except StatisticsError:
             raise
         except Exception as exc:  # safetensors raises several types for corrupt files
@@ -385,8 +387,9 @@ class CalibrationStats:
             ) from exc
 
 
-def integral(count: float) -> int | float:
-    """A token count as an int where it is whole (unweighted rows), else the float sum of the rows' weights."""
+def as_count(count: float) -> int | float:
+    """What statistics count their rows with: an int where it is whole (unweighted rows), else the float sum of the
+    rows' weights (`add_rows`)."""
     return int(count) if float(count).is_integer() else float(count)
 
 

@@ -17,10 +17,8 @@ from __future__ import annotations
 import torch
 
 from kvhandoff.errors import StatisticsError
-from kvhandoff.model.attention import received_attention
+from kvhandoff.model.attention import layers_received_attention
 from kvhandoff.model.capture import ContentKV
-from kvhandoff.model.geometry import decoder_layers
-from kvhandoff.model.rope import apply_rope, rope_frequencies
 
 #: the share of each calibration window read as the turn after a switch
 READER_SHARE = 0.25
@@ -76,17 +74,8 @@ def reader_attention(model, content: ContentKV, start: int) -> torch.Tensor:
     model's layers and heads; ``content`` holds the model's content K/V and pre-RoPE queries of the window."""
     if content.queries is None:
         raise StatisticsError("the target's queries were not captured: capture_content_kv(..., with_queries=True)")
-    tokens = content.num_tokens
-    inv_freq, scaling = rope_frequencies(model.config, seq_len=tokens)
-    positions = torch.arange(tokens, device=content.keys.device)
-    inv_freq = inv_freq.to(content.keys.device)
-    total = None
-    for layer, keys, queries in zip(decoder_layers(model), content.keys, content.queries, strict=True):
-        keys = apply_rope(keys, positions, inv_freq, scaling)
-        reader = apply_rope(queries[:, :, start:], positions[start:], inv_freq, scaling)
-        received = received_attention(reader, keys, positions[start:], layer.self_attn.scaling)
-        total = received if total is None else total + received
-    return total
+    reader = torch.arange(start, content.num_tokens, device=content.keys.device)
+    return layers_received_attention(model, content.queries[:, :, :, start:], content.keys, reader, rotate_keys=True)
 
 
 def history_weights(received: torch.Tensor, start: int) -> torch.Tensor:

@@ -23,11 +23,10 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.model.attention import received_attention
+from kvhandoff.model.attention import layers_received_attention
 from kvhandoff.model.cache import cache_of, cache_view, model_device, prefill
 from kvhandoff.model.capture import projection_hooks
 from kvhandoff.model.geometry import decoder_layers
-from kvhandoff.model.rope import apply_rope, rope_frequencies
 
 #: attention implementations whose masks a custom 4D additive mask replaces
 MASKED_ATTENTION = ("eager", "sdpa")
@@ -256,17 +255,11 @@ def record_queries(model, window: int):
 def attention_from_queries(model, queries, cache) -> torch.Tensor:
     """[batch, T]: the attention the recorded queries (the last ones of the T cached positions) paid each cached
     position, summed over layers, heads and queries (each query's weights sum to 1)."""
-    total = cache.get_seq_length()
-    inv_freq, scaling = rope_frequencies(model.config, seq_len=total)
-    scores = None
-    for layer, q, cached in zip(decoder_layers(model), queries, cache.layers, strict=True):
-        if q is None:
-            raise ConfigError("no queries were recorded for a layer: record them during the source's forward")
-        at = torch.arange(total - q.shape[2], total, device=q.device)
-        q = apply_rope(q, at, inv_freq.to(q.device), scaling)
-        weights = received_attention(q, cached.keys, at, layer.self_attn.scaling)
-        scores = weights if scores is None else scores + weights
-    return scores
+    if any(q is None for q in queries):
+        raise ConfigError("no queries were recorded for a layer: record them during the source's forward")
+    total, count = cache.get_seq_length(), queries[0].shape[2]
+    at = torch.arange(total - count, total, device=queries[0].device)
+    return layers_received_attention(model, queries, [cached.keys for cached in cache.layers], at)
 
 
 @torch.inference_mode()

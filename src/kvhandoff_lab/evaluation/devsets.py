@@ -80,7 +80,10 @@ def tune_pair(
     progress: bars over a calibration pass and the candidates (`kvhandoff.progress`)."""
     if not configs:
         raise ConfigError("the sweep needs at least one candidate config")
-    stats, _ = obtain_statistics(pair, FitConfig(token_stride=configs[0].token_stride), calibration, progress,
+    if len({config.row_weights for config in configs}) > 1:
+        raise ConfigError("the candidates are solved from one set of statistics: give them one row weighting")
+    pass_config = FitConfig(token_stride=configs[0].token_stride, row_weights=configs[0].row_weights)
+    stats, _ = obtain_statistics(pair, pass_config, calibration, progress,
                                  features=features, kv_cross=any(config.joint_inputs for config in configs))
     divergence, dev_info = dev_divergence(pair, dev)
     fingerprints = pair.fingerprints()
