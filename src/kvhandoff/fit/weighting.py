@@ -51,8 +51,8 @@ class AttentionRows(RowWeighting):
     needs_queries = True
 
     def position_weights(self, target_model, target: ContentKV) -> torch.Tensor:
-        received = reader_attention(target_model, target, reader_start(target.num_tokens))
-        return history_weights(received, reader_start(target.num_tokens))
+        start = reader_start(target.num_tokens)
+        return history_weights(reader_attention(target_model, target, start), start)
 
 
 ROW_WEIGHTINGS: dict[str, type[RowWeighting]] = {kind.name: kind for kind in (UniformRows, AttentionRows)}

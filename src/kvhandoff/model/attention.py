@@ -3,7 +3,7 @@ of an attention-weighted calibration."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 
@@ -32,19 +32,19 @@ def received_attention(queries: torch.Tensor, keys: torch.Tensor, query_position
     return received
 
 
-def layers_received_attention(model, queries: Iterable[torch.Tensor], keys: Iterable[torch.Tensor],
+def layers_received_attention(model, queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
                               query_positions: torch.Tensor, rotate_keys: bool = False) -> torch.Tensor:
     """[batch, T]: `received_attention` summed over ``model``'s layers, from each layer's pre-RoPE queries [batch,
     heads, n, head_dim] at ``query_positions`` [n] and its keys [batch, kv_heads, T, head_dim] at 0..T−1 (carrying
     RoPE, as a cache holds them; content keys with ``rotate_keys``)."""
+    tokens, device = keys[0].shape[2], keys[0].device
+    inv_freq, scaling = rope_frequencies(model.config, seq_len=tokens)
+    inv_freq = inv_freq.to(device)
+    key_positions = torch.arange(tokens, device=device)
     total = None
     for layer, layer_queries, layer_keys in zip(decoder_layers(model), queries, keys, strict=True):
-        tokens = layer_keys.shape[2]
-        if total is None:
-            inv_freq, scaling = rope_frequencies(model.config, seq_len=tokens)
-            inv_freq = inv_freq.to(layer_keys.device)
         if rotate_keys:
-            layer_keys = apply_rope(layer_keys, torch.arange(tokens, device=layer_keys.device), inv_freq, scaling)
+            layer_keys = apply_rope(layer_keys, key_positions, inv_freq, scaling)
         rotated = apply_rope(layer_queries, query_positions, inv_freq, scaling)
         received = received_attention(rotated, layer_keys, query_positions, layer.self_attn.scaling)
         total = received if total is None else total + received
