@@ -142,6 +142,23 @@ def test_a_policy_ranking_by_the_source_attention_needs_the_source(inexact):
     assert not Mix(0.1).needs_source_attention and not Recent(0.1).needs_source_attention
 
 
+def test_blocks_of_the_source_attention_are_taken_whole():
+    # start 2, blocks of 4 over positions 2..13: [2..5], [6..9], [10..13]; one sharp peak at 11 beside a flat block
+    scores = torch.full((1, 14), 0.1)
+    scores[0, 7:10] = 1.0
+    scores[0, 11] = 2.5
+    info = SelectionInfo(start=2, source_attention=scores)
+    assert SourceAttention(4 / 12).positions(None, None, ids_of(tokens=14), info).tolist() == [[7, 8, 9, 11]]
+    blocks = SourceAttention(4 / 12, block=4).positions(None, None, ids_of(tokens=14), info)
+    assert blocks.tolist() == [[6, 7, 8, 9]]  # mean 0.775 against 0.7
+    # a budget past one block starts on the next best, earliest position first; a short last block is a mean too
+    assert SourceAttention(6 / 12, block=4).positions(None, None, ids_of(tokens=14), info).tolist() == \
+        [[6, 7, 8, 9, 10, 11]]
+    short = policy.block_scores(torch.tensor([[9.0, 1.0, 3.0, 1.0, 4.0]]), 1, 3)
+    assert torch.allclose(short, torch.tensor([[9.0, 5 / 3, 5 / 3, 5 / 3, 4.0]]))
+    assert policy.block_scores(scores, 2, 1) is scores
+
+
 def test_policy_parses_and_validates():
     assert policy.parse("deviation:10%") == Deviation(0.1)
     assert policy.parse("recent:0.05").spec == "recent:5%"
@@ -155,13 +172,18 @@ def test_policy_parses_and_validates():
     assert policy.parse(Recent(0.1)) == Recent(0.1)  # a policy as it is
     assert policy.parse("turn_attention:10%:window=8") == TurnAttention(0.1, source_window=8)
     assert TurnAttention(0.1).reads_new_turn and not Recent(0.1).reads_new_turn
+    blocks = policy.parse("turn_attention:10%:block=32")
+    assert blocks == TurnAttention(0.1, block=32) and blocks.spec == "turn_attention:10%:block=32"
+    both = policy.parse("source_attention:5%:block=16:window=8")
+    assert both == SourceAttention(0.05, source_window=8, block=16) and policy.parse(both.spec) == both
     layers = policy.parse("layers:25%")
     assert layers == LeadingLayers(0.25) and layers.spec == "layers:25%" and layers.active
     assert [layers.leading_layers(n) for n in (28, 24, 2)] == [7, 6, 1]
     assert Recent(0.5).leading_layers(28) == 0 and LeadingLayers(0).leading_layers(28) == 0
     for bad in ("deviation", "nearby:10%", "recent:150%", "recent:-1", "recent:x", "mix(sinks=0.5):10%",
                 "mix(sinks=0.5,mix=0.5):10%", "mix(layers=0.5,recent=0.5):10%", "layers:10%:window=8",
-                "recent:10%:depth=2", "recent:10%:window=8", 3):
+                "recent:10%:depth=2", "recent:10%:window=8", "recent:10%:block=4", "mix:10%:block=4",
+                "turn_attention:10%:block=0", "turn_attention:10%:block=4:block=8", "turn_attention:10%:block=x", 3):
         with pytest.raises(ConfigError):
             policy.parse(bad)
     for bad_policy in (lambda: Recent(1.5), lambda: Recent("0.1"), lambda: SourceAttention(0.1, source_window=0),

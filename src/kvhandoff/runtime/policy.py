@@ -1,12 +1,13 @@
 """The selective-recompute policy of a handoff (CacheBlend, arXiv 2405.16444; EPIC, arXiv 2410.15332): which mapped
 positions the target recomputes itself.
 
-One small frozen class per rule (`NoRecompute`, `Sinks`, `Recent`, `Deviation`, `SourceAttention`, `Mix`), each
-ranking the candidate positions its own way; a policy at a budget takes the first `budget_count` of its ranking
-(`RecomputePolicy.positions`). `LeadingLayers` recomputes whole layers instead (DroidSpeak, arXiv 2411.02820): the
-target's first layers at every mapped position (`RecomputePolicy.leading_layers`). `RULES` names the classes; `parse`
-reads a spec such as "recent:5%" — at the edges only (a command-line option, a server's settings, a stored result), so
-everything below holds policy objects.
+One small frozen class per rule (`NoRecompute`, `Sinks`, `Recent`, `Deviation`, `SourceAttention`, `TurnAttention`,
+`Mix`), each ranking the candidate positions its own way; a policy at a budget takes the first `budget_count` of its
+ranking (`RecomputePolicy.positions`); the attention rules may rank whole blocks of positions (`block_scores`).
+`LeadingLayers` recomputes whole layers instead (DroidSpeak, arXiv 2411.02820): the target's first layers at every
+mapped position (`RecomputePolicy.leading_layers`). `RULES` names the classes; `parse` reads a spec such as
+"recent:5%" — at the edges only (a command-line option, a server's settings, a stored result), so everything below
+holds policy objects.
 """
 
 from __future__ import annotations
@@ -76,9 +77,25 @@ def _by_score(scores: torch.Tensor, start: int) -> torch.Tensor:
     return order + start
 
 
-def _check_window(window) -> None:
+def _check_window(window, name: str = "window") -> None:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ConfigError(f"recompute window must be a positive integer, got {window!r}")
+        raise ConfigError(f"recompute {name} must be a positive integer, got {window!r}")
+
+
+def block_scores(scores: torch.Tensor, start: int, block: int) -> torch.Tensor:
+    """[batch, T]: each candidate position start..T−1 scored by the mean of ``scores`` over its block (the
+    candidates in runs of ``block`` positions from ``start``; the last run may be shorter), so a ranking by them
+    takes whole blocks, the earlier position first within one. Positions before ``start`` keep their scores."""
+    if block == 1:
+        return scores
+    candidates = scores[:, start:].float()
+    count = candidates.shape[1]
+    padded = torch.nn.functional.pad(candidates, (0, -count % block))
+    sums = padded.unflatten(1, (-1, block)).sum(dim=2)
+    sizes = torch.full((sums.shape[1],), float(block), device=scores.device)
+    sizes[-1] = count - block * (sums.shape[1] - 1)
+    means = (sums / sizes).repeat_interleave(block, dim=1)[:, :count]
+    return torch.cat([scores[:, :start].float(), means], dim=1)
 
 
 # -- the base --------------------------------------------------------------------------------------------------------
@@ -263,14 +280,22 @@ class Deviation(RecomputePolicy):
 @dataclass(frozen=True)
 class SourceAttention(RecomputePolicy):
     """The positions the source's last ``window`` queries attended to most (``info.source_attention``,
-    `source_attention_scores`)."""
+    `source_attention_scores`). ``block`` > 1 ranks whole blocks of that many positions by their mean attention
+    (`block_scores`) instead: a passage the turn reads is recomputed together, not only its most attended tokens."""
 
     source_window: int = DEFAULT_WINDOW
+    block: int = 1
     rule: ClassVar[str] = "source_attention"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_window(self.source_window)
+        _check_window(self.block, "block")
+
+    @property
+    def spec(self) -> str:
+        spec = super().spec
+        return spec if self.block == 1 or not self.active else f"{spec}:block={self.block}"
 
     @property
     def needs_source_attention(self) -> bool:
@@ -284,7 +309,8 @@ class SourceAttention(RecomputePolicy):
         if info.source_attention is None:
             raise ConfigError("rule 'source_attention' needs the source's attention (SelectionInfo.source_attention, "
                               "from source_attention_scores); hand off with the source model and its cache")
-        return _by_score(info.source_attention.to(input_ids.device), info.start)
+        scores = block_scores(info.source_attention.to(input_ids.device), info.start, self.block)
+        return _by_score(scores, info.start)
 
 
 @dataclass(frozen=True)
@@ -423,7 +449,8 @@ DEFAULT_RECOMPUTE: RecomputePolicy = Recent(0.05)
 
 def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
     """The policy of rule ``rule`` (a name in `RULES`) at ``budget``; options: ``shares`` ("mix"), ``window``
-    ("source_attention", "mix"). ConfigError for an unknown rule or an option the rule lacks."""
+    ("source_attention", "turn_attention", "mix"), ``block`` ("source_attention", "turn_attention"). ConfigError for
+    an unknown rule or an option the rule lacks."""
     if rule not in RULES:
         raise ConfigError(f"recompute rule must be one of {', '.join(RULES)}, got {rule!r}")
     kind = RULES[rule]
@@ -432,14 +459,20 @@ def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
             raise ConfigError(f"recompute rule {rule!r} takes no window (only source_attention, turn_attention and "
                               "mix do)")
         options["source_window"] = options.pop("window")
+    if "block" in options and kind not in (SourceAttention, TurnAttention):
+        raise ConfigError(f"recompute rule {rule!r} takes no block (only source_attention and turn_attention do)")
     try:
         return kind(budget, **options)
     except TypeError as exc:
         raise ConfigError(f"recompute rule {rule!r} takes no option {', '.join(options)}") from exc
 
 
+#: the options a spec may add after its budget, each "NAME=N" (`policy_for` says which rules take which)
+_OPTIONS = ("window", "block")
+
+
 def parse(spec: str | RecomputePolicy) -> RecomputePolicy:
-    """A policy from a spec "RULE:BUDGET[:window=N]" (budget a fraction "0.1" or a percentage "10%"; rule
+    """A policy from a spec "RULE:BUDGET[:window=N][:block=N]" (budget a fraction "0.1" or a percentage "10%"; rule
     "mix(RULE=SHARE,...)" for other shares; "none" alone), or a policy as it is. For the edges: a command-line
     option, a server's settings, a stored result. ConfigError otherwise."""
     if isinstance(spec, RecomputePolicy):
@@ -453,13 +486,15 @@ def parse(spec: str | RecomputePolicy) -> RecomputePolicy:
     if not sep:
         raise ConfigError(f"recompute spec {spec!r} must be RULE:BUDGET (e.g. 'deviation:10%', 'recent:0.05') "
                           "or 'none'")
-    budget_text, _, option = rest.partition(":")
+    budget_text, *option_texts = rest.split(":")
     options: dict = {}
-    if option:
+    for option in option_texts:
         key, _, value = option.partition("=")
-        if key.strip() != "window" or not value.strip().isdigit():
-            raise ConfigError(f"recompute spec {spec!r}: the only option is window=N, got {option!r}")
-        options["window"] = int(value)
+        key = key.strip()
+        if key not in _OPTIONS or key in options or not value.strip().isdigit():
+            raise ConfigError(f"recompute spec {spec!r}: options are {' and '.join(f'{name}=N' for name in _OPTIONS)}"
+                              f", each at most once, got {option!r}")
+        options[key] = int(value)
     rule = head.strip()
     if rule.startswith("mix(") and rule.endswith(")"):
         try:
