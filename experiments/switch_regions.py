@@ -6,7 +6,11 @@ exemplars' passages, the exemplars' question/answer turns, the item's passage, t
 alone, greedy answer F1 and agreement with the 1.5B alone. Also the share of the 1.5B's attention (its question's
 queries, target alone) that each region receives, per third of its layers.
 
+With --picks POLICY,... only the 0.5B runs: per item and recompute policy, where its picks land (the share of the
+picked positions in each region, and the share of the item's passage picked), the exact prefix the mapper's.
+
 Usage: .venv/bin/python experiments/switch_regions.py ITEMS OUT.json  (e.g. 12 runs/switch_regions.json)
+       .venv/bin/python experiments/switch_regions.py ITEMS OUT.json --picks turn_attention:5%,recent:10%
 """
 
 import argparse
@@ -21,7 +25,8 @@ from kvhandoff.model.geometry import decoder_layers
 from kvhandoff.model.rope import apply_rope, rope_frequencies
 from kvhandoff.runtime.handoff import handoff_cache
 from kvhandoff.runtime.plan import HandoffPlan
-from kvhandoff.runtime.recompute import record_queries
+from kvhandoff.runtime.policy import SelectionInfo, parse
+from kvhandoff.runtime.recompute import record_queries, turn_attention_scores
 from kvhandoff.workflow import load_named_pair, obtain_mapper
 from kvhandoff_lab.evaluation.metrics import max_f1, normalise_text
 from kvhandoff_lab.evaluation.switch import answer_on, first_token_kl, turn_items
@@ -31,6 +36,7 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("items", type=int, help="CoQA dev items (4 turns of each story, 8 history slots)")
 parser.add_argument("out", help="JSON written after every item")
 parser.add_argument("--threads", type=int, default=2)
+parser.add_argument("--picks", help="comma list of recompute policies: only where their picks land")
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
 pair = load_named_pair("qwen2.5-coder:0.5b", "qwen2.5-coder:1.5b")
@@ -86,8 +92,37 @@ def attention_shares(cache, question, region) -> list[list[float]]:
     return [[sum(row[r] for row in third) / len(third) for r in range(len(REGIONS))] for third in thirds]
 
 
+def picks_landing(item, region, policies) -> dict:
+    """Per policy: the share of its picks in each region and the share of each region picked."""
+    ids = torch.tensor([list(item.history.ids) + list(item.extension)])
+    source_cache, _ = prefill(source, ids)
+    scores = turn_attention_scores(source, source_cache, torch.tensor([list(item.question)]))
+    info = SelectionInfo(start=mapper.exact_prefix, source_attention=scores, new_turn=tuple(item.question))
+    landing = {}
+    for policy in policies:
+        picked = region[policy.positions(target, None, ids, info)[0]]
+        landing[policy.spec] = {
+            "picked": int(picked.numel()),
+            "share_of_picks": {name: float((picked == r).float().mean()) for r, name in enumerate(REGIONS)},
+            "share_of_region": {name: float((picked == r).sum() / max(1, int((region == r).sum())))
+                                for r, name in enumerate(REGIONS)}}
+    return landing
+
+
 rows = []
 started = time.monotonic()
+if args.picks:
+    policies = [parse(spec) for spec in args.picks.split(",")]
+    for item in items:
+        region = regions_of(item)
+        rows.append({"id": item.id, "tokens": len(region), "region_tokens": {
+            name: int((region == i).sum()) for i, name in enumerate(REGIONS)},
+            "picks": picks_landing(item, region, policies)})
+        Path(args.out).write_text(json.dumps({"regions": list(REGIONS), "items": rows,
+                                              "seconds": time.monotonic() - started}, indent=1))
+        print(item.id, {spec: round(v["share_of_region"]["item passage"], 2)
+                        for spec, v in rows[-1]["picks"].items()}, flush=True)
+    raise SystemExit(0)
 for item in items:
     ids = torch.tensor([list(item.history.ids) + list(item.extension)])
     region = regions_of(item)
