@@ -5,7 +5,8 @@ bootstrap interval over the items.
     python experiments/paired_switch_accuracy.py RUN_DIR POLICY_A POLICY_B
 
 RUN_DIR holds `switch.json` (its item ids) and `items/` with the records of both policies ("none" or a spec such as
-"recent:5%"); the difference printed is accuracy(A) − accuracy(B) under each task's primary metric.
+"recent:5%"; "target" or "source": that model alone on the same history); the difference printed is accuracy(A) −
+accuracy(B) under each task's primary metric.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from kvhandoff_lab.evaluation.runner import ItemStore, slug
 from kvhandoff_lab.evaluation.tasks import CORE_TASKS, get_task, mc_item_metrics
 
 
-def store_of(run_dir: Path, task: str, policy: str, source: str) -> dict:
-    spec = recompute_policy.parse(policy).spec  # the command line's spec
-    name = "switch" if spec == "none" else f"switch:{spec}"
-    prefix = f"{slug(name)}-{slug(source)}-to-"
+def store_of(run_dir: Path, task: str, policy: str, direction: dict) -> dict:
+    if policy in ("target", "source"):
+        prefix = f"model-{slug(direction[policy])}-"
+    else:
+        spec = recompute_policy.parse(policy).spec  # the command line's spec
+        name = "switch" if spec == "none" else f"switch:{spec}"
+        prefix = f"{slug(name)}-{slug(direction['source'])}-to-"
     (path,) = (run_dir / "items" / f"switch-{task}").glob(f"{prefix}*.jsonl")
     return ItemStore(path)
 
@@ -34,15 +38,16 @@ def main(run_dir: str, policy_a: str, policy_b: str, resamples: int = 2000) -> N
     result = json.loads((run_dir / "switch.json").read_text(encoding="utf-8"))
     rng = np.random.default_rng(0)
     for entry in result["directions"].values():
-        source = entry["source"]
         for group in ("core", "heldout"):
             diffs = []
             for task, summary in entry["tasks"].items():
                 if (task in CORE_TASKS) != (group == "core"):
                     continue
-                a, b = (store_of(run_dir, task, p, source) for p in (policy_a, policy_b))
+                a, b = (store_of(run_dir, task, p, entry) for p in (policy_a, policy_b))
                 metric = get_task(task).primary_metric
                 diffs += [mc_item_metrics(a[i])[metric] - mc_item_metrics(b[i])[metric] for i in summary["item_ids"]]
+            if not diffs:
+                continue
             diffs = np.asarray(diffs)
             boots = [diffs[rng.integers(0, len(diffs), len(diffs))].mean() for _ in range(resamples)]
             print(f"{entry['source']} → {entry['target']}, {group}: n = {len(diffs)}, accuracy({policy_a}) − "
