@@ -7,7 +7,7 @@ import torch
 from _eval_support import IdentityMapper, NoisyMapper, full_sequence_logprob
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.errors import ConfigError
-from kvhandoff.model.cache import prefill
+from kvhandoff.model.cache import prefill, rollback
 from kvhandoff.runtime.handoff import handoff_cache
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import Deviation, NoRecompute, Recent, Sinks
@@ -296,6 +296,35 @@ def test_identity_switch_answers_as_the_target_and_a_noisy_one_as_its_handoff(mo
         assert got["loglikelihoods"] == pytest.approx(expected, abs=1e-5)
 
 
+def test_switch_records_carry_the_guards_entropy_over_the_question(models):
+    source, target = models
+    conditions = W.turn_conditions(source, target, NoisyMapper(scale=0.3), (NoRecompute(), Recent(0.2)),
+                                    exact_prefix=2)
+    for task in ("nq_open", "boolq_long"):
+        item = turn_items_of(task, limit=1, histories=1)[0]
+        cache = conditions["switch"].turn_cache(item)
+        length = cache.get_seq_length()
+        with torch.no_grad():
+            logits = target(input_ids=torch.tensor([list(item.question)]), cache=cache, use_cache=True).logits
+        rollback(cache, length)
+        logprobs = logits[0, -W.DEFAULT_GUARD_WINDOW:].float().log_softmax(-1)
+        expected = float(-(logprobs.exp() * logprobs).sum(-1).mean())
+        for name in ("switch", "switch:recent:20%"):
+            record = W.turn_record(W.SWITCH_TASKS[task], conditions[name], item, TOK, 2)
+            assert record["guard_entropy"] > 0
+        record = W.turn_record(W.SWITCH_TASKS[task], conditions["switch"], item, TOK, 2)
+        assert record["guard_entropy"] == pytest.approx(expected, rel=1e-4)
+        assert conditions["switch"].turn_cache(item).get_seq_length() == length  # restored
+        assert "guard_entropy" not in W.turn_record(W.SWITCH_TASKS[task], conditions["target"], item, TOK, 2)
+
+
+def test_guard_entropies_only_for_conditions_whose_every_record_has_one():
+    records = {"target": {"a": {}, "b": {}}, "switch": {"a": {"guard_entropy": 1.25}, "b": {"guard_entropy": 2.0}},
+               "switch:recent:5%": {"a": {"guard_entropy": 1.0}, "b": {}}}
+    assert W.guard_entropies(records, ["b", "a"]) == {"switch": [2.0, 1.25]}
+    assert W.guard_entropies(records, []) == {}
+
+
 def test_first_token_kl_over_a_shared_vocabulary():
     p = torch.tensor([0.7, 0.2, 0.1]).log()
     q = torch.tensor([0.5, 0.3, 0.2]).log()
@@ -320,6 +349,7 @@ def test_generative_direction_resumes_and_stops_at_the_time_limit(models, tmp_pa
     assert {"minus_target", "minus_source", "agreement", "answer_kl", "retention"} <= set(switch)
     assert switch["answer_kl"]["value"] > 0 and 0 <= switch["agreement"]["value"] <= 1
     assert "choice_kl" in boolq["transfers"]["switch"] and len(boolq["scores"]["target"]) == 4
+    assert set(nq["guard_entropy"]) == {"switch", "switch:recent:10%"} and len(nq["guard_entropy"]["switch"]) == 4
     assert switch["minus_target"]["value"] == pytest.approx(
         np.mean(nq["scores"]["switch"]) - np.mean(nq["scores"]["target"]))
     stores = sorted(p.name.split("-")[0] for p in (tmp_path / "switch-nq_open").glob("*.jsonl"))

@@ -22,7 +22,9 @@ The generative group (`switchtasks`: nq_open, gsm8k_cot, coqa_gen, boolq_long) r
 whose history may end in the item's own tokens (``extension``: a CoQA story's earlier turns, a BoolQ passage), read
 on the shared history cache by whoever holds it and mapped with it at the switch (once per item, or once per
 history when there is none). Generative items are answered greedily (`answer_on`); the switch's records carry the
-KL from the target's distribution of the first answer token to its own (``answer_kl``).
+KL from the target's distribution of the first answer token to its own (``answer_kl``) and the server's guard
+score of the handed-over cache (``guard_entropy``, `question_entropy`), for what a guard would do at each switch
+(`switchguard`).
 
 Time to first token (`time_to_first_token`): on a history and a question, the target's re-prefill of both against
 the switch (mapping + exact prefix + recompute + the target's prefill of the question), interleaved, median of
@@ -51,6 +53,8 @@ from kvhandoff.runtime.handoff import handoff_cache
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import NoRecompute, RecomputePolicy, SelectionInfo
 from kvhandoff.runtime.seam import as_kv_cache
+from kvhandoff.serving.config import DEFAULT_GUARD_WINDOW
+from kvhandoff.serving.guard import guard_score
 from kvhandoff_lab.evaluation.metrics import mean, paired_bootstrap, summarise_conditions
 from kvhandoff_lab.evaluation.runner import (
     RECORD_VERSION,
@@ -646,6 +650,19 @@ def answer_on(reader, cache, question: Sequence[int], tokenizer, max_new_tokens:
     return text, len(generated), first.cpu()
 
 
+@torch.inference_mode()
+def question_entropy(reader, cache, question: Sequence[int], window: int = DEFAULT_GUARD_WINDOW) -> float:
+    """The server's quality-guard score "entropy" (`serving.guard.guard_score`) of ``cache``: ``reader``'s mean
+    next-token entropy over the question's last ``window`` positions, read on ``cache`` (restored afterwards)."""
+    length = cache.get_seq_length()
+    try:
+        ids = torch.tensor([list(question)], device=model_device(reader))
+        logits = reader(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=min(window, len(question))).logits
+    finally:
+        rollback(cache, length)
+    return guard_score("entropy", logits[0].float().log_softmax(-1), None, question)
+
+
 def first_token_kl(own: torch.Tensor, other: torch.Tensor) -> float:
     """KL (nats) from ``own``'s distribution of the first answer token to ``other``'s (log-probs; over the shared
     vocabulary when the sizes differ)."""
@@ -736,6 +753,8 @@ def turn_record(task: SwitchTask, condition: TurnCondition, item: TurnItem, toke
     KL from its first-answer-token distribution to the condition's, ``answer_kl``)."""
     cache = condition.turn_cache(item)
     record: dict = {"id": item.id, "history": item.history.key, "history_tokens": item.history_tokens}
+    if isinstance(condition, SwitchOnTurn):
+        record["guard_entropy"] = question_entropy(condition.reader, cache, item.question)
     if task.kind == LOGLIKELIHOOD:
         scores = score_turns(condition.reader, cache, item.turns, item.continuation_lengths)
         return {**record, "loglikelihoods": scores, "norm_lengths": list(item.norm_lengths), "gold": item.gold}
@@ -794,7 +813,8 @@ def turn_task_summary(task_name: str, items: Sequence[TurnItem], records: Mappin
                       n_resamples: int = 1000, seed: int = 0) -> dict:
     """Score per condition (the task metric); per switch: retention, switch − target and switch − source (paired
     bootstrap), agreement with the target alone (the same answer) and the choice KL (loglikelihood) or the KL of
-    the first answer token (``answer_kl``) to it; the per-item scores (``scores``) for pooling."""
+    the first answer token (``answer_kl``) to it; the per-item scores (``scores``) for pooling and the guard's
+    score of each switch (``guard_entropy``)."""
     task = get_switch_task(task_name)
     ids = [item.id for item in items]
     chance = [item.chance for item in items]
@@ -826,7 +846,14 @@ def turn_task_summary(task_name: str, items: Sequence[TurnItem], records: Mappin
             "mean_history_tokens": mean(lengths), "histories": len({item.history.key for item in items}),
             "question_tokens": mean([len(item.question) for item in items]),
             **({"generated_tokens": generated} if task.kind != LOGLIKELIHOOD else {}),
-            "scores": {name: [round(v, 6) for v in values] for name, values in scores.items()}, "item_ids": ids}
+            "scores": {name: [round(v, 6) for v in values] for name, values in scores.items()},
+            "guard_entropy": guard_entropies(records, ids), "item_ids": ids}
+
+
+def guard_entropies(records: Mapping[str, Mapping[str, dict]], ids: Sequence[str]) -> dict[str, list[float]]:
+    """Per switch condition whose every record carries it, the guard's score of each item (``guard_entropy``)."""
+    return {name: [round(recs[i]["guard_entropy"], 6) for i in ids] for name, recs in records.items()
+            if ids and all("guard_entropy" in recs[i] for i in ids)}
 
 
 def pooled_difference(tasks: Mapping[str, dict], condition: str, group: str = GROUP, n_resamples: int = 1000,

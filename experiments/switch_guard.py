@@ -1,0 +1,100 @@
+"""The server's quality guard at the switch benchmark's switches: fall back to a re-prefill, or escalate to a larger
+recompute budget, at the switches whose guard score (the target's entropy over the new turn) is above a threshold
+chosen on dev items, then scored on report items (`kvhandoff_lab.evaluation.switchguard`).
+
+    python experiments/switch_guard.py DEV_RUN REPORT_RUN TTFT_JSON OUT_JSON [--served COND] [--flagged COND,...]
+        [--direction forward] [--min-speedup 5]
+
+DEV_RUN / REPORT_RUN: `kvhandoff-lab eval-switch` runs of the generative group whose records carry the guard's
+score (`guard_entropy`), with the served switch, the target and source alone and each flagged condition; TTFT_JSON:
+an `eval-switch --ttft-repeats` run with the seconds of the served and flagged conditions and the re-prefill.
+For each flagged condition ("target": fall back; "switch:recent:35%": escalate) the threshold is the one with the
+best mean retention on DEV_RUN at MIN_SPEEDUP or faster; its dev Pareto front and report scores are printed and
+written to OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from kvhandoff_lab.evaluation.switchguard import (
+    GuardRow,
+    choose_threshold,
+    guard_costs,
+    guard_table,
+    guarded_report,
+    guarded_task,
+)
+
+
+def tasks_of(run_dir: str, direction: str, served: str, flagged: str) -> dict:
+    result = json.loads((Path(run_dir) / "switch.json").read_text(encoding="utf-8"))
+    entries = result["directions"][direction]["tasks"]
+    return {name: guarded_task(entry, served, flagged) for name, entry in entries.items()
+            if entry.get("group") == "generative" and served in entry.get("scores", {})}
+
+
+def ttft_seconds(path: str, direction: str) -> dict:
+    result = json.loads(Path(path).read_text(encoding="utf-8"))
+    (task,) = result["directions"][direction]["tasks"].values()
+    return task["ttft"]["mean"]["seconds"]
+
+
+def pareto(rows: list) -> list:
+    """The rows no other row beats on both mean retention and speed-up."""
+    front = [row for row in rows if not math.isnan(row.mean_retention) and not any(
+        (other.mean_retention > row.mean_retention and other.speedup >= row.speedup)
+        or (other.mean_retention >= row.mean_retention and other.speedup > row.speedup) for other in rows)]
+    return sorted(front, key=lambda row: -row.speedup)
+
+
+def describe(row) -> str:
+    tasks = ", ".join(f"{name} {score:.3f}" for name, score in row.scores.items())
+    return (f"threshold {row.threshold:7.3f}  flagged {row.flagged_share:5.2f}  speed-up {row.speedup:5.2f}×  "
+            f"mean retention {row.mean_retention:.3f}  lowest − source {row.lowest_minus_source:+.3f}  ({tasks})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dev_run")
+    parser.add_argument("report_run")
+    parser.add_argument("ttft_json")
+    parser.add_argument("out_json")
+    parser.add_argument("--served", default="switch:turn_attention:5%")
+    parser.add_argument("--flagged", default="target,switch:recent:35%")
+    parser.add_argument("--direction", default="forward")
+    parser.add_argument("--min-speedup", type=float, default=5.0)
+    args = parser.parse_args()
+    seconds = ttft_seconds(args.ttft_json, args.direction)
+    out = {"served": args.served, "direction": args.direction, "min_speedup": args.min_speedup, "flagged": {}}
+    for flagged in args.flagged.split(","):
+        costs = guard_costs(seconds, args.served, flagged)
+        rows = guard_table(tasks_of(args.dev_run, args.direction, args.served, flagged), costs)
+        chosen = choose_threshold(rows, args.min_speedup)
+        print(f"\n== flagged switches served by {flagged} (costs {costs}) ==\ndev Pareto front:")
+        for row in pareto(rows):
+            print("  " + describe(row))
+        entry = {"costs": costs.__dict__, "dev_pareto": [row.to_dict() for row in pareto(rows)],
+                 "chosen": None if chosen is None else chosen.to_dict(), "report": None}
+        if chosen is None:
+            print(f"no threshold keeps {args.min_speedup}× on dev")
+        else:
+            print("chosen on dev: " + describe(chosen))
+            report = guarded_report(tasks_of(args.report_run, args.direction, args.served, flagged), costs,
+                                    chosen.threshold)
+            print("report: " + describe(GuardRow(**report["row"])))
+            for name, task in report["tasks"].items():
+                print(f"  {name:12s} n={task['n']:4d} score {task['score']:.3f}  "
+                      + "  ".join(f"{key} {task[key]['value']:+.3f} [{task[key]['ci'][0]:+.3f}, "
+                                  f"{task[key]['ci'][1]:+.3f}]"
+                                  for key in ("minus_target", "minus_source", "minus_unguarded")))
+            entry["report"] = report
+        out["flagged"][flagged] = entry
+    Path(args.out_json).write_text(json.dumps(out, indent=1, allow_nan=True), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
