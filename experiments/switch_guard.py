@@ -1,9 +1,10 @@
 """The server's quality guard at the switch benchmark's switches: fall back to a re-prefill, or escalate to a larger
-recompute budget, at the switches whose guard score (the target's entropy over the new turn) is above a threshold
-chosen on dev items, then scored on report items (`kvhandoff_lab.evaluation.switchguard`).
+recompute budget, at the switches whose guard score (--signal: "entropy", the target's entropy over the new turn;
+"entropy_gain", that minus the source's over the same turn on its own cache) is above a threshold chosen on dev
+items, then scored on report items (`kvhandoff_lab.evaluation.switchguard`).
 
     python experiments/switch_guard.py DEV_RUN REPORT_RUN TTFT_JSON OUT_JSON [--served COND] [--flagged COND,...]
-        [--direction forward] [--min-speedup 5]
+        [--direction forward] [--min-speedup 5] [--signal entropy_gain] [--tasks coqa_gen,...]
 
 DEV_RUN / REPORT_RUN: `kvhandoff-lab eval-switch` runs of the generative group whose records carry the guard's
 score (`guard_entropy`), with the served switch, the target and source alone and each flagged condition; TTFT_JSON:
@@ -21,6 +22,7 @@ import math
 from pathlib import Path
 
 from kvhandoff_lab.evaluation.switchguard import (
+    GUARD_SIGNALS,
     GuardRow,
     choose_threshold,
     guard_costs,
@@ -30,11 +32,13 @@ from kvhandoff_lab.evaluation.switchguard import (
 )
 
 
-def tasks_of(run_dir: str, direction: str, served: str, flagged: str) -> dict:
+def tasks_of(run_dir: str, args, flagged: str) -> dict:
     result = json.loads((Path(run_dir) / "switch.json").read_text(encoding="utf-8"))
-    entries = result["directions"][direction]["tasks"]
-    return {name: guarded_task(entry, served, flagged) for name, entry in entries.items()
-            if entry.get("group") == "generative" and served in entry.get("scores", {})}
+    entries = result["directions"][args.direction]["tasks"]
+    only = None if args.tasks is None else set(args.tasks.split(","))
+    return {name: guarded_task(entry, args.served, flagged, args.signal) for name, entry in entries.items()
+            if entry.get("group") == "generative" and args.served in entry.get("scores", {})
+            and (only is None or name in only)}
 
 
 def ttft_seconds(path: str, direction: str) -> dict:
@@ -67,12 +71,15 @@ def main() -> None:
     parser.add_argument("--flagged", default="target,switch:recent:35%")
     parser.add_argument("--direction", default="forward")
     parser.add_argument("--min-speedup", type=float, default=5.0)
+    parser.add_argument("--signal", choices=GUARD_SIGNALS, default="entropy_gain")
+    parser.add_argument("--tasks", default=None, help="comma-separated tasks (default: every generative task)")
     args = parser.parse_args()
     seconds = ttft_seconds(args.ttft_json, args.direction)
-    out = {"served": args.served, "direction": args.direction, "min_speedup": args.min_speedup, "flagged": {}}
+    out = {"served": args.served, "signal": args.signal, "direction": args.direction,
+           "min_speedup": args.min_speedup, "flagged": {}}
     for flagged in args.flagged.split(","):
         costs = guard_costs(seconds, args.served, flagged)
-        rows = guard_table(tasks_of(args.dev_run, args.direction, args.served, flagged), costs)
+        rows = guard_table(tasks_of(args.dev_run, args, flagged), costs)
         chosen = choose_threshold(rows, args.min_speedup)
         print(f"\n== flagged switches served by {flagged} (costs {costs}) ==\ndev Pareto front:")
         for row in pareto(rows):
@@ -83,7 +90,7 @@ def main() -> None:
             print(f"no threshold keeps {args.min_speedup}× on dev")
         else:
             print("chosen on dev: " + describe(chosen))
-            report = guarded_report(tasks_of(args.report_run, args.direction, args.served, flagged), costs,
+            report = guarded_report(tasks_of(args.report_run, args, flagged), costs,
                                     chosen.threshold)
             print("report: " + describe(GuardRow(**report["row"])))
             for name, task in report["tasks"].items():

@@ -296,7 +296,7 @@ def test_identity_switch_answers_as_the_target_and_a_noisy_one_as_its_handoff(mo
         assert got["loglikelihoods"] == pytest.approx(expected, abs=1e-5)
 
 
-def test_switch_records_carry_the_guards_entropy_over_the_question(models):
+def test_records_carry_their_readers_guard_entropy_over_the_question(models):
     source, target = models
     conditions = W.turn_conditions(source, target, NoisyMapper(scale=0.3), (NoRecompute(), Recent(0.2)),
                                     exact_prefix=2)
@@ -315,7 +315,14 @@ def test_switch_records_carry_the_guards_entropy_over_the_question(models):
         record = W.turn_record(W.SWITCH_TASKS[task], conditions["switch"], item, TOK, 2)
         assert record["guard_entropy"] == pytest.approx(expected, rel=1e-4)
         assert conditions["switch"].turn_cache(item).get_seq_length() == length  # restored
-        assert "guard_entropy" not in W.turn_record(W.SWITCH_TASKS[task], conditions["target"], item, TOK, 2)
+        own = conditions["source"].turn_cache(item)
+        with torch.no_grad():
+            logits = source(input_ids=torch.tensor([list(item.question)]), cache=own, use_cache=True).logits
+        rollback(own, length)
+        logprobs = logits[0, -W.DEFAULT_GUARD_WINDOW:].float().log_softmax(-1)
+        expected = float(-(logprobs.exp() * logprobs).sum(-1).mean())
+        record = W.turn_record(W.SWITCH_TASKS[task], conditions["source"], item, TOK, 2)
+        assert record["guard_entropy"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_guard_entropies_only_for_conditions_whose_every_record_has_one():
@@ -349,7 +356,8 @@ def test_generative_direction_resumes_and_stops_at_the_time_limit(models, tmp_pa
     assert {"minus_target", "minus_source", "agreement", "answer_kl", "retention"} <= set(switch)
     assert switch["answer_kl"]["value"] > 0 and 0 <= switch["agreement"]["value"] <= 1
     assert "choice_kl" in boolq["transfers"]["switch"] and len(boolq["scores"]["target"]) == 4
-    assert set(nq["guard_entropy"]) == {"switch", "switch:recent:10%"} and len(nq["guard_entropy"]["switch"]) == 4
+    assert set(nq["guard_entropy"]) == {"target", "source", "switch", "switch:recent:10%"}
+    assert len(nq["guard_entropy"]["switch"]) == 4
     assert switch["minus_target"]["value"] == pytest.approx(
         np.mean(nq["scores"]["switch"]) - np.mean(nq["scores"]["target"]))
     stores = sorted(p.name.split("-")[0] for p in (tmp_path / "switch-nq_open").glob("*.jsonl"))

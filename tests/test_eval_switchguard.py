@@ -6,9 +6,9 @@ from kvhandoff.errors import ConfigError
 from kvhandoff_lab.evaluation import switchguard as G
 
 # two tasks, hand-made: the served switch loses where the guard's entropy is high
-COQA = G.GuardedTask(served=(0.0, 1.0, 0.2, 1.0), entropy=(3.0, 1.0, 2.5, 0.5), flagged=(1.0, 1.0, 0.8, 1.0),
+COQA = G.GuardedTask(served=(0.0, 1.0, 0.2, 1.0), guard=(3.0, 1.0, 2.5, 0.5), flagged=(1.0, 1.0, 0.8, 1.0),
                      target=(1.0, 1.0, 1.0, 1.0), source=(0.5, 0.5, 0.5, 0.5))
-NQ = G.GuardedTask(served=(1.0, 0.0), entropy=(0.2, 2.8), flagged=(1.0, 0.0), target=(1.0, 0.0),
+NQ = G.GuardedTask(served=(1.0, 0.0), guard=(0.2, 2.8), flagged=(1.0, 0.0), target=(1.0, 0.0),
                    source=(0.0, 0.0))
 COSTS = G.GuardCosts(served=4.0, flagged=32.0, reprefill=32.0)
 
@@ -64,7 +64,11 @@ def test_runs_without_guard_scores_or_conditions_are_refused_with_the_fix():
         G.guarded_task(entry, "switch:turn_attention:5%", "target")
     entry["guard_entropy"] = {"switch:turn_attention:5%": [1.5]}
     task = G.guarded_task(entry, "switch:turn_attention:5%", "target")
-    assert task.entropy == (1.5,) and task.flagged == (1.0,)
+    assert task.guard == (1.5,) and task.flagged == (1.0,)
+    with pytest.raises(ConfigError, match="source records carry no guard entropy"):
+        G.guarded_task(entry, "switch:turn_attention:5%", "target", signal="entropy_gain")
+    with pytest.raises(ConfigError, match="entropy, entropy_gain"):
+        G.guarded_task(entry, "switch:turn_attention:5%", "target", signal="kl")
     with pytest.raises(ConfigError, match="no scored items"):
         G.guard_row({}, COSTS, 1.0)
 
@@ -75,3 +79,12 @@ def test_costs_come_from_a_ttft_measurement_with_the_reprefill_as_the_target():
     assert G.guard_costs(seconds, "switch:turn_attention:5%", "switch:recent:35%").flagged == 14.0
     with pytest.raises(ConfigError, match=r"switch:recent:50%.*--ttft-repeats"):
         G.guard_costs(seconds, "switch:turn_attention:5%", "switch:recent:50%")
+
+
+def test_the_entropy_gain_discounts_the_sources_own_entropy_over_the_turn():
+    entry = {"scores": {"switch": [1.0, 0.0], "target": [1.0, 1.0], "source": [0.0, 0.0]},
+             "guard_entropy": {"switch": [2.5, 1.5], "source": [2.75, 0.5]}}
+    assert G.guarded_task(entry, "switch", "target").guard == (2.5, 1.5)
+    task = G.guarded_task(entry, "switch", "target", signal="entropy_gain")
+    assert task.guard == pytest.approx((-0.25, 1.0))
+    assert task.scores(0.0) == [1.0, 1.0]  # only the switch more surprised than the source is flagged

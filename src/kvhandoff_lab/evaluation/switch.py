@@ -22,9 +22,10 @@ The generative group (`switchtasks`: nq_open, gsm8k_cot, coqa_gen, boolq_long) r
 whose history may end in the item's own tokens (``extension``: a CoQA story's earlier turns, a BoolQ passage), read
 on the shared history cache by whoever holds it and mapped with it at the switch (once per item, or once per
 history when there is none). Generative items are answered greedily (`answer_on`); the switch's records carry the
-KL from the target's distribution of the first answer token to its own (``answer_kl``) and the server's guard
-score of the handed-over cache (``guard_entropy``, `question_entropy`), for what a guard would do at each switch
-(`switchguard`).
+KL from the target's distribution of the first answer token to its own (``answer_kl``). Every record carries the
+server's guard score "entropy" of its reader over the new turn (``guard_entropy``, `question_entropy`): on a
+switch, the handed-over cache's; on the source alone, the reference a relative guard compares it with (what the
+previous model makes of the same turn on its own cache), for what a guard would do at each switch (`switchguard`).
 
 Time to first token (`time_to_first_token`): on a history and a question, the target's re-prefill of both against
 the switch (mapping + exact prefix + recompute + the target's prefill of the question), interleaved, median of
@@ -753,8 +754,7 @@ def turn_record(task: SwitchTask, condition: TurnCondition, item: TurnItem, toke
     KL from its first-answer-token distribution to the condition's, ``answer_kl``)."""
     cache = condition.turn_cache(item)
     record: dict = {"id": item.id, "history": item.history.key, "history_tokens": item.history_tokens}
-    if isinstance(condition, SwitchOnTurn):
-        record["guard_entropy"] = question_entropy(condition.reader, cache, item.question)
+    record["guard_entropy"] = question_entropy(condition.reader, cache, item.question)
     if task.kind == LOGLIKELIHOOD:
         scores = score_turns(condition.reader, cache, item.turns, item.continuation_lengths)
         return {**record, "loglikelihoods": scores, "norm_lengths": list(item.norm_lengths), "gold": item.gold}
@@ -813,8 +813,8 @@ def turn_task_summary(task_name: str, items: Sequence[TurnItem], records: Mappin
                       n_resamples: int = 1000, seed: int = 0) -> dict:
     """Score per condition (the task metric); per switch: retention, switch − target and switch − source (paired
     bootstrap), agreement with the target alone (the same answer) and the choice KL (loglikelihood) or the KL of
-    the first answer token (``answer_kl``) to it; the per-item scores (``scores``) for pooling and the guard's
-    score of each switch (``guard_entropy``)."""
+    the first answer token (``answer_kl``) to it; the per-item scores (``scores``) for pooling and each
+    condition's guard score (``guard_entropy``)."""
     task = get_switch_task(task_name)
     ids = [item.id for item in items]
     chance = [item.chance for item in items]
@@ -851,7 +851,7 @@ def turn_task_summary(task_name: str, items: Sequence[TurnItem], records: Mappin
 
 
 def guard_entropies(records: Mapping[str, Mapping[str, dict]], ids: Sequence[str]) -> dict[str, list[float]]:
-    """Per switch condition whose every record carries it, the guard's score of each item (``guard_entropy``)."""
+    """Per condition whose every record carries it, its reader's guard score of each item (``guard_entropy``)."""
     return {name: [round(recs[i]["guard_entropy"], 6) for i in ids] for name, recs in records.items()
             if ids and all("guard_entropy" in recs[i] for i in ids)}
 

@@ -1,7 +1,10 @@
 """What the server's quality guard would do at the switch benchmark's switches.
 
-A guarded switch serves the handed-over cache unless the guard's score of it (``guard_entropy``: the target's mean
-next-token entropy over the new turn, `switch.question_entropy`) is above a threshold; a flagged switch is served
+A guarded switch serves the handed-over cache unless the guard's score of it is above a threshold; the score is one
+of `GUARD_SIGNALS`, from the records' ``guard_entropy`` (a reader's mean next-token entropy over the new turn,
+`switch.question_entropy`): "entropy", the target's on the handed-over cache, or "entropy_gain", that minus the
+source's on its own cache (how much more the handed-over model is surprised by the turn than the model that read
+the history, which discounts a task's own difficulty). A flagged switch is served
 by another condition of the same run instead — ``target`` (the guard falls back to a re-prefill) or a switch with
 a larger recompute budget (it escalates). Its cost at a switch is the served switch's time to first token (the
 guard scores the cache the target has just read the new turn on) plus, when flagged, the other condition's.
@@ -24,6 +27,8 @@ from kvhandoff_lab.evaluation.switch import paired_difference
 
 #: the condition a switch's time to first token is compared with (its seconds are the re-prefill's)
 TARGET = "target"
+#: the guard scores a run's records give (the server's signals of the same names)
+GUARD_SIGNALS = ("entropy", "entropy_gain")
 
 
 @dataclass(frozen=True)
@@ -32,33 +37,41 @@ class GuardedTask:
     condition's scores, the target's and the source's alone, item by item."""
 
     served: tuple[float, ...]
-    entropy: tuple[float, ...]
+    guard: tuple[float, ...]
     flagged: tuple[float, ...]
     target: tuple[float, ...]
     source: tuple[float, ...]
 
     def scores(self, threshold: float) -> list[float]:
         """Each item's score under the guard ``threshold`` (flagged: score above it)."""
-        return [f if e > threshold else s for s, e, f in zip(self.served, self.entropy, self.flagged, strict=True)]
+        return [f if g > threshold else s for s, g, f in zip(self.served, self.guard, self.flagged, strict=True)]
 
     def flagged_count(self, threshold: float) -> int:
-        return sum(e > threshold for e in self.entropy)
+        return sum(g > threshold for g in self.guard)
 
 
-def guarded_task(entry: Mapping, served: str, flagged: str) -> GuardedTask:
+def guarded_task(entry: Mapping, served: str, flagged: str, signal: str = "entropy") -> GuardedTask:
     """A task of a run's `switch.json` direction (its per-item ``scores`` and ``guard_entropy``) as a
-    `GuardedTask`; a ConfigError names what is missing."""
+    `GuardedTask` scored by ``signal`` (one of `GUARD_SIGNALS`); a ConfigError names what is missing."""
+    if signal not in GUARD_SIGNALS:
+        raise ConfigError(f"guard signal must be one of {', '.join(GUARD_SIGNALS)}, got {signal!r}")
     scores = entry.get("scores", {})
     entropies = entry.get("guard_entropy", {})
     missing = [name for name in (served, flagged, TARGET, "source") if name not in scores]
     if missing:
         raise ConfigError(f"the run has no per-item scores for {', '.join(missing)}; run eval-switch with those "
                           f"conditions (--recompute) into the same --out")
-    if served not in entropies:
-        raise ConfigError(f"the run's {served} records carry no guard score (records stored before it was "
-                          f"recorded): run eval-switch into a fresh --out, with the models' records copied in")
+    needed = (served, "source") if signal == "entropy_gain" else (served,)
+    unscored = [name for name in needed if name not in entropies]
+    if unscored:
+        raise ConfigError(f"the run's {' and '.join(unscored)} records carry no guard entropy (records stored "
+                          f"before it was recorded): run eval-switch into a fresh --out, with the records that "
+                          f"have it copied in")
+    guard = [float(v) for v in entropies[served]]
+    if signal == "entropy_gain":
+        guard = [g - float(r) for g, r in zip(guard, entropies["source"], strict=True)]
     return GuardedTask(*(tuple(float(v) for v in values) for values in (
-        scores[served], entropies[served], scores[flagged], scores[TARGET], scores["source"])))
+        scores[served], guard, scores[flagged], scores[TARGET], scores["source"])))
 
 
 @dataclass(frozen=True)
@@ -123,7 +136,7 @@ def guard_row(tasks: Mapping[str, GuardedTask], costs: GuardCosts, threshold: fl
 def thresholds_of(tasks: Mapping[str, GuardedTask]) -> list[float]:
     """Every threshold that changes what a guard flags on ``tasks``: below all scores (flag all), each score, and
     +inf (flag none)."""
-    values = sorted({e for task in tasks.values() for e in task.entropy})
+    values = sorted({g for task in tasks.values() for g in task.guard})
     return [values[0] - 1.0, *values, math.inf] if values else [math.inf]
 
 
