@@ -75,9 +75,16 @@ def test_the_answer_entropy_and_mapped_share_signals():
     assert guard_score("entropy", served, None, ids) == pytest.approx(entropy, rel=1e-5)
     uniform = torch.full((4, 7), 1 / 7).log()
     assert guard_score("entropy", uniform, None, ids) == pytest.approx(math.log(7), rel=1e-5)
+    # entropy_gain: the served model's mean entropy minus the previous model's over its own cache
+    own = (-(reference.exp() * reference).sum(-1)).mean().item()
+    assert guard_score("entropy_gain", served, reference, ids) == pytest.approx(entropy - own, rel=1e-5)
+    assert guard_score("entropy_gain", reference, reference, ids) == pytest.approx(0.0, abs=1e-6)
+    assert guard_score("entropy_gain", reference, uniform, ids) < 0  # less surprised than the previous model
     assert guard_score("mapped_share", served, None, ids, mapped_share=0.25) == 0.25
-    assert [needs_reference(s) for s in ("logloss", "kl", "kl_answer", "entropy", "mapped_share")] == [
-        True, True, True, False, False]
+    signals = ("logloss", "kl", "kl_answer", "entropy", "entropy_gain", "mapped_share")
+    assert [needs_reference(s) for s in signals] == [True, True, True, False, True, False]
+    with pytest.raises(ConfigError, match="reference"):
+        guard_score("entropy_gain", served, None, ids)
     with pytest.raises(ConfigError, match="reference"):
         guard_score("kl", served, None, ids)
     with pytest.raises(ConfigError, match="share of positions"):
@@ -162,6 +169,15 @@ def test_measured_guard_separates_an_exact_mapper_from_a_noisy_one(confident_pai
     summary = summarize_guard(exact + degraded, signal)
     assert summary.auroc > 0.9 and summary.catch_rate == 1.0 and summary.false_fallback_rate <= 0.2
     assert max(r.score for r in exact) <= summary.threshold < min(r.score for r in degraded if r.differs)
+
+
+def test_the_entropy_gain_of_an_exact_mapper_is_nil_and_a_noisy_ones_is_not(confident_pair):
+    models, mappers, conversations = confident_pair
+    _, exact = measure_guard(models, mappers, conversations, "entropy_gain", max_new_tokens=6)
+    assert len(exact) == 6 and all(abs(r.score) < 1e-3 for r in exact)  # the reference pass reads the same turn
+    bad = {pair: noisy(mapper, 1.0, seed=i) for i, (pair, mapper) in enumerate(mappers.items())}
+    _, degraded = measure_guard(models, bad, conversations, "entropy_gain", max_new_tokens=6)
+    assert max(abs(r.score) for r in degraded) > 0.1  # noise moves the entropy, either way on a random model
 
 
 def test_records_carry_both_answers_and_an_escalated_one(confident_pair):

@@ -146,7 +146,7 @@ def test_guard_eval_splits_dev_and_heldout_and_reports_each_signal(tiny_cli, tmp
     assert guard["settings"]["recompute"] == "none"
     assert guard["n"] == {"conversations_run": 4, "conversations_dev": 2, "conversations_heldout": 2,
                           "handoffs": 8, "changed": 0}  # switching every turn: two handoffs per conversation
-    assert set(guard["signals"]) == {"logloss", "kl", "kl_answer", "entropy", "mapped_share"}
+    assert set(guard["signals"]) == {"logloss", "kl", "kl_answer", "entropy", "entropy_gain", "mapped_share"}
     assert set(guard["labels"]) == {"answer_changed", "answer_f1_below_0.5", "first_token_kl_above_0.5"}
     assert guard["labels"]["answer_changed"] == guard["signals"] and guard["settings"]["escalate"] == "recent:50%"
     for signal, row in guard["signals"].items():

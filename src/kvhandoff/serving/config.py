@@ -16,11 +16,12 @@ from kvhandoff.serving.tools import tool_parser
 #: receiving model's mean log-loss on the new turn over the mapped history minus the previous model's on the same
 #: tokens over its own cache; "kl" — the mean KL(previous model ‖ receiving model) of the next-token distributions
 #: at the new turn's positions; "kl_answer" — that KL at the last position only (the answer's first token);
-#: "entropy" — the receiving model's mean next-token entropy at those positions; "mapped_share" — the share of the
-#: conversation's positions before the new turn that this switch maps
-GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer", "entropy", "mapped_share")
+#: "entropy" — the receiving model's mean next-token entropy at those positions; "entropy_gain" — that minus the
+#: previous model's over the same tokens on its own cache; "mapped_share" — the share of the conversation's
+#: positions before the new turn that this switch maps
+GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer", "entropy", "entropy_gain", "mapped_share")
 #: the signals that need the previous model's reference pass over the new turn
-REFERENCE_GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer")
+REFERENCE_GUARD_SIGNALS: tuple[str, ...] = ("logloss", "kl", "kl_answer", "entropy_gain")
 #: the signal and window of a configured guard (a threshold given without them)
 DEFAULT_GUARD_SIGNAL = "entropy"
 DEFAULT_GUARD_WINDOW = 64

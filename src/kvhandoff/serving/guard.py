@@ -9,6 +9,9 @@ cache (a forward pass of the new turn only, then rolled back) for a reference. S
 - "kl": the mean KL(previous model ‖ receiving model) of the next-token distributions at those positions;
 - "kl_answer": that KL at the new turn's last position (the distribution of the answer's first token);
 - "entropy": the receiving model's mean next-token entropy at those positions (no reference needed);
+- "entropy_gain": that minus the previous model's mean entropy at the same positions over its own cache (how much
+  more the turn surprises the receiving model than the one that read the conversation: a turn that is uncertain
+  for any model, such as an open question, does not count against the mapping);
 - "mapped_share": the share of the conversation's positions before the new turn that this switch maps (no model
   output needed).
 
@@ -59,6 +62,11 @@ def reference_logprobs(model, cache, ids: Sequence[int], keep: int) -> torch.Ten
     return logits[0].float().log_softmax(-1)
 
 
+def mean_entropy(logprobs: torch.Tensor) -> float:
+    """Mean next-token entropy (nats) of log-probs [k, vocab]."""
+    return float(-(logprobs.exp() * logprobs).sum(-1).mean())
+
+
 def check_signal(signal: str) -> str:
     """``signal`` if it is one of `GUARD_SIGNALS`, else a ConfigError naming them."""
     if signal not in GUARD_SIGNALS:
@@ -88,8 +96,10 @@ def guard_score(signal: str, served: torch.Tensor, reference: torch.Tensor | Non
             raise ConfigError("guard signal 'mapped_share' needs the share of positions mapped")
         return float(mapped_share)
     if signal == "entropy":
-        return float(-(served.exp() * served).sum(-1).mean())
+        return mean_entropy(served)
     reference = reference.to(served.device)
+    if signal == "entropy_gain":
+        return mean_entropy(served) - mean_entropy(reference)
     if signal == "kl":
         return float(kl_divergence(reference, served).mean())
     if signal == "kl_answer":
