@@ -4,14 +4,14 @@ recompute budget, at the switches whose guard score (--signal: "entropy", the ta
 items, then scored on report items (`kvhandoff_lab.evaluation.switchguard`).
 
     python experiments/switch_guard.py DEV_RUN REPORT_RUN TTFT_JSON OUT_JSON [--served COND] [--flagged COND,...]
-        [--direction forward] [--min-speedup 5] [--signal entropy_gain] [--tasks coqa_gen,...]
+        [--direction forward] [--min-speedup 5] [--signal entropy_gain] [--tasks coqa_gen,...] [--threshold T]
 
 DEV_RUN / REPORT_RUN: `kvhandoff-lab eval-switch` runs of the generative group whose records carry the guard's
 score (`guard_entropy`), with the served switch, the target and source alone and each flagged condition; TTFT_JSON:
 an `eval-switch --ttft-repeats` run with the seconds of the served and flagged conditions and the re-prefill.
 For each flagged condition ("target": fall back; "switch:recent:35%": escalate) the threshold is the one with the
-best mean retention on DEV_RUN at MIN_SPEEDUP or faster; its dev Pareto front and report scores are printed and
-written to OUT_JSON.
+best mean retention on DEV_RUN at MIN_SPEEDUP or faster (or the --threshold given, such as the one a pair's guard
+records); its dev Pareto front and report scores are printed and written to OUT_JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from kvhandoff_lab.evaluation.switchguard import (
     GuardRow,
     choose_threshold,
     guard_costs,
+    guard_row,
     guard_table,
     guarded_report,
     guarded_task,
@@ -73,14 +74,17 @@ def main() -> None:
     parser.add_argument("--min-speedup", type=float, default=5.0)
     parser.add_argument("--signal", choices=GUARD_SIGNALS, default="entropy_gain")
     parser.add_argument("--tasks", default=None, help="comma-separated tasks (default: every generative task)")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="score this threshold (e.g. a pair's recorded guard) instead of choosing one on dev")
     args = parser.parse_args()
     seconds = ttft_seconds(args.ttft_json, args.direction)
     out = {"served": args.served, "signal": args.signal, "direction": args.direction,
-           "min_speedup": args.min_speedup, "flagged": {}}
+           "min_speedup": args.min_speedup, "threshold": args.threshold, "flagged": {}}
     for flagged in args.flagged.split(","):
         costs = guard_costs(seconds, args.served, flagged)
         rows = guard_table(tasks_of(args.dev_run, args, flagged), costs)
-        chosen = choose_threshold(rows, args.min_speedup)
+        chosen = (choose_threshold(rows, args.min_speedup) if args.threshold is None else
+                  guard_row(tasks_of(args.dev_run, args, flagged), costs, args.threshold))
         print(f"\n== flagged switches served by {flagged} (costs {costs}) ==\ndev Pareto front:")
         for row in pareto(rows):
             print("  " + describe(row))
@@ -89,7 +93,7 @@ def main() -> None:
         if chosen is None:
             print(f"no threshold keeps {args.min_speedup}× on dev")
         else:
-            print("chosen on dev: " + describe(chosen))
+            print(("chosen on dev: " if args.threshold is None else "given, on dev: ") + describe(chosen))
             report = guarded_report(tasks_of(args.report_run, args, flagged), costs,
                                     chosen.threshold)
             print("report: " + describe(GuardRow(**report["row"])))

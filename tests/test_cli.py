@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 from _eval_support import NoisyMapper
 from kvhandoff.cli import app
 from kvhandoff.mapper.mapper import Mapper
-from kvhandoff.runtime.policy import Sinks
+from kvhandoff.runtime.policy import Recent, Sinks
+from kvhandoff.serving.config import Escalate
 from kvhandoff_lab.cli import app as lab_app
 
 from conftest import BYTE_MODEL, ByteTokenizer, chat_tokenizer, save_tiny_pair, tiny_model
@@ -551,13 +552,15 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
     result = invoke(["serve", "--models", "small=/m/s,large=/m/l", "--mapper",
                                       f"small:large={tmp_path}", "--port", "0", "--guard", "off",
                                       "--max-context", "300", "--cache-memory", "1000", "--recompute", "sinks:10%",
-                                      "--dtype", "bf16", "--device-map", "auto"])
+                                      "--dtype", "bf16", "--device-map", "auto", "--guard-action",
+                                      "escalate:recent:35%"])
     assert result.exit_code == 0, result.output
     assert calls["family"] == ({"small": "/m/s", "large": "/m/l"}, {("small", "large"): tmp_path})
     assert calls["placement"] == ("bfloat16", "auto") and calls["progress"] is True  # bars at the command line
     models, mappers, config = calls["run"]
     assert (models, mappers) == ({"models": 1}, {"mappers": 2})
     assert (config.port, config.guard, config.max_context, config.cache_memory_bytes) == (0, False, 300, 1000)
+    assert config.guard_action == Escalate(Recent(0.35))
     assert config.recompute == Sinks(0.1) and config.recompute.spec == "sinks:10%"  # parsed by the option, once
     assert calls["llama_cpp"] == (None, None)
 
@@ -575,6 +578,8 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
     (["--port", "-1"], "--port"),
     (["--guard", "maybe"], "--guard"),
     (["--guard-signal", "vibes"], "--guard-signal"),
+    (["--guard-action", "escalate"], "--guard-action"),
+    (["--guard-action", "escalate:recent:300%"], "--guard-action"),
     (["--max-sessions", "0"], "--max-sessions"),
     (["--max-context", "1"], "--max-context"),
     (["--session-ttl", "x"], "--session-ttl"),

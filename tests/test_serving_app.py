@@ -219,6 +219,22 @@ def test_guard_forced_to_fall_back_re_prefills():
         assert text == expected("large", messages)
 
 
+def test_guard_escalating_hands_the_switch_over_again():
+    with running(guard=True, guard_signal="entropy_gain", guard_threshold=-1e9,
+                 guard_action="escalate:recent:100%") as server:
+        client = client_of(server)
+        messages = [{"role": "user", "content": USER_TURNS[0]}]
+        messages += [{"role": "assistant", "content": chat(client, "small", messages, session="g")[0]},
+                     {"role": "user", "content": USER_TURNS[1]}]
+        text, headers, handoff, _ = chat(client, "large", messages, session="g")
+        assert headers["x-kv-handoff"] == "escalated" and handoff["status"] == "escalated"
+        assert headers["x-vsr-kv-transfer-status"] == "applied"
+        assert handoff["guard"]["signal"] == "entropy_gain" and handoff["mapped_tokens"] > 0
+        assert text == expected("large", messages)
+        assert metric(server, 'kvhandoff_guard_escalations_total{from="small",to="large"}') == 1
+        assert metric(server, 'kvhandoff_handoffs_total{from="small",status="escalated",to="large"}') == 1
+
+
 def test_edited_and_dropped_history_is_never_served_from_stale_kv(server):
     client = client_of(server)
     messages = [{"role": "user", "content": USER_TURNS[0]}]

@@ -19,7 +19,7 @@ from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, Sinks
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
-from kvhandoff.serving.config import ServeConfig
+from kvhandoff.serving.config import Fallback, ServeConfig
 from kvhandoff.serving.decoding import SamplingParams
 from kvhandoff.serving.engine import (
     LENGTH_CHUNK_CHARS,
@@ -309,6 +309,49 @@ def test_a_fallback_keeps_the_receiving_models_own_turns_and_reads_only_the_rest
             engine.close()
 
     asyncio.run(main())
+
+
+def test_an_escalation_hands_the_flagged_switch_over_again_with_a_larger_budget():
+    """small → large with a noisy mapper whose recorded guard flags every switch, under guard_action escalate with
+    everything recomputed: the handover is made again under recent:100%, so large answers as a prefill of the
+    whole conversation would, from a cache that ends as a prefill's; the report says so and counts the mapped
+    positions as served from the cache."""
+    family, mappers = tiny_family()
+    large, tokenizer = family["large"]
+    bad = noisy_with_guard(mappers["small", "large"], ALWAYS_FALL_BACK)
+
+    async def main():
+        engine = Engine(family, {**mappers, ("small", "large"): bad}, ServeConfig(guard_action="escalate:recent:100%"))
+        try:
+            first = (("user", "Tell me about the tides, please."),)
+            text, report, _ = await ask(engine, "small", messages=first, session="s", max_tokens=8)
+            second = (*first, ("assistant", text), ("user", "And the moon?"))
+            ids = chat_ids(tokenizer, [{"role": r, "content": c} for r, c in second])
+            text, report, _ = await ask(engine, "large", messages=second, session="s", max_tokens=12)
+            assert report.status == "escalated" and report.guard["signal"] == "mapped_share"
+            assert report.mapped_tokens > 0 and report.cached_tokens == report.mapped_tokens
+            assert report.read_tokens == len(ids) - report.cached_tokens
+            assert text == reference_answer(large, tokenizer, ids, 12)
+            session = engine._sessions["default", "s"].session
+            prefill = large(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+            for layer, exact in zip(session.cache("large").layers, prefill.layers, strict=True):
+                torch.testing.assert_close(layer.values[:, :, :len(ids)], exact.values, atol=1e-4, rtol=0)
+            escalations = engine.metrics.registry.get_sample_value("kvhandoff_guard_escalations_total",
+                                                                   {"from": "small", "to": "large"})
+            assert escalations == 1
+        finally:
+            engine.close()
+
+    asyncio.run(main())
+
+
+def test_an_escalation_is_refused_where_a_handover_cannot_be_made_again():
+    with pytest.raises(ConfigError, match="needs handover 'incremental'"):
+        ServeConfig(guard_action="escalate:recent:35%", handover="all")
+    with pytest.raises(ConfigError, match="'fallback' or 'escalate:RULE:BUDGET'"):
+        ServeConfig(guard_action="escalate")
+    assert ServeConfig(guard_action="escalate:recent:35%").to_dict()["guard_action"] == "escalate:recent:35%"
+    assert ServeConfig().guard_action == Fallback()
 
 
 def test_the_family_renders_with_one_template_so_a_switch_keeps_the_whole_history(caplog):

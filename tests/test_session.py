@@ -171,3 +171,54 @@ def test_a_model_knows_its_own_positions_and_a_reprefill_reads_only_the_rest(tri
     assert session.own_length("b") == 0
     session.reprefill("b", keep_own=False)
     assert session.own_length("b") == session.cached_length("b") == len(session.tokens)
+
+
+def test_a_handover_taken_back_is_made_again_under_another_plan(trio):
+    """undo_handover returns the conversation, the receiving model's cache and the owner to where the handover
+    found them; the next read hands over again, here under a larger budget, as a fresh session would."""
+    a, b, _, forward = trio
+    back = fit_mapper(b, a, random_batches(2, tokens=32), FitConfig(), progress=False)
+    mappers = {("a", "b"): forward, ("b", "a"): back}
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    session = SwitchingSession({"a": a, "b": b}, mappers, plan=HandoffPlan(0))
+    session.read("a", ids[:20])
+    session.read_logprobs("b", ids[20:26], keep=3)  # b's first handover: mapped from its first position
+    session.undo_handover()
+    assert (session.tokens, session.owner, session.cache("b")) == (ids[:20], "a", None)
+    again = session.read_logprobs("b", ids[20:26], keep=3, plan=HandoffPlan(0, Recent(1.0)))
+    own = b(input_ids=torch.tensor([ids[:26]])).logits[0, -3:].float().log_softmax(-1)
+    torch.testing.assert_close(again, own, atol=1e-4, rtol=0)  # all recomputed: b's own prefill
+    # a model coming back: only what it missed was mapped, and only that is taken back
+    session.read("a", ids[26:32])
+    assert (session.cached_length("a"), session.own_length("a")) == (32, 20)
+    kept = session.cache("a").layers[0].keys[:, :, :26].clone()
+    session.undo_handover()
+    assert (len(session.tokens), session.owner, session.cached_length("a"), session.own_length("a")) \
+        == (26, "b", 20, 20)
+    assert torch.equal(session.cache("a").layers[0].keys, kept[:, :, :20])
+    plain = SwitchingSession({"a": a, "b": b}, mappers, plan=HandoffPlan(0))
+    plain.read("a", ids[:20])
+    plain.read_logprobs("b", ids[20:26], plan=HandoffPlan(0, Recent(1.0)))
+    torch.testing.assert_close(session.read("a", ids[26:32]), plain.read("a", ids[26:32]), atol=1e-5, rtol=0)
+
+
+def test_only_the_last_handover_can_be_taken_back_while_it_stands(trio):
+    a, b, _, mapper = trio
+    ids = torch.randint(0, 128, (30,)).tolist()
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, plan=HandoffPlan(0))
+    session.read("a", ids[:10])
+    with pytest.raises(ConfigError, match="no handover to take back"):
+        session.undo_handover()
+    session.read("b", ids[10:15])
+    session.truncate(8)  # cut back past the switch
+    with pytest.raises(ConfigError, match="cut back past the switch"):
+        session.undo_handover()
+    session.read("b", ids[8:15])
+    session.reprefill("b")  # the handover's result was replaced by b's own prefill
+    with pytest.raises(ConfigError, match="no handover to take back"):
+        session.undo_handover()
+    whole = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, handover="all", plan=HandoffPlan(0))
+    whole.read("a", ids[:10])
+    whole.read("b", ids[10:15])
+    with pytest.raises(ConfigError, match="handover 'incremental'"):
+        whole.undo_handover()

@@ -23,6 +23,7 @@ from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.model.placement import MODEL_DTYPES, PLANNED_DEVICE_MAPS, ModelPlacement
 from kvhandoff.runtime import policy
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RULES, RecomputePolicy
+from kvhandoff.serving.config import GuardAction, parse_guard_action
 
 __all__ = ["DEFAULT_MIX", "DEFAULT_SOURCE", "DEFAULT_TARGET"]
 
@@ -43,6 +44,15 @@ def recompute_policy(value) -> RecomputePolicy:
     parsed here, once; the commands below hold the policy object."""
     try:
         return policy.parse(value)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def guard_action(value) -> GuardAction:
+    """The serving guard's action at a switch it flags, from "fallback" or "escalate:RULE:BUDGET"
+    (`kvhandoff.serving.config.parse_guard_action`): parsed here, once."""
+    try:
+        return parse_guard_action(value)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
 

@@ -13,6 +13,7 @@ from kvhandoff.cli.options import (
     DeviceMap,
     Dtype,
     PairRecompute,
+    guard_action,
     non_negative_int,
     one_of,
     option_errors,
@@ -50,6 +51,12 @@ GuardSwitch = Annotated[str, typer.Option(parser=one_of(("on", "off")), help=(
     "score a mapped cache before it serves and re-prefill when it scores as degraded"))]
 GuardSignal = Annotated[str | None, typer.Option(parser=one_of(GUARD_SIGNALS), help=(
     "the guard's score (default: each pair's recorded one; with --guard-threshold: entropy)"))]
+
+
+GuardActionOption = Annotated[object, typer.Option(parser=guard_action, metavar="fallback|escalate:RULE:BUDGET",
+                                                   help=(
+    "what the guard does at a switch it flags: re-prefill (fallback), or hand the conversation over again "
+    "recomputing more of it (e.g. escalate:recent:35%)"))]
 GuardThreshold = Annotated[float | None, typer.Option(help=(
     "re-prefill when the guard's score exceeds this, for every pair (default: each pair's threshold recorded by "
     "`kvhandoff guard-calibrate`; a pair without one serves mapped)"))]
@@ -78,6 +85,7 @@ def serve(
     guard: GuardSwitch = "on",
     guard_signal: GuardSignal = ServeConfig.guard_signal,
     guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
+    guard_action: GuardActionOption = "fallback",
     max_sessions: Annotated[int, typer.Option(parser=positive_int, help="live sessions at once")] = 256,
     session_ttl: Annotated[float, typer.Option(parser=positive_float, help="seconds an idle session is kept")]
     = 1800.0,
@@ -115,7 +123,8 @@ def serve(
     """Serve a model family behind an OpenAI-compatible API; a conversation that switches models is handed over."""
     with option_errors("--host", "--port", "--guard-threshold", "--max-context", "--api-key"):
         config = ServeConfig(host=host, port=port, guard=guard == "on", guard_signal=guard_signal,
-                             guard_threshold=guard_threshold, max_sessions=max_sessions, session_ttl_s=session_ttl,
+                             guard_threshold=guard_threshold, guard_action=guard_action,
+                             max_sessions=max_sessions, session_ttl_s=session_ttl,
                              cache_memory_bytes=cache_memory, max_context=max_context,
                              max_body_bytes=max_body_bytes, max_batch=max_batch, prefill_chunk=prefill_chunk,
                              recompute=recompute,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,19 @@ from kvhandoff.runtime.seam import CacheFactory, KVCache, new_cache
 #: how a conversation is handed over at a switch: "all" — the current server's whole cache is mapped for the new
 #: server; "incremental" — every model keeps its own cache and only the positions it has not cached are mapped
 HANDOVERS = ("all", "incremental")
+
+
+@dataclass(frozen=True)
+class _Handover:
+    """What a handover changed, so that it can be taken back (`SwitchingSession.undo_handover`): from ``source`` to
+    ``target`` at ``at`` tokens of the conversation; ``held`` / ``own``: the positions the target's cache held, and
+    its own exact ones, before it (held None: it had no cache)."""
+
+    source: str
+    target: str
+    at: int
+    held: int | None
+    own: int
 
 
 class SwitchingSession:
@@ -38,7 +52,9 @@ class SwitchingSession:
     `read(server, ids)` lets ``server`` read the next tokens of the conversation, switching to it first when
     another model served last; `generate(server, ids, ...)` also answers, and the answer joins the conversation.
     A caller may decode from `cache(server)` itself: what it decodes past `tokens` (what every cache agrees on)
-    is dropped before the conversation goes on (`rollback`).
+    is dropped before the conversation goes on (`rollback`). A handover whose result is not to be trusted can be
+    taken back while the turn it served is the conversation's last (`undo_handover`), and made again under another
+    plan (``plan`` of `read_logprobs`).
 
     The session knows which leading positions of each model's cache the model computed itself over the exact
     conversation (`own_length`): what it read or generated on a cache that held only positions of its own — never
@@ -78,6 +94,7 @@ class SwitchingSession:
         self._caches: dict[str, KVCache] = {}
         # per model: the leading positions of its cache it computed itself over the exact conversation
         self._own: dict[str, int] = {}
+        self._handover: _Handover | None = None  # the last handover, while it can be taken back
 
     def plan_for(self, source: str, target: str) -> HandoffPlan:
         """The plan of a handover from ``source`` to ``target``: the pair's own (``pair_plans``), else the session's."""
@@ -119,10 +136,11 @@ class SwitchingSession:
             mapped.settle(self.models[server])
         return self.cache(server)
 
-    def _switch(self, server: str, upcoming=()) -> MappedCache | None:
+    def _switch(self, server: str, upcoming=(), plan: HandoffPlan | None = None) -> MappedCache | None:
         """Make ``server`` the owner; at a handover, its cache of `tokens` as a `MappedCache` whose recompute (the
         exact prefix, the policy's picks) is left to the model's next forward (`MappedCache.read`); else None.
-        ``upcoming``: the tokens it reads next (the new turn), which a policy may pick positions by."""
+        ``upcoming``: the tokens it reads next (the new turn), which a policy may pick positions by; ``plan``: the
+        handover's plan instead of the pair's (`plan_for`)."""
         self.require_model(server)
         owner = self.owner
         for name in (owner, server):
@@ -138,7 +156,9 @@ class SwitchingSession:
                 current = self._caches.pop(owner)
                 self._own.pop(owner, None)
             ids = torch.tensor([self.tokens], device=current.device)
-            plan = self.plan_for(owner, server)
+            plan = plan or self.plan_for(owner, server)
+            held = self._caches[server].length if server in self._caches else None
+            self._handover = _Handover(owner, server, len(self.tokens), held, self._own.get(server, 0))
             info = SelectionInfo(turn_starts=tuple(p for p in self._turn_starts if p < len(self.tokens)),
                                  new_turn=tuple(upcoming))
             if server in self._caches:  # the positions appended are mapped: its own prefix stays as it was
@@ -154,11 +174,12 @@ class SwitchingSession:
         self.owner = server
         return None
 
-    def _read_on(self, server: str, ids: list[int], keep: int, upcoming=None) -> torch.Tensor:
+    def _read_on(self, server: str, ids: list[int], keep: int, upcoming=None,
+                 plan: HandoffPlan | None = None) -> torch.Tensor:
         """``server`` reads ``ids`` on its cache of the conversation, switching to it first (at a handover the
-        recompute and the read are one forward; ``upcoming``: the whole new turn when ``ids`` is its first part);
-        logits of the last ``keep`` of them [1, keep, vocab]."""
-        mapped = self._switch(server, ids if upcoming is None else upcoming)
+        recompute and the read are one forward; ``upcoming``: the whole new turn when ``ids`` is its first part;
+        ``plan``: the handover's, instead of the pair's); logits of the last ``keep`` of them [1, keep, vocab]."""
+        mapped = self._switch(server, ids if upcoming is None else upcoming, plan)
         model = self.models[server]
         input_ids = torch.tensor([ids], device=model.device)
         cache = mapped.cache if mapped is not None else self._own_cache(server)
@@ -241,6 +262,8 @@ class SwitchingSession:
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= len(self.tokens):
             raise ConfigError(f"truncate length must be in 0..{len(self.tokens)}, got {length!r}")
         self.tokens = self.tokens[:length]
+        if self._handover is not None and length < self._handover.at:
+            self._handover = None
         if length == 0:
             self._caches.clear()
             self._own.clear()
@@ -251,18 +274,43 @@ class SwitchingSession:
                 cache.truncate(length)
             self._own[name] = min(self._own.get(name, 0), cache.length)
 
+    def undo_handover(self) -> None:
+        """Take back the last handover, while the model it went to is still the owner and the conversation has not
+        been cut back past it: the conversation returns to where the handover happened, the receiving model's cache
+        to what it held before (none, if it had none) and the previous model becomes the owner again. Its next read
+        hands over again, e.g. under a larger recompute budget (``plan`` of `read_logprobs`). ConfigError when there
+        is nothing to take back (and always under handover "all", where the previous model's cache was given
+        away)."""
+        last = self._handover
+        if self.handover != "incremental":
+            raise ConfigError("a handover can only be taken back under handover 'incremental' (under 'all' the "
+                              "previous model's cache is given away at the switch)")
+        if last is None or self.owner != last.target or last.source not in self._caches:
+            raise ConfigError("no handover to take back: the last model to read was not handed the conversation, "
+                              "or the conversation was cut back past the switch since")
+        self.truncate(last.at)
+        if last.held is None:
+            del self._caches[last.target]
+            self._own.pop(last.target, None)
+        else:
+            self._caches[last.target].truncate(last.held)
+            self._own[last.target] = min(last.own, last.held)
+        self.owner, self._handover = last.source, None
+
     @torch.inference_mode()
-    def read_logprobs(self, server: str, ids, keep: int = 1, upcoming=None) -> torch.Tensor:
+    def read_logprobs(self, server: str, ids, keep: int = 1, upcoming=None,
+                      plan: HandoffPlan | None = None) -> torch.Tensor:
         """As `read`, but returns the float32 log-probs of the last ``keep`` positions of ``ids`` [min(keep,
         len(ids)), vocab] (row i: the distribution of the token after that position); only those logits are
         computed. ``upcoming``: the whole new turn when ``ids`` is only its first part (a prompt read in chunks),
-        for a recompute policy that picks positions by it."""
+        for a recompute policy that picks positions by it; ``plan``: the plan of a handover this read makes,
+        instead of the pair's (`plan_for`)."""
         ids = list(ids)
         if not ids:
             raise ConfigError("read_logprobs needs at least one token")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be a positive integer, got {keep!r}")
-        logits = self._read_on(server, ids, min(keep, len(ids)), upcoming)
+        logits = self._read_on(server, ids, min(keep, len(ids)), upcoming, plan)
         self.tokens += ids
         return logits[0].float().log_softmax(-1)
 
@@ -313,7 +361,7 @@ class SwitchingSession:
             cache = self._caches[server] = self.cache_factory(model)
         logits = cache.read(model, torch.tensor([self.tokens[start:]], device=model.device))
         self._own[server] = cache.length
-        self.owner = server
+        self.owner, self._handover = server, None
         return logits[0, -1].float().log_softmax(-1)
 
     def restore(self, tokens, caches, owner: str) -> None:
@@ -332,7 +380,7 @@ class SwitchingSession:
             if not 0 <= own <= cache.length <= len(tokens):
                 raise ConfigError(f"{name}: a cache of {cache.length} positions with {own} of its own does not fit "
                                   f"a conversation of {len(tokens)} tokens")
-        self.tokens, self.owner = tokens, owner
+        self.tokens, self.owner, self._handover = tokens, owner, None
         self._caches = {name: cache for name, (cache, _) in caches.items()}
         self._own = {name: own for name, (_, own) in caches.items()}
 

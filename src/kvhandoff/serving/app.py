@@ -82,7 +82,7 @@ ERROR_STATUS = {
 #: headers naming the session, in the order they are read (before the body's prompt_cache_key)
 SESSION_HEADER = "X-Session-ID"
 LITELLM_SESSION_HEADER = "x-litellm-session-id"
-#: response header saying what happened to the cache: applied | fallback | reprefill | none
+#: response header saying what happened to the cache: applied | escalated | fallback | reprefill | none
 HANDOFF_HEADER = "X-KV-Handoff"
 #: the router vocabulary (vLLM semantic-router): whether a KV transfer served the request, the mapper that did it
 #: (its manifest checksum), and the conversation cache it went into
@@ -90,8 +90,8 @@ TRANSFER_STATUS_HEADER = "x-vsr-kv-transfer-status"
 MAPPER_ID_HEADER = "x-vsr-kv-mapper-id"
 CACHE_ID_HEADER = "x-vsr-kv-cache-id"
 #: the router status of each handoff status: "unsupported" where no transfer took part (no switch)
-TRANSFER_STATUS = {"applied": "applied", "fallback": "fallback_reprefill", "reprefill": "fallback_reprefill",
-                   "none": "unsupported"}
+TRANSFER_STATUS = {"applied": "applied", "escalated": "applied", "fallback": "fallback_reprefill",
+                   "reprefill": "fallback_reprefill", "none": "unsupported"}
 #: seconds a client is told to wait before retrying a 429 or 503 (Retry-After)
 RETRY_AFTER_S = 1
 #: routes that answer without the API key when the server opens its probes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 from kvhandoff.config import require_positive
 from kvhandoff.errors import ConfigError
@@ -28,6 +29,46 @@ DEFAULT_GUARD_WINDOW = 64
 
 
 @dataclass(frozen=True)
+class Fallback:
+    """What the guard does at a switch it flags: the receiving model re-prefills what it does not hold exactly."""
+
+    spec: ClassVar[str] = "fallback"
+
+
+@dataclass(frozen=True)
+class Escalate:
+    """What the guard does at a switch it flags: the handover is taken back and made again with a larger recompute
+    budget (``recompute``; the pair's exact prefix stays), and that cache serves."""
+
+    recompute: RecomputePolicy
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recompute, RecomputePolicy):
+            raise ConfigError(f"an escalation recomputes under a RecomputePolicy, got {self.recompute!r}")
+
+    @property
+    def spec(self) -> str:
+        return f"escalate:{self.recompute.spec}"
+
+
+GuardAction = Fallback | Escalate
+
+
+def parse_guard_action(spec: str | GuardAction) -> GuardAction:
+    """A guard action from its spec, "fallback" or "escalate:RULE:BUDGET" (e.g. "escalate:recent:35%"), or an
+    action as it is; ConfigError naming the forms otherwise."""
+    if isinstance(spec, Fallback | Escalate):
+        return spec
+    if isinstance(spec, str) and spec.strip() == Fallback.spec:
+        return Fallback()
+    head, sep, rest = spec.strip().partition(":") if isinstance(spec, str) else ("", "", "")
+    if head == "escalate" and sep and rest:
+        return Escalate(policy.parse(rest))
+    raise ConfigError(f"guard action must be 'fallback' or 'escalate:RULE:BUDGET' (e.g. 'escalate:recent:35%'), "
+                      f"got {spec!r}")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """The kvhandoff server (`kvhandoff.serving`): where it listens, its limits, and the quality guard.
 
@@ -42,13 +83,15 @@ class ServeConfig:
     request names none. max_queue: requests waiting per model worker (past it: 503). max_batch: requests a model
     serves at once (their decode steps share one forward; more wait in its queue). prefill_chunk: tokens a prompt is
     read in at a time, so a long prefill lets running answers step between its chunks (a re-prefill is read whole).
-    max_body_bytes: the largest request body read (past it: 413, refused before it is read whole). guard: score a
-    mapped cache before it serves and re-prefill when the score exceeds the pair's threshold (False: never, for
-    every pair). Each ordered pair's guard (`guard.GuardPolicy`): a guard_threshold given here is "configured" for
-    every pair (with guard_signal, default `DEFAULT_GUARD_SIGNAL`, and guard_window, default
-    `DEFAULT_GUARD_WINDOW`); without one each pair uses the guard recorded in its mapper's manifest (`kvhandoff
-    guard-calibrate`) — when a guard_signal or guard_window given here differs from the record's, or there is no
-    record, that pair has no guard (its switches serve mapped; said at start-up). api_key: one key or several
+    max_body_bytes: the largest request body read (past it: 413, refused before it is read whole). guard: score a mapped
+    cache before it serves and act when the score exceeds the pair's threshold (False: never, for every pair);
+    guard_action: what it does then, a `Fallback` (re-prefill) or an `Escalate` (hand over again with a larger recompute
+    budget), given as one or as its spec ("fallback", "escalate:recent:35%") and stored parsed. Each ordered pair's
+    guard (`guard.GuardPolicy`): a guard_threshold given here is "configured" for every pair (with guard_signal, default
+    `DEFAULT_GUARD_SIGNAL`, and guard_window, default `DEFAULT_GUARD_WINDOW`); without one each pair uses the guard
+    recorded in its mapper's manifest (`kvhandoff guard-calibrate`) — when a guard_signal or guard_window given here
+    differs from the record's, or there is no record, that pair has no guard (its switches serve mapped; said at
+    start-up). api_key: one key or several
     (stored as a tuple); when set, every request but the probes (``/health``, ``/metrics``, while ``open_probes``)
     must carry ``Authorization: Bearer <key>`` with one of them, and each key is a tenant of its own (its caches and
     sessions serve no other key). tool_parser: how tool calls are read out of answers (a name of
@@ -76,6 +119,7 @@ class ServeConfig:
     guard_signal: str | None = None
     guard_threshold: float | None = None
     guard_window: int | None = None
+    guard_action: GuardAction | str = Fallback()
     api_key: str | tuple[str, ...] | None = None
     open_probes: bool = True
     tool_parser: str = "hermes"
@@ -127,6 +171,10 @@ class ServeConfig:
         # parsed here, once: the engine and its sessions hold the policy object
         if self.recompute is not None:
             object.__setattr__(self, "recompute", policy.parse(self.recompute))
+        object.__setattr__(self, "guard_action", parse_guard_action(self.guard_action))
+        if isinstance(self.guard_action, Escalate) and self.handover != "incremental":
+            raise ConfigError("serve guard_action 'escalate' needs handover 'incremental' (under 'all' the previous "
+                              "model's cache is given away at the switch, so the handover cannot be made again)")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ConfigError(f"serve log_level must be a uvicorn log level, got {self.log_level!r}")
 
@@ -145,4 +193,4 @@ class ServeConfig:
         written)."""
         keys = f"{len(self.api_key)} set" if self.api_key else None
         recompute = None if self.recompute is None else self.recompute.spec
-        return {**asdict(self), "recompute": recompute, "api_key": keys}
+        return {**asdict(self), "recompute": recompute, "guard_action": self.guard_action.spec, "api_key": keys}

@@ -11,7 +11,8 @@ another model served the conversation last (or holds more of it), the conversati
 mapped (incrementally: only what this model has not cached), the new turn is read by the receiving model itself,
 and the pair's quality guard (`guard.GuardPolicy`, one per ordered pair, built when the engine starts) may reject
 the mapped cache: the model then re-prefills what it does not hold exactly (its own positions of earlier turns are
-kept, `SwitchingSession.reprefill`).
+kept, `SwitchingSession.reprefill`), or, under `config.Escalate`, the handover is taken back and made again with a
+larger recompute budget (`SwitchingSession.undo_handover`).
 
 Threads: the event loop only admits requests and relays events; each model's compute runs on that model's worker
 thread (`ModelWorker`), which schedules the requests it holds: their decode steps share one forward, their prompts
@@ -39,12 +40,13 @@ import torch
 
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.runtime.llama_cpp.engine import LlamaCppModel, check_recompute, serves_recompute
+from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE
 from kvhandoff.runtime.prefix_store import PrefixStore
 from kvhandoff.runtime.seam import new_cache
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.chat import chat_template_of, render, render_text
-from kvhandoff.serving.config import ServeConfig
+from kvhandoff.serving.config import Escalate, ServeConfig
 from kvhandoff.serving.decoding import Sampler, SamplingParams, end_ids, held_back, stop_index
 from kvhandoff.serving.grammar import GrammarSpec, ToolCalls
 from kvhandoff.serving.guard import GuardPolicy, guard_policies, guard_score, reference_logprobs
@@ -537,6 +539,8 @@ class Engine:
         self.recomputes = pair_recomputes(config, mappers)
         if any(isinstance(model, LlamaCppModel) for model in hosted):
             self.recomputes = _llama_cpp_recomputes(self.recomputes)
+            if isinstance(config.guard_action, Escalate):
+                check_recompute(config.guard_action.recompute)
         config = _fit_llama_cpp(config, hosted)
         self.config = config
         positions = min(_window(model) for model, _ in models.values())
@@ -876,29 +880,35 @@ class Engine:
             if policy.active:
                 score = guard_score(policy.signal, logprobs, reference, new, mapped / common)
                 guard = policy.report(score)
-                if policy.rejects(score):  # re-read what the model does not hold exactly (its own turns stay)
+                if policy.rejects(score) and isinstance(self.config.guard_action, Escalate):
+                    session.undo_handover()  # hand over again, recomputing more of what is mapped
+                    plan = session.plan_for(previous, server).with_recompute(self.config.guard_action.recompute)
+                    status = "escalated"
+                    logprobs = yield from self._read_chunked(session, server, new, 1, cancelled, plan)
+                elif policy.rejects(score):  # re-read what the model does not hold exactly (its own turns stay)
                     status, kept = "fallback", session.reprefill_start(server)
                     logprobs = session.reprefill(server)[None]
         else:
             logprobs = yield from self._read_chunked(session, server, new, 1, cancelled)
-        approximate = max(0, kept - own_before) if status in ("applied", "none") else 0
+        approximate = max(0, kept - own_before) if status in ("applied", "escalated", "none") else 0
         report = HandoffReport(status, source, server, mapped, len(prompt) - kept, kept, len(prompt), guard,
                                round((time.perf_counter() - started) * 1000, 3), approximate)
         return report, logprobs[-1]
 
     def _read_chunked(self, session: SwitchingSession, server: str, new: list[int], keep: int = 1,
-                      cancelled: threading.Event | None = None):
+                      cancelled: threading.Event | None = None, plan: HandoffPlan | None = None):
         """``server`` reads ``new`` in chunks of `config.prefill_chunk` (the last one holds at least ``keep``
         tokens), yielding None after each but the last, and stopping there when ``cancelled`` is set; returns the
-        log-probs of the last ``keep`` positions."""
+        log-probs of the last ``keep`` positions. ``plan``: that of a handover the first chunk makes, instead of the
+        pair's."""
         chunk = self.config.prefill_chunk
         last = min((len(new) - 1) // chunk * chunk, max(0, len(new) - keep))  # where the last chunk starts
         for start in range(0, last, chunk):
-            session.read_logprobs(server, new[start:min(start + chunk, last)], 1, upcoming=new[start:])
+            session.read_logprobs(server, new[start:min(start + chunk, last)], 1, upcoming=new[start:], plan=plan)
             yield None
             if cancelled is not None and cancelled.is_set():
                 raise RequestError("cancelled", "the client went away while its prompt was read")
-        return session.read_logprobs(server, new[last:], keep, upcoming=new[last:])
+        return session.read_logprobs(server, new[last:], keep, upcoming=new[last:], plan=plan)
 
     def _echo(self, hosted: HostedModel, request: GenerationRequest, prompt: list[int]):
         """(the prompt's text, its log-prob entries): each token under the model's distribution after the tokens

@@ -13,16 +13,15 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 class ServingMetrics:
     """Counters, gauges and histograms of one engine.
 
-    kvhandoff_handoffs_total{from,to,status}: switches of model (status applied | fallback, or reprefill: the
-    request asked to re-prefill instead of mapping);
-    kvhandoff_mapped_tokens_total{from,to}: cached positions mapped between models;
-    kvhandoff_prefill_tokens_avoided_total{kind}: prompt tokens served from a cache instead of prefilled (kind own |
-    mapped); kvhandoff_time_to_first_token_seconds{status}: request arrival to the first token's distribution
-    (status applied | fallback | reprefill | none); kvhandoff_live_sessions, kvhandoff_cache_bytes: gauges read at
-    scrape time;
-    kvhandoff_evictions_total{reason}: sessions dropped (memory | ttl | sessions); kvhandoff_guard_fallbacks_total
-    {from,to}; kvhandoff_requests_total{endpoint,outcome}; kvhandoff_cancelled_total: generations cancelled by a
-    client that went away.
+    kvhandoff_handoffs_total{from,to,status}: switches of model (status applied | escalated | fallback, or reprefill:
+    the request asked to re-prefill instead of mapping); kvhandoff_mapped_tokens_total{from,to}: cached positions mapped
+    between models; kvhandoff_prefill_tokens_avoided_total{kind}: prompt tokens served from a cache instead of prefilled
+    (kind own | mapped); kvhandoff_time_to_first_token_seconds{status}: request arrival to the first token's
+    distribution (status applied | escalated | fallback | reprefill | none); kvhandoff_live_sessions,
+    kvhandoff_cache_bytes: gauges read at scrape time; kvhandoff_evictions_total{reason}: sessions dropped (memory | ttl
+    | sessions); kvhandoff_guard_fallbacks_total{from,to}; kvhandoff_guard_escalations_total{from,to};
+    kvhandoff_requests_total{endpoint,outcome}; kvhandoff_cancelled_total: generations cancelled by a client that went
+    away.
 
     The prefix cache (`track_prefix_cache`), per model, read at scrape time: kvhandoff_prefix_cache_bytes,
     kvhandoff_prefix_cache_nodes; kvhandoff_prefix_cache_hits_total{model,kind} (kind own | mapped: the model's
@@ -49,6 +48,9 @@ class ServingMetrics:
         self.guard_fallbacks = Counter("kvhandoff_guard_fallbacks",
                                        "Mapped caches the quality guard rejected (the model re-prefilled)",
                                        ["from", "to"], registry=r)
+        self.guard_escalations = Counter("kvhandoff_guard_escalations",
+                                         "Mapped caches the quality guard rejected (handed over again with a larger "
+                                         "recompute budget)", ["from", "to"], registry=r)
         self.requests = Counter("kvhandoff_requests", "Requests answered", ["endpoint", "outcome"], registry=r)
         self.cancelled = Counter("kvhandoff_cancelled", "Generations cancelled by a client that went away",
                                  registry=r)
@@ -68,14 +70,16 @@ class ServingMetrics:
         status = report["status"]
         source, target = report["from"] or "", report["to"]
         self.ttft.labels(status=status).observe(seconds)
-        if status in ("applied", "fallback", "reprefill"):
+        if status in ("applied", "escalated", "fallback", "reprefill"):
             self.handoffs.labels(source, target, status).inc()
-        if status in ("applied", "fallback"):
+        if status in ("applied", "escalated", "fallback"):
             self.mapped_tokens.labels(source, target).inc(report["mapped_tokens"])
         if status == "fallback":
             self.guard_fallbacks.labels(source, target).inc()
+        if status == "escalated":
+            self.guard_escalations.labels(source, target).inc()
         cached = report["cached_tokens"]
-        mapped = report["mapped_tokens"] if status == "applied" else 0
+        mapped = report["mapped_tokens"] if status in ("applied", "escalated") else 0
         if mapped:
             self.prefill_avoided.labels(kind="mapped").inc(mapped)
         if cached - mapped > 0:

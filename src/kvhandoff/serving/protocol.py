@@ -412,15 +412,16 @@ class GuardInfo(BaseModel):
 class HandoffInfo(BaseModel):
     """What the server did with the conversation's cache for this request (also header X-KV-Handoff: status).
 
-    status: "applied" (another model's cache was mapped and served), "fallback" (it was mapped, the guard
+    status: "applied" (another model's cache was mapped and served), "escalated" (it was mapped, the guard rejected it,
+    and it was handed over again with a larger recompute budget and served), "fallback" (it was mapped, the guard
     rejected it, the model re-prefilled), "reprefill" (another model served last and the request asked for
     ``kv_handoff.mode`` "reprefill" or "exact": nothing was mapped, the model re-prefilled), "none" (no switch: the
-    model's own cache or a prefill). approximate_tokens: the prompt positions served from cached K/V that are not
-    the model's own exact ones (mapped at this or an earlier switch, or read on top of mapped ones); 0 when
-    everything cached was its own.
+    model's own cache or a prefill). approximate_tokens: the prompt positions served from cached K/V that are not the
+    model's own exact ones (mapped at this or an earlier switch, or read on top of mapped ones); 0 when everything
+    cached was its own.
     """
 
-    status: Literal["applied", "fallback", "reprefill", "none"]
+    status: Literal["applied", "escalated", "fallback", "reprefill", "none"]
     from_: str | None = Field(default=None, serialization_alias="from")
     to: str
     mapped_tokens: int
