@@ -130,6 +130,8 @@ def test_a_guard_record_round_trips_and_an_old_manifest_checksums_as_before(mani
     ({"dev_switches": 0}, "guard.dev_switches"),
     ({"bad_switches": 31}, "guard.bad_switches"),
     ({"window": True}, "guard.window"),
+    ({"action": "escalate"}, "guard.action"),
+    ({"action": "retry"}, "guard.action"),
 ])
 def test_a_bad_guard_record_names_its_field(manifest, edit, field):
     data = {**manifest.to_dict(), "guard": {**guard_record().to_dict(), **edit}}
@@ -137,6 +139,16 @@ def test_a_bad_guard_record_names_its_field(manifest, edit, field):
         MapperManifest.from_dict(data)
     with pytest.raises(MapperFormatError, match="field 'guard'"):  # a field missing, or one it does not know
         MapperManifest.from_dict({**manifest.to_dict(), "guard": {"signal": "entropy"}})
+
+
+def test_a_guard_records_its_action_and_a_fallback_record_keeps_its_checksum(manifest):
+    plain = manifest.with_guard(guard_record())
+    assert plain.guard.action == "fallback" and "action" not in plain.to_dict()["guard"]
+    assert plain.checksum() == manifest.with_guard(guard_record(action="fallback")).checksum()
+    escalating = manifest.with_guard(guard_record(action="escalate:recent:35%",
+                                                  rule="best_retention_at_min_speedup"))
+    again = loads(dumps(escalating), "manifest.json")
+    assert again.guard.action == "escalate:recent:35%" and again.checksum() != plain.checksum()
 
 
 def recompute_record(**changes) -> RecomputeChoice:

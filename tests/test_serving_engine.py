@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -312,16 +313,17 @@ def test_a_fallback_keeps_the_receiving_models_own_turns_and_reads_only_the_rest
 
 
 def test_an_escalation_hands_the_flagged_switch_over_again_with_a_larger_budget():
-    """small → large with a noisy mapper whose recorded guard flags every switch, under guard_action escalate with
-    everything recomputed: the handover is made again under recent:100%, so large answers as a prefill of the
-    whole conversation would, from a cache that ends as a prefill's; the report says so and counts the mapped
-    positions as served from the cache."""
+    """small → large with a noisy mapper whose recorded guard flags every switch and escalates with everything
+    recomputed: the handover is made again under recent:100%, so large answers as a prefill of the whole
+    conversation would, from a cache that ends as a prefill's; the report says so and counts the mapped positions
+    as served from the cache."""
     family, mappers = tiny_family()
     large, tokenizer = family["large"]
-    bad = noisy_with_guard(mappers["small", "large"], ALWAYS_FALL_BACK)
+    bad = noisy_with_guard(mappers["small", "large"], dataclasses.replace(ALWAYS_FALL_BACK,
+                                                                         action="escalate:recent:100%"))
 
     async def main():
-        engine = Engine(family, {**mappers, ("small", "large"): bad}, ServeConfig(guard_action="escalate:recent:100%"))
+        engine = Engine(family, {**mappers, ("small", "large"): bad}, ServeConfig())
         try:
             first = (("user", "Tell me about the tides, please."),)
             text, report, _ = await ask(engine, "small", messages=first, session="s", max_tokens=8)
@@ -351,7 +353,8 @@ def test_an_escalation_is_refused_where_a_handover_cannot_be_made_again():
     with pytest.raises(ConfigError, match="'fallback' or 'escalate:RULE:BUDGET'"):
         ServeConfig(guard_action="escalate")
     assert ServeConfig(guard_action="escalate:recent:35%").to_dict()["guard_action"] == "escalate:recent:35%"
-    assert ServeConfig().guard_action == Fallback()
+    assert ServeConfig().guard_action is None  # each pair's recorded action, else a fallback
+    assert ServeConfig(guard_action="fallback").guard_action == Fallback()
 
 
 def test_the_family_renders_with_one_template_so_a_switch_keeps_the_whole_history(caplog):

@@ -5,6 +5,7 @@ the start-up log, /health and each response show it."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 
@@ -17,9 +18,10 @@ from kvhandoff import fit_mapper
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, Recent
+from kvhandoff.runtime.policy import parse as policy_of
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.calibrate import calibrate_guard, record_guards
-from kvhandoff.serving.config import DEFAULT_GUARD_WINDOW, ServeConfig
+from kvhandoff.serving.config import DEFAULT_GUARD_WINDOW, Escalate, Fallback, ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.guard import (
     GuardPolicy,
@@ -259,6 +261,24 @@ def test_each_pair_takes_its_recorded_guard_a_configured_one_or_none():
         GuardPolicy("recorded", "vibes", 1.0)
 
 
+def test_a_pair_acts_as_its_record_says_unless_an_action_is_configured():
+    _, mappers = family_with_a_recorded_forward_guard()
+    assert guard_policies(ServeConfig(), mappers)[FORWARD].action == Fallback()  # a record without one falls back
+    escalating = dataclasses.replace(recorded(), action="escalate:recent:35%")
+    _, mappers = family_with_a_recorded_forward_guard(escalating)
+    policy = guard_policies(ServeConfig(), mappers)[FORWARD]
+    assert policy.action == Escalate(Recent(0.35)) and policy.to_dict()["action"] == "escalate:recent:35%"
+    assert "→ escalate:recent:35% (recorded" in policy.describe(*FORWARD)
+    assert guard_policies(ServeConfig(guard_action="fallback"), mappers)[FORWARD].action == Fallback()
+    configured = guard_policies(ServeConfig(guard_threshold=1.0, guard_action="escalate:sinks:50%"), mappers)
+    assert {p.action for p in configured.values()} == {Escalate(policy_of("sinks:50%"))}
+    _, unreadable = family_with_a_recorded_forward_guard(dataclasses.replace(recorded(), action="escalate:warp:9%"))
+    policy = guard_policies(ServeConfig(), unreadable)[FORWARD]
+    assert policy.source == "none" and "acts by 'escalate:warp:9%'" in policy.note
+    with pytest.raises(ConfigError, match="Fallback or an Escalate"):
+        GuardPolicy("recorded", "entropy", 1.0, action="escalate:recent:35%")
+
+
 def test_start_up_says_how_each_pair_is_guarded(caplog):
     models, mappers = family_with_a_recorded_forward_guard()
     caplog.set_level(logging.INFO, logger="kvhandoff.serving.engine")
@@ -266,7 +286,8 @@ def test_start_up_says_how_each_pair_is_guarded(caplog):
     lines = [(r.levelno, r.getMessage()) for r in caplog.records
              if r.name == "kvhandoff.serving.engine" and "guard" in r.getMessage()]
     assert len(lines) == 2  # one line per pair
-    assert (logging.INFO, "guard for small → large: entropy > 7 over the new turn's last 32 positions (recorded: "
+    assert (logging.INFO, "guard for small → large: entropy > 7 over the new turn's last 32 positions → fallback "
+            "(recorded: "
             "AUROC 0.80 for answer_changed on 20 dev switches, recompute recent:5%)") in lines
     level, line = next(entry for entry in lines if "large → small" in entry[1])
     assert level == logging.WARNING
@@ -285,7 +306,7 @@ def test_health_and_each_response_show_the_pairs_guard():
     with running(models, mappers, guard=True) as server:
         health = httpx.get(server.url + "/health", timeout=30).json()["guard"]
         assert health["small → large"] == {"source": "recorded", "signal": "entropy", "threshold": 100.0,
-                                           "window": 16, "note": None,
+                                           "window": 16, "action": "fallback", "note": None,
                                            "recorded": recorded(threshold=100.0, window=16).to_dict()}
         assert health["large → small"]["source"] == "none" and health["large → small"]["threshold"] is None
 

@@ -50,9 +50,16 @@ def _int_rows(name: str, value) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(row) for row in value)
 
 
-#: how a recorded guard threshold was chosen: the one maximising catch rate − false-fallback rate on the dev switches
-#: (under a bound on the false-fallback rate when `GuardCalibration.target_rate` is set)
-GUARD_RULES = ("max_catch_minus_false_fallback",)
+#: how a recorded guard threshold was chosen: "max_catch_minus_false_fallback", the one maximising catch rate −
+#: false-fallback rate on the dev switches (under a bound on the false-fallback rate when
+#: `GuardCalibration.target_rate` is set); "best_retention_at_min_speedup", the one whose guarded switches (those it
+#: flags served by its action) keep the highest mean retention over the switch benchmark's dev tasks while the mean
+#: speed-up over re-prefill stays at a minimum
+GUARD_RULES = ("max_catch_minus_false_fallback", "best_retention_at_min_speedup")
+#: what a recorded guard does at a switch it flags: "fallback" (re-prefill), or "escalate:RULE:BUDGET" (hand over
+#: again under that recompute policy; the server parses the spec)
+GUARD_FALLBACK = "fallback"
+GUARD_ESCALATE = "escalate:"
 
 
 def _bad_guard(name: str, problem: str) -> MapperFormatError:
@@ -75,7 +82,9 @@ class GuardCalibration:
     ``target_rate`` (the bound on the dev false-fallback rate; None: none); dev_switches / bad_switches: the dev
     switches scored and the bad ones among them; catch_rate / false_fallback_rate: the threshold's rates on them
     (None for a class without switches); dev_conversations: the conversations they came from; recompute: the
-    recompute policy spec the switches were handed over under; window: the new turn's last positions scored.
+    recompute policy spec the switches were handed over under; window: the new turn's last positions scored;
+    action: what the server does at a switch the guard flags, `GUARD_FALLBACK` or `GUARD_ESCALATE` + a recompute
+    spec (a record without one falls back).
     """
 
     signal: str
@@ -91,8 +100,14 @@ class GuardCalibration:
     dev_conversations: int
     recompute: str
     window: int
+    action: str = GUARD_FALLBACK
 
     def __post_init__(self) -> None:
+        if not isinstance(self.action, str) or not (
+                self.action == GUARD_FALLBACK
+                or (self.action.startswith(GUARD_ESCALATE) and len(self.action) > len(GUARD_ESCALATE))):
+            raise _bad_guard("action", f"must be {GUARD_FALLBACK!r} or '{GUARD_ESCALATE}RULE:BUDGET', got "
+                                       f"{self.action!r}")
         for name in ("signal", "label", "recompute"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise _bad_guard(name, f"must be a non-empty string, got {getattr(self, name)!r}")
@@ -114,7 +129,12 @@ class GuardCalibration:
         object.__setattr__(self, "threshold", float(threshold))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The record's fields; ``action`` only when it is not the fallback (a record written before guards had
+        actions keeps its checksum)."""
+        data = dataclasses.asdict(self)
+        if self.action == GUARD_FALLBACK:
+            del data["action"]
+        return data
 
 
 #: how a recorded recompute policy was chosen: the fastest measured point (the highest speed-up over re-prefill at

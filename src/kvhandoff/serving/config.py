@@ -86,7 +86,8 @@ class ServeConfig:
     max_body_bytes: the largest request body read (past it: 413, refused before it is read whole). guard: score a mapped
     cache before it serves and act when the score exceeds the pair's threshold (False: never, for every pair);
     guard_action: what it does then, a `Fallback` (re-prefill) or an `Escalate` (hand over again with a larger recompute
-    budget), given as one or as its spec ("fallback", "escalate:recent:35%") and stored parsed. Each ordered pair's
+    budget), given as one or as its spec ("fallback", "escalate:recent:35%") and stored parsed, for every pair; None:
+    each pair's recorded guard's action, else a fallback. Each ordered pair's
     guard (`guard.GuardPolicy`): a guard_threshold given here is "configured" for every pair (with guard_signal, default
     `DEFAULT_GUARD_SIGNAL`, and guard_window, default `DEFAULT_GUARD_WINDOW`); without one each pair uses the guard
     recorded in its mapper's manifest (`kvhandoff guard-calibrate`) — when a guard_signal or guard_window given here
@@ -119,7 +120,7 @@ class ServeConfig:
     guard_signal: str | None = None
     guard_threshold: float | None = None
     guard_window: int | None = None
-    guard_action: GuardAction | str = Fallback()
+    guard_action: GuardAction | str | None = None
     api_key: str | tuple[str, ...] | None = None
     open_probes: bool = True
     tool_parser: str = "hermes"
@@ -171,7 +172,8 @@ class ServeConfig:
         # parsed here, once: the engine and its sessions hold the policy object
         if self.recompute is not None:
             object.__setattr__(self, "recompute", policy.parse(self.recompute))
-        object.__setattr__(self, "guard_action", parse_guard_action(self.guard_action))
+        if self.guard_action is not None:
+            object.__setattr__(self, "guard_action", parse_guard_action(self.guard_action))
         if isinstance(self.guard_action, Escalate) and self.handover != "incremental":
             raise ConfigError("serve guard_action 'escalate' needs handover 'incremental' (under 'all' the previous "
                               "model's cache is given away at the switch, so the handover cannot be made again)")
@@ -193,4 +195,5 @@ class ServeConfig:
         written)."""
         keys = f"{len(self.api_key)} set" if self.api_key else None
         recompute = None if self.recompute is None else self.recompute.spec
-        return {**asdict(self), "recompute": recompute, "guard_action": self.guard_action.spec, "api_key": keys}
+        action = None if self.guard_action is None else self.guard_action.spec
+        return {**asdict(self), "recompute": recompute, "guard_action": action, "api_key": keys}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -46,7 +47,7 @@ from kvhandoff.runtime.prefix_store import PrefixStore
 from kvhandoff.runtime.seam import new_cache
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.chat import chat_template_of, render, render_text
-from kvhandoff.serving.config import Escalate, ServeConfig
+from kvhandoff.serving.config import Escalate, Fallback, ServeConfig
 from kvhandoff.serving.decoding import Sampler, SamplingParams, end_ids, held_back, stop_index
 from kvhandoff.serving.grammar import GrammarSpec, ToolCalls
 from kvhandoff.serving.guard import GuardPolicy, guard_policies, guard_score, reference_logprobs
@@ -495,6 +496,20 @@ def _llama_cpp_recomputes(recomputes: dict) -> dict:
     return served
 
 
+def _llama_cpp_guards(guards: dict) -> dict:
+    """Each pair's `GuardPolicy` as a llama.cpp family serves it: a recorded escalation whose recompute rule a
+    llama.cpp target cannot serve falls back instead, said at start-up (a configured one was refused already)."""
+    served = {}
+    for (source, target), guard in guards.items():
+        if isinstance(guard.action, Escalate) and not serves_recompute(guard.action.recompute):
+            logger.warning("llama.cpp: the guard recorded for %s → %s escalates to %s, which ranks positions with a "
+                           "transformers model's layers; its flagged switches re-prefill instead", source, target,
+                           guard.action.recompute.spec)
+            guard = dataclasses.replace(guard, action=Fallback())
+        served[source, target] = guard
+    return served
+
+
 def _fit_llama_cpp(config: ServeConfig, models) -> ServeConfig:
     """``config`` with at most as many sessions as every llama.cpp model's context holds sequences for (less a
     running batch's and the scratch sequences a handoff uses); said when it lowers them."""
@@ -567,6 +582,8 @@ class Engine:
         self.plans = pair_plans(self.plan, self.recomputes)
         self.guards: dict[tuple[str, str], GuardPolicy] = guard_policies(
             config, self._mappers, {pair: plan.recompute for pair, plan in self.plans.items()})
+        if any(isinstance(model, LlamaCppModel) for model in hosted):
+            self.guards = _llama_cpp_guards(self.guards)
         for (source, target), chosen in self.recomputes.items():
             logger.info("%s", chosen.describe(source, target))
         self._announce_guards()
@@ -880,9 +897,9 @@ class Engine:
             if policy.active:
                 score = guard_score(policy.signal, logprobs, reference, new, mapped / common)
                 guard = policy.report(score)
-                if policy.rejects(score) and isinstance(self.config.guard_action, Escalate):
+                if policy.rejects(score) and isinstance(policy.action, Escalate):
                     session.undo_handover()  # hand over again, recomputing more of what is mapped
-                    plan = session.plan_for(previous, server).with_recompute(self.config.guard_action.recompute)
+                    plan = session.plan_for(previous, server).with_recompute(policy.action.recompute)
                     status = "escalated"
                     logprobs = yield from self._read_chunked(session, server, new, 1, cancelled, plan)
                 elif policy.rejects(score):  # re-read what the model does not hold exactly (its own turns stay)

@@ -46,7 +46,11 @@ from kvhandoff.serving.config import (
     DEFAULT_GUARD_WINDOW,
     GUARD_SIGNALS,
     REFERENCE_GUARD_SIGNALS,
+    Escalate,
+    Fallback,
+    GuardAction,
     ServeConfig,
+    parse_guard_action,
 )
 from kvhandoff.serving.decoding import greedy_answer
 
@@ -123,8 +127,9 @@ GUARD_SOURCES = ("recorded", "configured", "none")
 class GuardPolicy:
     """The quality guard of one ordered pair (from → to), as the server applies it at that pair's switches: a
     mapped cache whose ``signal`` score exceeds ``threshold`` (over the new turn's last ``window`` positions) is
-    re-prefilled. source: one of `GUARD_SOURCES`; note: why a pair has no guard, or what to know about its record
-    (None: nothing); recorded: the manifest's record the policy came from (source "recorded" only)."""
+    re-prefilled (``action`` a `Fallback`) or handed over again with a larger recompute budget (an `Escalate`).
+    source: one of `GUARD_SOURCES`; note: why a pair has no guard, or what to know about its record (None: nothing);
+    recorded: the manifest's record the policy came from (source "recorded" only)."""
 
     source: str
     signal: str | None = None
@@ -132,10 +137,14 @@ class GuardPolicy:
     window: int = DEFAULT_GUARD_WINDOW
     note: str | None = None
     recorded: GuardCalibration | None = None
+    action: GuardAction = field(default_factory=Fallback)
 
     def __post_init__(self) -> None:
         if self.source not in GUARD_SOURCES:
             raise ConfigError(f"a guard's source must be one of {', '.join(GUARD_SOURCES)}, got {self.source!r}")
+        if not isinstance(self.action, Fallback | Escalate):
+            raise ConfigError(f"a guard's action is a Fallback or an Escalate (parse_guard_action reads a spec), got "
+                              f"{self.action!r}")
         if self.active:
             check_signal(self.signal)
             if isinstance(self.threshold, bool) or not isinstance(self.threshold, int | float):
@@ -165,7 +174,8 @@ class GuardPolicy:
         the note, and the record it came from."""
         data = {"source": self.source, "signal": self.signal,
                 "threshold": None if self.threshold is None else float(self.threshold),
-                "window": self.window if self.active else None, "note": self.note}
+                "window": self.window if self.active else None, "action": self.action.spec if self.active else None,
+                "note": self.note}
         if self.recorded is not None:
             data["recorded"] = self.recorded.to_dict()
         return data
@@ -176,7 +186,7 @@ class GuardPolicy:
         if not self.active:  # the note names the pair
             return self.note or f"no guard for {pair}: switches are served mapped"
         line = f"guard for {pair}: {self.signal} > {self.threshold:.4g} over the new turn's last {self.window} " \
-               f"positions ({self.source}"
+               f"positions → {self.action.spec} ({self.source}"
         if self.recorded is not None:
             record = self.recorded
             auroc = "-" if record.auroc is None else f"{record.auroc:.2f}"
@@ -206,7 +216,7 @@ def guard_policy(config: ServeConfig, recorded: GuardCalibration | None, pair: s
         return GuardPolicy("none", note="the quality guard is off (--guard off): switches are served mapped")
     if config.guard_threshold is not None:
         return GuardPolicy("configured", config.guard_signal or DEFAULT_GUARD_SIGNAL, float(config.guard_threshold),
-                           config.guard_window or DEFAULT_GUARD_WINDOW)
+                           config.guard_window or DEFAULT_GUARD_WINDOW, action=config.guard_action or Fallback())
     if recorded is None:
         return GuardPolicy("none", note=f"no guard recorded for {pair}: switches are served mapped without a guard; "
                                         f"{NO_GUARD_HINT}")
@@ -223,12 +233,19 @@ def guard_policy(config: ServeConfig, recorded: GuardCalibration | None, pair: s
             f"guard; serve without --guard-signal/--guard-window to use the record, give --guard-threshold, or "
             f"record one for the configured signal (`kvhandoff guard-calibrate --signal "
             f"{config.guard_signal or recorded.signal}`)"), recorded=recorded)
+    try:
+        action = config.guard_action or parse_guard_action(recorded.action)
+    except ConfigError as exc:
+        return GuardPolicy("none", note=(
+            f"the guard recorded for {pair} acts by {recorded.action!r}, which this kvhandoff cannot read ({exc}): "
+            f"switches are served mapped without a guard; give --guard-action, or record it again"),
+            recorded=recorded)
     note = None
     served = (recompute or config.served_recompute).spec
     if recorded.recompute != served:
         note = (f"measured under recompute {recorded.recompute}, served under {served}: record it again under the "
                 f"served policy (`kvhandoff guard-calibrate --recompute {served}`)")
-    return GuardPolicy("recorded", recorded.signal, recorded.threshold, recorded.window, note, recorded)
+    return GuardPolicy("recorded", recorded.signal, recorded.threshold, recorded.window, note, recorded, action)
 
 
 def guard_policies(config: ServeConfig, mappers: Mapping, recomputes: Mapping | None = None
