@@ -27,6 +27,7 @@ from kvhandoff_lab.evaluation.switchguard import (
     choose_threshold,
     guard_costs,
     guard_row,
+    guard_separation,
     guard_table,
     guarded_report,
     guarded_task,
@@ -82,9 +83,10 @@ def main() -> None:
            "min_speedup": args.min_speedup, "threshold": args.threshold, "flagged": {}}
     for flagged in args.flagged.split(","):
         costs = guard_costs(seconds, args.served, flagged)
-        rows = guard_table(tasks_of(args.dev_run, args, flagged), costs)
+        dev_tasks = tasks_of(args.dev_run, args, flagged)
+        rows = guard_table(dev_tasks, costs)
         chosen = (choose_threshold(rows, args.min_speedup) if args.threshold is None else
-                  guard_row(tasks_of(args.dev_run, args, flagged), costs, args.threshold))
+                  guard_row(dev_tasks, costs, args.threshold))
         print(f"\n== flagged switches served by {flagged} (costs {costs}) ==\ndev Pareto front:")
         for row in pareto(rows):
             print("  " + describe(row))
@@ -94,8 +96,14 @@ def main() -> None:
             print(f"no threshold keeps {args.min_speedup}× on dev")
         else:
             print(("chosen on dev: " if args.threshold is None else "given, on dev: ") + describe(chosen))
-            report = guarded_report(tasks_of(args.report_run, args, flagged), costs,
-                                    chosen.threshold)
+            report_tasks = tasks_of(args.report_run, args, flagged)
+            separation = {"dev": guard_separation(dev_tasks, chosen.threshold),
+                          "report": guard_separation(report_tasks, chosen.threshold)}
+            for pool, got in separation.items():
+                print(f"  {pool}: {got['bad']} of {got['switches']} switches below the target alone; AUROC "
+                      f"{got['auroc']}, catch {got['catch_rate']}, false fallback {got['false_fallback_rate']}")
+            entry["separation"] = separation
+            report = guarded_report(report_tasks, costs, chosen.threshold)
             print("report: " + describe(GuardRow(**report["row"])))
             for name, task in report["tasks"].items():
                 print(f"  {name:12s} n={task['n']:4d} score {task['score']:.3f}  "

@@ -81,6 +81,14 @@ def test_costs_come_from_a_ttft_measurement_with_the_reprefill_as_the_target():
         G.guard_costs(seconds, "switch:turn_attention:5%", "switch:recent:50%")
 
 
+def test_the_separation_counts_the_switches_below_the_target_alone():
+    got = G.guard_separation({"coqa": COQA, "nq": NQ}, 2.0)
+    # bad: CoQA's items 0 and 2 (below the target's 1.0); NQ's none
+    assert (got["switches"], got["bad"]) == (6, 2)
+    assert got["catch_rate"] == 1.0 and got["false_fallback_rate"] == pytest.approx(1 / 4)  # NQ's 2.8 flagged
+    assert got["auroc"] == pytest.approx((4 + 3) / 8)  # 3.0 beats all four; 2.5 all but 2.8
+
+
 def test_the_entropy_gain_discounts_the_sources_own_entropy_over_the_turn():
     entry = {"scores": {"switch": [1.0, 0.0], "target": [1.0, 1.0], "source": [0.0, 0.0]},
              "guard_entropy": {"switch": [2.5, 1.5], "source": [2.75, 0.5]}}

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from kvhandoff.errors import ConfigError
+from kvhandoff.serving.guard import auroc
 from kvhandoff_lab.evaluation.metrics import mean
 from kvhandoff_lab.evaluation.switch import paired_difference
 
@@ -152,6 +153,22 @@ def choose_threshold(rows: Sequence[GuardRow], min_speedup: float) -> GuardRow |
     if not kept:
         return None
     return max(kept, key=lambda row: (row.mean_retention, -row.flagged_share))
+
+
+def guard_separation(tasks: Mapping[str, GuardedTask], threshold: float) -> dict:
+    """How the guard's score singles out the switches that score below the target alone (the bad ones) over all
+    of ``tasks``' items: switches, bad ones, the score's AUROC for them (None with one class only) and, at
+    ``threshold``, the share of the bad ones flagged (catch rate) and of the others (false-fallback rate)."""
+    scores, bad = [], []
+    for task in tasks.values():
+        scores += list(task.guard)
+        bad += [s < t for s, t in zip(task.served, task.target, strict=True)]
+    flagged = [g > threshold for g in scores]
+    good = len(bad) - sum(bad)
+    return {"switches": len(bad), "bad": sum(bad), "auroc": auroc(scores, bad),
+            "catch_rate": sum(f and b for f, b in zip(flagged, bad, strict=True)) / sum(bad) if sum(bad) else None,
+            "false_fallback_rate": (sum(f and not b for f, b in zip(flagged, bad, strict=True)) / good
+                                    if good else None)}
 
 
 def guarded_report(tasks: Mapping[str, GuardedTask], costs: GuardCosts, threshold: float,
