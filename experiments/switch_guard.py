@@ -8,7 +8,8 @@ items, then scored on report items (`kvhandoff_lab.evaluation.switchguard`).
 
 DEV_RUN / REPORT_RUN: `kvhandoff-lab eval-switch` runs of the generative group whose records carry the guard's
 score (`guard_entropy`), with the served switch, the target and source alone and each flagged condition; TTFT_JSON:
-an `eval-switch --ttft-repeats` run with the seconds of the served and flagged conditions and the re-prefill.
+an `eval-switch --ttft-repeats` run with the seconds of the served and flagged conditions, the re-prefill and the
+source's reference pass over the question (counted at every switch for "entropy_gain").
 For each flagged condition ("target": fall back; "switch:recent:35%": escalate) the threshold is the one with the
 best mean retention on DEV_RUN at MIN_SPEEDUP or faster (or the --threshold given, such as the one a pair's guard
 records); its dev Pareto front and report scores are printed and written to OUT_JSON.
@@ -21,6 +22,7 @@ import json
 import math
 from pathlib import Path
 
+from kvhandoff.serving.guard import needs_reference
 from kvhandoff_lab.evaluation.switchguard import (
     GUARD_SIGNALS,
     GuardRow,
@@ -43,10 +45,11 @@ def tasks_of(run_dir: str, args, flagged: str) -> dict:
             and (only is None or name in only)}
 
 
-def ttft_seconds(path: str, direction: str) -> dict:
+def ttft_seconds(path: str, direction: str) -> tuple[dict, float | None]:
+    """(mean seconds per path, the guard's reference pass seconds or None) of a time-to-first-token run."""
     result = json.loads(Path(path).read_text(encoding="utf-8"))
     (task,) = result["directions"][direction]["tasks"].values()
-    return task["ttft"]["mean"]["seconds"]
+    return task["ttft"]["mean"]["seconds"], task["ttft"]["mean"].get("guard_reference_seconds")
 
 
 def pareto(rows: list) -> list:
@@ -78,11 +81,12 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=None,
                         help="score this threshold (e.g. a pair's recorded guard) instead of choosing one on dev")
     args = parser.parse_args()
-    seconds = ttft_seconds(args.ttft_json, args.direction)
+    seconds, reference = ttft_seconds(args.ttft_json, args.direction)
+    reference = reference if needs_reference(args.signal) else 0.0
     out = {"served": args.served, "signal": args.signal, "direction": args.direction,
            "min_speedup": args.min_speedup, "threshold": args.threshold, "flagged": {}}
     for flagged in args.flagged.split(","):
-        costs = guard_costs(seconds, args.served, flagged)
+        costs = guard_costs(seconds, args.served, flagged, reference)
         dev_tasks = tasks_of(args.dev_run, args, flagged)
         rows = guard_table(dev_tasks, costs)
         chosen = (choose_threshold(rows, args.min_speedup) if args.threshold is None else

@@ -79,6 +79,10 @@ def test_costs_come_from_a_ttft_measurement_with_the_reprefill_as_the_target():
     assert G.guard_costs(seconds, "switch:turn_attention:5%", "switch:recent:35%").flagged == 14.0
     with pytest.raises(ConfigError, match=r"switch:recent:50%.*--ttft-repeats"):
         G.guard_costs(seconds, "switch:turn_attention:5%", "switch:recent:50%")
+    relative = G.guard_costs(seconds, "switch:turn_attention:5%", "target", reference=0.5)
+    assert relative.speedup(0.0) == pytest.approx(32 / 4.5)  # the reference pass at every switch
+    with pytest.raises(ConfigError, match="guard_reference_seconds"):
+        G.guard_costs(seconds, "switch:turn_attention:5%", "target", reference=None)
 
 
 def test_the_separation_counts_the_switches_below_the_target_alone():

@@ -890,7 +890,9 @@ def time_to_first_token(source, target, mapper, history: History, question: Sequ
                         warmup: int = 0) -> dict:
     """Seconds to the target's first-token logits after ``history`` + ``question``: re-prefill (the target
     prefills both) and the switch under each policy (map the source's history cache, patch, the target prefills
-    the question), interleaved; medians of ``repeats`` after ``warmup`` untimed rounds."""
+    the question), interleaved; medians of ``repeats`` after ``warmup`` untimed rounds. Beside them
+    (``guard_reference_seconds``): the source reading the question over its own history cache, then rolled back —
+    the reference pass a relative guard signal adds at a switch."""
     source_cache = prefill(source, torch.tensor([list(history.ids)], device=model_device(source)))[0]
     both = torch.tensor([list(history.ids) + list(question)], device=model_device(target))
     turn = torch.tensor([list(question)], device=model_device(target))
@@ -898,16 +900,19 @@ def time_to_first_token(source, target, mapper, history: History, question: Sequ
     switches = {switch_name(p): SwitchOnHistory(switch_name(p), source, target, mapper, prefills, exact_prefix, p)
                 for p in policies}
     times: dict[str, list[float]] = {"reprefill": [], **{name: [] for name in switches}}
+    references: list[float] = []
     for round_ in range(warmup + repeats):
         timed = {"reprefill": _seconds(lambda: prefill(target, both))}
         for name, switch in switches.items():
             timed[name] = _seconds(lambda s=switch: prefill(target, turn, s.switch(history, source_cache, question)))
+        reference = _seconds(lambda: question_entropy(source, source_cache, question))
         if round_ >= warmup:
             for name, seconds in timed.items():
                 times[name].append(seconds)
+            references.append(reference)
     medians = {name: float(np.median(values)) for name, values in times.items()}
     return {"history": history.key, "history_tokens": len(history.ids), "question_tokens": len(question),
-            "seconds": medians,
+            "seconds": medians, "guard_reference_seconds": float(np.median(references)),
             "speedup": {name: medians["reprefill"] / s for name, s in medians.items() if name != "reprefill"}}
 
 
@@ -917,8 +922,9 @@ def mean_ttft(timings: Sequence[dict]) -> dict:
         return {}
     names = timings[0]["seconds"]
     seconds = {name: mean([t["seconds"][name] for t in timings]) for name in names}
+    references = [t["guard_reference_seconds"] for t in timings if "guard_reference_seconds" in t]
     return {"histories": len(timings), "history_tokens": mean([t["history_tokens"] for t in timings]),
-            "seconds": seconds,
+            "seconds": seconds, **({"guard_reference_seconds": mean(references)} if references else {}),
             "speedup": {name: seconds["reprefill"] / s for name, s in seconds.items() if name != "reprefill"}}
 
 

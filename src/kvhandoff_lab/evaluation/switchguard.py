@@ -78,27 +78,34 @@ def guarded_task(entry: Mapping, served: str, flagged: str, signal: str = "entro
 @dataclass(frozen=True)
 class GuardCosts:
     """Seconds to the first token at one history length: the served switch's, the flagged condition's (the
-    re-prefill's for ``target``) and the re-prefill's."""
+    re-prefill's for ``target``) and the re-prefill's; reference: the source's pass over the new turn a relative
+    signal adds at every switch (0 for a signal without one)."""
 
     served: float
     flagged: float
     reprefill: float
+    reference: float = 0.0
 
     def speedup(self, flagged_share: float) -> float:
         """Mean speed-up over re-prefill when ``flagged_share`` of the switches are flagged."""
-        return self.reprefill / (self.served + flagged_share * self.flagged)
+        return self.reprefill / (self.served + self.reference + flagged_share * self.flagged)
 
 
-def guard_costs(ttft: Mapping, served: str, flagged: str) -> GuardCosts:
+def guard_costs(ttft: Mapping, served: str, flagged: str, reference: float | None = 0.0) -> GuardCosts:
     """`GuardCosts` from a time-to-first-token measurement's mean seconds (``{"reprefill": s, condition: s}``, as
-    `eval-switch --ttft-repeats` writes them)."""
+    `eval-switch --ttft-repeats` writes them); ``reference``: its ``guard_reference_seconds`` for a relative signal
+    (None: it has none, refused)."""
     seconds = dict(ttft)
     seconds.setdefault(TARGET, seconds.get("reprefill"))
     missing = [name for name in (served, flagged, "reprefill") if seconds.get(name) is None]
     if missing:
         raise ConfigError(f"the time-to-first-token measurement has no seconds for {', '.join(missing)}; measure "
                           f"them with eval-switch --ttft-repeats and the same --recompute")
-    return GuardCosts(float(seconds[served]), float(seconds[flagged]), float(seconds["reprefill"]))
+    if reference is None:
+        raise ConfigError("the time-to-first-token measurement has no guard_reference_seconds (the source's pass "
+                          "over the new turn a relative signal needs): measure it again with eval-switch "
+                          "--ttft-repeats")
+    return GuardCosts(float(seconds[served]), float(seconds[flagged]), float(seconds["reprefill"]), float(reference))
 
 
 @dataclass(frozen=True)
