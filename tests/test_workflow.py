@@ -255,3 +255,18 @@ def test_a_mapper_with_a_measured_recompute_policy_records_it_when_fitted(pair, 
     assert Mapper.load(folder, pair.source, pair.target).manifest.recompute == choice
     other, _, _ = obtain_mapper(pair, FitConfig(ridge_lambda=0.5), CALIBRATION, progress=False)
     assert other.manifest.recompute is None  # measured for the default fit only
+
+
+def test_the_default_pairs_measured_records_serve_as_recorded():
+    """Each record the default mappers are fitted with is one the server takes as it is: its signal known, its
+    action readable, measured under the recompute policy recorded beside it (no note)."""
+    from kvhandoff.runtime.policy import parse
+    from kvhandoff.serving.config import Escalate, ServeConfig
+    from kvhandoff.serving.guard import guard_policy
+
+    for record in workflow.MEASURED_RECORDS:
+        policy = guard_policy(ServeConfig(), record.guard, recompute=parse(record.recompute.spec))
+        assert (policy.source, policy.note, policy.signal) == ("recorded", None, record.guard.signal)
+    forward = workflow.MEASURED_RECORDS[0]
+    assert (forward.source, forward.target) == (workflow.DEFAULT_SOURCE, workflow.DEFAULT_TARGET)
+    assert guard_policy(ServeConfig(), forward.guard).action == Escalate(parse("recent:35%"))

@@ -69,15 +69,17 @@ class MeasuredRecord:
 #: the records measured for the embedded pair's default mappers, written into their manifests when they are fitted,
 #: so that a fresh machine serves the default pair with them. Recompute policies: `kvhandoff-lab eval-switch --tasks
 #: coqa_gen,boolq_long --sweep-recompute recent,turn_attention --budgets 0,5 --limit 24 --ttft-lengths 2048
-#: --record-recompute` (docs/RESULTS.md "Each pair's recorded policy"); guards, under those policies: `kvhandoff
+#: --record-recompute` (docs/RESULTS.md "Each pair's recorded policy"); guards, under those policies: small →
+#: large, the switch benchmark's dev items, the threshold of the best mean retention at 5× escalating to
+#: recent:35% (`experiments/switch_guard.py`, docs/RESULTS.md "A guard at the switch"); large → small, `kvhandoff
 #: guard-calibrate --conversations 20 --turns 4 --signal entropy --label answer_changed` (docs/SERVING.md "The
 #: quality guard").
 MEASURED_RECORDS: tuple[MeasuredRecord, ...] = (
     MeasuredRecord(DEFAULT_SOURCE, DEFAULT_TARGET, FitConfig(), CalibrationSpec(), guard=GuardCalibration(
-        signal="entropy", threshold=1.2423617839813232, auroc=0.5637254901960784, label="answer_changed",
-        rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=29, bad_switches=17,
-        catch_rate=0.5882352941176471, false_fallback_rate=0.25, dev_conversations=19, recompute="turn_attention:5%",
-        window=64),
+        signal="entropy_gain", threshold=0.059260999999999786, auroc=0.6427640156453716, label="switch_below_target",
+        rule="best_retention_at_min_speedup", target_rate=None, dev_switches=72, bad_switches=13,
+        catch_rate=0.23076923076923078, false_fallback_rate=0.03389830508474576, dev_conversations=24,
+        recompute="turn_attention:5%", window=64, action="escalate:recent:35%"),
         recompute=RecomputeChoice(
             spec="turn_attention:5%", rule="fastest_at_min_retention", min_retention=0.97, group="generative",
             tasks=("coqa_gen", "boolq_long"), pool="dev", items_per_task=21, mean_retention=0.9487403050783332,
