@@ -222,3 +222,28 @@ def test_only_the_last_handover_can_be_taken_back_while_it_stands(trio):
     whole.read("b", ids[10:15])
     with pytest.raises(ConfigError, match="handover 'incremental'"):
         whole.undo_handover()
+
+
+@pytest.mark.real_models
+def test_real_pair_handover_taken_back_and_made_again_recomputing_all():
+    """The default pair: the 1.5B handed the 0.5B's story under the recorded policy, the handover taken back and
+    made again recomputing every mapped position — the 1.5B's next-token distribution is its own prefill's."""
+    from kvhandoff.demo import demo_script
+    from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
+    from kvhandoff.workflow import load_named_pair, obtain_mapper
+
+    pair = load_named_pair(DEFAULT_SOURCE, DEFAULT_TARGET, progress=False)
+    small, large, tokenizer = pair.source, pair.target, pair.models.tokenizer
+    up = obtain_mapper(pair, progress=False)[0]
+    story = tokenizer(demo_script().story + "\n\n")["input_ids"]
+    question = tokenizer("Q: What was the man's name?\n\nA:")["input_ids"]
+    session = SwitchingSession({"small": small, "large": large}, {("small", "large"): up})
+    session.read("small", story)
+    mapped = session.read_logprobs("large", question, keep=1, plan=HandoffPlan.of(recompute="turn_attention:5%"))
+    session.undo_handover()
+    assert (session.tokens, session.owner, session.cache("large")) == (story, "small", None)
+    again = session.read_logprobs("large", question, keep=1, plan=HandoffPlan(0, Recent(1.0)))
+    with torch.no_grad():
+        own = large(input_ids=torch.tensor([story + question])).logits[0, -1:].float().log_softmax(-1)
+    torch.testing.assert_close(again, own, atol=2e-3, rtol=0)
+    assert not torch.allclose(mapped, own, atol=2e-3)  # the first handover served an approximation
