@@ -561,6 +561,8 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
     assert (models, mappers) == ({"models": 1}, {"mappers": 2})
     assert (config.port, config.guard, config.max_context, config.cache_memory_bytes) == (0, False, 300, 1000)
     assert config.guard_action == Escalate(Recent(0.35))
+    invoke(["serve", "--models", "small=/m/s,large=/m/l"])
+    assert calls["run"][2].guard_action is None  # each pair's recorded action
     assert config.recompute == Sinks(0.1) and config.recompute.spec == "sinks:10%"  # parsed by the option, once
     assert calls["llama_cpp"] == (None, None)
 

@@ -55,8 +55,9 @@ GuardSignal = Annotated[str | None, typer.Option(parser=one_of(GUARD_SIGNALS), h
 
 GuardActionOption = Annotated[object, typer.Option(parser=guard_action, metavar="fallback|escalate:RULE:BUDGET",
                                                    help=(
-    "what the guard does at a switch it flags: re-prefill (fallback), or hand the conversation over again "
-    "recomputing more of it (e.g. escalate:recent:35%)"))]
+    "what the guard does at a switch it flags, for every pair: re-prefill (fallback), or hand the conversation "
+    "over again recomputing more of it (e.g. escalate:recent:35%); default: each pair's recorded action, else "
+    "fallback"))]
 GuardThreshold = Annotated[float | None, typer.Option(help=(
     "re-prefill when the guard's score exceeds this, for every pair (default: each pair's threshold recorded by "
     "`kvhandoff guard-calibrate`; a pair without one serves mapped)"))]
@@ -85,7 +86,7 @@ def serve(
     guard: GuardSwitch = "on",
     guard_signal: GuardSignal = ServeConfig.guard_signal,
     guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
-    guard_action: GuardActionOption = "fallback",
+    guard_action: GuardActionOption = None,
     max_sessions: Annotated[int, typer.Option(parser=positive_int, help="live sessions at once")] = 256,
     session_ttl: Annotated[float, typer.Option(parser=positive_float, help="seconds an idle session is kept")]
     = 1800.0,

@@ -23,7 +23,15 @@ from kvhandoff.cli.options import (
     positive_ints,
     recompute_policy,
 )
-from kvhandoff.cli.serve import GuardSignal, GuardSwitch, GuardThreshold, Mappers, Models, family_specs
+from kvhandoff.cli.serve import (
+    GuardActionOption,
+    GuardSignal,
+    GuardSwitch,
+    GuardThreshold,
+    Mappers,
+    Models,
+    family_specs,
+)
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.family import load_family
@@ -48,12 +56,13 @@ TimeLimit = Annotated[float | None, typer.Option("--time-limit", parser=positive
 
 
 def _server_config(guard: str, guard_signal: str, guard_threshold: float,
-                   recompute: RecomputePolicy | None) -> ServeConfig:
+                   recompute: RecomputePolicy | None, guard_action=None) -> ServeConfig:
     """The measured server's settings: the measurements name their recompute policy (default `DEFAULT_RECOMPUTE`
-    for every pair), so that a result says what it was served under."""
+    for every pair), so that a result says what it was served under; guard_action: every pair's (None: each pair's
+    recorded one)."""
     with option_errors("--guard-threshold"):
         return ServeConfig(guard=guard == "on", guard_signal=guard_signal, guard_threshold=guard_threshold,
-                           recompute=recompute or DEFAULT_RECOMPUTE, log_level="warning")
+                           guard_action=guard_action, recompute=recompute or DEFAULT_RECOMPUTE, log_level="warning")
 
 
 def _print(table) -> None:
@@ -76,6 +85,7 @@ def bench_serve(
     guard: GuardSwitch = "off",
     guard_signal: GuardSignal = ServeConfig.guard_signal,
     guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
+    guard_action: GuardActionOption = None,
     recompute: Recompute = None,
     time_limit: TimeLimit = None,
     out: Annotated[Path, typer.Option(help="the result (JSON)")] = Path("runs/serve_bench.json"),
@@ -83,7 +93,7 @@ def bench_serve(
 ) -> None:
     """Time to first token over HTTP at a model switch: the handoff vs the target re-prefilling, side by side on one
     server on a free loopback port."""
-    config = _server_config(guard, guard_signal, guard_threshold, recompute)
+    config = _server_config(guard, guard_signal, guard_threshold, recompute, guard_action)
     family = load_family(*family_specs(models, mapper), progress=True)
     result = run_serve_bench(*family, config, lengths=lengths, direction=direction, repeats=repeats,
                              max_tokens=max_tokens, warmup=warmup, time_limit_s=time_limit, out=out, plot=plot,
