@@ -29,6 +29,7 @@ from kvhandoff.serving.guard import (
     WithinTime,
     auroc,
     choose_threshold,
+    flag_rates,
     guard_policies,
     guard_records_by_signal,
     guard_score,
@@ -103,6 +104,8 @@ def test_auroc_and_threshold_choice():
     threshold, catch, false = choose_threshold([0.1, 0.7, 0.6, 0.9], [False, False, True, True],
                                                max_false_fallback=0.0)
     assert threshold == 0.7 and catch == 0.5 and false == 0.0
+    assert flag_rates([0.1, 0.7, 0.6, 0.9], [False, False, True, True], 0.65) == (0.5, 0.5)
+    assert flag_rates([0.1, 0.9], [True, True], 0.5) == (0.5, None)  # no negatives: no false-fallback rate
     summary = summarize_guard([GuardRecord(0, 1, "a", "b", 5, s, y) for s, y in
                                ((0.1, False), (None, True), (0.9, True))], "kl")
     assert summary.handoffs == 2 and summary.changed == 1 and summary.auroc == 1.0

@@ -308,6 +308,17 @@ def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float | None:
     return wins / (len(positives) * len(negatives))
 
 
+def flag_rates(scores: Sequence[float], labels: Sequence[bool], threshold: float) -> tuple[float | None, float | None]:
+    """(catch rate, false-fallback rate) of the guard "act when score > threshold": the share of the positives it
+    flags and of the negatives; None for a class with no records."""
+    flagged = [s > threshold for s in scores]
+    positives = sum(labels)
+    negatives = len(labels) - positives
+    caught = sum(f and y for f, y in zip(flagged, labels, strict=True))
+    false = sum(f and not y for f, y in zip(flagged, labels, strict=True))
+    return (caught / positives if positives else None), (false / negatives if negatives else None)
+
+
 def choose_threshold(scores: Sequence[float], labels: Sequence[bool],
                      max_false_fallback: float | None = None) -> tuple[float | None, float | None, float | None]:
     """(threshold, catch rate, false-fallback rate) of the guard "fall back when score > threshold" that maximises
@@ -317,15 +328,9 @@ def choose_threshold(scores: Sequence[float], labels: Sequence[bool],
         return None, None, None
     ordered = sorted(set(scores))
     candidates = [ordered[0] - 1.0, *ordered]
-    positives = sum(labels)
-    negatives = len(labels) - positives
     best = None
     for threshold in candidates:
-        flagged = [s > threshold for s in scores]
-        caught = sum(f and y for f, y in zip(flagged, labels, strict=True))
-        false = sum(f and not y for f, y in zip(flagged, labels, strict=True))
-        catch = caught / positives if positives else None
-        false_rate = false / negatives if negatives else None
+        catch, false_rate = flag_rates(scores, labels, threshold)
         if max_false_fallback is not None and false_rate is not None and false_rate > max_false_fallback:
             continue
         gain = (catch or 0.0) - (false_rate or 0.0)

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.serving.guard import auroc
+from kvhandoff.serving.guard import auroc, flag_rates
 from kvhandoff_lab.evaluation.metrics import mean
 from kvhandoff_lab.evaluation.switch import paired_difference
 
@@ -170,12 +170,9 @@ def guard_separation(tasks: Mapping[str, GuardedTask], threshold: float) -> dict
     for task in tasks.values():
         scores += list(task.guard)
         bad += [s < t for s, t in zip(task.served, task.target, strict=True)]
-    flagged = [g > threshold for g in scores]
-    good = len(bad) - sum(bad)
-    return {"switches": len(bad), "bad": sum(bad), "auroc": auroc(scores, bad),
-            "catch_rate": sum(f and b for f, b in zip(flagged, bad, strict=True)) / sum(bad) if sum(bad) else None,
-            "false_fallback_rate": (sum(f and not b for f, b in zip(flagged, bad, strict=True)) / good
-                                    if good else None)}
+    catch, false_rate = flag_rates(scores, bad, threshold)
+    return {"switches": len(bad), "bad": sum(bad), "auroc": auroc(scores, bad), "catch_rate": catch,
+            "false_fallback_rate": false_rate}
 
 
 def guarded_report(tasks: Mapping[str, GuardedTask], costs: GuardCosts, threshold: float,

@@ -36,7 +36,14 @@ from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff.serving.calibrate import chat_turns, switching_schedule
 from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
 from kvhandoff.serving.decoding import end_ids
-from kvhandoff.serving.guard import GuardRecord, WithinTime, auroc, guard_records_by_signal, summarize_guard
+from kvhandoff.serving.guard import (
+    GuardRecord,
+    WithinTime,
+    auroc,
+    flag_rates,
+    guard_records_by_signal,
+    summarize_guard,
+)
 from kvhandoff_lab.evaluation.metrics import paired_bootstrap, token_f1
 from kvhandoff_lab.serving.client import machine_facts
 from kvhandoff_lab.serving.workload import coqa_dialogues
@@ -60,13 +67,10 @@ def rates(records: list[GuardRecord], threshold: float | None) -> dict:
     """Catch rate (changed answers with score > threshold) and false-fallback rate (unchanged ones above it) of
     ``records`` with a score; None where a class is empty or there is no threshold."""
     scored = [r for r in records if r.score is not None]
-    changed = [r for r in scored if r.differs]
-    unchanged = [r for r in scored if not r.differs]
     if threshold is None:
         return {"catch_rate": None, "false_fallback_rate": None, "fallback_rate": None}
-    return {"catch_rate": sum(r.score > threshold for r in changed) / len(changed) if changed else None,
-            "false_fallback_rate": (sum(r.score > threshold for r in unchanged) / len(unchanged)
-                                    if unchanged else None),
+    catch, false_rate = flag_rates([r.score for r in scored], [r.differs for r in scored], threshold)
+    return {"catch_rate": catch, "false_fallback_rate": false_rate,
             "fallback_rate": sum(r.score > threshold for r in scored) / len(scored) if scored else None}
 
 
