@@ -51,8 +51,6 @@ GuardSwitch = Annotated[str, typer.Option(parser=one_of(("on", "off")), help=(
     "score a mapped cache before it serves and re-prefill when it scores as degraded"))]
 GuardSignal = Annotated[str | None, typer.Option(parser=one_of(GUARD_SIGNALS), help=(
     "the guard's score (default: each pair's recorded one; with --guard-threshold: entropy)"))]
-
-
 GuardActionOption = Annotated[object, typer.Option(parser=guard_action, metavar="fallback|escalate:RULE:BUDGET",
                                                    help=(
     "what the guard does at a switch it flags, for every pair: re-prefill (fallback), or hand the conversation "

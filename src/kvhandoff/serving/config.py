@@ -59,9 +59,10 @@ def parse_guard_action(spec: str | GuardAction) -> GuardAction:
     action as it is; ConfigError naming the forms otherwise."""
     if isinstance(spec, Fallback | Escalate):
         return spec
-    if isinstance(spec, str) and spec.strip() == Fallback.spec:
+    text = spec.strip() if isinstance(spec, str) else ""
+    if text == Fallback.spec:
         return Fallback()
-    head, sep, rest = spec.strip().partition(":") if isinstance(spec, str) else ("", "", "")
+    head, sep, rest = text.partition(":")
     if head == "escalate" and sep and rest:
         return Escalate(policy.parse(rest))
     raise ConfigError(f"guard action must be 'fallback' or 'escalate:RULE:BUDGET' (e.g. 'escalate:recent:35%'), "
@@ -87,15 +88,14 @@ class ServeConfig:
     cache before it serves and act when the score exceeds the pair's threshold (False: never, for every pair);
     guard_action: what it does then, a `Fallback` (re-prefill) or an `Escalate` (hand over again with a larger recompute
     budget), given as one or as its spec ("fallback", "escalate:recent:35%") and stored parsed, for every pair; None:
-    each pair's recorded guard's action, else a fallback. Each ordered pair's
-    guard (`guard.GuardPolicy`): a guard_threshold given here is "configured" for every pair (with guard_signal, default
-    `DEFAULT_GUARD_SIGNAL`, and guard_window, default `DEFAULT_GUARD_WINDOW`); without one each pair uses the guard
-    recorded in its mapper's manifest (`kvhandoff guard-calibrate`) — when a guard_signal or guard_window given here
-    differs from the record's, or there is no record, that pair has no guard (its switches serve mapped; said at
-    start-up). api_key: one key or several
-    (stored as a tuple); when set, every request but the probes (``/health``, ``/metrics``, while ``open_probes``)
-    must carry ``Authorization: Bearer <key>`` with one of them, and each key is a tenant of its own (its caches and
-    sessions serve no other key). tool_parser: how tool calls are read out of answers (a name of
+    each pair's recorded guard's action, else a fallback. Each ordered pair's guard (`guard.GuardPolicy`): a
+    guard_threshold given here is "configured" for every pair (with guard_signal, default `DEFAULT_GUARD_SIGNAL`, and
+    guard_window, default `DEFAULT_GUARD_WINDOW`); without one each pair uses the guard recorded in its mapper's
+    manifest (`kvhandoff guard-calibrate`) — when a guard_signal or guard_window given here differs from the record's,
+    or there is no record, that pair has no guard (its switches serve mapped; said at start-up). api_key: one key or
+    several (stored as a tuple); when set, every request but the probes (``/health``, ``/metrics``, while
+    ``open_probes``) must carry ``Authorization: Bearer <key>`` with one of them, and each key is a tenant of its own
+    (its caches and sessions serve no other key). tool_parser: how tool calls are read out of answers (a name of
     `tools.TOOL_PARSERS`). handover: as in `SwitchingSession`. exact_prefix / recompute: the handoffs' `HandoffPlan`
     (`plan`; exact_prefix None: the mapper's own setting); recompute is a `RecomputePolicy` for every pair, given as
     one or as a spec such as "sinks:10%" and stored parsed; None: each pair's policy recorded with its mapper, else

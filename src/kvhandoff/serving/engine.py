@@ -498,7 +498,8 @@ def _llama_cpp_recomputes(recomputes: dict) -> dict:
 
 def _llama_cpp_guards(guards: dict) -> dict:
     """Each pair's `GuardPolicy` as a llama.cpp family serves it: a recorded escalation whose recompute rule a
-    llama.cpp target cannot serve falls back instead, said at start-up (a configured one was refused already)."""
+    llama.cpp target cannot serve falls back instead, said at start-up (a configured one is refused before the
+    workers start)."""
     served = {}
     for (source, target), guard in guards.items():
         if isinstance(guard.action, Escalate) and not serves_recompute(guard.action.recompute):
@@ -552,7 +553,8 @@ class Engine:
             raise ConfigError(f"mappers: no mapper for {', '.join(missing)} (every ordered pair needs one)")
         hosted = [model for model, _ in models.values()]
         self.recomputes = pair_recomputes(config, mappers)
-        if any(isinstance(model, LlamaCppModel) for model in hosted):
+        llama_cpp = any(isinstance(model, LlamaCppModel) for model in hosted)
+        if llama_cpp:
             self.recomputes = _llama_cpp_recomputes(self.recomputes)
             if isinstance(config.guard_action, Escalate):
                 check_recompute(config.guard_action.recompute)
@@ -582,7 +584,7 @@ class Engine:
         self.plans = pair_plans(self.plan, self.recomputes)
         self.guards: dict[tuple[str, str], GuardPolicy] = guard_policies(
             config, self._mappers, {pair: plan.recompute for pair, plan in self.plans.items()})
-        if any(isinstance(model, LlamaCppModel) for model in hosted):
+        if llama_cpp:
             self.guards = _llama_cpp_guards(self.guards)
         for (source, target), chosen in self.recomputes.items():
             logger.info("%s", chosen.describe(source, target))
