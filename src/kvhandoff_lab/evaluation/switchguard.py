@@ -65,9 +65,8 @@ def guarded_task(entry: Mapping, served: str, flagged: str, signal: str = "entro
     needed = (served, "source") if signal == "entropy_gain" else (served,)
     unscored = [name for name in needed if name not in entropies]
     if unscored:
-        raise ConfigError(f"the run's {' and '.join(unscored)} records carry no guard entropy (records stored "
-                          f"before it was recorded): run eval-switch into a fresh --out, with the records that "
-                          f"have it copied in")
+        raise ConfigError(f"the run's {' and '.join(unscored)} records carry no guard entropy: run eval-switch "
+                          f"into a fresh --out, copying in only stored records that carry one")
     guard = [float(v) for v in entropies[served]]
     if signal == "entropy_gain":
         guard = [g - float(r) for g, r in zip(guard, entropies["source"], strict=True)]
