@@ -1,15 +1,16 @@
 """The server's quality guard at the switch benchmark's switches: fall back to a re-prefill, or escalate to a larger
-recompute budget, at the switches whose guard score (--signal: "entropy", the target's entropy over the new turn;
-"entropy_gain", that minus the source's over the same turn on its own cache) is above a threshold chosen on dev
-items, then scored on report items (`kvhandoff_lab.evaluation.switchguard`).
+recompute budget, at the switches whose guard score (--signal: one of the server's guard signals, such as
+"logloss", the target's mean log-loss on the new turn minus the source's on its own cache) is above a threshold
+chosen on dev items, then scored on report items (`kvhandoff_lab.evaluation.switchguard`).
 
     python experiments/switch_guard.py DEV_RUN REPORT_RUN TTFT_JSON OUT_JSON [--served COND] [--flagged COND,...]
         [--direction forward] [--min-speedup 5] [--signal entropy_gain] [--tasks coqa_gen,...] [--threshold T]
 
-DEV_RUN / REPORT_RUN: `kvhandoff-lab eval-switch` runs of the generative group whose records carry the guard's
-score (`guard_entropy`), with the served switch, the target and source alone and each flagged condition; TTFT_JSON:
-an `eval-switch --ttft-repeats` run with the seconds of the served and flagged conditions, the re-prefill and the
-source's reference pass over the question (counted at every switch for "entropy_gain").
+DEV_RUN / REPORT_RUN: `kvhandoff-lab eval-switch` runs of the generative group whose served switch's records carry
+the guard's scores (`guard_scores`; `guard_entropy` for "entropy" and "entropy_gain"), with the target and source
+alone and each flagged condition; TTFT_JSON: an `eval-switch --ttft-repeats` run with the seconds of the served and
+flagged conditions, the re-prefill and the source's reference pass over the question (counted at every switch for
+a signal that needs it).
 For each flagged condition ("target": fall back; "switch:recent:35%": escalate) the threshold is the one with the
 best mean retention on DEV_RUN at MIN_SPEEDUP or faster (or the --threshold given, such as the one a pair's guard
 records); its dev Pareto front and report scores are printed and written to OUT_JSON.

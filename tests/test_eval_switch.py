@@ -11,6 +11,8 @@ from kvhandoff.model.cache import prefill, rollback
 from kvhandoff.runtime.handoff import handoff_cache
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import Deviation, NoRecompute, Recent, Sinks
+from kvhandoff.serving.config import GUARD_SIGNALS
+from kvhandoff.serving.guard import guard_score
 from kvhandoff_lab.evaluation import switch as W
 from kvhandoff_lab.evaluation.tasks import pool_of
 
@@ -311,22 +313,29 @@ def test_records_carry_their_readers_guard_entropy_over_the_question(models):
         with torch.no_grad():
             logits = target(input_ids=torch.tensor([list(item.question)]), cache=cache, use_cache=True).logits
         rollback(cache, length)
-        logprobs = logits[0, -W.DEFAULT_GUARD_WINDOW:].float().log_softmax(-1)
-        expected = float(-(logprobs.exp() * logprobs).sum(-1).mean())
+        served = logits[0, -W.DEFAULT_GUARD_WINDOW:].float().log_softmax(-1)
+        expected = float(-(served.exp() * served).sum(-1).mean())
         for name in ("switch", "switch:recent:20%"):
             record = W.turn_record(W.SWITCH_TASKS[task], conditions[name], item, TOK, 2)
             assert record["guard_entropy"] > 0
-        record = W.turn_record(W.SWITCH_TASKS[task], conditions["switch"], item, TOK, 2)
-        assert record["guard_entropy"] == pytest.approx(expected, rel=1e-4)
+        switched = W.turn_record(W.SWITCH_TASKS[task], conditions["switch"], item, TOK, 2)
+        assert switched["guard_entropy"] == pytest.approx(expected, rel=1e-4)
         assert conditions["switch"].turn_cache(item).get_seq_length() == length  # restored
         own = conditions["source"].turn_cache(item)
         with torch.no_grad():
             logits = source(input_ids=torch.tensor([list(item.question)]), cache=own, use_cache=True).logits
         rollback(own, length)
-        logprobs = logits[0, -W.DEFAULT_GUARD_WINDOW:].float().log_softmax(-1)
-        expected = float(-(logprobs.exp() * logprobs).sum(-1).mean())
+        reference = logits[0, -W.DEFAULT_GUARD_WINDOW:].float().log_softmax(-1)
+        expected = float(-(reference.exp() * reference).sum(-1).mean())
         record = W.turn_record(W.SWITCH_TASKS[task], conditions["source"], item, TOK, 2)
-        assert record["guard_entropy"] == pytest.approx(expected, rel=1e-4)
+        assert record["guard_entropy"] == pytest.approx(expected, rel=1e-4) and "guard_scores" not in record
+        # a switch scores every guard signal the server has for a turn, against the source's pass on its own cache
+        assert set(switched["guard_scores"]) == set(W.SWITCH_GUARD_SIGNALS) == set(GUARD_SIGNALS) - {"mapped_share"}
+        for signal, score in switched["guard_scores"].items():
+            assert score == pytest.approx(guard_score(signal, served, reference, item.question), rel=1e-3, abs=1e-5)
+        assert switched["guard_scores"]["entropy_gain"] == pytest.approx(switched["guard_entropy"]
+                                                                          - record["guard_entropy"], abs=1e-4)
+        assert conditions["source"].turn_cache(item).get_seq_length() == length  # the reference pass rolled back
 
 
 def test_guard_entropies_only_for_conditions_whose_every_record_has_one():
@@ -362,6 +371,9 @@ def test_generative_direction_resumes_and_stops_at_the_time_limit(models, tmp_pa
     assert "choice_kl" in boolq["transfers"]["switch"] and len(boolq["scores"]["target"]) == 4
     assert set(nq["guard_entropy"]) == {"target", "source", "switch", "switch:recent:10%"}
     assert len(nq["guard_entropy"]["switch"]) == 4
+    assert set(nq["guard_scores"]) == {"switch", "switch:recent:10%"}
+    assert set(nq["guard_scores"]["switch"]) == set(W.SWITCH_GUARD_SIGNALS)
+    assert len(nq["guard_scores"]["switch"]["kl"]) == 4 and min(nq["guard_scores"]["switch"]["kl"]) >= 0
     assert switch["minus_target"]["value"] == pytest.approx(
         np.mean(nq["scores"]["switch"]) - np.mean(nq["scores"]["target"]))
     stores = sorted(p.name.split("-")[0] for p in (tmp_path / "switch-nq_open").glob("*.jsonl"))

@@ -65,12 +65,24 @@ def test_runs_without_guard_scores_or_conditions_are_refused_with_the_fix():
     entry["guard_entropy"] = {"switch:turn_attention:5%": [1.5]}
     task = G.guarded_task(entry, "switch:turn_attention:5%", "target")
     assert task.guard == (1.5,) and task.flagged == (1.0,)
-    with pytest.raises(ConfigError, match="source records carry no guard entropy"):
+    with pytest.raises(ConfigError, match="source records carry no 'entropy_gain' guard score"):
         G.guarded_task(entry, "switch:turn_attention:5%", "target", signal="entropy_gain")
-    with pytest.raises(ConfigError, match="entropy, entropy_gain"):
+    with pytest.raises(ConfigError, match=r"turn_attention:5% records carry no 'kl' guard score.*fresh --out"):
         G.guarded_task(entry, "switch:turn_attention:5%", "target", signal="kl")
+    with pytest.raises(ConfigError, match="logloss, kl, kl_answer, entropy, entropy_gain"):
+        G.guarded_task(entry, "switch:turn_attention:5%", "target", signal="mapped_share")
     with pytest.raises(ConfigError, match="no scored items"):
         G.guard_row({}, COSTS, 1.0)
+
+
+def test_the_served_switchs_recorded_guard_scores_come_before_its_entropy():
+    entry = {"scores": {"switch:turn_attention:5%": [1.0, 0.0], "target": [1.0, 1.0], "source": [0.0, 0.0]},
+             "guard_entropy": {"switch:turn_attention:5%": [1.5, 0.5], "source": [1.0, 1.0]},
+             "guard_scores": {"switch:turn_attention:5%": {"logloss": [0.1, 0.9], "entropy": [1.4, 0.6]}}}
+    assert G.guarded_task(entry, "switch:turn_attention:5%", "target", signal="logloss").guard == (0.1, 0.9)
+    assert G.guarded_task(entry, "switch:turn_attention:5%", "target", signal="entropy").guard == (1.4, 0.6)
+    # a signal the record lacks comes from the entropies where it can
+    assert G.guarded_task(entry, "switch:turn_attention:5%", "target", signal="entropy_gain").guard == (0.5, -0.5)
 
 
 def test_costs_come_from_a_ttft_measurement_with_the_reprefill_as_the_target():

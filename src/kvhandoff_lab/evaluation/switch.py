@@ -25,7 +25,9 @@ history when there is none). Generative items are answered greedily (`answer_on`
 KL from the target's distribution of the first answer token to its own (``answer_kl``). Every record carries the
 server's guard score "entropy" of its reader over the new turn (``guard_entropy``, `question_entropy`): on a
 switch, the handed-over cache's; on the source alone, the reference a relative guard compares it with (what the
-previous model makes of the same turn on its own cache), for what a guard would do at each switch (`switchguard`).
+previous model makes of the same turn on its own cache). A switch record also carries every guard signal the
+server scores a switch with, against the source's reference pass over the turn (``guard_scores``), for what a guard
+would do at each switch (`switchguard`).
 
 Time to first token (`time_to_first_token`): on a history and a question, the target's re-prefill of both against
 the switch (mapping + exact prefix + recompute + the target's prefill of the question), interleaved, median of
@@ -54,7 +56,7 @@ from kvhandoff.runtime.handoff import handoff_cache
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import NoRecompute, RecomputePolicy, SelectionInfo
 from kvhandoff.runtime.seam import as_kv_cache
-from kvhandoff.serving.config import DEFAULT_GUARD_WINDOW
+from kvhandoff.serving.config import DEFAULT_GUARD_WINDOW, GUARD_SIGNALS
 from kvhandoff.serving.guard import guard_score
 from kvhandoff_lab.evaluation.metrics import mean, paired_bootstrap, summarise_conditions
 from kvhandoff_lab.evaluation.runner import (
@@ -94,6 +96,9 @@ from kvhandoff_lab.evaluation.tasks import (
     parse_tasks,
 )
 
+#: the server's guard signals a switch record scores over the new turn (``guard_scores``): all but the share of
+#: positions mapped, which the history's layout fixes
+SWITCH_GUARD_SIGNALS = tuple(signal for signal in GUARD_SIGNALS if signal != "mapped_share")
 #: history length of the benchmark (tokens) and histories per task
 DEFAULT_HISTORY_TOKENS = 1024
 DEFAULT_HISTORIES = 4
@@ -652,16 +657,30 @@ def answer_on(reader, cache, question: Sequence[int], tokenizer, max_new_tokens:
 
 
 @torch.inference_mode()
-def question_entropy(reader, cache, question: Sequence[int], window: int = DEFAULT_GUARD_WINDOW) -> float:
-    """The server's quality-guard score "entropy" (`serving.guard.guard_score`) of ``cache``: ``reader``'s mean
-    next-token entropy over the question's last ``window`` positions, read on ``cache`` (restored afterwards)."""
+def question_logprobs(reader, cache, question: Sequence[int], window: int = DEFAULT_GUARD_WINDOW) -> torch.Tensor:
+    """``reader``'s float32 next-token log-probs over the question's last ``window`` positions [k, vocab], read on
+    ``cache`` (restored afterwards): what the server's quality guard scores (`serving.guard.guard_score`)."""
     length = cache.get_seq_length()
     try:
         ids = torch.tensor([list(question)], device=model_device(reader))
         logits = reader(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=min(window, len(question))).logits
     finally:
         rollback(cache, length)
-    return guard_score("entropy", logits[0].float().log_softmax(-1), None, question)
+    return logits[0].float().log_softmax(-1)
+
+
+def question_entropy(reader, cache, question: Sequence[int], window: int = DEFAULT_GUARD_WINDOW) -> float:
+    """The server's quality-guard score "entropy" of ``cache``: ``reader``'s mean next-token entropy over the
+    question's last ``window`` positions."""
+    return guard_score("entropy", question_logprobs(reader, cache, question, window), None, question)
+
+
+def question_guard_scores(served: torch.Tensor, reference: torch.Tensor, question: Sequence[int]) -> dict[str, float]:
+    """Every guard signal that scores the new turn (`SWITCH_GUARD_SIGNALS`) of a switch: ``served``, the
+    receiving model's log-probs over the question on the handed-over cache, against ``reference``, the previous
+    model's on its own cache (`question_logprobs`); a signal with nothing to score is left out."""
+    scores = {signal: guard_score(signal, served, reference, question) for signal in SWITCH_GUARD_SIGNALS}
+    return {signal: score for signal, score in scores.items() if score is not None}
 
 
 def first_token_kl(own: torch.Tensor, other: torch.Tensor) -> float:
@@ -734,6 +753,12 @@ class SwitchOnTurn(TurnCondition):
                                                selection_info=SelectionInfo(new_turn=key[2])))
         return self._mapped[1]
 
+    def reference_logprobs(self, item: TurnItem) -> torch.Tensor:
+        """The source's log-probs over the item's question on its own cache of the history and extension (the
+        reference pass of the server's relative guard signals)."""
+        return question_logprobs(self.source, self.prefills.extended(self.source, item.history, item.extension),
+                                 item.question)
+
 
 def turn_conditions(source, target, mapper, policies: Sequence[RecomputePolicy] = (NoRecompute(),),
                     exact_prefix: int | None = None, prefills: HistoryPrefills | None = None
@@ -754,7 +779,10 @@ def turn_record(task: SwitchTask, condition: TurnCondition, item: TurnItem, toke
     KL from its first-answer-token distribution to the condition's, ``answer_kl``)."""
     cache = condition.turn_cache(item)
     record: dict = {"id": item.id, "history": item.history.key, "history_tokens": item.history_tokens}
-    record["guard_entropy"] = question_entropy(condition.reader, cache, item.question)
+    served = question_logprobs(condition.reader, cache, item.question)
+    record["guard_entropy"] = guard_score("entropy", served, None, item.question)
+    if isinstance(condition, SwitchOnTurn):
+        record["guard_scores"] = question_guard_scores(served, condition.reference_logprobs(item), item.question)
     if task.kind == LOGLIKELIHOOD:
         scores = score_turns(condition.reader, cache, item.turns, item.continuation_lengths)
         return {**record, "loglikelihoods": scores, "norm_lengths": list(item.norm_lengths), "gold": item.gold}
@@ -847,13 +875,27 @@ def turn_task_summary(task_name: str, items: Sequence[TurnItem], records: Mappin
             "question_tokens": mean([len(item.question) for item in items]),
             **({"generated_tokens": generated} if task.kind != LOGLIKELIHOOD else {}),
             "scores": {name: [round(v, 6) for v in values] for name, values in scores.items()},
-            "guard_entropy": guard_entropies(records, ids), "item_ids": ids}
+            "guard_entropy": guard_entropies(records, ids), "guard_scores": switch_guard_scores(records, ids),
+            "item_ids": ids}
 
 
 def guard_entropies(records: Mapping[str, Mapping[str, dict]], ids: Sequence[str]) -> dict[str, list[float]]:
     """Per condition whose every record carries it, its reader's guard score of each item (``guard_entropy``)."""
     return {name: [round(recs[i]["guard_entropy"], 6) for i in ids] for name, recs in records.items()
             if ids and all("guard_entropy" in recs[i] for i in ids)}
+
+
+def switch_guard_scores(records: Mapping[str, Mapping[str, dict]], ids: Sequence[str]
+                        ) -> dict[str, dict[str, list[float]]]:
+    """Per switch condition, each guard signal that every record of the condition scores (``guard_scores``): the
+    score of each item."""
+    scores = {}
+    for name, recs in records.items():
+        if not ids or not all("guard_scores" in recs[i] for i in ids):
+            continue
+        signals = [signal for signal in SWITCH_GUARD_SIGNALS if all(signal in recs[i]["guard_scores"] for i in ids)]
+        scores[name] = {signal: [round(recs[i]["guard_scores"][signal], 6) for i in ids] for signal in signals}
+    return scores
 
 
 def pooled_difference(tasks: Mapping[str, dict], condition: str, group: str = GROUP, n_resamples: int = 1000,

@@ -1,13 +1,14 @@
 """What the server's quality guard would do at the switch benchmark's switches.
 
 A guarded switch serves the handed-over cache unless the guard's score of it is above a threshold; the score is one
-of `GUARD_SIGNALS`, from the records' ``guard_entropy`` (a reader's mean next-token entropy over the new turn,
-`switch.question_entropy`): "entropy", the target's on the handed-over cache, or "entropy_gain", that minus the
-source's on its own cache (how much more the handed-over model is surprised by the turn than the model that read
-the history, which discounts a task's own difficulty). A flagged switch is served
-by another condition of the same run instead — ``target`` (the guard falls back to a re-prefill) or a switch with
-a larger recompute budget (it escalates). Its cost at a switch is the served switch's time to first token (the
-guard scores the cache the target has just read the new turn on) plus, when flagged, the other condition's.
+of `GUARD_SIGNALS`, the server's signals of the same names (`serving.guard.guard_score`), from the served switch's
+records: ``guard_scores`` (every signal, scored against the source's reference pass over the new turn), or, for a
+run whose records carry only ``guard_entropy`` (a reader's mean next-token entropy over the new turn), "entropy",
+the target's on the handed-over cache, and "entropy_gain", that minus the source alone's on its own cache. A
+flagged switch is served by another condition of the same run instead — ``target`` (the guard falls back to a
+re-prefill) or a switch with a larger recompute budget (it escalates). Its cost at a switch is the served switch's
+time to first token (the guard scores the cache the target has just read the new turn on), the source's reference
+pass for a signal that needs one, and, when flagged, the other condition's.
 
 `guard_table` sweeps the thresholds of a dev run: per threshold the share flagged, each task's score and retention
 (guarded score / the target alone's), the mean retention, the lowest guarded − source alone over the tasks and the
@@ -24,12 +25,14 @@ from dataclasses import asdict, dataclass
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.guard import auroc, flag_rates
 from kvhandoff_lab.evaluation.metrics import mean
-from kvhandoff_lab.evaluation.switch import paired_difference
+from kvhandoff_lab.evaluation.switch import SWITCH_GUARD_SIGNALS, paired_difference
 
 #: the condition a switch's time to first token is compared with (its seconds are the re-prefill's)
 TARGET = "target"
 #: the guard scores a run's records give (the server's signals of the same names)
-GUARD_SIGNALS = ("entropy", "entropy_gain")
+GUARD_SIGNALS = SWITCH_GUARD_SIGNALS
+#: the signals a run whose records carry only ``guard_entropy`` gives
+ENTROPY_SIGNALS = ("entropy", "entropy_gain")
 
 
 @dataclass(frozen=True)
@@ -52,26 +55,36 @@ class GuardedTask:
 
 
 def guarded_task(entry: Mapping, served: str, flagged: str, signal: str = "entropy") -> GuardedTask:
-    """A task of a run's `switch.json` direction (its per-item ``scores`` and ``guard_entropy``) as a
-    `GuardedTask` scored by ``signal`` (one of `GUARD_SIGNALS`); a ConfigError names what is missing."""
+    """A task of a run's `switch.json` direction (its per-item ``scores`` and ``guard_scores`` or
+    ``guard_entropy``) as a `GuardedTask` scored by ``signal`` (one of `GUARD_SIGNALS`); a ConfigError names what
+    is missing."""
     if signal not in GUARD_SIGNALS:
         raise ConfigError(f"guard signal must be one of {', '.join(GUARD_SIGNALS)}, got {signal!r}")
     scores = entry.get("scores", {})
-    entropies = entry.get("guard_entropy", {})
     missing = [name for name in (served, flagged, TARGET, "source") if name not in scores]
     if missing:
         raise ConfigError(f"the run has no per-item scores for {', '.join(missing)}; run eval-switch with those "
                           f"conditions (--recompute) into the same --out")
+    return GuardedTask(*(tuple(float(v) for v in values) for values in (
+        scores[served], guard_of(entry, served, signal), scores[flagged], scores[TARGET], scores["source"])))
+
+
+def guard_of(entry: Mapping, served: str, signal: str) -> list[float]:
+    """The ``served`` switch's guard score of each item of a task under ``signal``."""
+    recorded = entry.get("guard_scores", {}).get(served, {})
+    if signal in recorded:
+        return [float(v) for v in recorded[signal]]
+    entropies = entry.get("guard_entropy", {})
     needed = (served, "source") if signal == "entropy_gain" else (served,)
-    unscored = [name for name in needed if name not in entropies]
+    unscored = [name for name in needed if name not in entropies] if signal in ENTROPY_SIGNALS else [served]
     if unscored:
-        raise ConfigError(f"the run's {' and '.join(unscored)} records carry no guard entropy: run eval-switch "
-                          f"into a fresh --out, copying in only stored records that carry one")
+        raise ConfigError(f"the run's {' and '.join(unscored)} records carry no {signal!r} guard score: run "
+                          f"eval-switch into a fresh --out, copying in only the stored records of the other "
+                          f"conditions")
     guard = [float(v) for v in entropies[served]]
     if signal == "entropy_gain":
         guard = [g - float(r) for g, r in zip(guard, entropies["source"], strict=True)]
-    return GuardedTask(*(tuple(float(v) for v in values) for values in (
-        scores[served], guard, scores[flagged], scores[TARGET], scores["source"])))
+    return guard
 
 
 @dataclass(frozen=True)
