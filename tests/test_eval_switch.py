@@ -338,6 +338,27 @@ def test_records_carry_their_readers_guard_entropy_over_the_question(models):
         assert conditions["source"].turn_cache(item).get_seq_length() == length  # the reference pass rolled back
 
 
+def test_the_sources_pass_over_a_question_is_shared_by_its_record_and_every_switchs_reference(models):
+    source, target = models
+    conditions = W.turn_conditions(source, target, NoisyMapper(scale=0.3), (NoRecompute(), Recent(0.2)),
+                                    exact_prefix=2)
+    prefills = conditions["source"].prefills
+    first, second = turn_items_of("nq_open", limit=2, histories=1)[:2]
+    for item in (first, second):
+        records = {name: W.turn_record(W.SWITCH_TASKS["nq_open"], condition, item, TOK, 0)
+                   for name, condition in conditions.items()}
+        own = records["source"]["guard_entropy"]
+        for name in ("switch", "switch:recent:20%"):
+            gain = records[name]["guard_scores"]["entropy_gain"]
+            assert gain == pytest.approx(records[name]["guard_entropy"] - own, abs=1e-4)
+    assert prefills.question_passes == 4  # per item one pass of each model, however many switches read it
+    kept = prefills.question_logprobs(source, second.history, second.extension, second.question)
+    assert prefills.question_passes == 4
+    assert torch.equal(kept, W.question_logprobs(source, conditions["source"].turn_cache(second), second.question))
+    prefills.question_logprobs(source, first.history, first.extension, first.question)
+    assert prefills.question_passes == 5  # another question: read again
+
+
 def test_guard_entropies_only_for_conditions_whose_every_record_has_one():
     records = {"target": {"a": {}, "b": {}}, "switch": {"a": {"guard_entropy": 1.25}, "b": {"guard_entropy": 2.0}},
                "switch:recent:5%": {"a": {"guard_entropy": 1.0}, "b": {}}}

@@ -174,6 +174,11 @@ def test_policy_parses_and_validates():
     assert TurnAttention(0.1).reads_new_turn and not Recent(0.1).reads_new_turn
     blocks = policy.parse("turn_attention:10%:block=32")
     assert blocks == TurnAttention(0.1, block=32) and blocks.spec == "turn_attention:10%:block=32"
+    ahead = policy.parse("turn_attention:5%:lookahead=8")
+    assert ahead == TurnAttention(0.05, lookahead=8) and ahead.spec == "turn_attention:5%:lookahead=8"
+    assert policy.parse("turn_attention:5%:lookahead=0").spec == "turn_attention:5%"
+    assert policy.parse(policy.parse("turn_attention:5%:block=4:lookahead=2").spec) == TurnAttention(
+        0.05, block=4, lookahead=2)
     both = policy.parse("source_attention:5%:block=16:window=8")
     assert both == SourceAttention(0.05, source_window=8, block=16) and policy.parse(both.spec) == both
     layers = policy.parse("layers:25%")
@@ -183,11 +188,13 @@ def test_policy_parses_and_validates():
     for bad in ("deviation", "nearby:10%", "recent:150%", "recent:-1", "recent:x", "mix(sinks=0.5):10%",
                 "mix(sinks=0.5,mix=0.5):10%", "mix(layers=0.5,recent=0.5):10%", "layers:10%:window=8",
                 "recent:10%:depth=2", "recent:10%:window=8", "recent:10%:block=4", "mix:10%:block=4",
-                "turn_attention:10%:block=0", "turn_attention:10%:block=4:block=8", "turn_attention:10%:block=x", 3):
+                "turn_attention:10%:block=0", "turn_attention:10%:block=4:block=8", "turn_attention:10%:block=x",
+                "recent:10%:lookahead=4", "source_attention:10%:lookahead=4", "turn_attention:10%:lookahead=-1", 3):
         with pytest.raises(ConfigError):
             policy.parse(bad)
     for bad_policy in (lambda: Recent(1.5), lambda: Recent("0.1"), lambda: SourceAttention(0.1, source_window=0),
-                       lambda: Mix(0.1, (("recent", 0.4),))):
+                       lambda: Mix(0.1, (("recent", 0.4),)),
+                       lambda: TurnAttention(0.1, lookahead=-2)):
         with pytest.raises(ConfigError):
             bad_policy()
     with pytest.raises(dataclasses.FrozenInstanceError):

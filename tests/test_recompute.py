@@ -282,14 +282,40 @@ def test_turn_attention_ranks_by_what_the_source_attends_to_reading_the_new_turn
         policy.positions(target, cache, history, SelectionInfo(new_turn=(1, 2)))
 
 
+def test_turn_attention_with_lookahead_adds_the_sources_greedy_answer(exact):
+    """With a lookahead the scores add the attention the source's next greedy tokens pay the history: equal to the
+    eager attention over history + turn + those tokens; the source's cache is left as it was."""
+    source, target, _ = exact
+    ids = ids_of(batch=1, tokens=40)
+    history, turn = ids[:, :32], ids[:, 32:]
+    answer = turn
+    with torch.inference_mode():
+        for _ in range(3):
+            answer = torch.cat([answer, source(input_ids=torch.cat([history, answer], 1)).logits[:, -1:].argmax(-1)],
+                               dim=1)
+        out = source(input_ids=torch.cat([history, answer], 1), output_attentions=True)
+    reference = sum(att[:, :, 32:, :32].sum(dim=(1, 2)) for att in out.attentions)
+    source_cache, _ = prefill(source, history)
+    scores = turn_attention_scores(source, source_cache, turn, lookahead=3)
+    assert source_cache.get_seq_length() == 32 and (scores - reference).abs().max() <= 1e-4
+    assert not torch.allclose(scores, turn_attention_scores(source, source_cache, turn))
+    picked = TurnAttention(4 / 32, lookahead=3).positions(
+        target, prefill(target, history)[0], history, SelectionInfo(new_turn=tuple(turn[0].tolist())), source,
+        source_cache)
+    assert torch.equal(picked, reference.topk(4, dim=1).indices.sort(dim=1).values)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="lookahead"):
+            turn_attention_scores(source, source_cache, turn, lookahead=bad)
+
+
 def test_a_session_hands_the_new_turn_to_a_policy_that_reads_it(inexact, monkeypatch):
     from kvhandoff.runtime import policy as policy_module
 
     source, target, mapper = inexact
     seen = []
     real = policy_module.turn_attention_scores
-    monkeypatch.setattr(policy_module, "turn_attention_scores",
-                        lambda model, cache, turn: seen.append(turn[0].tolist()) or real(model, cache, turn))
+    monkeypatch.setattr(policy_module, "turn_attention_scores", lambda model, cache, turn, *rest:
+                        seen.append(turn[0].tolist()) or real(model, cache, turn, *rest))
     session = SwitchingSession({"small": source, "large": target}, {("small", "large"): mapper},
                                plan=HandoffPlan.of(0, "turn_attention:20%"))
     first, turn = ids_of(tokens=20, seed=1)[0].tolist(), ids_of(tokens=6, seed=2)[0].tolist()

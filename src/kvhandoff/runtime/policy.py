@@ -317,9 +317,21 @@ class SourceAttention(RecomputePolicy):
 class TurnAttention(SourceAttention):
     """The positions the source attends to most while it reads the new turn (``info.new_turn``) on its cache
     (`turn_attention_scores`): what the turn the target reads next is about. Without a new turn, the source's last
-    ``window`` queries of the history rank them (as `SourceAttention`)."""
+    ``window`` queries of the history rank them (as `SourceAttention`). ``lookahead`` > 0: the source also answers
+    that many tokens greedily after the turn, and its answer's attention counts too (`turn_attention_scores`)."""
 
+    lookahead: int = 0
     rule: ClassVar[str] = "turn_attention"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise ConfigError(f"recompute lookahead must be a non-negative integer, got {self.lookahead!r}")
+
+    @property
+    def spec(self) -> str:
+        spec = super().spec
+        return spec if self.lookahead == 0 or not self.active else f"{spec}:lookahead={self.lookahead}"
 
     @property
     def needs_source_attention(self) -> bool:
@@ -341,7 +353,7 @@ class TurnAttention(SourceAttention):
                                   f"{input_ids.shape[1]}")
             if info.new_turn:
                 turn = torch.tensor([list(info.new_turn)] * input_ids.shape[0], device=input_ids.device)
-                scores = turn_attention_scores(source_model, source_cache, turn)
+                scores = turn_attention_scores(source_model, source_cache, turn, self.lookahead)
             else:
                 scores = source_attention_scores(source_model, source_cache, input_ids, self.window)
             info = replace(info, source_attention=scores)
@@ -449,8 +461,8 @@ DEFAULT_RECOMPUTE: RecomputePolicy = Recent(0.05)
 
 def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
     """The policy of rule ``rule`` (a name in `RULES`) at ``budget``; options: ``shares`` ("mix"), ``window``
-    ("source_attention", "turn_attention", "mix"), ``block`` ("source_attention", "turn_attention"). ConfigError for
-    an unknown rule or an option the rule lacks."""
+    ("source_attention", "turn_attention", "mix"), ``block`` ("source_attention", "turn_attention"), ``lookahead``
+    ("turn_attention"). ConfigError for an unknown rule or an option the rule lacks."""
     if rule not in RULES:
         raise ConfigError(f"recompute rule must be one of {', '.join(RULES)}, got {rule!r}")
     kind = RULES[rule]
@@ -461,6 +473,8 @@ def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
         options["source_window"] = options.pop("window")
     if "block" in options and kind not in (SourceAttention, TurnAttention):
         raise ConfigError(f"recompute rule {rule!r} takes no block (only source_attention and turn_attention do)")
+    if "lookahead" in options and kind is not TurnAttention:
+        raise ConfigError(f"recompute rule {rule!r} takes no lookahead (only turn_attention does)")
     try:
         return kind(budget, **options)
     except TypeError as exc:
@@ -468,13 +482,13 @@ def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
 
 
 #: the options a spec may add after its budget, each "NAME=N" (`policy_for` says which rules take which)
-_OPTIONS = ("window", "block")
+_OPTIONS = ("window", "block", "lookahead")
 
 
 def parse(spec: str | RecomputePolicy) -> RecomputePolicy:
-    """A policy from a spec "RULE:BUDGET[:window=N][:block=N]" (budget a fraction "0.1" or a percentage "10%"; rule
-    "mix(RULE=SHARE,...)" for other shares; "none" alone), or a policy as it is. For the edges: a command-line
-    option, a server's settings, a stored result. ConfigError otherwise."""
+    """A policy from a spec "RULE:BUDGET[:window=N][:block=N][:lookahead=N]" (budget a fraction "0.1" or a
+    percentage "10%"; rule "mix(RULE=SHARE,...)" for other shares; "none" alone), or a policy as it is. For the
+    edges: a command-line option, a server's settings, a stored result. ConfigError otherwise."""
     if isinstance(spec, RecomputePolicy):
         return spec
     if not isinstance(spec, str):

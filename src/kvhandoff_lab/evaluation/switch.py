@@ -287,13 +287,17 @@ def item_record(item: SwitchItem, scores: Sequence[float]) -> dict:
 
 class HistoryPrefills:
     """Each model's cache of the current history (the last ``entries`` histories per model are kept): the target
-    and source conditions read on from it, the switch conditions map the source's."""
+    and source conditions read on from it, the switch conditions map the source's. Each model's latest pass over a
+    question on its own cache is kept too (`question_logprobs`): its alone record and every switch's guard
+    reference read the same one."""
 
     def __init__(self, entries: int = 1) -> None:
         self.entries = entries
         self._caches: dict[tuple[int, str], Any] = {}
         self._extensions: dict[tuple[int, str], tuple[int, ...]] = {}
+        self._questions: dict[int, tuple[tuple, torch.Tensor]] = {}
         self.prefills = 0
+        self.question_passes = 0
 
     def of(self, model, history: History):
         return self.extended(model, history, ())
@@ -318,6 +322,18 @@ class HistoryPrefills:
                 prefill(model, torch.tensor([list(extension)], device=model_device(model)), cache)
                 self._extensions[key] = extension
         return cache
+
+    def question_logprobs(self, model, history: History, extension: Sequence[int], question: Sequence[int]
+                          ) -> torch.Tensor:
+        """``model``'s `question_logprobs` over ``question`` on its own cache of the history and ``extension``;
+        read once while it stays the model's latest question."""
+        key = (history.key, tuple(extension), tuple(question))
+        kept = self._questions.get(id(model))
+        if kept is None or kept[0] != key:
+            self.question_passes += 1
+            kept = (key, question_logprobs(model, self.extended(model, history, extension), question))
+            self._questions[id(model)] = kept
+        return kept[1]
 
 
 class SwitchCondition:
@@ -701,6 +717,10 @@ class TurnCondition:
     def turn_cache(self, item: TurnItem):
         raise NotImplementedError
 
+    def served_logprobs(self, item: TurnItem) -> torch.Tensor:
+        """The reader's `question_logprobs` over the item's question on its ``turn_cache``."""
+        return question_logprobs(self.reader, self.turn_cache(item), item.question)
+
 
 class AloneOnTurn(TurnCondition):
     """A model reads the history and the extension itself (the history prefilled once), then the new turn; it
@@ -712,6 +732,9 @@ class AloneOnTurn(TurnCondition):
 
     def turn_cache(self, item: TurnItem):
         return self.prefills.extended(self.reader, item.history, item.extension)
+
+    def served_logprobs(self, item: TurnItem) -> torch.Tensor:
+        return self.prefills.question_logprobs(self.reader, item.history, item.extension, item.question)
 
     def remember(self, item: TurnItem, first: torch.Tensor) -> None:
         self._first[item.id] = first
@@ -756,8 +779,7 @@ class SwitchOnTurn(TurnCondition):
     def reference_logprobs(self, item: TurnItem) -> torch.Tensor:
         """The source's log-probs over the item's question on its own cache of the history and extension (the
         reference pass of the server's relative guard signals)."""
-        return question_logprobs(self.source, self.prefills.extended(self.source, item.history, item.extension),
-                                 item.question)
+        return self.prefills.question_logprobs(self.source, item.history, item.extension, item.question)
 
 
 def turn_conditions(source, target, mapper, policies: Sequence[RecomputePolicy] = (NoRecompute(),),
@@ -777,9 +799,9 @@ def turn_record(task: SwitchTask, condition: TurnCondition, item: TurnItem, toke
                 reference: AloneOnTurn | None = None) -> dict:
     """One item's record under ``condition``: choice loglikelihoods, or the greedy answer (with ``reference``, the
     KL from its first-answer-token distribution to the condition's, ``answer_kl``)."""
+    served = condition.served_logprobs(item)
     cache = condition.turn_cache(item)
     record: dict = {"id": item.id, "history": item.history.key, "history_tokens": item.history_tokens}
-    served = question_logprobs(condition.reader, cache, item.question)
     record["guard_entropy"] = guard_score("entropy", served, None, item.question)
     if isinstance(condition, SwitchOnTurn):
         record["guard_scores"] = question_guard_scores(served, condition.reference_logprobs(item), item.question)
