@@ -7,7 +7,8 @@ alone, greedy answer F1 and agreement with the 1.5B alone. Also the share of the
 queries, target alone) that each region receives, per third of its layers.
 
 With --picks POLICY,... only the 0.5B runs: per item and recompute policy, where its picks land (the share of the
-picked positions in each region, and the share of the item's passage picked), the exact prefix the mapper's.
+picked positions in each region, and the share of the item's passage picked), the exact prefix the mapper's; a
+`turn_attention` policy with a lookahead ranks by the 0.5B's attention over the question and its greedy answer.
 
 Usage: .venv/bin/python experiments/switch_regions.py ITEMS OUT.json  (e.g. 12 runs/switch_regions.json)
        .venv/bin/python experiments/switch_regions.py ITEMS OUT.json --picks turn_attention:5%,recent:10%
@@ -96,10 +97,13 @@ def picks_landing(item, region, policies) -> dict:
     """Per policy: the share of its picks in each region and the share of each region picked."""
     ids = torch.tensor([list(item.history.ids) + list(item.extension)])
     source_cache, _ = prefill(source, ids)
-    scores = turn_attention_scores(source, source_cache, torch.tensor([list(item.question)]))
-    info = SelectionInfo(start=mapper.exact_prefix, source_attention=scores, new_turn=tuple(item.question))
+    question = torch.tensor([list(item.question)])
+    scores = {lookahead: turn_attention_scores(source, source_cache, question, lookahead)
+              for lookahead in sorted({getattr(policy, "lookahead", 0) for policy in policies})}
     landing = {}
     for policy in policies:
+        info = SelectionInfo(start=mapper.exact_prefix, source_attention=scores[getattr(policy, "lookahead", 0)],
+                             new_turn=tuple(item.question))
         picked = region[policy.positions(target, None, ids, info)[0]]
         landing[policy.spec] = {
             "picked": int(picked.numel()),

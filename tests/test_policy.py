@@ -24,6 +24,7 @@ from kvhandoff.runtime.policy import (
     SelectionInfo,
     Sinks,
     SourceAttention,
+    TargetTurnAttention,
     TurnAttention,
     budget_count,
     policy_for,
@@ -56,7 +57,7 @@ def test_budget_rounding():
 
 def test_one_registry_names_every_rule_class():
     assert tuple(RULES) == ("none", "sinks", "recent", "deviation", "source_attention", "mix", "layers",
-                            "turn_attention")
+                            "turn_attention", "target_turn_attention")
     assert all(kind.rule == name and issubclass(kind, RecomputePolicy) for name, kind in RULES.items())
     assert policy_for("recent", 0.2) == Recent(0.2) and policy_for("none") == NoRecompute()
     assert policy_for("source_attention", 0.1, window=8) == SourceAttention(0.1, source_window=8)
@@ -174,6 +175,9 @@ def test_policy_parses_and_validates():
     assert TurnAttention(0.1).reads_new_turn and not Recent(0.1).reads_new_turn
     blocks = policy.parse("turn_attention:10%:block=32")
     assert blocks == TurnAttention(0.1, block=32) and blocks.spec == "turn_attention:10%:block=32"
+    own = policy.parse("target_turn_attention:5%:lookahead=4:block=8")
+    assert own == TargetTurnAttention(0.05, block=8, lookahead=4) and policy.parse(own.spec) == own
+    assert own.reads_new_turn and not own.needs_source_attention
     ahead = policy.parse("turn_attention:5%:lookahead=8")
     assert ahead == TurnAttention(0.05, lookahead=8) and ahead.spec == "turn_attention:5%:lookahead=8"
     assert policy.parse("turn_attention:5%:lookahead=0").spec == "turn_attention:5%"
@@ -189,7 +193,8 @@ def test_policy_parses_and_validates():
                 "mix(sinks=0.5,mix=0.5):10%", "mix(layers=0.5,recent=0.5):10%", "layers:10%:window=8",
                 "recent:10%:depth=2", "recent:10%:window=8", "recent:10%:block=4", "mix:10%:block=4",
                 "turn_attention:10%:block=0", "turn_attention:10%:block=4:block=8", "turn_attention:10%:block=x",
-                "recent:10%:lookahead=4", "source_attention:10%:lookahead=4", "turn_attention:10%:lookahead=-1", 3):
+                "recent:10%:lookahead=4", "source_attention:10%:lookahead=4", "turn_attention:10%:lookahead=-1",
+                "mix(target_turn_attention=0.5,recent=0.5):10%", 3):
         with pytest.raises(ConfigError):
             policy.parse(bad)
     for bad_policy in (lambda: Recent(1.5), lambda: Recent("0.1"), lambda: SourceAttention(0.1, source_window=0),

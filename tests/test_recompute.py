@@ -8,7 +8,7 @@ from _runtime_support import exact_pair, ids_of, inexact_pair, max_kv_diff
 from kvhandoff import FitConfig, HandoffPlan, SwitchingSession, catch_up, fit_mapper, handoff_cache, prefill
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import cache_of, cache_view
-from kvhandoff.runtime.policy import SelectionInfo, SourceAttention, TurnAttention, layer0_kv
+from kvhandoff.runtime.policy import SelectionInfo, SourceAttention, TargetTurnAttention, TurnAttention, layer0_kv
 from kvhandoff.runtime.recompute import (
     attention_from_queries,
     leading_layer_rows,
@@ -306,6 +306,29 @@ def test_turn_attention_with_lookahead_adds_the_sources_greedy_answer(exact):
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="lookahead"):
             turn_attention_scores(source, source_cache, turn, lookahead=bad)
+
+
+def test_target_turn_attention_ranks_by_the_targets_read_of_the_new_turn_on_the_handed_cache(inexact):
+    """The target reads the new turn on the cache it is handed (here mapped, nothing recomputed yet); its attention
+    picks the positions; the cache is left as it was; a handoff under the rule recomputes exactly those positions."""
+    source, target, mapper = inexact
+    ids = ids_of(batch=1, tokens=44)
+    history, turn = ids[:, :36], ids[:, 36:]
+    mapped = handoff_cache(source, target, mapper, history, HandoffPlan.of(0, "none"))
+    expected = turn_attention_scores(target, mapped, turn)
+    assert mapped.get_seq_length() == 36
+    policy = TargetTurnAttention(4 / 36)
+    info = SelectionInfo(new_turn=tuple(turn[0].tolist()))
+    picked = policy.positions(target, mapped, history, info)
+    assert torch.equal(picked, expected.topk(4, dim=1).indices.sort(dim=1).values)
+    assert not torch.equal(picked, TurnAttention(4 / 36).positions(target, mapped, history, info, source,
+                                                                   prefill(source, history)[0]))
+    handed = handoff_cache(source, target, mapper, history, HandoffPlan.of(0, policy), selection_info=info)
+    changed = [p for p in range(36) if (handed.layers[-1].keys[0, :, p] - mapped.layers[-1].keys[0, :, p]).abs().max()
+               > 1e-6]
+    assert changed == picked[0].tolist()
+    with pytest.raises(ConfigError, match="target model"):
+        policy.positions(None, None, history, info)
 
 
 def test_a_session_hands_the_new_turn_to_a_policy_that_reads_it(inexact, monkeypatch):

@@ -2,8 +2,9 @@
 positions the target recomputes itself.
 
 One small frozen class per rule (`NoRecompute`, `Sinks`, `Recent`, `Deviation`, `SourceAttention`, `TurnAttention`,
-`Mix`), each ranking the candidate positions its own way; a policy at a budget takes the first `budget_count` of its
-ranking (`RecomputePolicy.positions`); the attention rules may rank whole blocks of positions (`block_scores`).
+`TargetTurnAttention`, `Mix`), each ranking the candidate positions its own way; a policy at a budget takes the first
+`budget_count` of its ranking (`RecomputePolicy.positions`); the attention rules may rank whole blocks of positions
+(`block_scores`).
 `LeadingLayers` recomputes whole layers instead (DroidSpeak, arXiv 2411.02820): the target's first layers at every
 mapped position (`RecomputePolicy.leading_layers`). `RULES` names the classes; `parse` reads a spec such as
 "recent:5%" — at the edges only (a command-line option, a server's settings, a stored result), so everything below
@@ -361,6 +362,30 @@ class TurnAttention(SourceAttention):
 
 
 @dataclass(frozen=True)
+class TargetTurnAttention(TurnAttention):
+    """The positions the target attends to most while it reads the new turn on the cache it was handed (mapped),
+    before any recompute (`turn_attention_scores` with the target): what the turn needs, as the model that answers
+    it reads it. ``lookahead``: the target also answers that many tokens on the mapped cache. Without a new turn,
+    the target's last ``window`` queries of the history, read again on the mapped cache, rank the positions."""
+
+    rule: ClassVar[str] = "target_turn_attention"
+
+    def positions(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
+                  source_model=None, source_cache=None) -> torch.Tensor:
+        info = info or SelectionInfo()
+        if self.active and info.source_attention is None:
+            if target_model is None or cache is None:
+                raise ConfigError(f"recompute rule {self.rule!r} needs the target model and the mapped cache")
+            if info.new_turn:
+                turn = torch.tensor([list(info.new_turn)] * input_ids.shape[0], device=input_ids.device)
+                scores = turn_attention_scores(target_model, cache, turn, self.lookahead)
+            else:
+                scores = source_attention_scores(target_model, cache, input_ids, self.window)
+            info = replace(info, source_attention=scores)
+        return SourceAttention.positions(self, target_model, cache, input_ids, info, source_model, source_cache)
+
+
+@dataclass(frozen=True)
 class Mix(RecomputePolicy):
     """Shares of the other rules: each rule of ``shares`` ((rule, share) pairs, shares > 0 summing to 1) takes its
     share of the budget (largest remainders round) from its ranking, skipping what the rules before it took.
@@ -448,11 +473,11 @@ class LeadingLayers(RecomputePolicy):
 #: the recompute rules by name: the one registry `parse` and `policy_for` read
 RULES: dict[str, type[RecomputePolicy]] = {
     policy.rule: policy for policy in (NoRecompute, Sinks, Recent, Deviation, SourceAttention, Mix, LeadingLayers,
-                                       TurnAttention)
+                                       TurnAttention, TargetTurnAttention)
 }
 #: the rules a "mix" may share its budget between: those that rank positions
 _MIXABLE = tuple(name for name in RULES if name not in (NoRecompute.rule, Mix.rule, LeadingLayers.rule,
-                                                         TurnAttention.rule))
+                                                         TurnAttention.rule, TargetTurnAttention.rule))
 
 #: the handoffs' default selective-recompute policy: the target recomputes the last 5% of the mapped positions.
 #: Chosen on the switch benchmark's dev pool (docs/RESULTS.md "Switch benchmark").
@@ -467,14 +492,15 @@ def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
         raise ConfigError(f"recompute rule must be one of {', '.join(RULES)}, got {rule!r}")
     kind = RULES[rule]
     if "window" in options:
-        if kind not in (SourceAttention, Mix, TurnAttention):
+        if kind not in (SourceAttention, Mix, TurnAttention, TargetTurnAttention):
             raise ConfigError(f"recompute rule {rule!r} takes no window (only source_attention, turn_attention and "
                               "mix do)")
         options["source_window"] = options.pop("window")
-    if "block" in options and kind not in (SourceAttention, TurnAttention):
+    if "block" in options and kind not in (SourceAttention, TurnAttention, TargetTurnAttention):
         raise ConfigError(f"recompute rule {rule!r} takes no block (only source_attention and turn_attention do)")
-    if "lookahead" in options and kind is not TurnAttention:
-        raise ConfigError(f"recompute rule {rule!r} takes no lookahead (only turn_attention does)")
+    if "lookahead" in options and kind not in (TurnAttention, TargetTurnAttention):
+        raise ConfigError(f"recompute rule {rule!r} takes no lookahead (only turn_attention and "
+                          "target_turn_attention do)")
     try:
         return kind(budget, **options)
     except TypeError as exc:
