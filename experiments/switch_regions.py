@@ -8,7 +8,8 @@ queries, target alone) that each region receives, per third of its layers.
 
 With --picks POLICY,... only the 0.5B runs: per item and recompute policy, where its picks land (the share of the
 picked positions in each region, and the share of the item's passage picked), the exact prefix the mapper's; a
-`turn_attention` policy with a lookahead ranks by the 0.5B's attention over the question and its greedy answer.
+`turn_attention` policy with a lookahead ranks by the 0.5B's attention over the question and its greedy answer;
+`target_turn_attention` by the 1.5B's over the question on the mapped cache (the 1.5B runs too).
 
 Usage: .venv/bin/python experiments/switch_regions.py ITEMS OUT.json  (e.g. 12 runs/switch_regions.json)
        .venv/bin/python experiments/switch_regions.py ITEMS OUT.json --picks turn_attention:5%,recent:10%
@@ -17,6 +18,7 @@ Usage: .venv/bin/python experiments/switch_regions.py ITEMS OUT.json  (e.g. 12 r
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,7 +28,7 @@ from kvhandoff.model.geometry import decoder_layers
 from kvhandoff.model.rope import apply_rope, rope_frequencies
 from kvhandoff.runtime.handoff import handoff_cache
 from kvhandoff.runtime.plan import HandoffPlan
-from kvhandoff.runtime.policy import SelectionInfo, parse
+from kvhandoff.runtime.policy import SelectionInfo, TargetTurnAttention, parse
 from kvhandoff.runtime.recompute import record_queries, turn_attention_scores
 from kvhandoff.workflow import load_named_pair, obtain_mapper
 from kvhandoff_lab.evaluation.metrics import max_f1, normalise_text
@@ -99,12 +101,16 @@ def picks_landing(item, region, policies) -> dict:
     source_cache, _ = prefill(source, ids)
     question = torch.tensor([list(item.question)])
     scores = {lookahead: turn_attention_scores(source, source_cache, question, lookahead)
-              for lookahead in sorted({getattr(policy, "lookahead", 0) for policy in policies})}
+              for lookahead in sorted({getattr(policy, "lookahead", 0) for policy in policies
+                                       if not isinstance(policy, TargetTurnAttention)})}
+    mapped = handoff_cache(source, target, mapper, ids, HandoffPlan.of(recompute="none"), source_cache) if any(
+        isinstance(policy, TargetTurnAttention) for policy in policies) else None
     landing = {}
     for policy in policies:
-        info = SelectionInfo(start=mapper.exact_prefix, source_attention=scores[getattr(policy, "lookahead", 0)],
-                             new_turn=tuple(item.question))
-        picked = region[policy.positions(target, None, ids, info)[0]]
+        info = SelectionInfo(start=mapper.exact_prefix, new_turn=tuple(item.question))
+        if not isinstance(policy, TargetTurnAttention):
+            info = replace(info, source_attention=scores[getattr(policy, "lookahead", 0)])
+        picked = region[policy.positions(target, mapped, ids, info)[0]]
         landing[policy.spec] = {
             "picked": int(picked.numel()),
             "share_of_picks": {name: float((picked == r).float().mean()) for r, name in enumerate(REGIONS)},

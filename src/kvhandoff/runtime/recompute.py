@@ -263,25 +263,26 @@ def attention_from_queries(model, queries, cache) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def turn_attention_scores(source_model, source_cache, new_turn: torch.Tensor, lookahead: int = 0) -> torch.Tensor:
-    """[batch, T]: the attention the source pays each of the T cached positions while it reads ``new_turn`` [batch,
-    N] (the turn the target reads next) on top of its cache, summed over layers, heads and the turn's tokens; the
-    source's cache is not changed (the turn is read on a view of it). Cost: the source's forward of N tokens.
+def turn_attention_scores(model, cache, new_turn: torch.Tensor, lookahead: int = 0) -> torch.Tensor:
+    """[batch, T]: the attention ``model`` pays each of the T positions of ``cache`` (its own, or one handed to it)
+    while it reads ``new_turn`` [batch, N] (the turn the target reads next) on top of it, summed over layers, heads
+    and the turn's tokens; ``cache`` is not changed (the turn is read on a view of it). Cost: ``model``'s forward of
+    N tokens.
 
-    ``lookahead`` > 0: the source then answers that many tokens greedily on the same view, and the attention its
+    ``lookahead`` > 0: ``model`` then answers that many tokens greedily on the same view, and the attention its
     answer's queries pay the T positions is added: an answer quoting the history looks at the span it quotes, which
     the question alone may only point near (speculative prefill, arXiv 2502.02789). Cost: that many decode steps."""
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise ConfigError(f"lookahead must be a non-negative integer, got {lookahead!r}")
-    total = source_cache.get_seq_length()
-    view = cache_view(source_cache, 0)
-    with record_queries(source_model, new_turn.shape[1]) as queries:
-        _, logits = prefill(source_model, new_turn.to(source_cache.layers[0].keys.device), view)
-    scores = attention_from_queries(source_model, queries, view)[:, :total]
+    total = cache.get_seq_length()
+    view = cache_view(cache, 0)
+    with record_queries(model, new_turn.shape[1]) as queries:
+        _, logits = prefill(model, new_turn.to(cache.layers[0].keys.device), view)
+    scores = attention_from_queries(model, queries, view)[:, :total]
     for _ in range(lookahead):
-        with record_queries(source_model, 1) as queries:
-            _, logits = prefill(source_model, logits.argmax(dim=-1, keepdim=True), view)
-        scores = scores + attention_from_queries(source_model, queries, view)[:, :total]
+        with record_queries(model, 1) as queries:
+            _, logits = prefill(model, logits.argmax(dim=-1, keepdim=True), view)
+        scores = scores + attention_from_queries(model, queries, view)[:, :total]
     return scores
 
 

@@ -1,0 +1,130 @@
+"""Where the switch benchmark stands against the switch-quality goal, per direction: every task's switch under one
+recompute policy beside the two models alone, read from `kvhandoff-lab eval-switch` runs (each RUN_DIR's
+`switch.json` and its item store; a task is read from the first run that scored it under the policy).
+
+    python experiments/switch_goal.py POLICY OUT_JSON RUN_DIR [RUN_DIR ...]
+
+POLICY: a recompute spec as the runs name it ("turn_attention:5%"). Per task and direction: n, the source and the
+target alone, the switch, its retention (switch / target alone) and switch − the small model alone (the source of
+the runs' forward direction), each with a paired bootstrap interval over the items; per direction the mean
+retention over the tasks, with an interval from resampling every task's items, and the tasks whose switch is below
+the small model alone in point estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from kvhandoff.runtime import policy as recompute_policy
+from kvhandoff_lab.evaluation.runner import ItemStore, slug
+from kvhandoff_lab.evaluation.tasks import get_task, mc_item_metrics
+
+RESAMPLES = 2000
+
+
+def multiple_choice_scores(run_dir: Path, task: str, entry: dict, condition: str) -> list[float]:
+    """Per-item primary-metric scores of a multiple-choice task from the run's item store."""
+    if condition in ("target", "source"):
+        prefix = f"model-{slug(entry[condition])}-"
+    else:
+        prefix = f"{slug(condition)}-{slug(entry['source'])}-to-"
+    (path,) = (run_dir / "items" / f"switch-{task}").glob(f"{prefix}*.jsonl")
+    store, metric = ItemStore(path), get_task(task).primary_metric
+    return [mc_item_metrics(store[i])[metric] for i in entry["tasks"][task]["item_ids"]]
+
+
+def task_scores(run_dir: Path, entry: dict, task: str, condition: str) -> dict[str, np.ndarray] | None:
+    """{"source", "target", "switch"}: per-item scores of ``task`` in one direction of a run, or None when the run
+    did not score it under ``condition``."""
+    summary = entry["tasks"][task]
+    if "scores" in summary:  # the generative group keeps its per-item scores in the summary
+        if condition not in summary["scores"]:
+            return None
+        return {name: np.asarray(summary["scores"][key], dtype=float)
+                for name, key in (("source", "source"), ("target", "target"), ("switch", condition))}
+    if condition not in summary.get("transfers", {}):
+        return None
+    return {name: np.asarray(multiple_choice_scores(run_dir, task, entry, key), dtype=float)
+            for name, key in (("source", "source"), ("target", "target"), ("switch", condition))}
+
+
+def interval(values: list[float]) -> list[float]:
+    finite = np.asarray([v for v in values if np.isfinite(v)])
+    return [float(np.percentile(finite, 2.5)), float(np.percentile(finite, 97.5))] if finite.size else [None, None]
+
+
+def ratio(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a.mean() / b.mean()) if b.mean() > 0 else float("nan")
+
+
+def task_row(scores: dict[str, np.ndarray], small: str, rng) -> dict:
+    n = len(scores["switch"])
+    draws = [rng.integers(0, n, n) for _ in range(RESAMPLES)]
+    switch, target, alone = scores["switch"], scores["target"], scores[small]
+    return {"n": n, **{name: float(values.mean()) for name, values in scores.items()},
+            "retention": ratio(switch, target),
+            "retention_ci": interval([ratio(switch[d], target[d]) for d in draws]),
+            "minus_small": float((switch - alone).mean()),
+            "minus_small_ci": interval([float((switch - alone)[d].mean()) for d in draws]),
+            "_draws": draws}
+
+
+def direction_rows(runs: list[tuple[Path, dict]], direction: str, condition: str, rng) -> dict:
+    small = "source" if direction == "forward" else "target"
+    rows: dict[str, dict] = {}
+    for run_dir, result in runs:
+        entry = result["directions"].get(direction)
+        for task in (entry or {}).get("tasks", {}):
+            if task in rows:
+                continue
+            scores = task_scores(run_dir, entry, task, condition)
+            if scores is not None:
+                rows[task] = {"run": str(run_dir), "display": entry["tasks"][task].get("display", task),
+                              **task_row(scores, small, rng), "_scores": scores}
+    means = []
+    for k in range(RESAMPLES):
+        values = [ratio(row["_scores"]["switch"][row["_draws"][k]], row["_scores"]["target"][row["_draws"][k]])
+                  for row in rows.values()]
+        means.append(float(np.mean(values)))
+    summary = {"tasks": len(rows), "mean_retention": float(np.mean([row["retention"] for row in rows.values()])),
+               "mean_retention_ci": interval(means),
+               "below_small_alone": [task for task, row in rows.items() if row["minus_small"] < 0]}
+    return {"small_model": small, "summary": summary,
+            "tasks": {task: {k: v for k, v in row.items() if not k.startswith("_")} for task, row in rows.items()}}
+
+
+def main(policy: str, out: str, *run_dirs: str) -> None:
+    spec = recompute_policy.parse(policy).spec
+    condition = "switch" if spec == "none" else f"switch:{spec}"
+    runs = [(Path(d), json.loads((Path(d) / "switch.json").read_text(encoding="utf-8"))) for d in run_dirs]
+    rng = np.random.default_rng(0)
+    result = {"policy": spec, "runs": list(run_dirs), "directions": {}}
+    for direction in ("forward", "reverse"):
+        names = next(((r["directions"][direction]["source"], r["directions"][direction]["target"]) for _, r in runs
+                      if direction in r["directions"]), None)
+        if names is None:
+            continue
+        rows = direction_rows(runs, direction, condition, rng)
+        result["directions"][direction] = {"source": names[0], "target": names[1], **rows}
+        print(f"{names[0]} → {names[1]} ({condition}; small model alone = the {rows['small_model']})")
+        for row in rows["tasks"].values():
+            low, high = row["retention_ci"]
+            dlow, dhigh = row["minus_small_ci"]
+            print(f"  {row['display']:40s} n={row['n']:4d} source {row['source']:.3f} target {row['target']:.3f} "
+                  f"switch {row['switch']:.3f} retention {row['retention']:.3f} [{low:.3f}, {high:.3f}] "
+                  f"switch − small {row['minus_small']:+.3f} [{dlow:+.3f}, {dhigh:+.3f}]")
+        summary = rows["summary"]
+        low, high = summary["mean_retention_ci"]
+        print(f"  mean retention over {summary['tasks']} tasks: {summary['mean_retention']:.3f} [{low:.3f}, "
+              f"{high:.3f}]; below the small model alone: {', '.join(summary['below_small_alone']) or 'none'}")
+    Path(out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4:
+        raise SystemExit(__doc__)
+    main(*sys.argv[1:])
