@@ -342,21 +342,26 @@ class TurnAttention(SourceAttention):
     def reads_new_turn(self) -> bool:
         return True
 
+    def _reader(self, target_model, cache, input_ids: torch.Tensor, source_model, source_cache):
+        """The model that reads the new turn and the cache it reads it on: the source, on its own cache."""
+        if source_model is None or source_cache is None:
+            raise ConfigError(f"recompute rule {self.rule!r} needs the source model and its cache (the source "
+                              "reads the new turn on it)")
+        if source_cache.get_seq_length() != input_ids.shape[1]:
+            raise ConfigError(f"the source cache holds {source_cache.get_seq_length()} positions, input_ids "
+                              f"{input_ids.shape[1]}")
+        return source_model, source_cache
+
     def positions(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
                   source_model=None, source_cache=None) -> torch.Tensor:
         info = info or SelectionInfo()
         if self.active and info.source_attention is None:
-            if source_model is None or source_cache is None:
-                raise ConfigError(f"recompute rule {self.rule!r} needs the source model and its cache (the source "
-                                  "reads the new turn on it)")
-            if source_cache.get_seq_length() != input_ids.shape[1]:
-                raise ConfigError(f"the source cache holds {source_cache.get_seq_length()} positions, input_ids "
-                                  f"{input_ids.shape[1]}")
+            model, read_on = self._reader(target_model, cache, input_ids, source_model, source_cache)
             if info.new_turn:
                 turn = torch.tensor([list(info.new_turn)] * input_ids.shape[0], device=input_ids.device)
-                scores = turn_attention_scores(source_model, source_cache, turn, self.lookahead)
+                scores = turn_attention_scores(model, read_on, turn, self.lookahead)
             else:
-                scores = source_attention_scores(source_model, source_cache, input_ids, self.window)
+                scores = source_attention_scores(model, read_on, input_ids, self.window)
             info = replace(info, source_attention=scores)
         return super().positions(target_model, cache, input_ids, info, source_model, source_cache)
 
@@ -370,19 +375,10 @@ class TargetTurnAttention(TurnAttention):
 
     rule: ClassVar[str] = "target_turn_attention"
 
-    def positions(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
-                  source_model=None, source_cache=None) -> torch.Tensor:
-        info = info or SelectionInfo()
-        if self.active and info.source_attention is None:
-            if target_model is None or cache is None:
-                raise ConfigError(f"recompute rule {self.rule!r} needs the target model and the mapped cache")
-            if info.new_turn:
-                turn = torch.tensor([list(info.new_turn)] * input_ids.shape[0], device=input_ids.device)
-                scores = turn_attention_scores(target_model, cache, turn, self.lookahead)
-            else:
-                scores = source_attention_scores(target_model, cache, input_ids, self.window)
-            info = replace(info, source_attention=scores)
-        return SourceAttention.positions(self, target_model, cache, input_ids, info, source_model, source_cache)
+    def _reader(self, target_model, cache, input_ids: torch.Tensor, source_model, source_cache):
+        if target_model is None or cache is None:
+            raise ConfigError(f"recompute rule {self.rule!r} needs the target model and the mapped cache")
+        return target_model, cache
 
 
 @dataclass(frozen=True)
