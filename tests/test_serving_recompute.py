@@ -104,7 +104,7 @@ def test_a_policy_that_reads_the_new_turn_gets_all_of_it_when_the_prompt_is_read
     seen = []
     real = policy_module.turn_attention_scores
     monkeypatch.setattr(policy_module, "turn_attention_scores",
-                        lambda model, cache, turn: seen.append(turn.shape[1]) or real(model, cache, turn))
+                        lambda model, cache, turn, *rest: seen.append(turn.shape[1]) or real(model, cache, turn, *rest))
     with running(recompute="turn_attention:20%", prefill_chunk=8) as server:
         messages = [{"role": "user", "content": "tell me a story about a cat and a dog"}]
         headers = {"X-Session-ID": "chunks"}
