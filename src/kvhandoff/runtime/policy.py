@@ -482,18 +482,20 @@ DEFAULT_RECOMPUTE: RecomputePolicy = Recent(0.05)
 
 def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
     """The policy of rule ``rule`` (a name in `RULES`) at ``budget``; options: ``shares`` ("mix"), ``window``
-    ("source_attention", "turn_attention", "mix"), ``block`` ("source_attention", "turn_attention"), ``lookahead``
-    ("turn_attention"). ConfigError for an unknown rule or an option the rule lacks."""
+    ("source_attention", the two turn-attention rules, "mix"), ``block`` ("source_attention", the two turn-attention
+    rules), ``lookahead`` (the two turn-attention rules). ConfigError for an unknown rule or an option the rule
+    lacks."""
     if rule not in RULES:
         raise ConfigError(f"recompute rule must be one of {', '.join(RULES)}, got {rule!r}")
     kind = RULES[rule]
     if "window" in options:
         if kind not in (SourceAttention, Mix, TurnAttention, TargetTurnAttention):
-            raise ConfigError(f"recompute rule {rule!r} takes no window (only source_attention, turn_attention and "
-                              "mix do)")
+            raise ConfigError(f"recompute rule {rule!r} takes no window (only source_attention, turn_attention, "
+                              "target_turn_attention and mix do)")
         options["source_window"] = options.pop("window")
     if "block" in options and kind not in (SourceAttention, TurnAttention, TargetTurnAttention):
-        raise ConfigError(f"recompute rule {rule!r} takes no block (only source_attention and turn_attention do)")
+        raise ConfigError(f"recompute rule {rule!r} takes no block (only source_attention, turn_attention and "
+                          "target_turn_attention do)")
     if "lookahead" in options and kind not in (TurnAttention, TargetTurnAttention):
         raise ConfigError(f"recompute rule {rule!r} takes no lookahead (only turn_attention and "
                           "target_turn_attention do)")
