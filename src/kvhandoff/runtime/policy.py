@@ -78,9 +78,11 @@ def _by_score(scores: torch.Tensor, start: int) -> torch.Tensor:
     return order + start
 
 
-def _check_window(window, name: str = "window") -> None:
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ConfigError(f"recompute {name} must be a positive integer, got {window!r}")
+def _check_window(window, name: str = "window", zero: bool = False) -> None:
+    """``window`` must be a positive integer (``zero``: or 0)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < (0 if zero else 1):
+        raise ConfigError(f"recompute {name} must be a {'non-negative' if zero else 'positive'} integer, got "
+                          f"{window!r}")
 
 
 def block_scores(scores: torch.Tensor, start: int, block: int) -> torch.Tensor:
@@ -326,8 +328,7 @@ class TurnAttention(SourceAttention):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
-            raise ConfigError(f"recompute lookahead must be a non-negative integer, got {self.lookahead!r}")
+        _check_window(self.lookahead, "lookahead", zero=True)
 
     @property
     def spec(self) -> str:
@@ -472,8 +473,8 @@ RULES: dict[str, type[RecomputePolicy]] = {
                                        TurnAttention, TargetTurnAttention)
 }
 #: the rules a "mix" may share its budget between: those that rank positions
-_MIXABLE = tuple(name for name in RULES if name not in (NoRecompute.rule, Mix.rule, LeadingLayers.rule,
-                                                         TurnAttention.rule, TargetTurnAttention.rule))
+_MIXABLE = tuple(name for name, kind in RULES.items()
+                 if not issubclass(kind, NoRecompute | Mix | LeadingLayers | TurnAttention))
 
 #: the handoffs' default selective-recompute policy: the target recomputes the last 5% of the mapped positions.
 #: Chosen on the switch benchmark's dev pool (docs/RESULTS.md "Switch benchmark").
@@ -489,14 +490,14 @@ def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
         raise ConfigError(f"recompute rule must be one of {', '.join(RULES)}, got {rule!r}")
     kind = RULES[rule]
     if "window" in options:
-        if kind not in (SourceAttention, Mix, TurnAttention, TargetTurnAttention):
+        if not issubclass(kind, SourceAttention | Mix):
             raise ConfigError(f"recompute rule {rule!r} takes no window (only source_attention, turn_attention, "
                               "target_turn_attention and mix do)")
         options["source_window"] = options.pop("window")
-    if "block" in options and kind not in (SourceAttention, TurnAttention, TargetTurnAttention):
+    if "block" in options and not issubclass(kind, SourceAttention):
         raise ConfigError(f"recompute rule {rule!r} takes no block (only source_attention, turn_attention and "
                           "target_turn_attention do)")
-    if "lookahead" in options and kind not in (TurnAttention, TargetTurnAttention):
+    if "lookahead" in options and not issubclass(kind, TurnAttention):
         raise ConfigError(f"recompute rule {rule!r} takes no lookahead (only turn_attention and "
                           "target_turn_attention do)")
     try:
