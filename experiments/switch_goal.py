@@ -18,29 +18,26 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from paired_switch_accuracy import store_of  # the sibling script's lookup of a condition's item store
 
-from kvhandoff.runtime import policy as recompute_policy
-from kvhandoff_lab.evaluation.runner import ItemStore, slug
+from kvhandoff.runtime.policy import parse
+from kvhandoff_lab.evaluation.switch import switch_name
 from kvhandoff_lab.evaluation.tasks import get_task, mc_item_metrics
 
 RESAMPLES = 2000
 
 
-def multiple_choice_scores(run_dir: Path, task: str, entry: dict, condition: str) -> list[float]:
-    """Per-item primary-metric scores of a multiple-choice task from the run's item store."""
-    if condition in ("target", "source"):
-        prefix = f"model-{slug(entry[condition])}-"
-    else:
-        prefix = f"{slug(condition)}-{slug(entry['source'])}-to-"
-    (path,) = (run_dir / "items" / f"switch-{task}").glob(f"{prefix}*.jsonl")
-    store, metric = ItemStore(path), get_task(task).primary_metric
+def multiple_choice_scores(run_dir: Path, task: str, entry: dict, policy: str) -> list[float]:
+    """Per-item primary-metric scores of a multiple-choice task from the run's item store (``policy``: "target",
+    "source" or a recompute spec)."""
+    store, metric = store_of(run_dir, task, policy, entry), get_task(task).primary_metric
     return [mc_item_metrics(store[i])[metric] for i in entry["tasks"][task]["item_ids"]]
 
 
-def task_scores(run_dir: Path, entry: dict, task: str, condition: str) -> dict[str, np.ndarray] | None:
-    """{"source", "target", "switch"}: per-item scores of ``task`` in one direction of a run, or None when the run
-    did not score it under ``condition``."""
-    summary = entry["tasks"][task]
+def task_scores(run_dir: Path, entry: dict, task: str, spec: str) -> dict[str, np.ndarray] | None:
+    """{"source", "target", "switch"}: per-item scores of ``task`` in one direction of a run under the recompute
+    ``spec``, or None when the run did not score it under that policy."""
+    summary, condition = entry["tasks"][task], switch_name(parse(spec))
     if "scores" in summary:  # the generative group keeps its per-item scores in the summary
         if condition not in summary["scores"]:
             return None
@@ -49,7 +46,7 @@ def task_scores(run_dir: Path, entry: dict, task: str, condition: str) -> dict[s
     if condition not in summary.get("transfers", {}):
         return None
     return {name: np.asarray(multiple_choice_scores(run_dir, task, entry, key), dtype=float)
-            for name, key in (("source", "source"), ("target", "target"), ("switch", condition))}
+            for name, key in (("source", "source"), ("target", "target"), ("switch", spec))}
 
 
 def interval(values: list[float]) -> list[float]:
@@ -73,7 +70,7 @@ def task_row(scores: dict[str, np.ndarray], small: str, rng) -> dict:
             "_draws": draws}
 
 
-def direction_rows(runs: list[tuple[Path, dict]], direction: str, condition: str, rng) -> dict:
+def direction_rows(runs: list[tuple[Path, dict]], direction: str, spec: str, rng) -> dict:
     small = "source" if direction == "forward" else "target"
     rows: dict[str, dict] = {}
     for run_dir, result in runs:
@@ -81,7 +78,7 @@ def direction_rows(runs: list[tuple[Path, dict]], direction: str, condition: str
         for task in (entry or {}).get("tasks", {}):
             if task in rows:
                 continue
-            scores = task_scores(run_dir, entry, task, condition)
+            scores = task_scores(run_dir, entry, task, spec)
             if scores is not None:
                 rows[task] = {"run": str(run_dir), "display": entry["tasks"][task].get("display", task),
                               **task_row(scores, small, rng), "_scores": scores}
@@ -98,8 +95,8 @@ def direction_rows(runs: list[tuple[Path, dict]], direction: str, condition: str
 
 
 def main(policy: str, out: str, *run_dirs: str) -> None:
-    spec = recompute_policy.parse(policy).spec
-    condition = "switch" if spec == "none" else f"switch:{spec}"
+    spec = parse(policy).spec
+    condition = switch_name(parse(spec))
     runs = [(Path(d), json.loads((Path(d) / "switch.json").read_text(encoding="utf-8"))) for d in run_dirs]
     rng = np.random.default_rng(0)
     result = {"policy": spec, "runs": list(run_dirs), "directions": {}}
@@ -108,7 +105,7 @@ def main(policy: str, out: str, *run_dirs: str) -> None:
                       if direction in r["directions"]), None)
         if names is None:
             continue
-        rows = direction_rows(runs, direction, condition, rng)
+        rows = direction_rows(runs, direction, spec, rng)
         result["directions"][direction] = {"source": names[0], "target": names[1], **rows}
         print(f"{names[0]} → {names[1]} ({condition}; small model alone = the {rows['small_model']})")
         for row in rows["tasks"].values():
