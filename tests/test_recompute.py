@@ -14,6 +14,7 @@ from kvhandoff.runtime.recompute import (
     leading_layer_rows,
     recompute_and_read,
     recompute_positions,
+    read_turn,
     record_queries,
     source_attention_scores,
     turn_attention_scores,
@@ -280,6 +281,61 @@ def test_turn_attention_ranks_by_what_the_source_attends_to_reading_the_new_turn
                                                                     source_cache))
     with pytest.raises(ConfigError, match="source model"):
         policy.positions(target, cache, history, SelectionInfo(new_turn=(1, 2)))
+
+
+def test_one_read_of_the_turn_gives_its_attention_and_its_log_probs(exact):
+    """read_turn: the attention of turn_attention_scores and the model's own log-probs after the turn's last keep
+    tokens (those of a prefill of history + turn), from one forward; the cache is left as it was; the lookahead adds
+    to the attention and leaves the log-probs those of the turn; keep outside the turn is refused."""
+    source, _, _ = exact
+    ids = ids_of(batch=1, tokens=40)
+    history, turn = ids[:, :32], ids[:, 32:]
+    source_cache, _ = prefill(source, history)
+    read = read_turn(source, source_cache, turn, keep=3)
+    with torch.inference_mode():
+        own = source(input_ids=ids).logits[:, -3:].float().log_softmax(-1)
+    assert source_cache.get_seq_length() == 32 and read.logprobs.shape == own.shape
+    torch.testing.assert_close(read.logprobs, own, atol=1e-4, rtol=0)
+    assert torch.equal(read.scores, turn_attention_scores(source, source_cache, turn))
+    ahead = read_turn(source, source_cache, turn, keep=3, lookahead=2)
+    assert torch.equal(ahead.logprobs, read.logprobs)
+    assert torch.equal(ahead.scores, turn_attention_scores(source, source_cache, turn, lookahead=2))
+    for bad in (0, 9, True, 1.0):
+        with pytest.raises(ConfigError, match="keep"):
+            read_turn(source, source_cache, turn, keep=bad)
+
+
+def test_turn_attention_ranks_by_the_sources_read_the_caller_made(exact, monkeypatch):
+    """SelectionInfo.source_turn_read: turn_attention without lookahead picks by it without reading the turn again
+    (the same picks as reading it); a lookahead or the target's own read reads the turn themselves; a read that does
+    not cover the conversation is refused."""
+    from kvhandoff.runtime import policy as policy_module
+
+    source, target, _ = exact
+    ids = ids_of(batch=1, tokens=44)
+    history, turn = ids[:, :36], ids[:, 36:]
+    source_cache, _ = prefill(source, history)
+    cache, _ = prefill(target, history)
+    new_turn = tuple(turn[0].tolist())
+    scores = turn_attention_scores(source, source_cache, turn)
+    expected = TurnAttention(4 / 36).positions(target, cache, history, SelectionInfo(new_turn=new_turn), source,
+                                               source_cache)
+    reads = []
+    real = policy_module.turn_attention_scores
+    monkeypatch.setattr(policy_module, "turn_attention_scores",
+                        lambda model, *rest: reads.append(model) or real(model, *rest))
+    shared = SelectionInfo(new_turn=new_turn, source_turn_read=scores)
+    assert torch.equal(TurnAttention(4 / 36).positions(target, cache, history, shared, source, source_cache),
+                       expected)
+    assert reads == [] and TurnAttention(0.1).ranks_by_source_turn_read
+    TurnAttention(4 / 36, lookahead=2).positions(target, cache, history, shared, source, source_cache)
+    TargetTurnAttention(4 / 36).positions(target, cache, history, shared, source, source_cache)
+    assert reads == [source, target]
+    assert not any(p.ranks_by_source_turn_read for p in (TurnAttention(0.1, lookahead=2), TargetTurnAttention(0.1),
+                                                         TurnAttention(0.0), SourceAttention(0.1)))
+    with pytest.raises(ConfigError, match="source_turn_read"):
+        TurnAttention(4 / 36).positions(target, cache, history, SelectionInfo(new_turn=new_turn,
+                                        source_turn_read=scores[:, :30]), source, source_cache)
 
 
 def test_turn_attention_with_lookahead_adds_the_sources_greedy_answer(exact):

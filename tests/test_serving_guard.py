@@ -35,7 +35,6 @@ from kvhandoff.serving.guard import (
     guard_score,
     measure_guard,
     needs_reference,
-    reference_logprobs,
     relabel,
     summarize_guard,
 )
@@ -112,18 +111,34 @@ def test_auroc_and_threshold_choice():
     assert summary.to_dict()["catch_rate"] == 1.0
 
 
-def test_reference_logprobs_leave_the_cache_as_it_was():
-    models, _ = tiny_family()
-    model = models["small"][0]
-    session = SwitchingSession({"small": model}, {})
-    session.read("small", list(range(10, 30)))
-    cache = session.cache("small")
-    before = [layer.keys.clone() for layer in cache.layers]
-    got = reference_logprobs(model, cache, [40, 41, 42], keep=2)
-    assert got.shape == (2, model.config.vocab_size) and cache.get_seq_length() == 20
-    assert all(torch.equal(layer.keys, old) for layer, old in zip(cache.layers, before, strict=True))
-    own = session.read_logprobs("small", [40, 41, 42], keep=2)
-    torch.testing.assert_close(got, own)
+def test_a_turn_attention_switch_under_a_relative_guard_reads_the_turn_once(monkeypatch):
+    """The guard's reference and turn_attention's ranking are the previous model's one read of the new turn: the
+    policy does not read it again, and the switch answers as it does without the guard."""
+    from kvhandoff.runtime import policy as policy_module
+    from kvhandoff.runtime import session as session_module
+
+    policy_reads, previews = [], []
+    real_scores, real_read = policy_module.turn_attention_scores, session_module.read_turn
+    monkeypatch.setattr(policy_module, "turn_attention_scores",
+                        lambda *args: policy_reads.append(1) or real_scores(*args))
+    monkeypatch.setattr(session_module, "read_turn", lambda *args: previews.append(1) or real_read(*args))
+
+    def switch(**guard) -> tuple[str, dict]:
+        with running(recompute="turn_attention:20%", **guard) as server:
+            messages, headers = [{"role": "user", "content": "tell me a story about a cat and a dog"}], {
+                "X-Session-ID": "once"}
+            for model in ("small", "large"):
+                reply = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=60, json={
+                    "model": model, "messages": messages, "max_tokens": 6, "temperature": 0}).json()
+                messages += [reply["choices"][0]["message"], {"role": "user", "content": "and the dog?"}]
+        return reply["choices"][0]["message"]["content"], reply["kv_handoff"]
+
+    plain, plain_handoff = switch()
+    assert (len(policy_reads), len(previews)) == (1, 0) and plain_handoff["guard"] is None
+    guarded, handoff = switch(guard=True, guard_signal="entropy_gain", guard_threshold=1e9)
+    assert (len(policy_reads), len(previews)) == (1, 1)  # the guard's preview served the policy too
+    assert handoff["status"] == "applied" and handoff["guard"]["score"] is not None
+    assert guarded == plain and handoff["read_tokens"] == plain_handoff["read_tokens"]
 
 
 def noisy(mapper, scale: float, seed: int = 0):

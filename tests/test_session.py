@@ -202,6 +202,40 @@ def test_a_handover_taken_back_is_made_again_under_another_plan(trio):
     torch.testing.assert_close(session.read("a", ids[26:32]), plain.read("a", ids[26:32]), atol=1e-5, rtol=0)
 
 
+def test_the_owners_preview_of_a_turn_leaves_its_cache_and_serves_the_handover(trio, monkeypatch):
+    """preview_turn: the owner's log-probs of the turn's last positions (those it would read), its cache as it was;
+    with attention, the attention a turn_attention handover ranks by, which read_logprobs takes instead of reading
+    the turn again (the same answer); nothing to preview is refused."""
+    from kvhandoff.runtime import policy as policy_module
+
+    a, b, _, mapper = trio
+    ids = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    plan = HandoffPlan.of(recompute="turn_attention:20%")
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, plan=plan)
+    with pytest.raises(ConfigError, match="owner"):
+        session.preview_turn(ids[:4])
+    session.read("a", ids[:24])
+    before = session.cache("a").layers[0].keys.clone()
+    logprobs, attention = session.preview_turn(ids[24:], keep=2)
+    assert attention is None and session.cache("a").get_seq_length() == 24
+    assert torch.equal(session.cache("a").layers[0].keys, before)
+    shared, attention = session.preview_turn(ids[24:], keep=2, attention=True)
+    torch.testing.assert_close(shared, logprobs, atol=1e-5, rtol=0)
+    assert attention.shape == (1, 24) and session.cache("a").get_seq_length() == 24
+    plain = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, plan=plan)
+    plain.read("a", ids[:24])
+    torch.testing.assert_close(logprobs, plain.read_logprobs("a", ids[24:], keep=2), atol=1e-5, rtol=0)
+    reads = []
+    real = policy_module.turn_attention_scores
+    monkeypatch.setattr(policy_module, "turn_attention_scores", lambda *args: reads.append(1) or real(*args))
+    served = session.read_logprobs("b", ids[24:], keep=2, source_turn_read=attention)
+    assert reads == []  # ranked by the preview's attention: the turn was not read again
+    fresh = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, plan=plan)
+    fresh.read("a", ids[:24])
+    torch.testing.assert_close(served, fresh.read_logprobs("b", ids[24:], keep=2), atol=1e-5, rtol=0)
+    assert reads == [1]
+
+
 def test_only_the_last_handover_can_be_taken_back_while_it_stands(trio):
     a, b, _, mapper = trio
     ids = torch.randint(0, 128, (30,)).tolist()

@@ -46,6 +46,9 @@ class SelectionInfo:
     marker_ids: token ids that open a turn (e.g. `<|im_start|>`, see `turn_marker_ids`), for "sinks".
     source_attention: [batch, T] attention the source paid each position (`source_attention_scores`).
     new_turn: the token ids the target reads right after the handoff (shared by the batch), for "turn_attention".
+    source_turn_read: [batch, T] the attention the source paid each position while it read ``new_turn`` on its
+        cache (`recompute.read_turn`'s scores), when the caller read the turn with the source already (a guard's
+        reference pass); "turn_attention" without lookahead ranks by it instead of reading the turn again.
     """
 
     start: int = 0
@@ -53,6 +56,7 @@ class SelectionInfo:
     marker_ids: tuple[int, ...] = ()
     source_attention: torch.Tensor | None = field(default=None, compare=False)
     new_turn: tuple[int, ...] = ()
+    source_turn_read: torch.Tensor | None = field(default=None, compare=False)
 
 
 def turn_marker_ids(tokenizer) -> tuple[int, ...]:
@@ -142,6 +146,12 @@ class RecomputePolicy:
     @property
     def reads_new_turn(self) -> bool:
         """Whether the policy's picks depend on the turn the target reads next (`SelectionInfo.new_turn`)."""
+        return False
+
+    @property
+    def ranks_by_source_turn_read(self) -> bool:
+        """Whether a handoff under this policy ranks by the source's read of the new turn alone, so that a read
+        the caller made anyway (`SelectionInfo.source_turn_read`) serves it."""
         return False
 
     @property
@@ -325,6 +335,8 @@ class TurnAttention(SourceAttention):
 
     lookahead: int = 0
     rule: ClassVar[str] = "turn_attention"
+    #: whether the model that reads the new turn is the source (`_reader`)
+    _reads_with_source: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -343,6 +355,10 @@ class TurnAttention(SourceAttention):
     def reads_new_turn(self) -> bool:
         return True
 
+    @property
+    def ranks_by_source_turn_read(self) -> bool:
+        return self.active and self.lookahead == 0 and self._reads_with_source
+
     def _reader(self, target_model, cache, input_ids: torch.Tensor, source_model, source_cache):
         """The model that reads the new turn and the cache it reads it on: the source, on its own cache."""
         if source_model is None or source_cache is None:
@@ -358,7 +374,13 @@ class TurnAttention(SourceAttention):
         info = info or SelectionInfo()
         if self.active and info.source_attention is None:
             model, read_on = self._reader(target_model, cache, input_ids, source_model, source_cache)
-            if info.new_turn:
+            if info.new_turn and info.source_turn_read is not None and self.ranks_by_source_turn_read:
+                scores = info.source_turn_read
+                if tuple(scores.shape) != tuple(input_ids.shape):
+                    raise ConfigError(f"SelectionInfo.source_turn_read is {tuple(scores.shape)}, input_ids "
+                                      f"{tuple(input_ids.shape)}: the source's read of the new turn must cover "
+                                      "every position of the conversation")
+            elif info.new_turn:
                 turn = torch.tensor([list(info.new_turn)] * input_ids.shape[0], device=input_ids.device)
                 scores = turn_attention_scores(model, read_on, turn, self.lookahead)
             else:
@@ -375,6 +397,7 @@ class TargetTurnAttention(TurnAttention):
     the target's last ``window`` queries of the history, read again on the mapped cache, rank the positions."""
 
     rule: ClassVar[str] = "target_turn_attention"
+    _reads_with_source: ClassVar[bool] = False
 
     def _reader(self, target_model, cache, input_ids: torch.Tensor, source_model, source_cache):
         if target_model is None or cache is None:

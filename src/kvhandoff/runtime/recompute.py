@@ -9,13 +9,14 @@ attention); S = every position gives the target's own prefill.
 `leading_layer_rows` is the other axis (DroidSpeak, arXiv 2411.02820): the target's own K/V of its first layers at
 every position, from a prefill that stops after the last of them; cost ∝ that share of the layers.
 
-The source's attention (`record_queries`, `attention_from_queries`, `source_attention_scores`) serves the policies
-that rank positions by it (`kvhandoff.runtime.policy`), which choose the positions.
+The source's attention (`record_queries`, `attention_from_queries`, `source_attention_scores`, `read_turn`) serves
+the policies that rank positions by it (`kvhandoff.runtime.policy`), which choose the positions.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -262,28 +263,49 @@ def attention_from_queries(model, queries, cache) -> torch.Tensor:
     return layers_received_attention(model, queries, [cached.keys for cached in cache.layers], at)
 
 
+@dataclass(frozen=True)
+class TurnRead:
+    """A model's read of a new turn on a cache it leaves as it was: ``scores`` [batch, T], the attention it paid
+    each of the T cached positions (summed over layers, heads and the turn's tokens), and ``logprobs`` [batch, keep,
+    vocab], the float32 log-probs after each of the turn's last ``keep`` tokens."""
+
+    scores: torch.Tensor
+    logprobs: torch.Tensor
+
+
 @torch.inference_mode()
-def turn_attention_scores(model, cache, new_turn: torch.Tensor, lookahead: int = 0) -> torch.Tensor:
-    """[batch, T]: the attention ``model`` pays each of the T positions of ``cache`` (its own, or one handed to it)
-    while it reads ``new_turn`` [batch, N] (the turn the target reads next) on top of it, summed over layers, heads
-    and the turn's tokens; ``cache`` is not changed (the turn is read on a view of it). Cost: ``model``'s forward of
-    N tokens.
+def read_turn(model, cache, new_turn: torch.Tensor, keep: int = 1, lookahead: int = 0) -> TurnRead:
+    """``model`` reads ``new_turn`` [batch, N] (the turn the target reads next) on a view of ``cache`` (its own,
+    or one handed to it; not changed): the attention it pays the cached positions and its log-probs after the
+    turn's last ``keep`` tokens (`TurnRead`). Cost: ``model``'s forward of N tokens. One read serves a recompute
+    policy that ranks by the attention and a guard that compares against the log-probs.
 
     ``lookahead`` > 0: ``model`` then answers that many tokens greedily on the same view, and the attention its
     answer's queries pay the T positions is added: an answer quoting the history looks at the span it quotes, which
-    the question alone may only point near (speculative prefill, arXiv 2502.02789). Cost: that many decode steps."""
+    the question alone may only point near (speculative prefill, arXiv 2502.02789). Cost: that many decode steps.
+    The log-probs stay those of the turn."""
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise ConfigError(f"lookahead must be a non-negative integer, got {lookahead!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= new_turn.shape[1]:
+        raise ConfigError(f"keep must be an integer in 1..{new_turn.shape[1]} (the turn's tokens), got {keep!r}")
     total = cache.get_seq_length()
     view = cache_view(cache, 0)
     with record_queries(model, new_turn.shape[1]) as queries:
-        _, logits = prefill(model, new_turn.to(cache.layers[0].keys.device), view)
+        logits = model(input_ids=new_turn.to(cache.layers[0].keys.device), cache=view, use_cache=True,
+                       logits_to_keep=keep).logits
     scores = attention_from_queries(model, queries, view)[:, :total]
+    next_logits = logits[:, -1]
     for _ in range(lookahead):
         with record_queries(model, 1) as queries:
-            _, logits = prefill(model, logits.argmax(dim=-1, keepdim=True), view)
+            _, next_logits = prefill(model, next_logits.argmax(dim=-1, keepdim=True), view)
         scores = scores + attention_from_queries(model, queries, view)[:, :total]
-    return scores
+    return TurnRead(scores, logits.float().log_softmax(-1))
+
+
+def turn_attention_scores(model, cache, new_turn: torch.Tensor, lookahead: int = 0) -> torch.Tensor:
+    """[batch, T]: the attention ``model`` pays each of the T positions of ``cache`` while it reads ``new_turn``
+    [batch, N] on top of it (and answers ``lookahead`` tokens): `read_turn`'s ``scores``."""
+    return read_turn(model, cache, new_turn, 1, lookahead).scores
 
 
 @torch.inference_mode()

@@ -13,6 +13,7 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.handoff import MappedCache, catch_up, check_context, map_for_target, verify_mapper
 from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
 from kvhandoff.runtime.policy import SelectionInfo
+from kvhandoff.runtime.recompute import read_turn
 from kvhandoff.runtime.seam import CacheFactory, KVCache, new_cache
 
 #: how a conversation is handed over at a switch: "all" — the current server's whole cache is mapped for the new
@@ -136,11 +137,13 @@ class SwitchingSession:
             mapped.settle(self.models[server])
         return self.cache(server)
 
-    def _switch(self, server: str, upcoming=(), plan: HandoffPlan | None = None) -> MappedCache | None:
+    def _switch(self, server: str, upcoming=(), plan: HandoffPlan | None = None,
+                source_turn_read: torch.Tensor | None = None) -> MappedCache | None:
         """Make ``server`` the owner; at a handover, its cache of `tokens` as a `MappedCache` whose recompute (the
         exact prefix, the policy's picks) is left to the model's next forward (`MappedCache.read`); else None.
         ``upcoming``: the tokens it reads next (the new turn), which a policy may pick positions by; ``plan``: the
-        handover's plan instead of the pair's (`plan_for`)."""
+        handover's plan instead of the pair's (`plan_for`); ``source_turn_read``: the previous owner's attention
+        over `tokens` while it read ``upcoming`` (`SelectionInfo.source_turn_read`), when the caller read it."""
         self.require_model(server)
         owner = self.owner
         for name in (owner, server):
@@ -160,7 +163,7 @@ class SwitchingSession:
             held = self._caches[server].length if server in self._caches else None
             self._handover = _Handover(owner, server, len(self.tokens), held, self._own.get(server, 0))
             info = SelectionInfo(turn_starts=tuple(p for p in self._turn_starts if p < len(self.tokens)),
-                                 new_turn=tuple(upcoming))
+                                 new_turn=tuple(upcoming), source_turn_read=source_turn_read)
             if server in self._caches:  # the positions appended are mapped: its own prefix stays as it was
                 mapped = catch_up(self._caches[server], current, mapper, self.models[owner], self.models[server],
                                   ids, plan, info)
@@ -175,11 +178,12 @@ class SwitchingSession:
         return None
 
     def _read_on(self, server: str, ids: list[int], keep: int, upcoming=None,
-                 plan: HandoffPlan | None = None) -> torch.Tensor:
+                 plan: HandoffPlan | None = None, source_turn_read: torch.Tensor | None = None) -> torch.Tensor:
         """``server`` reads ``ids`` on its cache of the conversation, switching to it first (at a handover the
         recompute and the read are one forward; ``upcoming``: the whole new turn when ``ids`` is its first part;
-        ``plan``: the handover's, instead of the pair's); logits of the last ``keep`` of them [1, keep, vocab]."""
-        mapped = self._switch(server, ids if upcoming is None else upcoming, plan)
+        ``plan``: the handover's, instead of the pair's; ``source_turn_read``: as in `_switch`); logits of the last
+        ``keep`` of them [1, keep, vocab]."""
+        mapped = self._switch(server, ids if upcoming is None else upcoming, plan, source_turn_read)
         model = self.models[server]
         input_ids = torch.tensor([ids], device=model.device)
         cache = mapped.cache if mapped is not None else self._own_cache(server)
@@ -298,19 +302,44 @@ class SwitchingSession:
         self.owner, self._handover = last.source, None
 
     @torch.inference_mode()
+    def preview_turn(self, ids, keep: int = 1, attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The owner reads ``ids`` (the turn another model reads next) on its cache of `tokens` and forgets them
+        again (its cache is left as it was): the float32 log-probs of the last ``keep`` positions [min(keep,
+        len(ids)), vocab] and, with ``attention``, the attention it paid each position of `tokens` [1, T]
+        (`recompute.read_turn`; the cache exported by its engine), else None. The attention is what `read_logprobs`
+        takes as ``source_turn_read`` at the handover that follows: one forward serves a guard's reference and a
+        recompute policy that ranks by the source's read of the turn."""
+        ids = list(ids)
+        if self.owner is None or not ids:
+            raise ConfigError("preview_turn needs a conversation with an owner and at least one token to read")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"keep must be a positive integer, got {keep!r}")
+        self.rollback(self.owner)
+        model, kv, keep = self.models[self.owner], self._caches[self.owner], min(keep, len(ids))
+        turn = torch.tensor([ids], device=kv.device)
+        if attention:
+            read = read_turn(model, kv.export(), turn, keep)
+            return read.logprobs[0], read.scores
+        length = kv.length
+        logits = kv.read(model, turn, keep)
+        kv.truncate(length)
+        return logits[0].float().log_softmax(-1), None
+
+    @torch.inference_mode()
     def read_logprobs(self, server: str, ids, keep: int = 1, upcoming=None,
-                      plan: HandoffPlan | None = None) -> torch.Tensor:
+                      plan: HandoffPlan | None = None, source_turn_read: torch.Tensor | None = None) -> torch.Tensor:
         """As `read`, but returns the float32 log-probs of the last ``keep`` positions of ``ids`` [min(keep,
         len(ids)), vocab] (row i: the distribution of the token after that position); only those logits are
         computed. ``upcoming``: the whole new turn when ``ids`` is only its first part (a prompt read in chunks),
         for a recompute policy that picks positions by it; ``plan``: the plan of a handover this read makes,
-        instead of the pair's (`plan_for`)."""
+        instead of the pair's (`plan_for`); ``source_turn_read``: the previous owner's attention over the
+        conversation while it read the new turn (`preview_turn`), for a policy that ranks by it."""
         ids = list(ids)
         if not ids:
             raise ConfigError("read_logprobs needs at least one token")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be a positive integer, got {keep!r}")
-        logits = self._read_on(server, ids, min(keep, len(ids)), upcoming, plan)
+        logits = self._read_on(server, ids, min(keep, len(ids)), upcoming, plan, source_turn_read)
         self.tokens += ids
         return logits[0].float().log_softmax(-1)
 

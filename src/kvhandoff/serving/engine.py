@@ -50,7 +50,7 @@ from kvhandoff.serving.chat import chat_template_of, render, render_text
 from kvhandoff.serving.config import Escalate, Fallback, ServeConfig
 from kvhandoff.serving.decoding import Sampler, SamplingParams, end_ids, held_back, stop_index
 from kvhandoff.serving.grammar import GrammarSpec, ToolCalls
-from kvhandoff.serving.guard import GuardPolicy, guard_policies, guard_score, reference_logprobs
+from kvhandoff.serving.guard import GuardPolicy, guard_policies, guard_score
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.prefix_cache import PrefixCache
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE
@@ -893,9 +893,12 @@ class Engine:
             status, source = "applied", previous
             policy = self.guards[previous, server]
             keep = policy.window if policy.active else 1
-            reference = (reference_logprobs(self._models[previous].model, session.cache(previous), new, keep)
-                         if policy.needs_reference else None)
-            logprobs = yield from self._read_chunked(session, server, new, keep, cancelled)
+            # the previous model's read of the turn: the guard's reference and, for a policy ranking by it, the
+            # attention that picks the positions to recompute (one forward for both)
+            reference, turn_read = (session.preview_turn(
+                new, keep, attention=session.plan_for(previous, server).recompute.ranks_by_source_turn_read)
+                if policy.needs_reference else (None, None))
+            logprobs = yield from self._read_chunked(session, server, new, keep, cancelled, turn_read=turn_read)
             if policy.active:
                 score = guard_score(policy.signal, logprobs, reference, new, mapped / common)
                 guard = policy.report(score)
@@ -903,7 +906,7 @@ class Engine:
                     session.undo_handover()  # hand over again, recomputing more of what is mapped
                     plan = session.plan_for(previous, server).with_recompute(policy.action.recompute)
                     status = "escalated"
-                    logprobs = yield from self._read_chunked(session, server, new, 1, cancelled, plan)
+                    logprobs = yield from self._read_chunked(session, server, new, 1, cancelled, plan, turn_read)
                 elif policy.rejects(score):  # re-read what the model does not hold exactly (its own turns stay)
                     status, kept = "fallback", session.reprefill_start(server)
                     logprobs = session.reprefill(server)[None]
@@ -915,19 +918,22 @@ class Engine:
         return report, logprobs[-1]
 
     def _read_chunked(self, session: SwitchingSession, server: str, new: list[int], keep: int = 1,
-                      cancelled: threading.Event | None = None, plan: HandoffPlan | None = None):
+                      cancelled: threading.Event | None = None, plan: HandoffPlan | None = None,
+                      turn_read: torch.Tensor | None = None):
         """``server`` reads ``new`` in chunks of `config.prefill_chunk` (the last one holds at least ``keep``
         tokens), yielding None after each but the last, and stopping there when ``cancelled`` is set; returns the
         log-probs of the last ``keep`` positions. ``plan``: that of a handover the first chunk makes, instead of the
-        pair's."""
+        pair's; ``turn_read``: the previous model's attention while it read ``new`` (`preview_turn`), for it."""
         chunk = self.config.prefill_chunk
         last = min((len(new) - 1) // chunk * chunk, max(0, len(new) - keep))  # where the last chunk starts
         for start in range(0, last, chunk):
-            session.read_logprobs(server, new[start:min(start + chunk, last)], 1, upcoming=new[start:], plan=plan)
+            session.read_logprobs(server, new[start:min(start + chunk, last)], 1, upcoming=new[start:], plan=plan,
+                                  source_turn_read=turn_read)
             yield None
             if cancelled is not None and cancelled.is_set():
                 raise RequestError("cancelled", "the client went away while its prompt was read")
-        return session.read_logprobs(server, new[last:], keep, upcoming=new[last:], plan=plan)
+        return session.read_logprobs(server, new[last:], keep, upcoming=new[last:], plan=plan,
+                                     source_turn_read=turn_read)
 
     def _echo(self, hosted: HostedModel, request: GenerationRequest, prompt: list[int]):
         """(the prompt's text, its log-prob entries): each token under the model's distribution after the tokens

@@ -39,7 +39,6 @@ from kvhandoff.mapper.manifest import GuardCalibration, MapperManifest
 from kvhandoff.model.cache import kl_divergence
 from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
 from kvhandoff.runtime.policy import RecomputePolicy
-from kvhandoff.runtime.seam import as_kv_cache
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.config import (
     DEFAULT_GUARD_SIGNAL,
@@ -53,17 +52,6 @@ from kvhandoff.serving.config import (
     parse_guard_action,
 )
 from kvhandoff.serving.decoding import greedy_answer
-
-
-@torch.inference_mode()
-def reference_logprobs(model, cache, ids: Sequence[int], keep: int) -> torch.Tensor:
-    """``model`` reads ``ids`` on top of its own ``cache`` and forgets them again (the cache is rolled back);
-    float32 log-probs of the last ``keep`` positions [min(keep, len(ids)), vocab]."""
-    kv = as_kv_cache(cache)
-    length = kv.length
-    logits = kv.read(model, torch.tensor([list(ids)], device=kv.device), min(keep, len(ids)))
-    kv.truncate(length)
-    return logits[0].float().log_softmax(-1)
 
 
 def mean_entropy(logprobs: torch.Tensor) -> float:
@@ -448,9 +436,10 @@ def guard_records_by_signal(models, mappers, conversations, signals: Sequence[st
             mapped_tokens = before - session.cached_length(server)
             escalated_answer = (None if escalated is None
                                 else _escalated_answer(session, server, ids, escalated, answering))
-            reference = (reference_logprobs(models[previous], session.cache(previous), ids, window)
-                         if reference_needed else None)
-            served = session.read_logprobs(server, ids, window)
+            reference, turn_read = (session.preview_turn(
+                ids, window, attention=session.plan_for(previous, server).recompute.ranks_by_source_turn_read)
+                if reference_needed else (None, None))
+            served = session.read_logprobs(server, ids, window, source_turn_read=turn_read)
             scores = {signal: guard_score(signal, served, reference, ids, mapped_tokens / before)
                       for signal in signals}
             length = len(session.tokens)
