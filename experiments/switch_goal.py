@@ -2,13 +2,14 @@
 recompute policy beside the two models alone, read from `kvhandoff-lab eval-switch` runs (each RUN_DIR's
 `switch.json` and its item store; a task is read from the first run that scored it under the policy).
 
-    python experiments/switch_goal.py POLICY OUT_JSON RUN_DIR [RUN_DIR ...]
+    python experiments/switch_goal.py POLICY OUT_JSON RUN_DIR [RUN_DIR ...] [--small MODEL]
 
-POLICY: a recompute spec as the runs name it ("turn_attention:5%"). Per task and direction: n, the source and the
-target alone, the switch, its retention (switch / target alone) and switch − the small model alone (the source of
-the runs' forward direction), each with a paired bootstrap interval over the items; per direction the mean
-retention over the tasks, with an interval from resampling every task's items, and the tasks whose switch is below
-the small model alone in point estimate.
+POLICY: a recompute spec as the runs name it ("turn_attention:5%"). The small model: MODEL, else the source of the
+first run's forward direction; a run of one direction (`--no-both-directions`) counts for the direction of its
+models. Per task and direction: n, the source and the target alone, the switch, its retention (switch / target
+alone) and switch − the small model alone, each with a paired bootstrap interval over the items; per direction the
+mean retention over the tasks, with an interval from resampling every task's items, and the tasks whose switch is
+below the small model alone in point estimate.
 """
 
 from __future__ import annotations
@@ -70,11 +71,13 @@ def task_row(scores: dict[str, np.ndarray], small: str, rng) -> dict:
             "_draws": draws}
 
 
-def direction_rows(runs: list[tuple[Path, dict]], direction: str, spec: str, rng) -> dict:
-    small = "source" if direction == "forward" else "target"
+def direction_rows(runs: list[tuple[Path, dict]], names: tuple[str, str], small: str, spec: str,
+                   rng) -> dict | None:
+    """Every task scored under ``spec`` in the direction ``names`` (source, target) of any run (a run's "forward"
+    or "reverse" entry, whichever has those models), each task from the first run that has it; None: no task."""
     rows: dict[str, dict] = {}
     for run_dir, result in runs:
-        entry = result["directions"].get(direction)
+        entry = next((e for e in result["directions"].values() if (e["source"], e["target"]) == names), None)
         for task in (entry or {}).get("tasks", {}):
             if task in rows:
                 continue
@@ -82,6 +85,8 @@ def direction_rows(runs: list[tuple[Path, dict]], direction: str, spec: str, rng
             if scores is not None:
                 rows[task] = {"run": str(run_dir), "display": entry["tasks"][task].get("display", task),
                               **task_row(scores, small, rng), "_scores": scores}
+    if not rows:
+        return None
     means = []
     for k in range(RESAMPLES):
         values = [ratio(row["_scores"]["switch"][row["_draws"][k]], row["_scores"]["target"][row["_draws"][k]])
@@ -94,18 +99,20 @@ def direction_rows(runs: list[tuple[Path, dict]], direction: str, spec: str, rng
             "tasks": {task: {k: v for k, v in row.items() if not k.startswith("_")} for task, row in rows.items()}}
 
 
-def main(policy: str, out: str, *run_dirs: str) -> None:
+def main(policy: str, out: str, *run_dirs: str, small_model: str | None = None) -> None:
     spec = parse(policy).spec
     condition = switch_name(parse(spec))
     runs = [(Path(d), json.loads((Path(d) / "switch.json").read_text(encoding="utf-8"))) for d in run_dirs]
     rng = np.random.default_rng(0)
     result = {"policy": spec, "runs": list(run_dirs), "directions": {}}
-    for direction in ("forward", "reverse"):
-        names = next(((r["directions"][direction]["source"], r["directions"][direction]["target"]) for _, r in runs
-                      if direction in r["directions"]), None)
-        if names is None:
+    first = runs[0][1]["directions"]["forward"]
+    small_model = small_model or first["source"]
+    large_model = first["target"] if first["source"] == small_model else first["source"]
+    for direction, names in (("forward", (small_model, large_model)), ("reverse", (large_model, small_model))):
+        small = "source" if direction == "forward" else "target"
+        rows = direction_rows(runs, names, small, spec, rng)
+        if rows is None:
             continue
-        rows = direction_rows(runs, direction, spec, rng)
         result["directions"][direction] = {"source": names[0], "target": names[1], **rows}
         print(f"{names[0]} → {names[1]} ({condition}; small model alone = the {rows['small_model']})")
         for row in rows["tasks"].values():
@@ -122,6 +129,14 @@ def main(policy: str, out: str, *run_dirs: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4:
+    args = sys.argv[1:]
+    small = None
+    if "--small" in args:
+        at = args.index("--small")
+        small = args[at + 1] if at + 1 < len(args) else None
+        args = args[:at] + args[at + 2:]
+        if small is None:
+            raise SystemExit("--small needs a model name (as the runs name it, e.g. qwen2.5-coder:0.5b)")
+    if len(args) < 3:
         raise SystemExit(__doc__)
-    main(*sys.argv[1:])
+    main(*args, small_model=small)
