@@ -5,12 +5,14 @@ chosen on dev items, then scored on report items (`kvhandoff_lab.evaluation.swit
 
     python experiments/switch_guard.py DEV_RUN REPORT_RUN TTFT_JSON OUT_JSON [--served COND] [--flagged COND,...]
         [--direction forward] [--min-speedup 5] [--signal entropy_gain] [--tasks coqa_gen,...] [--threshold T]
+        [--reference-seconds S]
 
 DEV_RUN / REPORT_RUN: `kvhandoff-lab eval-switch` runs of the generative group whose served switch's records carry
 the guard's scores (`guard_scores`; `guard_entropy` for "entropy" and "entropy_gain"), with the target and source
 alone and each flagged condition; TTFT_JSON: an `eval-switch --ttft-repeats` run with the seconds of the served and
 flagged conditions, the re-prefill and the source's reference pass over the question (counted at every switch for
-a signal that needs it).
+a signal that needs it; --reference-seconds: what the reference adds instead, e.g. when the served policy's own read
+of the turn gives it, measured by `experiments/shared_turn_read_ttft.py`).
 For each flagged condition ("target": fall back; "switch:recent:35%": escalate) the threshold is the one with the
 best mean retention on DEV_RUN at MIN_SPEEDUP or faster (or the --threshold given, such as the one a pair's guard
 records); its dev Pareto front and report scores are printed and written to OUT_JSON.
@@ -81,10 +83,13 @@ def main() -> None:
     parser.add_argument("--tasks", default=None, help="comma-separated tasks (default: every generative task)")
     parser.add_argument("--threshold", type=float, default=None,
                         help="score this threshold (e.g. a pair's recorded guard) instead of choosing one on dev")
+    parser.add_argument("--reference-seconds", type=float, default=None,
+                        help="seconds the reference pass adds at a switch, instead of the TTFT run's")
     args = parser.parse_args()
     seconds, reference = ttft_seconds(args.ttft_json, args.direction)
+    reference = reference if args.reference_seconds is None else args.reference_seconds
     reference = reference if needs_reference(args.signal) else 0.0
-    out = {"served": args.served, "signal": args.signal, "direction": args.direction,
+    out = {"served": args.served, "signal": args.signal, "direction": args.direction, "reference_seconds": reference,
            "min_speedup": args.min_speedup, "threshold": args.threshold, "flagged": {}}
     for flagged in args.flagged.split(","):
         costs = guard_costs(seconds, args.served, flagged, reference)
