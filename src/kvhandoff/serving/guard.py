@@ -16,8 +16,9 @@ cache (a forward pass of the new turn only, then rolled back) for a reference. S
   output needed).
 
 The reference signals (`config.REFERENCE_GUARD_SIGNALS`) cost a forward pass of the new turn's tokens through the
-previous model, next to a re-prefill of the whole conversation by the receiving model; the others cost nothing. A
-score above the threshold means: re-prefill.
+previous model (`SwitchingSession.preview_turn`), next to a re-prefill of the whole conversation by the receiving
+model; under a recompute policy that ranks by that same read (`turn_attention`) it serves both. The others cost
+nothing. A score above the threshold means: re-prefill.
 
 The guard belongs to the mapper pair: each ordered pair's `GuardPolicy` (signal, threshold, window and where they
 came from) is built once when the server starts (`guard_policies`): a threshold configured in `ServeConfig` for
