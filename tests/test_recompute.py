@@ -12,9 +12,9 @@ from kvhandoff.runtime.policy import SelectionInfo, SourceAttention, TargetTurnA
 from kvhandoff.runtime.recompute import (
     attention_from_queries,
     leading_layer_rows,
+    read_turn,
     recompute_and_read,
     recompute_positions,
-    read_turn,
     record_queries,
     source_attention_scores,
     turn_attention_scores,

@@ -19,7 +19,6 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, Recent
 from kvhandoff.runtime.policy import parse as policy_of
-from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.calibrate import calibrate_guard, record_guards
 from kvhandoff.serving.config import DEFAULT_GUARD_WINDOW, Escalate, Fallback, ServeConfig
 from kvhandoff.serving.engine import Engine
