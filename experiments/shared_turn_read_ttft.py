@@ -1,7 +1,7 @@
 """What a relative guard signal costs at a switch under each pair's recorded recompute policy, when the previous
 model's read of the new turn is made twice (once for the guard's reference, once for `turn_attention`'s ranking)
-and when it is made once (`SwitchingSession.preview_turn(..., attention=True)` handing its attention to the
-handover, as the server does); beside the switch with no guard and the target's re-prefill.
+and when it is made once (`SwitchingSession.preview_turn` handing its attention to the handover, as the server
+does); beside the switch with no guard and the target's re-prefill.
 
     python experiments/shared_turn_read_ttft.py OUT_JSON [HISTORY_TOKENS] [REPEATS] [THREADS]
 
@@ -41,12 +41,12 @@ def switch_paths(session_of, question: list[int], window: int) -> dict:
 
     def twice():
         session = session_of()
-        session.preview_turn(question, window)
+        session.preview_turn("target", question, window, attention=False)
         session.read_logprobs("target", question, window)
 
     def once():
         session = session_of()
-        _, attention = session.preview_turn(question, window, attention=True)
+        _, attention = session.preview_turn("target", question, window)
         session.read_logprobs("target", question, window, source_turn_read=attention)
 
     return {"switch": plain, "switch + reference, read twice": twice, "switch + reference, read once": once}

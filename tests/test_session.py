@@ -204,8 +204,9 @@ def test_a_handover_taken_back_is_made_again_under_another_plan(trio):
 
 def test_the_owners_preview_of_a_turn_leaves_its_cache_and_serves_the_handover(trio, monkeypatch):
     """preview_turn: the owner's log-probs of the turn's last positions (those it would read), its cache as it was;
-    with attention, the attention a turn_attention handover ranks by, which read_logprobs takes instead of reading
-    the turn again (the same answer); nothing to preview is refused."""
+    with attention (by default when the handover's policy ranks by it), the attention a turn_attention handover
+    ranks by, which read_logprobs takes instead of reading the turn again (the same answer); nothing to preview is
+    refused."""
     from kvhandoff.runtime import policy as policy_module
 
     a, b, _, mapper = trio
@@ -213,17 +214,20 @@ def test_the_owners_preview_of_a_turn_leaves_its_cache_and_serves_the_handover(t
     plan = HandoffPlan.of(recompute="turn_attention:20%")
     session = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, plan=plan)
     with pytest.raises(ConfigError, match="owner"):
-        session.preview_turn(ids[:4])
+        session.preview_turn("b", ids[:4])
     session.read("a", ids[:24])
     before = session.cache("a").layers[0].keys.clone()
-    logprobs, attention = session.preview_turn(ids[24:], keep=2)
+    logprobs, attention = session.preview_turn("b", ids[24:], keep=2, attention=False)
     assert attention is None and session.cache("a").get_seq_length() == 24
     assert torch.equal(session.cache("a").layers[0].keys, before)
-    shared, attention = session.preview_turn(ids[24:], keep=2, attention=True)
+    shared, attention = session.preview_turn("b", ids[24:], keep=2)  # the plan ranks by the source's read
     torch.testing.assert_close(shared, logprobs, atol=1e-5, rtol=0)
     assert attention.shape == (1, 24) and session.cache("a").get_seq_length() == 24
-    plain = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, plan=plan)
+    plain = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, plan=HandoffPlan.of(recompute="recent:20%"))
     plain.read("a", ids[:24])
+    recent, none = plain.preview_turn("b", ids[24:], keep=2)  # a plan that does not rank by it: no attention
+    assert none is None
+    torch.testing.assert_close(recent, logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(logprobs, plain.read_logprobs("a", ids[24:], keep=2), atol=1e-5, rtol=0)
     reads = []
     real = policy_module.turn_attention_scores

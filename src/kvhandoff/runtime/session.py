@@ -34,6 +34,12 @@ class _Handover:
     own: int
 
 
+def _check_keep(keep) -> None:
+    """ConfigError unless ``keep`` (how many of a read's last positions to return) is a positive integer."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ConfigError(f"keep must be a positive integer, got {keep!r}")
+
+
 class SwitchingSession:
     """One conversation served by several models in turn (a router switching between them at turn boundaries).
 
@@ -302,18 +308,20 @@ class SwitchingSession:
         self.owner, self._handover = last.source, None
 
     @torch.inference_mode()
-    def preview_turn(self, ids, keep: int = 1, attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The owner reads ``ids`` (the turn another model reads next) on its cache of `tokens` and forgets them
-        again (its cache is left as it was): the float32 log-probs of the last ``keep`` positions [min(keep,
-        len(ids)), vocab] and, with ``attention``, the attention it paid each position of `tokens` [1, T]
-        (`recompute.read_turn`; the cache exported by its engine), else None. The attention is what `read_logprobs`
-        takes as ``source_turn_read`` at the handover that follows: one forward serves a guard's reference and a
-        recompute policy that ranks by the source's read of the turn."""
+    def preview_turn(self, server: str, ids, keep: int = 1,
+                     attention: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The owner reads ``ids`` (the turn ``server`` reads next) on its cache of `tokens` and forgets them again
+        (its cache is left as it was): the float32 log-probs of the last ``keep`` positions [min(keep, len(ids)),
+        vocab] and the attention it paid each position of `tokens` [1, T] (`recompute.read_turn`; the cache exported
+        by its engine), or None. The attention is read when ``attention`` says so, by default when the handover to
+        ``server`` ranks by it (`RecomputePolicy.ranks_by_source_turn_read` of its plan); `read_logprobs` takes it
+        as ``source_turn_read``: one forward serves a guard's reference and the policy's ranking."""
         ids = list(ids)
         if self.owner is None or not ids:
             raise ConfigError("preview_turn needs a conversation with an owner and at least one token to read")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ConfigError(f"keep must be a positive integer, got {keep!r}")
+        _check_keep(keep)
+        if attention is None:
+            attention = self.plan_for(self.owner, server).recompute.ranks_by_source_turn_read
         self.rollback(self.owner)
         model, kv, keep = self.models[self.owner], self._caches[self.owner], min(keep, len(ids))
         turn = torch.tensor([ids], device=kv.device)
@@ -337,8 +345,7 @@ class SwitchingSession:
         ids = list(ids)
         if not ids:
             raise ConfigError("read_logprobs needs at least one token")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ConfigError(f"keep must be a positive integer, got {keep!r}")
+        _check_keep(keep)
         logits = self._read_on(server, ids, min(keep, len(ids)), upcoming, plan, source_turn_read)
         self.tokens += ids
         return logits[0].float().log_softmax(-1)

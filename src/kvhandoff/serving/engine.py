@@ -895,9 +895,8 @@ class Engine:
             keep = policy.window if policy.active else 1
             # the previous model's read of the turn: the guard's reference and, for a policy ranking by it, the
             # attention that picks the positions to recompute (one forward for both)
-            reference, turn_read = (session.preview_turn(
-                new, keep, attention=session.plan_for(previous, server).recompute.ranks_by_source_turn_read)
-                if policy.needs_reference else (None, None))
+            reference, turn_read = (session.preview_turn(server, new, keep) if policy.needs_reference
+                                    else (None, None))
             logprobs = yield from self._read_chunked(session, server, new, keep, cancelled, turn_read=turn_read)
             if policy.active:
                 score = guard_score(policy.signal, logprobs, reference, new, mapped / common)

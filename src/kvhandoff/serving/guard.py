@@ -437,9 +437,8 @@ def guard_records_by_signal(models, mappers, conversations, signals: Sequence[st
             mapped_tokens = before - session.cached_length(server)
             escalated_answer = (None if escalated is None
                                 else _escalated_answer(session, server, ids, escalated, answering))
-            reference, turn_read = (session.preview_turn(
-                ids, window, attention=session.plan_for(previous, server).recompute.ranks_by_source_turn_read)
-                if reference_needed else (None, None))
+            reference, turn_read = (session.preview_turn(server, ids, window) if reference_needed
+                                    else (None, None))
             served = session.read_logprobs(server, ids, window, source_turn_read=turn_read)
             scores = {signal: guard_score(signal, served, reference, ids, mapped_tokens / before)
                       for signal in signals}
