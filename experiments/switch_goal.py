@@ -14,8 +14,8 @@ below the small model alone in point estimate.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -129,14 +129,11 @@ def main(policy: str, out: str, *run_dirs: str, small_model: str | None = None) 
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    small = None
-    if "--small" in args:
-        at = args.index("--small")
-        small = args[at + 1] if at + 1 < len(args) else None
-        args = args[:at] + args[at + 2:]
-        if small is None:
-            raise SystemExit("--small needs a model name (as the runs name it, e.g. qwen2.5-coder:0.5b)")
-    if len(args) < 3:
-        raise SystemExit(__doc__)
-    main(*args, small_model=small)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("policy")
+    parser.add_argument("out_json")
+    parser.add_argument("run_dirs", nargs="+")
+    parser.add_argument("--small", default=None,
+                        help="the small model as the runs name it (default: the first run's forward source)")
+    args = parser.parse_args()
+    main(args.policy, args.out_json, *args.run_dirs, small_model=args.small)
