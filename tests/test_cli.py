@@ -384,6 +384,10 @@ def test_a_sweeps_choice_is_recorded_with_each_directions_mapper(pair, tmp_path)
                  "forward": 5.0}}, "retention": {"forward": {"mean_retention": 0.5}}}]}
     switch_cli._record_choices(sweep, [Direction("forward", None, None, mapper, "small", "large")], 0.97)
     assert Mapper.load(tmp_path / "m").manifest.recompute.spec == "recent:20%"  # "none" is faster but loses
+    switch_cli._record_choices(sweep, [Direction("forward", None, None, mapper, "small", "large")], 0.97, 4.0)
+    recorded = Mapper.load(tmp_path / "m").manifest.recompute  # none at 4x keeps 0.97: the most retentive there
+    assert (recorded.spec, recorded.min_speedup, [p.spec for p in recorded.tradeoff]) == (
+        "none", 4.0, ["recent:20%", "none"])
 
 
 def test_eval_switch_argument_errors_exit_2_naming_the_option(fake_models, tmp_path):
@@ -391,7 +395,8 @@ def test_eval_switch_argument_errors_exit_2_naming_the_option(fake_models, tmp_p
                          (["--sweep-recompute", "none"], "none"),
                          (["--budgets", "5,200"], "--budgets"), (["--pool", "train"], "--pool"),
                          (["--ttft-lengths", "1"], "--ttft-lengths"), (["--record-recompute"], "--sweep-recompute"),
-                         (["--sweep-recompute", "recent", "--min-retention", "x"], "--min-retention")):
+                         (["--sweep-recompute", "recent", "--min-retention", "x"], "--min-retention"),
+                         (["--sweep-recompute", "recent", "--min-speedup", "-2"], "--min-speedup")):
         result = invoke([*SWITCH_BASE, "--out", str(tmp_path), *extra])
         assert result.exit_code == 2 and named in result.output, (extra, result.output)
     assert fake_models == []
@@ -563,6 +568,9 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
     assert config.guard_action == Escalate(Recent(0.35))
     invoke(["serve", "--models", "small=/m/s,large=/m/l"])
     assert calls["run"][2].guard_action is None  # each pair's recorded action
+    assert (calls["run"][2].min_speedup, calls["run"][2].min_retention) == (None, None)  # each pair's record
+    invoke(["serve", "--models", "small=/m/s,large=/m/l", "--min-speedup", "3", "--min-retention", "0.9"])
+    assert (calls["run"][2].min_speedup, calls["run"][2].min_retention) == (3.0, 0.9)
     assert config.recompute == Sinks(0.1) and config.recompute.spec == "sinks:10%"  # parsed by the option, once
     assert calls["llama_cpp"] == (None, None)
 
@@ -586,6 +594,9 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
     (["--max-context", "1"], "--max-context"),
     (["--session-ttl", "x"], "--session-ttl"),
     (["--recompute", "sinks:300%"], "--recompute"),
+    (["--min-speedup", "-1"], "--min-speedup"),
+    (["--min-retention", "high"], "--min-retention"),
+    (["--recompute", "recent:5%", "--min-speedup", "3"], "--min-speedup"),
     (["--models", "a=x,a=y"], "--models"),
     (["--models", "a=x,b=y", "--mapper", "a:c=/tmp"], "--mapper"),
     (["--dtype", "fp8"], "--dtype"),

@@ -197,6 +197,11 @@ def test_choose_recompute_takes_the_fastest_point_that_keeps_the_retention():
     assert chosen.group == "generative" and chosen.tasks == ("coqa_gen",) and chosen.items_per_task == 24
     assert B.choose_recompute(result, "forward", 0.9).spec == "recent:20%"
     assert B.choose_recompute(result, "forward", 0.999).spec == "recent:50%"  # none keeps it: the most retentive
+    floored = B.choose_recompute(result, "forward", 0.999, min_speedup=2.0)  # the most retentive at 2x or faster
+    assert (floored.spec, floored.min_speedup) == ("recent:35%", 2.0)
+    # every point with a retention is recorded, so the server can choose again under other bounds
+    assert [p.spec for p in floored.tradeoff] == ["none", "recent:20%", "recent:50%", "recent:35%"]
+    assert floored.rechosen(min_speedup=0.0).spec == "recent:50%"
     assert B.choose_recompute(result, "forward", length="1024").speedup == 4.8
     with pytest.raises(ConfigError, match="not 4096"):
         B.choose_recompute(result, "forward", length="4096")

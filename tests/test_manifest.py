@@ -5,8 +5,16 @@ import pytest
 
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.config import MAPPER_FORMAT_VERSION
-from kvhandoff.errors import MapperFormatError
-from kvhandoff.mapper.manifest import GuardCalibration, MapperManifest, RecomputeChoice, dumps, loads
+from kvhandoff.errors import ConfigError, MapperFormatError
+from kvhandoff.mapper.manifest import (
+    GuardCalibration,
+    MapperManifest,
+    RecomputeChoice,
+    TradeoffPoint,
+    choose_point,
+    dumps,
+    loads,
+)
 from kvhandoff.model.capture import FeatureLayout
 
 from conftest import random_batches, tiny_model
@@ -181,8 +189,56 @@ def test_a_recompute_record_round_trips_and_leaves_a_manifest_without_one_as_it_
     ({"mean_retention": "high"}, "recompute.mean_retention"),
     ({"items_per_task": 0}, "recompute.items_per_task"),
     ({"history_tokens": True}, "recompute.history_tokens"),
+    ({"min_speedup": -1}, "recompute.min_speedup"),
+    ({"tradeoff": "fast"}, "recompute.tradeoff"),
+    ({"tradeoff": [{"spec": "recent:20%", "mean_retention": 0.98}]}, "recompute.tradeoff"),
+    ({"tradeoff": [{"spec": "recent:20%", "mean_retention": 0.98, "speedup": -3.1}]}, "recompute.tradeoff.speedup"),
+    ({"tradeoff": [{"spec": "recent:20%", "mean_retention": 0.98, "speedup": 3.1}] * 2}, "recompute.tradeoff"),
+    # the record names a point its own rule does not take from its trade-off
+    ({"tradeoff": [{"spec": "recent:20%", "mean_retention": 0.98, "speedup": 3.1},
+                   {"spec": "recent:10%", "mean_retention": 0.99, "speedup": 6.0}]}, "recompute.spec"),
 ])
 def test_a_bad_recompute_record_names_its_field_and_the_fix(manifest, edit, field):
     data = {**manifest.to_dict(), "recompute": {**recompute_record().to_dict(), **edit}}
     with pytest.raises(MapperFormatError, match=f"field '{field}'.*record-recompute"):
         MapperManifest.from_dict(data)
+
+
+TRADEOFF = (TradeoffPoint("turn_attention:5%", 0.926, 10.6), TradeoffPoint("turn_attention:10%", 0.952, 8.8),
+            TradeoffPoint("turn_attention:20%", 0.968, 3.5))
+
+
+@pytest.mark.parametrize(("min_retention", "min_speedup", "chosen"), [
+    (0.97, 0.0, "turn_attention:20%"),   # none keeps 0.97: the most retentive
+    (0.97, 5.0, "turn_attention:10%"),   # ... of those at 5x or faster
+    (0.95, 5.0, "turn_attention:10%"),   # the fastest keeping 0.95
+    (0.90, 5.0, "turn_attention:5%"),    # the fastest keeping 0.90
+    (0.97, 20.0, "turn_attention:5%"),   # none is 20x faster: the fastest
+    (0.0, 3.5, "turn_attention:5%"),
+])
+def test_the_recorded_rule_takes_the_fastest_retentive_point_above_the_speed_floor(min_retention, min_speedup,
+                                                                                    chosen):
+    assert choose_point(TRADEOFF, min_retention, min_speedup).spec == chosen
+    assert choose_point((), 0.97, 5.0) is None
+    tied = (TradeoffPoint("a:5%", 0.9, 4.0), TradeoffPoint("b:5%", 0.9, 6.0))
+    assert choose_point(tied, 0.97).spec == "b:5%"  # equal retention: the faster
+
+
+def test_a_record_with_its_tradeoff_round_trips_and_is_chosen_again_under_other_bounds(manifest):
+    record = recompute_record(spec="turn_attention:10%", mean_retention=0.952, speedup=8.8, min_speedup=5.0,
+                              tradeoff=TRADEOFF)
+    again = loads(dumps(manifest.with_recompute(record)), "manifest.json")
+    assert again.recompute == record and again["recompute"]["tradeoff"][2] == {
+        "spec": "turn_attention:20%", "mean_retention": 0.968, "speedup": 3.5}
+    assert "most retentive at 5x or faster (no policy kept a mean retention of 0.97) of 3 measured" in \
+        record.describe()
+    slower = record.rechosen(min_speedup=3.0)
+    assert (slower.spec, slower.mean_retention, slower.speedup, slower.min_speedup, slower.min_retention) == (
+        "turn_attention:20%", 0.968, 3.5, 3.0, 0.97)
+    assert record.rechosen(min_retention=0.9).spec == "turn_attention:5%"  # the record's floor of 5x kept
+    assert record.rechosen() == record
+    # a record without a trade-off keeps its JSON form (and so the checksum of the manifest it is in)
+    assert set(recompute_record().to_dict()) == {"spec", "rule", "min_retention", "group", "tasks", "pool",
+                                                 "items_per_task", "mean_retention", "history_tokens", "speedup"}
+    with pytest.raises(ConfigError, match="recorded without the trade-off.*record-recompute.*--recompute"):
+        recompute_record().rechosen(min_speedup=3.0)

@@ -10,7 +10,7 @@ import pytest
 
 from _serving_support import running, tiny_family, with_record
 from kvhandoff.errors import ConfigError
-from kvhandoff.mapper.manifest import RecomputeChoice
+from kvhandoff.mapper.manifest import RecomputeChoice, TradeoffPoint
 from kvhandoff.runtime.plan import HandoffPlan, recorded_recompute
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, LeadingLayers, Recent
 from kvhandoff.serving.config import ServeConfig
@@ -118,3 +118,55 @@ def test_a_policy_that_reads_the_new_turn_gets_all_of_it_when_the_prompt_is_read
         handoff = reply.json()["kv_handoff"]
     assert handoff["status"] == "applied" and len(seen) == 1
     assert seen[0] == handoff["read_tokens"] > 8  # the whole new turn, though it was read 8 tokens at a time
+
+
+TRADEOFF = (TradeoffPoint("recent:5%", 0.93, 10.6), TradeoffPoint("recent:10%", 0.95, 8.8),
+            TradeoffPoint("recent:50%", 0.97, 2.1))
+
+
+def traded(spec: str = "recent:10%", min_speedup: float = 5.0) -> RecomputeChoice:
+    """A record chosen at ``min_speedup`` or faster from a trade-off of three measured points."""
+    point = next(p for p in TRADEOFF if p.spec == spec)
+    return RecomputeChoice(spec, "fastest_at_min_retention", 0.97, "generative", ("coqa_gen", "boolq_long"), "dev",
+                           24, point.mean_retention, 2048, point.speedup, min_speedup, TRADEOFF)
+
+
+def test_bounds_choose_each_pairs_policy_again_from_its_recorded_tradeoff():
+    slower = pair_recompute(ServeConfig(min_speedup=2.0), traded(), "small → large")
+    assert (slower.policy, slower.source, slower.recorded.spec, slower.recorded.min_speedup) == (
+        Recent(0.5), "tradeoff", "recent:50%", 2.0)
+    assert "recent:50% (from the trade-off recorded with its mapper, chosen as the fastest at 2x or faster with " \
+           "mean retention >= 0.97 of 3 measured" in slower.describe("small", "large")
+    assert pair_recompute(ServeConfig(min_retention=0.9), traded(), "s → l").policy == Recent(0.05)
+    assert pair_recompute(ServeConfig(), traded(), "s → l") == PairRecompute(Recent(0.1), "recorded", traded())
+    with pytest.raises(ConfigError, match=r"small → large: .*recorded without the trade-off.*--recompute"):
+        pair_recompute(ServeConfig(min_speedup=2.0), choice(), "small → large")
+    with pytest.raises(ConfigError, match=r"no recompute trade-off is recorded with the mapper of large → small.*"
+                                          r"record-recompute.*--recompute"):
+        pair_recompute(ServeConfig(min_speedup=2.0), None, "large → small")
+    for bad in ({"min_speedup": -1.0}, {"min_retention": float("nan")}, {"min_speedup": "fast"},
+                {"min_speedup": 3.0, "recompute": "recent:5%"}):
+        with pytest.raises(ConfigError, match="min_speedup|min_retention"):
+            ServeConfig(**bad)
+
+
+def test_a_server_given_a_speed_floor_serves_the_point_it_chooses_and_health_shows_the_record():
+    models, mappers = tiny_family()
+    both = {FORWARD: with_record(mappers[FORWARD], recompute=traded()),
+            BACKWARD: with_record(mappers[BACKWARD], recompute=traded("recent:5%", 10.0))}
+    with running(models, both, min_speedup=2.0) as server:
+        health = httpx.get(server.url + "/health", timeout=30).json()["recompute"]
+        messages = [{"role": "user", "content": "tell me a story about a cat and a dog"}]
+        for model in ("small", "large"):
+            reply = httpx.post(server.url + "/v1/chat/completions", headers={"X-Session-ID": "floor"}, timeout=60,
+                               json={"model": model, "messages": messages, "max_tokens": 4, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            messages = [*messages, reply.json()["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+        assert server.engine.plans[FORWARD].recompute == Recent(0.5)
+    assert health["small → large"]["policy"] == health["large → small"]["policy"] == "recent:50%"
+    assert health["small → large"]["source"] == "tradeoff"
+    assert health["small → large"]["recorded"]["min_speedup"] == 2.0
+    assert len(health["small → large"]["recorded"]["tradeoff"]) == 3
+    assert reply.json()["kv_handoff"]["status"] == "applied"
+    with pytest.raises(ConfigError, match="no recompute trade-off is recorded with the mapper of large → small"):
+        Engine(models, {**both, BACKWARD: mappers[BACKWARD]}, ServeConfig(guard=False, min_speedup=2.0))

@@ -39,7 +39,7 @@ from kvhandoff.fit.pipeline import (
 from kvhandoff.fit.refine import check_refinable, refine_mapper
 from kvhandoff.fit.selection import layer_r2_matrix
 from kvhandoff.fit.statistics import CalibrationStats, SumsContent
-from kvhandoff.mapper.manifest import GuardCalibration, RecomputeChoice
+from kvhandoff.mapper.manifest import GuardCalibration, RecomputeChoice, TradeoffPoint
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.cache import model_device
 from kvhandoff.model.geometry import PAIRING_KEYS, check_pair, model_fingerprint
@@ -67,13 +67,13 @@ class MeasuredRecord:
 
 
 #: the records measured for the embedded pair's default mappers, written into their manifests when they are fitted,
-#: so that a fresh machine serves the default pair with them. Recompute policies: small → large, `kvhandoff-lab
-#: eval-switch --tasks coqa_gen,boolq_long --sweep-recompute recent,turn_attention --budgets 0,5 --limit 24
-#: --ttft-lengths 2048 --record-recompute` (docs/RESULTS.md "Each pair's recorded policy"); large → small, the
-#: budgets' dev run and its two-thread timing (docs/RESULTS.md "The guard and the budget large → small"). Guards,
-#: under those policies, the threshold of the best dev mean retention over the five signals at the direction's
-#: speed (`experiments/switch_guard.py`): small → large escalating to recent:35% at 5× (docs/RESULTS.md "A guard at
-#: the switch"), large → small falling back at 2.5× (docs/RESULTS.md "The large → small record").
+#: so that a fresh machine serves the default pair with them. Recompute policies: each direction's trade-off of
+#: `turn_attention` budgets on the generative dev items against their time to the first token at 2K, the records'
+#: rule at a mean retention of 0.97 and the goal's speed-up (5x small → large, 2.5x large → small), from
+#: `experiments/recompute_tradeoff.py` (docs/RESULTS.md "The recorded trade-off"). Guards, under those policies,
+#: the threshold of the best dev mean retention over the five signals at the direction's speed
+#: (`experiments/switch_guard.py`): small → large docs/RESULTS.md "A guard at the switch", large → small "The large
+#: → small record".
 MEASURED_RECORDS: tuple[MeasuredRecord, ...] = (
     MeasuredRecord(DEFAULT_SOURCE, DEFAULT_TARGET, FitConfig(), CalibrationSpec(), guard=GuardCalibration(
         signal="entropy_gain", threshold=0.059260999999999786, auroc=0.6427640156453716, label="switch_below_target",
@@ -81,9 +81,12 @@ MEASURED_RECORDS: tuple[MeasuredRecord, ...] = (
         catch_rate=0.23076923076923078, false_fallback_rate=0.03389830508474576, dev_conversations=24,
         recompute="turn_attention:5%", window=64, action="escalate:recent:35%"),
         recompute=RecomputeChoice(
-            spec="turn_attention:5%", rule="fastest_at_min_retention", min_retention=0.97, group="generative",
-            tasks=("coqa_gen", "boolq_long"), pool="dev", items_per_task=21, mean_retention=0.9487403050783332,
-            history_tokens=2048, speedup=7.409889666867409)),
+            spec="turn_attention:10%", rule="fastest_at_min_retention", min_retention=0.97, group="generative",
+            tasks=("coqa_gen", "boolq_long"), pool="dev", items_per_task=24, mean_retention=0.9519360554990008,
+            history_tokens=2048, speedup=8.819499180950405, min_speedup=5.0, tradeoff=(
+                TradeoffPoint("turn_attention:5%", 0.9263846472872601, 10.587184056527029),
+                TradeoffPoint("turn_attention:10%", 0.9519360554990008, 8.819499180950405),
+                TradeoffPoint("turn_attention:20%", 0.9679334916864609, 3.5331742675718742)))),
     MeasuredRecord(DEFAULT_TARGET, DEFAULT_SOURCE, FitConfig(), CalibrationSpec(), guard=GuardCalibration(
         signal="entropy", threshold=2.343122, auroc=0.5488372093023256, label="switch_below_target",
         rule="best_retention_at_min_speedup", target_rate=None, dev_switches=48, bad_switches=5, catch_rate=0.2,
@@ -91,7 +94,9 @@ MEASURED_RECORDS: tuple[MeasuredRecord, ...] = (
         recompute=RecomputeChoice(
             spec="turn_attention:10%", rule="fastest_at_min_retention", min_retention=0.97, group="generative",
             tasks=("coqa_gen", "boolq_long"), pool="dev", items_per_task=24, mean_retention=1.1392151220995335,
-            history_tokens=2048, speedup=4.102146249589246)),
+            history_tokens=2048, speedup=4.102146249589246, min_speedup=2.5, tradeoff=(
+                TradeoffPoint("turn_attention:5%", 0.8830586128362312, 4.524685964621116),
+                TradeoffPoint("turn_attention:10%", 1.1392151220995335, 4.102146249589246)))),
 )
 
 

@@ -14,6 +14,7 @@ from kvhandoff.cli.options import (
     Dtype,
     PairRecompute,
     guard_action,
+    non_negative_float,
     non_negative_int,
     one_of,
     option_errors,
@@ -100,6 +101,13 @@ def serve(
     max_context: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "tokens a conversation may reach (default: the hosted models' smallest max_position_embeddings)"))] = None,
     recompute: PairRecompute = None,
+    min_speedup: Annotated[float | None, typer.Option(parser=non_negative_float, help=(
+        "choose each pair's recompute policy again from the trade-off recorded with its mapper: the most "
+        "retentive measured point at least this many times faster than re-prefill (the fastest one keeping "
+        "--min-retention); default: the recorded policy"))] = None,
+    min_retention: Annotated[float | None, typer.Option(parser=non_negative_float, help=(
+        "with the recorded trade-off (as --min-speedup): the mean retention the chosen point should keep; default: "
+        "the record's"))] = None,
     api_key: Annotated[list[str] | None, typer.Option(envvar="KVHANDOFF_API_KEY", help=(
         "require 'Authorization: Bearer KEY' on every request; repeatable, each key a tenant whose caches no other "
         "key reaches (env KVHANDOFF_API_KEY: keys separated by spaces)"))] = None,
@@ -120,13 +128,14 @@ def serve(
         "llama.cpp: CPU threads (default: llama.cpp's choice)"))] = None,
 ) -> None:
     """Serve a model family behind an OpenAI-compatible API; a conversation that switches models is handed over."""
-    with option_errors("--host", "--port", "--guard-threshold", "--max-context", "--api-key"):
+    with option_errors("--host", "--port", "--guard-threshold", "--max-context", "--api-key", "--recompute",
+                       "--min-speedup", "--min-retention"):
         config = ServeConfig(host=host, port=port, guard=guard == "on", guard_signal=guard_signal,
                              guard_threshold=guard_threshold, guard_action=guard_action,
                              max_sessions=max_sessions, session_ttl_s=session_ttl,
                              cache_memory_bytes=cache_memory, max_context=max_context,
                              max_body_bytes=max_body_bytes, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                             recompute=recompute,
+                             recompute=recompute, min_speedup=min_speedup, min_retention=min_retention,
                              api_key=tuple(api_key) if api_key else None, open_probes=open_probes,
                              tool_parser=tool_call_parser, log_level=log_level)
     specs, mapper_dirs = family_specs(models, mapper, served_model_name)

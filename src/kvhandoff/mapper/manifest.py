@@ -137,9 +137,9 @@ class GuardCalibration:
         return data
 
 
-#: how a recorded recompute policy was chosen: the fastest measured point (the highest speed-up over re-prefill at
-#: `RecomputeChoice.history_tokens`) whose mean retention over the tasks is at least `RecomputeChoice.min_retention`,
-#: else the point of the highest mean retention
+#: how a recorded recompute policy was chosen (`choose_point`): among the measured points at least
+#: `RecomputeChoice.min_speedup` times faster than re-prefill at `RecomputeChoice.history_tokens`, the fastest whose
+#: mean retention over the tasks is at least `RecomputeChoice.min_retention`, else the most retentive
 RECOMPUTE_RULES = ("fastest_at_min_retention",)
 
 
@@ -152,17 +152,56 @@ def _finite(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _nonnegative(name: str, value, bad=_bad_recompute) -> float:
+    if not _finite(value) or value < 0:
+        raise bad(name, f"must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class TradeoffPoint:
+    """One measured point of a pair's recompute trade-off: a policy ``spec``, its mean retention over the
+    record's tasks and its speed-up over the target's re-prefill at the record's history length."""
+
+    spec: str
+    mean_retention: float
+    speedup: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, str) or not self.spec:
+            raise _bad_recompute("tradeoff.spec", f"must be a non-empty string, got {self.spec!r}")
+        for name in ("mean_retention", "speedup"):
+            object.__setattr__(self, name, _nonnegative(f"tradeoff.{name}", getattr(self, name)))
+
+
+def choose_point(points: tuple[TradeoffPoint, ...], min_retention: float, min_speedup: float = 0.0
+                 ) -> TradeoffPoint | None:
+    """The point `RECOMPUTE_RULES` takes from ``points``: among those at least ``min_speedup`` times faster than
+    re-prefill, the fastest whose mean retention is at least ``min_retention``, else the most retentive (ties: the
+    faster); when no point is that fast, the fastest. None: no point."""
+    if not points:
+        return None
+    fast = [p for p in points if p.speedup >= min_speedup]
+    if not fast:
+        return max(points, key=lambda p: (p.speedup, p.mean_retention))
+    passing = [p for p in fast if p.mean_retention >= min_retention]
+    if passing:
+        return max(passing, key=lambda p: (p.speedup, p.mean_retention))
+    return max(fast, key=lambda p: (p.mean_retention, p.speedup))
+
+
 @dataclass(frozen=True)
 class RecomputeChoice:
     """The selective-recompute policy chosen for a mapper's pair from a measured trade-off of accuracy against the
     time to the first token (the switch benchmark's recompute sweep on dev items): the server hands this pair's
     switches over under ``spec`` (`kvhandoff.runtime.policy.parse` reads it where the server starts) unless it is
-    told a policy.
+    told a policy, or other bounds to choose from ``tradeoff`` by (`rechosen`).
 
-    rule: how the point was chosen (`RECOMPUTE_RULES`), at ``min_retention``; group / tasks / pool /
-    items_per_task: what the retention was measured on; mean_retention: the chosen point's, over those tasks;
-    history_tokens / speedup: the history length its time to the first token was measured at, and its speed-up
-    over the target's re-prefill there.
+    rule: how the point was chosen (`RECOMPUTE_RULES`), at ``min_retention`` and ``min_speedup`` (0: no bound);
+    group / tasks / pool / items_per_task: what the retention was measured on; mean_retention: the chosen point's,
+    over those tasks; history_tokens / speedup: the history length its time to the first token was measured at,
+    and its speed-up over the target's re-prefill there; tradeoff: every point measured so (empty: only the chosen
+    one was recorded).
     """
 
     spec: str
@@ -175,6 +214,8 @@ class RecomputeChoice:
     mean_retention: float
     history_tokens: int
     speedup: float
+    min_speedup: float = 0.0
+    tradeoff: tuple[TradeoffPoint, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("spec", "group", "pool"):
@@ -186,28 +227,77 @@ class RecomputeChoice:
         if not isinstance(tasks, list | tuple) or not tasks or not all(isinstance(t, str) and t for t in tasks):
             raise _bad_recompute("tasks", f"must be a non-empty list of task names, got {tasks!r}")
         object.__setattr__(self, "tasks", tuple(tasks))
-        for name in ("min_retention", "mean_retention", "speedup"):
-            value = getattr(self, name)
-            if not _finite(value) or value < 0:
-                raise _bad_recompute(name, f"must be a finite number >= 0, got {value!r}")
-            object.__setattr__(self, name, float(value))
+        for name in ("min_retention", "mean_retention", "speedup", "min_speedup"):
+            object.__setattr__(self, name, _nonnegative(name, getattr(self, name)))
         for name in ("items_per_task", "history_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _bad_recompute(name, f"must be a positive integer, got {value!r}")
+        object.__setattr__(self, "tradeoff", self._points(self.tradeoff))
+        if self.tradeoff:
+            chosen = choose_point(self.tradeoff, self.min_retention, self.min_speedup)
+            if (chosen.spec, chosen.mean_retention, chosen.speedup) != (self.spec, self.mean_retention,
+                                                                          self.speedup):
+                raise _bad_recompute("spec", f"is {self.spec!r}, but its rule takes {chosen.spec!r} from the "
+                                             "recorded trade-off")
+
+    @staticmethod
+    def _points(value) -> tuple[TradeoffPoint, ...]:
+        if not isinstance(value, list | tuple):
+            raise _bad_recompute("tradeoff", f"must be a list of measured points, got {value!r}")
+        points = tuple(p if isinstance(p, TradeoffPoint) else _point(p) for p in value)
+        specs = [p.spec for p in points]
+        if len(set(specs)) != len(specs):
+            raise _bad_recompute("tradeoff", f"names a policy twice: {specs}")
+        return points
+
+    def rechosen(self, min_retention: float | None = None, min_speedup: float | None = None) -> RecomputeChoice:
+        """This record with the point its rule takes from the recorded trade-off under other bounds (None: the
+        record's own); ConfigError when no trade-off was recorded."""
+        if not self.tradeoff:
+            raise ConfigError(f"the recorded recompute {self.spec!r} was recorded without the trade-off it was "
+                              "chosen from, so no other point can be chosen: record it again "
+                              "(`kvhandoff-lab eval-switch --sweep-recompute RULES --record-recompute`) or name a "
+                              "policy (--recompute)")
+        min_retention = self.min_retention if min_retention is None else min_retention
+        min_speedup = self.min_speedup if min_speedup is None else min_speedup
+        chosen = choose_point(self.tradeoff, min_retention, min_speedup)
+        return dataclasses.replace(self, spec=chosen.spec, mean_retention=chosen.mean_retention,
+                                   speedup=chosen.speedup, min_retention=min_retention, min_speedup=min_speedup)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "tasks": list(self.tasks)}
+        """The record's fields; ``min_speedup`` and ``tradeoff`` only when set (a record written without them keeps
+        its checksum)."""
+        data = {**dataclasses.asdict(self), "tasks": list(self.tasks)}
+        data["tradeoff"] = [dataclasses.asdict(p) for p in self.tradeoff]
+        for name in ("min_speedup", "tradeoff"):
+            if not data[name]:
+                del data[name]
+        return data
 
     def describe(self) -> str:
         """One line on where the choice comes from."""
-        how = (f"chosen as the fastest with mean retention >= {self.min_retention:g}"
-               if self.mean_retention >= self.min_retention
-               else f"chosen as the most retentive (no policy kept a mean retention of {self.min_retention:g})")
-        return (f"{how} over {self.group} tasks "
+        floor = f" at {self.min_speedup:g}x or faster" if self.min_speedup else ""
+        how = (f"chosen as the fastest{floor} with mean retention >= {self.min_retention:g}"
+               if self.mean_retention >= self.min_retention and self.speedup >= self.min_speedup
+               else f"chosen as the most retentive{floor} (no policy kept a mean retention of "
+                    f"{self.min_retention:g})"
+               if self.speedup >= self.min_speedup
+               else f"chosen as the fastest (no policy was {self.min_speedup:g}x faster)")
+        points = f" of {len(self.tradeoff)} measured" if self.tradeoff else ""
+        return (f"{how}{points} over {self.group} tasks "
                 f"{', '.join(self.tasks)} ({self.items_per_task} {self.pool} items each: retention "
                 f"{self.mean_retention:.3f}, {self.speedup:.1f}x faster than re-prefill at {self.history_tokens} "
                 "tokens)")
+
+
+def _point(value) -> TradeoffPoint:
+    if not isinstance(value, Mapping):
+        raise _bad_recompute("tradeoff", f"holds {value!r}, not a point (spec, mean_retention, speedup)")
+    try:
+        return TradeoffPoint(**value)
+    except TypeError as exc:
+        raise _bad_recompute("tradeoff", f"holds an invalid point {dict(value)!r} ({exc})") from exc
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,9 @@ class ServeConfig:
     `tools.TOOL_PARSERS`). handover: as in `SwitchingSession`. exact_prefix / recompute: the handoffs' `HandoffPlan`
     (`plan`; exact_prefix None: the mapper's own setting); recompute is a `RecomputePolicy` for every pair, given as
     one or as a spec such as "sinks:10%" and stored parsed; None: each pair's policy recorded with its mapper, else
-    `DEFAULT_RECOMPUTE` (`recompute.pair_recomputes`).
+    `DEFAULT_RECOMPUTE` (`recompute.pair_recomputes`). min_retention / min_speedup: other bounds for every pair's
+    recorded policy, which is then chosen again from the trade-off recorded with it
+    (`kvhandoff.mapper.manifest.RecomputeChoice.rechosen`; None: the record's own bound); not with recompute.
     """
 
     host: str = "127.0.0.1"
@@ -127,6 +129,8 @@ class ServeConfig:
     handover: str = "incremental"
     exact_prefix: int | None = None
     recompute: RecomputePolicy | str | None = None
+    min_retention: float | None = None
+    min_speedup: float | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -169,6 +173,13 @@ class ServeConfig:
             raise ConfigError(f"serve handover must be 'all' or 'incremental', got {self.handover!r}")
         if self.exact_prefix is not None:
             require_positive("serve exact_prefix", self.exact_prefix, minimum=0)
+        for name in ("min_retention", "min_speedup"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(require_positive(f"serve {name}", getattr(self, name), float,
+                                                                      minimum=0)))
+        if self.rechooses_recompute and self.recompute is not None:
+            raise ConfigError("serve recompute names one policy for every pair, min_retention / min_speedup choose "
+                              "each pair's from its recorded trade-off: give one or the other")
         # parsed here, once: the engine and its sessions hold the policy object
         if self.recompute is not None:
             object.__setattr__(self, "recompute", policy.parse(self.recompute))
@@ -179,6 +190,12 @@ class ServeConfig:
                               "model's cache is given away at the switch, so the handover cannot be made again)")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ConfigError(f"serve log_level must be a uvicorn log level, got {self.log_level!r}")
+
+    @property
+    def rechooses_recompute(self) -> bool:
+        """Whether each pair's recorded recompute policy is chosen again under other bounds (min_retention,
+        min_speedup)."""
+        return self.min_retention is not None or self.min_speedup is not None
 
     @property
     def served_recompute(self) -> RecomputePolicy:

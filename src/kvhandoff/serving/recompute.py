@@ -1,6 +1,7 @@
 """Each hosted pair's selective-recompute policy, chosen once where the server starts: the policy it is told
 (`ServeConfig.recompute`, for every pair), else the one recorded with the pair's mapper (`RecomputeChoice`, chosen
-from a measured trade-off: `RECORD_HINT`), else `DEFAULT_RECOMPUTE`.
+from a measured trade-off: `RECORD_HINT`) — chosen again from that trade-off when the server is given other bounds
+(`ServeConfig.min_retention`, `ServeConfig.min_speedup`) — else `DEFAULT_RECOMPUTE`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from kvhandoff.runtime.plan import RECORD_HINT, HandoffPlan, recorded_policy, re
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.serving.config import ServeConfig
 
-#: where a pair's recompute policy came from
-RECOMPUTE_SOURCES = ("configured", "recorded", "default")
+#: where a pair's recompute policy came from ("tradeoff": chosen again from the recorded trade-off)
+RECOMPUTE_SOURCES = ("configured", "recorded", "tradeoff", "default")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class PairRecompute:
             return f"{line} (--recompute, for every pair)"
         if self.recorded is not None and self.source == "recorded":
             return f"{line} (recorded with its mapper: {self.recorded.describe()})"
+        if self.recorded is not None and self.source == "tradeoff":
+            return f"{line} (from the trade-off recorded with its mapper, {self.recorded.describe()})"
         if self.recorded is not None:
             return f"{line} (the default: the engine does not serve the one recorded with its mapper, " \
                    f"{self.recorded.spec})"
@@ -56,9 +59,20 @@ class PairRecompute:
 def pair_recompute(config: ServeConfig, recorded: RecomputeChoice | None, pair: str = "this pair"
                    ) -> PairRecompute:
     """One pair's `PairRecompute` under ``config``, given the policy recorded for it (None: none). A record this
-    kvhandoff cannot read is refused (ConfigError naming the pair and the fix)."""
+    kvhandoff cannot read, or one that cannot be chosen again under the configured bounds, is refused (ConfigError
+    naming the pair and the fix)."""
     if config.recompute is not None:
         return PairRecompute(config.recompute, "configured")
+    if config.rechooses_recompute:
+        if recorded is None:
+            raise ConfigError(f"no recompute trade-off is recorded with the mapper of {pair}, so min_retention / "
+                              f"min_speedup cannot choose its policy: record one ({RECORD_HINT}) or name a policy "
+                              "(--recompute)", field="recompute")
+        try:
+            recorded = recorded.rechosen(config.min_retention, config.min_speedup)
+        except ConfigError as exc:
+            raise ConfigError(f"{pair}: {exc}", field="recompute") from exc
+        return PairRecompute(recorded_policy(recorded, pair), "tradeoff", recorded)
     chosen = recorded_policy(recorded, pair)  # the record's spec is read here, where the server starts
     if chosen is None:
         return PairRecompute(DEFAULT_RECOMPUTE, "default")

@@ -132,7 +132,8 @@ def switch_tasks_option(value) -> str:
     return value
 
 
-def _record_choices(result: dict, directions: list[Direction], min_retention: float) -> None:
+def _record_choices(result: dict, directions: list[Direction], min_retention: float, min_speedup: float = 0.0
+                    ) -> None:
     """Record each direction's chosen policy (`choose_recompute`) with its mapper (`Mapper.record_recompute`)."""
     for direction in directions:
         if not isinstance(direction.mapper, Mapper):
@@ -140,7 +141,7 @@ def _record_choices(result: dict, directions: list[Direction], min_retention: fl
                               "kvhandoff mapper, so no policy can be recorded with it: sweep with saved mappers "
                               "(--mapper, --reverse-mapper, or the pair's default ones)")
     for direction in directions:
-        chosen = choose_recompute(result, direction.name, min_retention)
+        chosen = choose_recompute(result, direction.name, min_retention, min_speedup)
         if chosen is None:
             typer.echo(f"{direction.source_name} → {direction.target_name}: no point scored yet; nothing recorded")
             continue
@@ -209,10 +210,13 @@ def eval_switch(
         "History lengths of the sweep's TTFT measurement."))] = ",".join(map(str, DEFAULT_TTFT_LENGTHS)),
     record_recompute: Annotated[bool, typer.Option(help=(
         "After --sweep-recompute, record each direction's policy with its mapper, where `kvhandoff serve` reads "
-        "it: the fastest at the longest --ttft-lengths whose mean retention is at least --min-retention (else the "
-        "most retentive)."))] = False,
+        "it: among the points at least --min-speedup times faster than re-prefill at the longest --ttft-lengths, "
+        "the fastest whose mean retention is at least --min-retention (else the most retentive), recorded with "
+        "every point measured (`kvhandoff serve --min-speedup` chooses from them again)."))] = False,
     min_retention: Annotated[float, typer.Option(parser=non_negative_float, help=(
         "The mean retention a recorded policy must keep (--record-recompute)."))] = 0.97,
+    min_speedup: Annotated[float, typer.Option(parser=non_negative_float, help=(
+        "The speed-up over re-prefill a recorded policy must keep (--record-recompute; 0: none)."))] = 0.0,
     time_limit: Annotated[float | None, typer.Option(help=(
         "Minutes after which no new item is started; the last finished history round is the result (the next "
         "run with the same --out resumes)."))] = None,
@@ -255,7 +259,7 @@ def eval_switch(
         typer.echo(sweep_markdown(result))
         typer.echo(f"wrote {out / 'sweep_recompute.json'}, .md and .png")
         if record_recompute:
-            _record_choices(result, directions, min_retention)
+            _record_choices(result, directions, min_retention, min_speedup)
         return
     result = run_switch_benchmark(directions, pair.tokenizer, tok_id, settings, out, progress, deadline)
     typer.echo(switch_markdown(result))

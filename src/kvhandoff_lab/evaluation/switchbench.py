@@ -25,7 +25,7 @@ from typing import Any
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json, atomic_write_text
-from kvhandoff.mapper.manifest import RECOMPUTE_RULES, RecomputeChoice
+from kvhandoff.mapper.manifest import RECOMPUTE_RULES, RecomputeChoice, TradeoffPoint, choose_point
 from kvhandoff.runtime import policy as recompute_policies
 from kvhandoff.runtime.policy import NoRecompute, RecomputePolicy, policy_for
 from kvhandoff_lab.evaluation.metrics import mean, paired_bootstrap
@@ -313,28 +313,28 @@ def choice_kl_change(tasks: dict, policy: str, baseline: str, group: str = "core
     return {"n": len(diffs), "value": mean(diffs), "ci": list(ci)}
 
 
-def choose_recompute(result: dict, direction: str, min_retention: float = 0.97,
+def choose_recompute(result: dict, direction: str, min_retention: float = 0.97, min_speedup: float = 0.0,
                      length: str | None = None) -> RecomputeChoice | None:
-    """The policy a sweep's result recommends for ``direction`` (`RECOMPUTE_RULES`): the point with the highest
-    speed-up at ``length`` (default: the longest history timed) among those whose mean retention over the sweep's
-    group in that direction is at least ``min_retention``, else the point of the highest retention (ties: the
-    faster). None when no point has a retention yet."""
+    """The policy a sweep's result recommends for ``direction`` by `RECOMPUTE_RULES` (`choose_point`) over its
+    points' mean retention over the sweep's group in that direction and speed-up at ``length`` (default: the
+    longest history timed), recorded with every such point (the trade-off the server can choose from again). None
+    when no point has a retention yet."""
     lengths = result["ttft_lengths"]
     length = length or max(lengths, key=int)
     if length not in lengths:
         raise ConfigError(f"the sweep timed {', '.join(lengths)} tokens, not {length}")
     if direction not in result.get("directions", {}):
         raise ConfigError(f"the sweep has no direction {direction!r} ({', '.join(result.get('directions', {}))})")
-    scored = [(p["retention"][direction]["mean_retention"], p["speedup"][length][direction], p)
-              for p in result.get("points", []) if math.isfinite(p["retention"][direction]["mean_retention"])]
-    if not scored:
+    points = tuple(TradeoffPoint(p["policy"], p["retention"][direction]["mean_retention"],
+                                 p["speedup"][length][direction])
+                   for p in result.get("points", []) if math.isfinite(p["retention"][direction]["mean_retention"]))
+    chosen = choose_point(points, min_retention, min_speedup)
+    if chosen is None:
         return None
-    passing = [entry for entry in scored if entry[0] >= min_retention]
-    retention, speedup, point = (max(passing, key=lambda e: (e[1], e[0])) if passing
-                                 else max(scored, key=lambda e: (e[0], e[1])))
-    return RecomputeChoice(point["policy"], RECOMPUTE_RULES[0], float(min_retention), result.get("group", "core"),
+    return RecomputeChoice(chosen.spec, RECOMPUTE_RULES[0], float(min_retention), result.get("group", "core"),
                            tuple(result["settings"]["tasks"]), result["settings"]["pool"],
-                           int(result["items_per_task"]), float(retention), int(length), float(speedup))
+                           int(result["items_per_task"]), chosen.mean_retention, int(length), chosen.speedup,
+                           float(min_speedup), points)
 
 
 def pareto_front(points: Sequence[dict], length: str) -> list[str]:

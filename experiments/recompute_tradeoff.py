@@ -1,0 +1,74 @@
+"""A pair's recompute trade-off from separate runs: every policy's mean retention over the tasks of `kvhandoff-lab
+eval-switch` runs on dev items, and its speed-up at one history length from a time-to-first-token run, each point
+a `TradeoffPoint`, and the point the records' rule takes from them (`choose_point`) — what
+`workflow.MEASURED_RECORDS` records with a default mapper when the sweep's items and its timing were measured apart.
+
+    python experiments/recompute_tradeoff.py TTFT_JSON OUT_JSON RUN_JSON [RUN_JSON ...] [--direction forward]
+        [--tasks coqa_gen,boolq_long] [--min-retention 0.97] [--min-speedup 5]
+
+RUN_JSON: a run's `switch.json`; a task is read from the first run that scored it, and a policy is a point when
+every task was scored under it. TTFT_JSON: an `eval-switch --ttft-repeats` run timing those policies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from kvhandoff.mapper.manifest import TradeoffPoint, choose_point
+from kvhandoff_lab.evaluation.switch import mean_retention
+
+
+def read(path: str) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ttft")
+    parser.add_argument("out")
+    parser.add_argument("runs", nargs="+")
+    parser.add_argument("--direction", default="forward")
+    parser.add_argument("--tasks", default="coqa_gen,boolq_long")
+    parser.add_argument("--min-retention", type=float, default=0.97)
+    parser.add_argument("--min-speedup", type=float, default=0.0)
+    args = parser.parse_args()
+
+    tasks: dict[str, dict] = {}
+    for path in args.runs:
+        for name, entry in read(path)["directions"][args.direction]["tasks"].items():
+            if name in args.tasks.split(",") and name not in tasks:
+                tasks[name] = entry
+    missing = set(args.tasks.split(",")) - set(tasks)
+    if missing:
+        raise SystemExit(f"no run scored {', '.join(sorted(missing))}")
+    timing = read(args.ttft)
+    (timed,) = timing["directions"][args.direction]["tasks"].values()
+    speedups, length = timed["ttft"]["mean"]["speedup"], timing["settings"]["history_tokens"]
+
+    points = []
+    for condition in sorted(set.intersection(*(set(t["transfers"]) for t in tasks.values()))):
+        retention = mean_retention(tasks, condition, "all")
+        if not condition.startswith("switch:") or condition not in speedups or not math.isfinite(
+                retention["mean_retention"]) or retention["retention_tasks"] != len(tasks):
+            continue
+        points.append(TradeoffPoint(condition.removeprefix("switch:"), retention["mean_retention"],
+                                    speedups[condition]))
+    points.sort(key=lambda p: -p.speedup)
+    chosen = choose_point(tuple(points), args.min_retention, args.min_speedup)
+    items = {name: len(entry["item_ids"]) for name, entry in tasks.items()}
+    out = {"direction": args.direction, "tasks": items, "history_tokens": length,
+           "min_retention": args.min_retention, "min_speedup": args.min_speedup,
+           "points": [vars(p) for p in points], "chosen": None if chosen is None else chosen.spec}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    print(f"{args.direction}, {', '.join(f'{n} ({k} items)' for n, k in items.items())}, {length} tokens:")
+    for p in points:
+        mark = "  <- chosen" if chosen is not None and p.spec == chosen.spec else ""
+        print(f"  {p.spec:24s} mean retention {p.mean_retention:.4f}  speed-up {p.speedup:.2f}x{mark}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
