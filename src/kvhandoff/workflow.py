@@ -71,15 +71,13 @@ class MeasuredRecord:
 #: `turn_attention` budgets on the generative dev items against their time to the first token at 2K, the records'
 #: rule at a mean retention of 0.97 and the goal's speed-up (5x small → large, 2.5x large → small), from
 #: `experiments/recompute_tradeoff.py` (docs/RESULTS.md "The recorded trade-off"). Guards, under those policies,
-#: the threshold of the best dev mean retention over the five signals at the direction's speed
-#: (`experiments/switch_guard.py`): small → large docs/RESULTS.md "A guard at the switch", large → small "The large
-#: → small record".
+#: the threshold of the best dev mean retention over the five signals at the direction's speed, falling back
+#: (`experiments/switch_guard.py`): docs/RESULTS.md "The recorded trade-off" and "The large → small record".
 MEASURED_RECORDS: tuple[MeasuredRecord, ...] = (
     MeasuredRecord(DEFAULT_SOURCE, DEFAULT_TARGET, FitConfig(), CalibrationSpec(), guard=GuardCalibration(
-        signal="entropy_gain", threshold=0.059260999999999786, auroc=0.6427640156453716, label="switch_below_target",
-        rule="best_retention_at_min_speedup", target_rate=None, dev_switches=72, bad_switches=13,
-        catch_rate=0.23076923076923078, false_fallback_rate=0.03389830508474576, dev_conversations=24,
-        recompute="turn_attention:5%", window=64, action="escalate:recent:35%"),
+        signal="entropy_gain", threshold=0.038418, auroc=0.79296875, label="switch_below_target",
+        rule="best_retention_at_min_speedup", target_rate=None, dev_switches=72, bad_switches=8, catch_rate=0.25,
+        false_fallback_rate=0.046875, dev_conversations=24, recompute="turn_attention:10%", window=64),
         recompute=RecomputeChoice(
             spec="turn_attention:10%", rule="fastest_at_min_retention", min_retention=0.97, group="generative",
             tasks=("coqa_gen", "boolq_long"), pool="dev", items_per_task=24, mean_retention=0.9519360554990008,
