@@ -240,5 +240,5 @@ def test_a_record_with_its_tradeoff_round_trips_and_is_chosen_again_under_other_
     # a record without a trade-off keeps its JSON form (and so the checksum of the manifest it is in)
     assert set(recompute_record().to_dict()) == {"spec", "rule", "min_retention", "group", "tasks", "pool",
                                                  "items_per_task", "mean_retention", "history_tokens", "speedup"}
-    with pytest.raises(ConfigError, match="recorded without the trade-off.*record-recompute.*--recompute"):
+    with pytest.raises(ConfigError, match=r"recorded without the trade-off.*record-recompute.*--recompute"):
         recompute_record().rechosen(min_speedup=3.0)

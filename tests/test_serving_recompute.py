@@ -146,7 +146,7 @@ def test_bounds_choose_each_pairs_policy_again_from_its_recorded_tradeoff():
         pair_recompute(ServeConfig(min_speedup=2.0), None, "large → small")
     for bad in ({"min_speedup": -1.0}, {"min_retention": float("nan")}, {"min_speedup": "fast"},
                 {"min_speedup": 3.0, "recompute": "recent:5%"}):
-        with pytest.raises(ConfigError, match="min_speedup|min_retention"):
+        with pytest.raises(ConfigError, match=r"min_speedup|min_retention"):
             ServeConfig(**bad)
 
 

@@ -143,18 +143,22 @@ class GuardCalibration:
 RECOMPUTE_RULES = ("fastest_at_min_retention",)
 
 
+#: the command that measures a pair's trade-off and records its policy with its mapper
+RECORD_HINT = "`kvhandoff-lab eval-switch --sweep-recompute RULES --record-recompute`"
+
+
 def _bad_recompute(name: str, problem: str) -> MapperFormatError:
     return MapperFormatError(f"mapper manifest field 'recompute.{name}' {problem}; record the policy again "
-                             "(`kvhandoff-lab eval-switch --sweep-recompute RULES --record-recompute`)")
+                             f"({RECORD_HINT})")
 
 
 def _finite(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _nonnegative(name: str, value, bad=_bad_recompute) -> float:
+def _nonnegative(name: str, value) -> float:
     if not _finite(value) or value < 0:
-        raise bad(name, f"must be a finite number >= 0, got {value!r}")
+        raise _bad_recompute(name, f"must be a finite number >= 0, got {value!r}")
     return float(value)
 
 
@@ -256,9 +260,8 @@ class RecomputeChoice:
         record's own); ConfigError when no trade-off was recorded."""
         if not self.tradeoff:
             raise ConfigError(f"the recorded recompute {self.spec!r} was recorded without the trade-off it was "
-                              "chosen from, so no other point can be chosen: record it again "
-                              "(`kvhandoff-lab eval-switch --sweep-recompute RULES --record-recompute`) or name a "
-                              "policy (--recompute)")
+                              f"chosen from, so no other point can be chosen: record it again ({RECORD_HINT}) "
+                              "or name a policy (--recompute)")
         min_retention = self.min_retention if min_retention is None else min_retention
         min_speedup = self.min_speedup if min_speedup is None else min_speedup
         chosen = choose_point(self.tradeoff, min_retention, min_speedup)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.mapper.manifest import MapperManifest, RecomputeChoice
+from kvhandoff.mapper.manifest import RECORD_HINT, MapperManifest, RecomputeChoice
 from kvhandoff.runtime import policy
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.runtime.prefix_store import PrefixStore
@@ -61,10 +61,6 @@ class HandoffPlan:
 
 #: the plan of a handoff that names none: the mapper's exact prefix, `DEFAULT_RECOMPUTE`, no prefix store
 DEFAULT_PLAN = HandoffPlan()
-
-
-#: the command that measures a pair's trade-off and records its policy with its mapper
-RECORD_HINT = "`kvhandoff-lab eval-switch --sweep-recompute RULES --record-recompute`"
 
 
 def recorded_recompute(mapper) -> RecomputeChoice | None:
