@@ -35,6 +35,9 @@ def main() -> None:
     parser.add_argument("--min-retention", type=float, default=0.97)
     parser.add_argument("--min-speedup", type=float, default=0.0)
     args = parser.parse_args()
+    for name in ("min_retention", "min_speedup"):
+        if not math.isfinite(getattr(args, name)) or getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(args, name)}")
 
     tasks: dict[str, dict] = {}
     for path in args.runs:
@@ -45,7 +48,11 @@ def main() -> None:
     if missing:
         raise SystemExit(f"no run scored {', '.join(sorted(missing))}")
     timing = read(args.ttft)
-    (timed,) = timing["directions"][args.direction]["tasks"].values()
+    timed_tasks = timing["directions"][args.direction]["tasks"]
+    if len(timed_tasks) != 1:
+        raise SystemExit(f"{args.ttft} timed {len(timed_tasks)} tasks ({', '.join(timed_tasks)}); give a run that "
+                         "timed one (eval-switch --ttft-repeats with one task)")
+    (timed,) = timed_tasks.values()
     speedups, length = timed["ttft"]["mean"]["speedup"], timing["settings"]["history_tokens"]
 
     points = []

@@ -596,7 +596,7 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
     (["--recompute", "sinks:300%"], "--recompute"),
     (["--min-speedup", "-1"], "--min-speedup"),
     (["--min-retention", "high"], "--min-retention"),
-    (["--recompute", "recent:5%", "--min-speedup", "3"], "--min-speedup"),
+    (["--recompute", "recent:5%", "--min-speedup", "3"], "--min-speedup) choose each pair's"),
     (["--models", "a=x,a=y"], "--models"),
     (["--models", "a=x,b=y", "--mapper", "a:c=/tmp"], "--mapper"),
     (["--dtype", "fp8"], "--dtype"),

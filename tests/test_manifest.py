@@ -147,6 +147,9 @@ def test_a_bad_guard_record_names_its_field(manifest, edit, field):
         MapperManifest.from_dict(data)
     with pytest.raises(MapperFormatError, match="field 'guard'"):  # a field missing, or one it does not know
         MapperManifest.from_dict({**manifest.to_dict(), "guard": {"signal": "entropy"}})
+    with pytest.raises(MapperFormatError, match=r"field 'guard' has fields this kvhandoff does not know \(margin\); "
+                                                "upgrade kvhandoff"):
+        MapperManifest.from_dict({**manifest.to_dict(), "guard": {**guard_record().to_dict(), "margin": 0.1}})
 
 
 def test_a_guard_records_its_action_and_a_fallback_record_keeps_its_checksum(manifest):
@@ -230,7 +233,7 @@ def test_a_record_with_its_tradeoff_round_trips_and_is_chosen_again_under_other_
     again = loads(dumps(manifest.with_recompute(record)), "manifest.json")
     assert again.recompute == record and again["recompute"]["tradeoff"][2] == {
         "spec": "turn_attention:20%", "mean_retention": 0.968, "speedup": 3.5}
-    assert "most retentive at 5x or faster (no policy kept a mean retention of 0.97) of 3 measured" in \
+    assert "most retentive of 3 measured at 5x or faster (no policy kept a mean retention of 0.97)" in \
         record.describe()
     slower = record.rechosen(min_speedup=3.0)
     assert (slower.spec, slower.mean_retention, slower.speedup, slower.min_speedup, slower.min_retention) == (
@@ -242,3 +245,12 @@ def test_a_record_with_its_tradeoff_round_trips_and_is_chosen_again_under_other_
                                                  "items_per_task", "mean_retention", "history_tokens", "speedup"}
     with pytest.raises(ConfigError, match=r"recorded without the trade-off.*record-recompute.*--recompute"):
         recompute_record().rechosen(min_speedup=3.0)
+
+
+def test_a_record_may_name_any_point_tied_with_its_rules_choice():
+    tied = (TradeoffPoint("recent:10%", 0.98, 6.0), TradeoffPoint("sinks:10%", 0.98, 6.0),
+            TradeoffPoint("recent:20%", 0.99, 3.0))
+    for spec in ("recent:10%", "sinks:10%"):
+        assert recompute_record(spec=spec, mean_retention=0.98, speedup=6.0, tradeoff=tied).spec == spec
+    with pytest.raises(MapperFormatError, match=r"'recompute.spec' is 'recent:20%', but its rule takes"):
+        recompute_record(spec="recent:20%", mean_retention=0.99, speedup=3.0, tradeoff=tied)

@@ -572,3 +572,20 @@ def test_a_llama_cpp_family_serves_a_pair_whose_recorded_rule_it_cannot_rank_by_
     assert engine.recomputes["small", "large"].to_dict()["recorded"]["spec"] == "turn_attention:5%"
     with pytest.raises(ConfigError, match=r"turn_attention:5%.*none, sinks, recent"):
         Engine(served, marked, ServeConfig(recompute="turn_attention:5%", guard=False))
+
+
+def test_a_llama_cpp_family_serves_a_point_chosen_from_the_recorded_tradeoff_it_cannot_rank_by_under_the_default(
+        llama_cpp_family, caplog):
+    from _serving_support import with_record
+    from kvhandoff.mapper.manifest import RecomputeChoice, TradeoffPoint
+
+    served, mappers = llama_cpp_family
+    points = (TradeoffPoint("turn_attention:10%", 0.95, 8.8), TradeoffPoint("turn_attention:20%", 0.97, 3.5))
+    recorded = RecomputeChoice("turn_attention:10%", "fastest_at_min_retention", 0.97, "generative", ("coqa_gen",),
+                               "dev", 24, 0.95, 2048, 8.8, 5.0, points)
+    marked = {pair: with_record(mapper, recompute=recorded) for pair, mapper in mappers.items()}
+    caplog.set_level(logging.WARNING, logger="kvhandoff.serving.engine")
+    engine = Engine(served, marked, ServeConfig(guard=False, max_batch=4, max_sessions=8, min_speedup=3.0))
+    assert engine.recomputes["small", "large"].policy == DEFAULT_RECOMPUTE
+    assert engine.plans["small", "large"].recompute == DEFAULT_RECOMPUTE
+    assert "chosen from the trade-off recorded for small → large (turn_attention:20%) ranks positions" in caplog.text

@@ -135,8 +135,8 @@ def test_bounds_choose_each_pairs_policy_again_from_its_recorded_tradeoff():
     slower = pair_recompute(ServeConfig(min_speedup=2.0), traded(), "small → large")
     assert (slower.policy, slower.source, slower.recorded.spec, slower.recorded.min_speedup) == (
         Recent(0.5), "tradeoff", "recent:50%", 2.0)
-    assert "recent:50% (from the trade-off recorded with its mapper, chosen as the fastest at 2x or faster with " \
-           "mean retention >= 0.97 of 3 measured" in slower.describe("small", "large")
+    assert "recent:50% (from the trade-off recorded with its mapper, chosen as the fastest of 3 measured at 2x or " \
+           "faster with mean retention >= 0.97" in slower.describe("small", "large")
     assert pair_recompute(ServeConfig(min_retention=0.9), traded(), "s → l").policy == Recent(0.05)
     assert pair_recompute(ServeConfig(), traded(), "s → l") == PairRecompute(Recent(0.1), "recorded", traded())
     with pytest.raises(ConfigError, match=r"small → large: .*recorded without the trade-off.*--recompute"):

@@ -139,7 +139,8 @@ class GuardCalibration:
 
 #: how a recorded recompute policy was chosen (`choose_point`): among the measured points at least
 #: `RecomputeChoice.min_speedup` times faster than re-prefill at `RecomputeChoice.history_tokens`, the fastest whose
-#: mean retention over the tasks is at least `RecomputeChoice.min_retention`, else the most retentive
+#: mean retention over the tasks is at least `RecomputeChoice.min_retention`, else the most retentive; when no point
+#: is that fast, the fastest
 RECOMPUTE_RULES = ("fastest_at_min_retention",)
 
 
@@ -182,7 +183,8 @@ def choose_point(points: tuple[TradeoffPoint, ...], min_retention: float, min_sp
                  ) -> TradeoffPoint | None:
     """The point `RECOMPUTE_RULES` takes from ``points``: among those at least ``min_speedup`` times faster than
     re-prefill, the fastest whose mean retention is at least ``min_retention``, else the most retentive (ties: the
-    faster); when no point is that fast, the fastest. None: no point."""
+    faster; tied on both: the earlier); when no point is that fast, the fastest, whatever its retention. None: no
+    point."""
     if not points:
         return None
     fast = [p for p in points if p.speedup >= min_speedup]
@@ -240,8 +242,10 @@ class RecomputeChoice:
         object.__setattr__(self, "tradeoff", self._points(self.tradeoff))
         if self.tradeoff:
             chosen = choose_point(self.tradeoff, self.min_retention, self.min_speedup)
-            if (chosen.spec, chosen.mean_retention, chosen.speedup) != (self.spec, self.mean_retention,
-                                                                          self.speedup):
+            # a point tied with the rule's on both measures is as much its choice, whatever the list's order
+            if not any((p.spec, p.mean_retention, p.speedup) == (self.spec, self.mean_retention, self.speedup)
+                       for p in self.tradeoff
+                       if (p.mean_retention, p.speedup) == (chosen.mean_retention, chosen.speedup)):
                 raise _bad_recompute("spec", f"is {self.spec!r}, but its rule takes {chosen.spec!r} from the "
                                              "recorded trade-off")
 
@@ -281,14 +285,14 @@ class RecomputeChoice:
     def describe(self) -> str:
         """One line on where the choice comes from."""
         floor = f" at {self.min_speedup:g}x or faster" if self.min_speedup else ""
-        how = (f"chosen as the fastest{floor} with mean retention >= {self.min_retention:g}"
+        points = f" of {len(self.tradeoff)} measured" if self.tradeoff else ""
+        how = (f"chosen as the fastest{points}{floor} with mean retention >= {self.min_retention:g}"
                if self.mean_retention >= self.min_retention and self.speedup >= self.min_speedup
-               else f"chosen as the most retentive{floor} (no policy kept a mean retention of "
+               else f"chosen as the most retentive{points}{floor} (no policy kept a mean retention of "
                     f"{self.min_retention:g})"
                if self.speedup >= self.min_speedup
-               else f"chosen as the fastest (no policy was {self.min_speedup:g}x faster)")
-        points = f" of {len(self.tradeoff)} measured" if self.tradeoff else ""
-        return (f"{how}{points} over {self.group} tasks "
+               else f"chosen as the fastest{points} (no policy was {self.min_speedup:g}x faster)")
+        return (f"{how} over {self.group} tasks "
                 f"{', '.join(self.tasks)} ({self.items_per_task} {self.pool} items each: retention "
                 f"{self.mean_retention:.3f}, {self.speedup:.1f}x faster than re-prefill at {self.history_tokens} "
                 "tokens)")
@@ -545,6 +549,10 @@ def _fit_settings(config):
 def _build(name: str, kind: type, value):
     if not isinstance(value, Mapping):
         raise _bad(name, f"must be a JSON object, got {value!r}")
+    unknown = sorted(set(value) - {f.name for f in dataclasses.fields(kind)}) if dataclasses.is_dataclass(kind) else []
+    if unknown:  # written by a kvhandoff that records more than this one knows
+        raise MapperFormatError(f"mapper manifest field {name!r} has fields this kvhandoff does not know "
+                                f"({', '.join(unknown)}); upgrade kvhandoff, or re-fit the mapper")
     try:
         return kind(**value)
     except (TypeError, ConfigError) as exc:

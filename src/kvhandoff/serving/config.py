@@ -178,8 +178,9 @@ class ServeConfig:
                 object.__setattr__(self, name, float(require_positive(f"serve {name}", getattr(self, name), float,
                                                                       minimum=0)))
         if self.rechooses_recompute and self.recompute is not None:
-            raise ConfigError("serve recompute names one policy for every pair, min_retention / min_speedup choose "
-                              "each pair's from its recorded trade-off: give one or the other")
+            raise ConfigError("serve recompute (--recompute) names one policy for every pair, min_retention / "
+                              "min_speedup (--min-retention / --min-speedup) choose each pair's from its recorded "
+                              "trade-off: give one or the other")
         # parsed here, once: the engine and its sessions hold the policy object
         if self.recompute is not None:
             object.__setattr__(self, "recompute", policy.parse(self.recompute))

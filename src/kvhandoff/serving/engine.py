@@ -482,13 +482,14 @@ def _window(model) -> int:
 
 def _llama_cpp_recomputes(recomputes: dict) -> dict:
     """Each pair's `PairRecompute` as a llama.cpp family serves it: a configured policy it cannot serve is refused
-    (`check_recompute`); a recorded one (measured with the transformers engine) gives way to `DEFAULT_RECOMPUTE`,
-    said at start-up."""
+    (`check_recompute`); a recorded one, or one chosen from the recorded trade-off (measured with the transformers
+    engine), gives way to `DEFAULT_RECOMPUTE`, said at start-up."""
     served = {}
     for (source, target), recompute in recomputes.items():
-        if recompute.source == "recorded" and not serves_recompute(recompute.policy):
-            logger.warning("llama.cpp: the recompute policy recorded for %s → %s (%s) ranks positions with a "
-                           "transformers model's layers; this pair is served under %s instead", source, target,
+        if recompute.source in ("recorded", "tradeoff") and not serves_recompute(recompute.policy):
+            how = "recorded" if recompute.source == "recorded" else "chosen from the trade-off recorded"
+            logger.warning("llama.cpp: the recompute policy %s for %s → %s (%s) ranks positions with a "
+                           "transformers model's layers; this pair is served under %s instead", how, source, target,
                            recompute.policy.spec, DEFAULT_RECOMPUTE.spec)
             recompute = PairRecompute(DEFAULT_RECOMPUTE, "default", recompute.recorded)
         check_recompute(recompute.policy)

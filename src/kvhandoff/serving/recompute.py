@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.mapper.manifest import RecomputeChoice
-from kvhandoff.runtime.plan import RECORD_HINT, HandoffPlan, recorded_policy, recorded_recompute
+from kvhandoff.mapper.manifest import RECORD_HINT, RecomputeChoice
+from kvhandoff.runtime.plan import HandoffPlan, recorded_policy, recorded_recompute
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.serving.config import ServeConfig
 
