@@ -254,3 +254,7 @@ def test_a_record_may_name_any_point_tied_with_its_rules_choice():
         assert recompute_record(spec=spec, mean_retention=0.98, speedup=6.0, tradeoff=tied).spec == spec
     with pytest.raises(MapperFormatError, match=r"'recompute.spec' is 'recent:20%', but its rule takes"):
         recompute_record(spec="recent:20%", mean_retention=0.99, speedup=3.0, tradeoff=tied)
+    with pytest.raises(MapperFormatError, match=r"field 'recompute.tradeoff' has fields this kvhandoff does not know "
+                                                r"\(spread\); upgrade kvhandoff"):
+        recompute_record(spec="recent:10%", mean_retention=0.98, speedup=6.0,
+                         tradeoff=[{"spec": "recent:10%", "mean_retention": 0.98, "speedup": 6.0, "spread": 0.1}])

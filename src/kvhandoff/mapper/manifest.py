@@ -301,6 +301,7 @@ class RecomputeChoice:
 def _point(value) -> TradeoffPoint:
     if not isinstance(value, Mapping):
         raise _bad_recompute("tradeoff", f"holds {value!r}, not a point (spec, mean_retention, speedup)")
+    _refuse_unknown_fields("recompute.tradeoff", TradeoffPoint, value)
     try:
         return TradeoffPoint(**value)
     except TypeError as exc:
@@ -546,13 +547,18 @@ def _fit_settings(config):
     return {key: value for key, value in config.items() if key not in RUNTIME_SETTINGS}
 
 
+def _refuse_unknown_fields(name: str, kind: type, value: Mapping) -> None:
+    """A record written by a kvhandoff that records more than this one knows: say so, and the fix."""
+    unknown = sorted(set(value) - {f.name for f in dataclasses.fields(kind)}) if dataclasses.is_dataclass(kind) else []
+    if unknown:
+        raise MapperFormatError(f"mapper manifest field {name!r} has fields this kvhandoff does not know "
+                                f"({', '.join(unknown)}); upgrade kvhandoff, or re-fit the mapper")
+
+
 def _build(name: str, kind: type, value):
     if not isinstance(value, Mapping):
         raise _bad(name, f"must be a JSON object, got {value!r}")
-    unknown = sorted(set(value) - {f.name for f in dataclasses.fields(kind)}) if dataclasses.is_dataclass(kind) else []
-    if unknown:  # written by a kvhandoff that records more than this one knows
-        raise MapperFormatError(f"mapper manifest field {name!r} has fields this kvhandoff does not know "
-                                f"({', '.join(unknown)}); upgrade kvhandoff, or re-fit the mapper")
+    _refuse_unknown_fields(name, kind, value)
     try:
         return kind(**value)
     except (TypeError, ConfigError) as exc:
