@@ -26,7 +26,7 @@ from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.runtime.plan import DEFAULT_PLAN, recorded_policy, recorded_recompute
 from kvhandoff.runtime.seam import new_cache
 from kvhandoff.runtime.session import SwitchingSession
-from kvhandoff.serving.config import DEFAULT_GUARD_WINDOW
+from kvhandoff.runtime.switch.guard import DEFAULT_GUARD_WINDOW
 from kvhandoff.workflow import load_named_pair, obtain_mapper
 from kvhandoff_lab.serving.workload import coqa_dialogues, document
 

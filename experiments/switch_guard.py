@@ -25,7 +25,7 @@ import json
 import math
 from pathlib import Path
 
-from kvhandoff.serving.guard import needs_reference
+from kvhandoff.runtime.switch.guard import needs_reference
 from kvhandoff_lab.evaluation.switchguard import (
     GUARD_SIGNALS,
     GuardRow,

@@ -11,6 +11,7 @@ import functools
 import torch
 
 from kvhandoff import FitConfig, fit_mapper
+from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
@@ -52,10 +53,14 @@ def with_record(mapper, **records):
 @contextlib.contextmanager
 def running(models=None, mappers=None, **settings):
     """A server of the tiny family (or the given models/mappers) on a free 127.0.0.1 port; yields it (`.url`,
-    `.engine`); shut down afterwards."""
+    `.engine`); shut down afterwards. ``settings``: `ServeConfig`'s and `SwitchSettings`' fields (the guard off
+    unless given)."""
     if models is None:
         models, mappers = tiny_family()
-    engine = Engine(models, mappers, ServeConfig(**{"guard": False, **settings}))
+    switch_fields = {item.name for item in dataclasses.fields(SwitchSettings)}
+    switch = SwitchSettings(**{"guard": False, **{k: v for k, v in settings.items() if k in switch_fields}})
+    served = {k: v for k, v in settings.items() if k not in switch_fields}
+    engine = Engine(models, mappers, ServeConfig(**served, switch=switch))
     server = serve_in_thread(engine)
     try:
         yield server

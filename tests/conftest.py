@@ -377,3 +377,17 @@ def exact_pair(change: str, family: str = "qwen2", source_rope: str = "default",
     else:
         raise ValueError(change)
     return source, exactly_related(target)
+
+
+def pair_guards(settings, mappers) -> dict:
+    """Each ordered pair's `GuardPolicy` under ``settings`` (a `SwitchSettings`), as `pair_policies` resolves it."""
+    from kvhandoff.runtime.switch.pair import pair_policies
+
+    return {pair: policy.guard for pair, policy in pair_policies(settings, mappers).items()}
+
+
+def pair_recomputes(settings, mappers) -> dict:
+    """Each ordered pair's `ServedRecompute` under ``settings``, as `pair_policies` resolves it."""
+    from kvhandoff.runtime.switch.pair import pair_policies
+
+    return {pair: policy.recompute for pair, policy in pair_policies(settings, mappers).items()}

@@ -404,7 +404,7 @@ def test_bench_agent_passes_its_options(captured, tmp_path):
     assert result.exit_code == 0, result.output
     assert captured["family"] == ({"m": {"small": "/m/s", "large": "/m/l"}}, {})
     config = captured["config"]
-    assert config.guard and config.max_context == 8192
+    assert config.switch.guard and config.max_context == 8192
     assert captured["settings"] == AgentSettings(max_steps=5, max_tokens=64, min_calls=1,
                                                  conditions=("handoff", "reprefill"))
     assert [p.id for p in captured["problems"]] == ["g0", "g1", "g2"] and captured["seed"] == 2

@@ -8,10 +8,10 @@ from _eval_support import NoisyMapper
 from kvhandoff.cli import app
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.runtime.policy import Recent, Sinks
-from kvhandoff.serving.config import Escalate
+from kvhandoff.runtime.switch.guard import Escalate
 from kvhandoff_lab.cli import app as lab_app
 
-from conftest import BYTE_MODEL, ByteTokenizer, chat_tokenizer, save_tiny_pair, tiny_model
+from conftest import BYTE_MODEL, ByteTokenizer, chat_tokenizer, pair_guards, save_tiny_pair, tiny_model
 
 #: the product's commands (`kvhandoff`); every other command is the lab's (`kvhandoff-lab`)
 PRODUCT_COMMANDS = ("prepare", "fit", "refine", "demo", "serve", "guard-calibrate")
@@ -564,14 +564,15 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
     assert calls["placement"] == ("bfloat16", "auto") and calls["progress"] is True  # bars at the command line
     models, mappers, config = calls["run"]
     assert (models, mappers) == ({"models": 1}, {"mappers": 2})
-    assert (config.port, config.guard, config.max_context, config.cache_memory_bytes) == (0, False, 300, 1000)
-    assert config.guard_action == Escalate(Recent(0.35))
+    assert (config.port, config.switch.guard, config.max_context, config.cache_memory_bytes) == (0, False, 300, 1000)
+    assert config.switch.guard_action == Escalate(Recent(0.35))
     invoke(["serve", "--models", "small=/m/s,large=/m/l"])
-    assert calls["run"][2].guard_action is None  # each pair's recorded action
-    assert (calls["run"][2].min_speedup, calls["run"][2].min_retention) == (None, None)  # each pair's record
+    assert calls["run"][2].switch.guard_action is None  # each pair's recorded action
+    assert (calls["run"][2].switch.min_speedup, calls["run"][2].switch.min_retention) == (None, None)  # the records
     invoke(["serve", "--models", "small=/m/s,large=/m/l", "--min-speedup", "3", "--min-retention", "0.9"])
-    assert (calls["run"][2].min_speedup, calls["run"][2].min_retention) == (3.0, 0.9)
-    assert config.recompute == Sinks(0.1) and config.recompute.spec == "sinks:10%"  # parsed by the option, once
+    assert (calls["run"][2].switch.min_speedup, calls["run"][2].switch.min_retention) == (3.0, 0.9)
+    assert config.switch.recompute == Sinks(0.1)  # parsed by the option, once
+    assert config.switch.recompute.spec == "sinks:10%"
     assert calls["llama_cpp"] == (None, None)
 
     result = invoke(["serve", "--models", "small=/m/s,large=/m/l", "--engine", "llama.cpp", "--gguf",
@@ -636,8 +637,7 @@ def test_fit_compact_options_write_a_compact_mapper_and_say_its_size(pair, tmp_p
 def test_guard_calibrate_records_each_directions_guard_in_its_mapper_folder(pair, tmp_path):
     """`kvhandoff guard-calibrate` on a tiny family saved to disk: each direction's guard, measured on its dev
     switches, lands in that direction's --mapper folder (the tensors untouched), where the server reads it."""
-    from kvhandoff.serving.config import ServeConfig
-    from kvhandoff.serving.guard import guard_policies
+    from kvhandoff.runtime.switch.pair import SwitchSettings
 
     small, large = pair
     folders = {("small", "large"): tmp_path / "forward", ("large", "small"): tmp_path / "backward"}
@@ -659,10 +659,10 @@ def test_guard_calibrate_records_each_directions_guard_in_its_mapper_folder(pair
         # 2 conversations of 2 turns, one per direction: one switch each
         assert (guard.signal, guard.label, guard.dev_switches, guard.dev_conversations) == (
             "entropy", "answer_changed", 1, 1)
-        assert guard.recompute == ServeConfig().served_recompute.spec
+        assert guard.recompute == SwitchSettings().served_recompute.spec
         assert guard.window == 64 and guard.target_rate is None
         assert (folder / "mapper.safetensors").read_bytes() == tensors[source, target]
         assert f"{source} → {target}: re-prefill when entropy > " in result.output and str(folder) in result.output
-    policies = guard_policies(ServeConfig(), loaded)
+    policies = pair_guards(SwitchSettings(), loaded)
     assert {pair: (p.source, p.threshold) for pair, p in policies.items()} == {
         pair: ("recorded", mapper.manifest.guard.threshold) for pair, mapper in loaded.items()}

@@ -1,18 +1,26 @@
+import io
 import json
 
 import pytest
+from rich.cells import cell_len
+from rich.console import Console
 from typer.testing import CliRunner
 
 from _serving_support import with_record
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.cli import app
-from kvhandoff.cli.demo import short_names
+from kvhandoff.cli.demo import render_demo, short_names
 from kvhandoff.demo import (
     DEMO_QUESTIONS,
     QUESTION_MAPPED,
     TURN_BOUNDARY,
+    Answer,
+    DemoResult,
+    MapperUse,
     Question,
     Script,
+    Switch,
+    TurnRecord,
     check_story,
     converse,
     demo_script,
@@ -154,9 +162,51 @@ def test_the_models_are_named_by_what_tells_them_apart():
     assert short_names("a", "a:b") == {"a": "a", "a:b": "a:b"}
 
 
+def recorded_demo() -> DemoResult:
+    """A demo result as the default pair prints it (the models' real names, the recorded policy, a long answer and
+    one that looks like console markup)."""
+    small, large = "qwen2.5-coder:0.5b", "qwen2.5-coder:1.5b"
+    fit = "ridge, k = all, λ = 0.01, exact prefix 4, 120 windows × 512 tokens (prose, exams, math)"
+    folder = "/root/.cache/kvhandoff/pairs/qwen2.5-coder_0.5b__qwen2.5-coder_1.5b/mapper-ab45882b5ee0"
+    long = ("Henry's two friends are Tom and Joe, who have been coming to the Saturday dance with him ever since "
+            "the three of them were boys on the farm [1].")
+    up, up_again = Answer("Two", (2,), 2.01), Answer("Two", (2,), 18.67)
+    down, down_again = Answer(long, (3, 4), 0.71), Answer("Tom and Joe", (5,), 5.84)
+    turns = (TurnRecord(1, small, DEMO_QUESTIONS[0], Answer("Henry", (1,), 1.2), 1045),
+             TurnRecord(2, large, DEMO_QUESTIONS[1], up, 1071), TurnRecord(3, small, DEMO_QUESTIONS[2], down, 1090))
+    switches = (Switch(2, small, large, TURN_BOUNDARY, 1050, 21, up, up_again, "turn_attention:10%"),
+                Switch(3, large, small, TURN_BOUNDARY, 23, 16, down, down_again, "turn_attention:10%"),
+                Switch(2, small, large, QUESTION_MAPPED, 1070, 1, Answer("Two", (2,), 1.77), up_again,
+                       "turn_attention:10%"))
+    return DemoResult(small, large, (MapperUse(small, large, folder, True, fit), MapperUse(large, small, folder,
+                                                                                          False, fit)),
+                      "CoQA story 34z02eimisdylvztwmit917ni020tb", 1017, turns, switches)
+
+
+def test_the_demo_reads_in_an_80_column_terminal_without_splitting_a_word():
+    result = recorded_demo()
+    out = io.StringIO()
+    render_demo(result, Console(file=out, width=80, color_system=None))
+    lines = out.getvalue().splitlines()
+    assert max(cell_len(line) for line in lines) <= 80
+    shown = [result.story, *(use.fit for use in result.mappers)]
+    for turn in result.turns:
+        shown += [turn.question.text, turn.question.reference, turn.answer.text]
+    for switch in result.switches:
+        shown += [switch.handoff.text, switch.reprefill.text, switch.recompute, QUESTION_MAPPED, "re-prefill",
+                  f"{switch.handoff.ttft_seconds:.2f} {switch.reprefill.ttft_seconds:.2f} {switch.speedup:.1f}×"]
+    words = {word for text in shown for word in text.split()}
+    split = [word for word in words if not any(word in line for line in lines)]
+    assert not split, f"words split across lines: {split}"
+    text = out.getvalue()
+    # what the table reports: every switch's tokens, policy, both times, the speed-up and both answers, same or not
+    assert "1,050 mapped (turn_attention:10%), 21 read" in text and "(the paper's condition)" in text
+    assert text.count("(the same answer)") == 2 and text.count("(another answer)") == 1
+    assert "reused" in text and "fitted now" in text and "[1]." in text  # plain text, never console markup
+
+
 @pytest.mark.real_models
 def test_demo_end_to_end_on_the_real_pair():
-    from kvhandoff.cli.demo import render_demo
     from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
 
     result = run_demo(DEFAULT_SOURCE, DEFAULT_TARGET)

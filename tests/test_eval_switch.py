@@ -11,8 +11,7 @@ from kvhandoff.model.cache import prefill, rollback
 from kvhandoff.runtime.handoff import handoff_cache
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import Deviation, NoRecompute, Recent, Sinks
-from kvhandoff.serving.config import GUARD_SIGNALS
-from kvhandoff.serving.guard import guard_score
+from kvhandoff.runtime.switch.guard import GUARD_SIGNALS, guard_score
 from kvhandoff_lab.evaluation import switch as W
 from kvhandoff_lab.evaluation.tasks import pool_of
 

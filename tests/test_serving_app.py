@@ -18,6 +18,7 @@ import schemathesis
 import torch
 
 from _serving_support import AGENT_CONTEXT, chat_ids, reference_answer, running, tiny_family
+from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.app import create_app, field_path
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
@@ -384,7 +385,7 @@ def test_a_body_past_the_limit_is_refused_before_it_is_read():
 
 
 def test_an_over_long_text_is_refused_without_its_exact_count(server):
-    from kvhandoff.serving.engine import LENGTH_CHUNK_CHARS
+    from kvhandoff.serving.prompts import LENGTH_CHUNK_CHARS
 
     text = "ab " * LENGTH_CHUNK_CHARS  # several chunks, far past the 512-token window
     response = httpx.post(server.url + "/v1/completions", json={"model": "small", "prompt": text}, timeout=30)
@@ -499,7 +500,7 @@ def test_a_new_session_waits_for_a_busy_one_to_end_instead_of_a_429():
         threads[0].start()
         wait_for(gated.waiting.is_set, "the worker to be busy")
         threads[1].start()  # every session busy: b waits for a to end
-        wait_for(lambda: len(server.engine._slot_waiters) == 1, "b to wait for a session")
+        wait_for(lambda: server.engine.sessions.waiting() == 1, "b to wait for a session")
         gated.gate.set()
         for thread in threads:
             thread.join(60)
@@ -811,7 +812,7 @@ def openapi_document() -> dict:
     """The app's OpenAPI document, built without serving (the routes do not depend on the engine's state); the
     schema is read at collection, the live server's URL given to each call."""
     models, mappers = tiny_family()
-    engine = Engine(models, mappers, ServeConfig(guard=False))
+    engine = Engine(models, mappers, ServeConfig(switch=SwitchSettings(guard=False)))
     try:
         return create_app(engine).openapi()
     finally:

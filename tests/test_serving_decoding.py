@@ -51,6 +51,17 @@ def test_stop_strings():
     assert stop_index("a-b-c", ["-"], start=2) == 3
     assert held_back("answer: EN", ["END"]) == 2 and held_back("answer", ["END"]) == 0
     assert held_back("caf\ufffd", []) == 1
+    long_stop = "ab" * 500  # only the sizes ending in the text's last character are tried
+    assert held_back("xx" + long_stop[:777], [long_stop]) == 777 and held_back("x" * 2000, [long_stop]) == 0
+
+
+def test_a_top_p_that_is_zero_in_float32_is_greedy():
+    logprobs = torch.tensor([0.1, 0.5, 0.2, 0.2]).log()
+    for top_p in (1e-300, 5e-324, 1e-40):
+        assert {choose_token(logprobs, 1.0, top_p, make_generator(seed)) for seed in range(20)} == {1}
+        draws = {sampler(temperature=1.0, top_p=top_p, seed=seed).next_token(logprobs, []) for seed in range(20)}
+        assert draws == {1}
+    assert choose_token(logprobs, 1e-300) == 1  # a temperature too small to divide by is greedy
 
 
 EOS = 3

@@ -19,17 +19,15 @@ from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, Sinks
 from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff.runtime.switch.guard import Fallback
+from kvhandoff.runtime.switch.pair import SwitchSettings
+from kvhandoff.runtime.switch.turn import common_prefix
 from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
-from kvhandoff.serving.config import Fallback, ServeConfig
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.decoding import SamplingParams
-from kvhandoff.serving.engine import (
-    LENGTH_CHUNK_CHARS,
-    Engine,
-    GenerationRequest,
-    RequestError,
-    common_prefix,
-    surely_longer,
-)
+from kvhandoff.serving.engine import Engine
+from kvhandoff.serving.prompts import LENGTH_CHUNK_CHARS, surely_longer
+from kvhandoff.serving.requests import GenerationRequest, RequestError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -130,7 +128,7 @@ def test_greedy_decoding_equals_generate_on_the_same_prompt():
     model, tokenizer = family["large"]
 
     async def main():
-        engine = Engine(family, mappers, ServeConfig(guard=False))
+        engine = Engine(family, mappers, ServeConfig(switch=SwitchSettings(guard=False)))
         try:
             first = [("user", "Write a haiku about the sea.")]
             text, report, generation = await ask(engine, "large", messages=tuple(first), session="s")
@@ -155,7 +153,7 @@ def test_conversations_that_open_alike_share_the_exact_prefix_at_a_switch():
     family, mappers = tiny_family()
 
     async def main():
-        engine = Engine(family, mappers, ServeConfig(guard=False))
+        engine = Engine(family, mappers, ServeConfig(switch=SwitchSettings(guard=False)))
         try:
             answers = []
             for session in ("a", "b"):
@@ -175,11 +173,12 @@ def test_the_engine_and_its_sessions_hold_the_settings_parsed_once():
     """ServeConfig parses the recompute spec where it enters; the engine builds one plan from it (with its prefix
     store) and every session holds that plan: policy objects below the edge, never a spec."""
     family, mappers = tiny_family()
-    config = ServeConfig(guard=False, exact_prefix=2, recompute="sinks:10%")
-    assert config.recompute == Sinks(0.1) and config.to_dict()["recompute"] == "sinks:10%"
-    assert ServeConfig().recompute is None and ServeConfig().served_recompute is DEFAULT_RECOMPUTE  # None: per pair
+    config = ServeConfig(switch=SwitchSettings(guard=False, exact_prefix=2, recompute="sinks:10%"))
+    assert config.switch.recompute == Sinks(0.1) and config.to_dict()["recompute"] == "sinks:10%"
+    assert SwitchSettings().recompute is None  # None: per pair
+    assert SwitchSettings().served_recompute is DEFAULT_RECOMPUTE
     assert ServeConfig().to_dict()["recompute"] is None
-    assert ServeConfig(guard=False, exact_prefix=2, recompute=Sinks(0.1)) == config
+    assert ServeConfig(switch=SwitchSettings(guard=False, exact_prefix=2, recompute=Sinks(0.1))) == config
     engine = Engine(family, mappers, config)
     try:
         assert engine.plan == HandoffPlan(2, Sinks(0.1), engine.prefix_store)
@@ -197,14 +196,15 @@ def test_ttl_and_session_limit_evict_idle_sessions_least_recently_used_first():
     family, mappers = tiny_family()
 
     async def main():
-        engine = Engine(family, mappers, ServeConfig(guard=False, max_sessions=2, session_ttl_s=0.05))
+        engine = Engine(family, mappers, ServeConfig(max_sessions=2, session_ttl_s=0.05,
+                                                     switch=SwitchSettings(guard=False)))
         try:
             await ask(engine, "small", prompt="one", session="a", max_tokens=2)
             await asyncio.sleep(0.1)  # past the TTL: a goes when the next request arrives
             await ask(engine, "small", prompt="two", session="b", max_tokens=2)
             assert engine.session_tokens("a") is None and engine.session_tokens("b")
             assert evictions(engine, "ttl") == 1
-            engine.config = ServeConfig(guard=False, max_sessions=2)  # no TTL from here on
+            engine.config = ServeConfig(max_sessions=2, switch=SwitchSettings(guard=False))  # no TTL from here on
             await ask(engine, "small", prompt="three", session="c", max_tokens=2)
             await ask(engine, "small", prompt="two more", session="b", max_tokens=2)  # b is now the most recent
             await ask(engine, "small", prompt="four", session="d", max_tokens=2)  # full: c, the LRU, goes
@@ -229,7 +229,8 @@ def test_an_error_mid_handoff_answers_an_error_and_resets_the_session():
     family, mappers = tiny_family()
 
     async def main():
-        engine = Engine(family, {**mappers, ("small", "large"): BrokenMapper()}, ServeConfig(guard=False))
+        engine = Engine(family, {**mappers, ("small", "large"): BrokenMapper()},
+                        ServeConfig(switch=SwitchSettings(guard=False)))
         try:
             await ask(engine, "small", prompt="hello there", session="s", max_tokens=3)
             with pytest.raises(RequestError) as caught:
@@ -274,14 +275,14 @@ def test_a_fallback_keeps_the_receiving_models_own_turns_and_reads_only_the_rest
     async def main():
         engine = Engine(family, {**mappers, ("large", "small"): back}, ServeConfig())
         try:
-            assert engine.guards["small", "large"].source == "none"
-            assert engine.guards["large", "small"].source == "recorded"
+            assert engine.policies["small", "large"].guard.source == "none"
+            assert engine.policies["large", "small"].guard.source == "recorded"
             first = (("user", "Tell me about the tides, please."),)
             text, report, _ = await ask(engine, "small", messages=first, session="s", max_tokens=8)
             second = (*first, ("assistant", text), ("user", "And the moon?"))
             text, report, _ = await ask(engine, "large", messages=second, session="s", max_tokens=8)
             assert report.status == "applied" and report.guard is None  # no guard: served mapped
-            session = engine._sessions["default", "s"].session
+            session = engine.sessions.state("default", "s").session
             own = session.own_length("small")
             third = (*second, ("assistant", text), ("user", "Why?"))
             ids = chat_ids(tokenizer, [{"role": r, "content": c} for r, c in third])
@@ -334,7 +335,7 @@ def test_an_escalation_hands_the_flagged_switch_over_again_with_a_larger_budget(
             assert report.mapped_tokens > 0 and report.cached_tokens == report.mapped_tokens
             assert report.read_tokens == len(ids) - report.cached_tokens
             assert text == reference_answer(large, tokenizer, ids, 12)
-            session = engine._sessions["default", "s"].session
+            session = engine.sessions.state("default", "s").session
             prefill = large(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
             for layer, exact in zip(session.cache("large").layers, prefill.layers, strict=True):
                 torch.testing.assert_close(layer.values[:, :, :len(ids)], exact.values, atol=1e-4, rtol=0)
@@ -349,12 +350,13 @@ def test_an_escalation_hands_the_flagged_switch_over_again_with_a_larger_budget(
 
 def test_an_escalation_is_refused_where_a_handover_cannot_be_made_again():
     with pytest.raises(ConfigError, match="needs handover 'incremental'"):
-        ServeConfig(guard_action="escalate:recent:35%", handover="all")
+        ServeConfig(handover="all", switch=SwitchSettings(guard_action="escalate:recent:35%"))
     with pytest.raises(ConfigError, match="'fallback' or 'escalate:RULE:BUDGET'"):
-        ServeConfig(guard_action="escalate")
-    assert ServeConfig(guard_action="escalate:recent:35%").to_dict()["guard_action"] == "escalate:recent:35%"
-    assert ServeConfig().guard_action is None  # each pair's recorded action, else a fallback
-    assert ServeConfig(guard_action="fallback").guard_action == Fallback()
+        ServeConfig(switch=SwitchSettings(guard_action="escalate"))
+    escalating = ServeConfig(switch=SwitchSettings(guard_action="escalate:recent:35%"))
+    assert escalating.to_dict()["guard_action"] == "escalate:recent:35%"
+    assert SwitchSettings().guard_action is None  # each pair's recorded action, else a fallback
+    assert SwitchSettings(guard_action="fallback").guard_action == Fallback()
 
 
 def test_the_family_renders_with_one_template_so_a_switch_keeps_the_whole_history(caplog):
@@ -367,7 +369,7 @@ def test_the_family_renders_with_one_template_so_a_switch_keeps_the_whole_histor
 
     async def main():
         with caplog.at_level(logging.WARNING, logger="kvhandoff.serving.engine"):
-            engine = Engine(models, mappers, ServeConfig(guard=False))
+            engine = Engine(models, mappers, ServeConfig(switch=SwitchSettings(guard=False)))
         assert "large differ from small's" in caplog.text
         try:
             first = [("user", "Tell me about the tides.")]
@@ -385,7 +387,7 @@ def test_the_family_renders_with_one_template_so_a_switch_keeps_the_whole_histor
 def test_the_worker_batches_decode_steps_and_runs_prefill_chunks_between_them():
     """Two jobs: A decodes (a `Read` per step), B prefills in chunks (None per chunk), then decodes. A's steps go on
     between B's chunks, and once both decode, their steps share one forward."""
-    from kvhandoff.serving.engine import ModelWorker, Read
+    from kvhandoff.serving.worker import ModelWorker, Read
 
     log, done = [], threading.Event()
 
@@ -425,7 +427,7 @@ def test_the_worker_batches_decode_steps_and_runs_prefill_chunks_between_them():
 
 
 def test_a_failed_batched_step_is_retried_one_read_at_a_time_and_close_ends_running_jobs():
-    from kvhandoff.serving.engine import ModelWorker, Read
+    from kvhandoff.serving.worker import ModelWorker, Read
 
     got, ended = {}, threading.Event()
 
@@ -492,7 +494,7 @@ def test_a_prompt_read_in_small_chunks_answers_as_one_read():
     messages = [{"role": "user", "content": "Tell me a long story about a cat and a dog, please."}]
 
     async def scenario():
-        engine = Engine(family, mappers, ServeConfig(guard=False, prefill_chunk=4))
+        engine = Engine(family, mappers, ServeConfig(prefill_chunk=4, switch=SwitchSettings(guard=False)))
         try:
             generation = await engine.start(GenerationRequest(model="small", messages=tuple(messages), max_tokens=6,
                                                               sampling=SamplingParams(temperature=0)))
@@ -548,8 +550,8 @@ def test_a_llama_cpp_family_refuses_a_recompute_rule_it_cannot_rank_by(llama_cpp
     served, mappers = llama_cpp_family
     for spec in ("deviation:10%", "layers:25%"):
         with pytest.raises(ConfigError, match=spec + r".*none, sinks, recent"):
-            Engine(served, mappers, ServeConfig(recompute=spec, guard=False))
-    engine = Engine(served, mappers, ServeConfig(guard=False, max_batch=4, max_sessions=100))
+            Engine(served, mappers, ServeConfig(switch=SwitchSettings(recompute=spec, guard=False)))
+    engine = Engine(served, mappers, ServeConfig(max_batch=4, max_sessions=100, switch=SwitchSettings(guard=False)))
     assert engine.config.max_sessions == 24 - 4 - 2
 
 
@@ -563,15 +565,15 @@ def test_a_llama_cpp_family_serves_a_pair_whose_recorded_rule_it_cannot_rank_by_
                                "dev", 12, 0.98, 2048, 8.2)
     marked = {**mappers, ("small", "large"): with_record(mappers["small", "large"], recompute=recorded)}
     caplog.set_level(logging.WARNING, logger="kvhandoff.serving.engine")
-    engine = Engine(served, marked, ServeConfig(guard=False, max_batch=4, max_sessions=8))
-    assert engine.recomputes["small", "large"].policy == DEFAULT_RECOMPUTE
-    assert engine.plans["small", "large"].recompute == DEFAULT_RECOMPUTE
+    engine = Engine(served, marked, ServeConfig(max_batch=4, max_sessions=8, switch=SwitchSettings(guard=False)))
+    assert engine.policies["small", "large"].recompute.policy == DEFAULT_RECOMPUTE
+    assert engine.policies["small", "large"].plan.recompute == DEFAULT_RECOMPUTE
     assert "recorded for small → large (turn_attention:5%) ranks positions with a transformers model" in caplog.text
     assert "does not serve the one recorded with its mapper, turn_attention:5%" in \
-        engine.recomputes["small", "large"].describe("small", "large")
-    assert engine.recomputes["small", "large"].to_dict()["recorded"]["spec"] == "turn_attention:5%"
+        engine.policies["small", "large"].recompute.describe("small", "large")
+    assert engine.policies["small", "large"].recompute.to_dict()["recorded"]["spec"] == "turn_attention:5%"
     with pytest.raises(ConfigError, match=r"turn_attention:5%.*none, sinks, recent"):
-        Engine(served, marked, ServeConfig(recompute="turn_attention:5%", guard=False))
+        Engine(served, marked, ServeConfig(switch=SwitchSettings(recompute="turn_attention:5%", guard=False)))
 
 
 def test_a_llama_cpp_family_serves_a_point_chosen_from_the_recorded_tradeoff_it_cannot_rank_by_under_the_default(
@@ -585,7 +587,8 @@ def test_a_llama_cpp_family_serves_a_point_chosen_from_the_recorded_tradeoff_it_
                                "dev", 24, 0.95, 2048, 8.8, 5.0, points)
     marked = {pair: with_record(mapper, recompute=recorded) for pair, mapper in mappers.items()}
     caplog.set_level(logging.WARNING, logger="kvhandoff.serving.engine")
-    engine = Engine(served, marked, ServeConfig(guard=False, max_batch=4, max_sessions=8, min_speedup=3.0))
-    assert engine.recomputes["small", "large"].policy == DEFAULT_RECOMPUTE
-    assert engine.plans["small", "large"].recompute == DEFAULT_RECOMPUTE
+    engine = Engine(served, marked, ServeConfig(max_batch=4, max_sessions=8,
+                                                switch=SwitchSettings(guard=False, min_speedup=3.0)))
+    assert engine.policies["small", "large"].recompute.policy == DEFAULT_RECOMPUTE
+    assert engine.policies["small", "large"].plan.recompute == DEFAULT_RECOMPUTE
     assert "chosen from the trade-off recorded for small → large (turn_attention:20%) ranks positions" in caplog.text

@@ -11,6 +11,7 @@ import pytest
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
+from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs, served_names
@@ -70,7 +71,8 @@ def test_load_family_from_local_folders_and_saved_mappers(tmp_path):
     assert set(models) == {"small", "large"} and set(mappers) == {("small", "large"), ("large", "small")}
     assert all(mapper.pending for mapper in mappers.values())  # tensors are read at each mapper's first handoff
     before = files_on_disk(tmp_path)
-    with serve_in_thread(Engine(models, mappers, ServeConfig(guard=False))) as server:  # switches, with no header
+    engine = Engine(models, mappers, ServeConfig(switch=SwitchSettings(guard=False)))
+    with serve_in_thread(engine) as server:  # switches, with no header
         messages = []
         for model in ("small", "large", "small"):
             messages.append({"role": "user", "content": "hello there"})

@@ -263,6 +263,28 @@ def test_refusals_name_the_problem(build, message):
         build()
 
 
+ENDLESS = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+           "$ref": "#/$defs/n"}
+
+
+@pytest.mark.parametrize("spec", [lambda: JsonSchema(ENDLESS), lambda: JsonSchema({"type": "string",
+                                                                                   "pattern": "^a{1000000}$"}),
+                                  lambda: ToolCalls((("f", ENDLESS),))])
+def test_a_grammar_no_answer_can_begin_is_refused_when_its_state_is_made(tok, spec):
+    with pytest.raises(ConfigError, match="cannot begin an answer"):
+        spec().constraint(tok, VOCAB)
+
+
+def test_schemas_past_the_bounds_are_refused_before_they_are_compiled():
+    schema: dict = {"type": "string"}
+    for _ in range(100):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(ConfigError, match=r"response_format\.json_schema\.schema: .* 64 levels"):
+        JsonSchema(schema)
+    with pytest.raises(ConfigError, match=r"tools\[0\]\.function\.parameters: .* 64 levels"):
+        ToolCalls((("f", schema),))
+
+
 def test_lenient_schemas_ignore_what_strict_ones_refuse(tok):
     JsonSchema({"type": "string", "format": "weird"}, strict=False).constraint(tok, VOCAB)
     ToolCalls((("f", {"type": "object", "properties": {"s": {"type": "string", "format": "weird"}}}),))

@@ -19,26 +19,32 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.manifest import GUARD_RULES, GuardCalibration
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, Recent
 from kvhandoff.runtime.policy import parse as policy_of
-from kvhandoff.serving.calibrate import calibrate_guard, record_guards
-from kvhandoff.serving.config import DEFAULT_GUARD_WINDOW, Escalate, Fallback, ServeConfig
-from kvhandoff.serving.engine import Engine
-from kvhandoff.serving.guard import (
+from kvhandoff.runtime.switch.guard import (
+    DEFAULT_GUARD_WINDOW,
+    Escalate,
+    Fallback,
     GuardPolicy,
+    guard_score,
+    needs_reference,
+)
+from kvhandoff.runtime.switch.pair import SwitchSettings
+from kvhandoff.serving.calibrate import (
     GuardRecord,
     WithinTime,
     auroc,
+    calibrate_guard,
     choose_threshold,
     flag_rates,
-    guard_policies,
     guard_records_by_signal,
-    guard_score,
     measure_guard,
-    needs_reference,
+    record_guards,
     relabel,
     summarize_guard,
 )
+from kvhandoff.serving.config import ServeConfig
+from kvhandoff.serving.engine import Engine
 
-from conftest import exactly_related, random_batches, tiny_model
+from conftest import exactly_related, pair_guards, random_batches, tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -220,7 +226,7 @@ def test_within_time_counts_what_started_and_stops_when_time_is_up(monkeypatch):
     timed = WithinTime(["a", "b", "c"], None)
     assert list(timed) == ["a", "b", "c"] and timed.started == 3
     clock = iter([0.0, 1.0, 5.0])  # begun at 0; checked at 1 (within 4 s), then at 5 (past it)
-    monkeypatch.setattr("kvhandoff.serving.guard.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("kvhandoff.serving.calibrate.time.monotonic", lambda: next(clock))
     timed = WithinTime(["a", "b", "c"], 4.0)
     assert list(timed) == ["a"] and timed.started == 1
 
@@ -243,7 +249,7 @@ FORWARD, BACKWARD = ("small", "large"), ("large", "small")
 
 def test_each_pair_takes_its_recorded_guard_a_configured_one_or_none():
     _, mappers = family_with_a_recorded_forward_guard()
-    policies = guard_policies(ServeConfig(), mappers)
+    policies = pair_guards(SwitchSettings(), mappers)
     assert policies[FORWARD] == GuardPolicy("recorded", "entropy", 7.0, 32, None, recorded())
     assert policies[BACKWARD].source == "none" and not policies[BACKWARD].active
     assert "no guard recorded for large → small" in policies[BACKWARD].note
@@ -252,27 +258,29 @@ def test_each_pair_takes_its_recorded_guard_a_configured_one_or_none():
     assert policies[BACKWARD].report(1.0) is None
     assert policies[FORWARD].report(7.5) == {"signal": "entropy", "score": 7.5, "threshold": 7.0, "source": "recorded"}
     # a threshold given is every pair's, over the record
-    for config, expected in ((ServeConfig(guard_threshold=1.0), ("entropy", 1.0, DEFAULT_GUARD_WINDOW)),
-                             (ServeConfig(guard_threshold=0.5, guard_signal="kl", guard_window=8), ("kl", 0.5, 8))):
-        for policy in guard_policies(config, mappers).values():
+    for settings, expected in ((SwitchSettings(guard_threshold=1.0), ("entropy", 1.0, DEFAULT_GUARD_WINDOW)),
+                               (SwitchSettings(guard_threshold=0.5, guard_signal="kl", guard_window=8),
+                                ("kl", 0.5, 8))):
+        for policy in pair_guards(settings, mappers).values():
             assert (policy.source, policy.signal, policy.threshold, policy.window) == ("configured", *expected)
             assert policy.needs_reference == (expected[0] == "kl")
     # a signal or window given without a threshold selects the record only when it is the record's
-    assert guard_policies(ServeConfig(guard_signal="entropy", guard_window=32), mappers)[FORWARD].source == "recorded"
-    for config in (ServeConfig(guard_signal="kl"), ServeConfig(guard_window=64)):
-        policy = guard_policies(config, mappers)[FORWARD]
+    assert pair_guards(SwitchSettings(guard_signal="entropy", guard_window=32), mappers)[FORWARD].source == "recorded"
+    for config in (ServeConfig(switch=SwitchSettings(guard_signal="kl")),
+                   ServeConfig(switch=SwitchSettings(guard_window=64))):
+        policy = pair_guards(config.switch, mappers)[FORWARD]
         assert policy.source == "none" and "served mapped without a guard" in policy.note
-    assert "signal entropy (configured: kl)" in guard_policies(ServeConfig(guard_signal="kl"), mappers)[FORWARD].note
+    assert "signal entropy (configured: kl)" in pair_guards(SwitchSettings(guard_signal="kl"), mappers)[FORWARD].note
     # off for every pair
-    assert {p.source for p in guard_policies(ServeConfig(guard=False), mappers).values()} == {"none"}
+    assert {p.source for p in pair_guards(SwitchSettings(guard=False), mappers).values()} == {"none"}
     # a record measured under another recompute policy still serves, with a note saying so
     _, other = family_with_a_recorded_forward_guard(recorded(recompute="none"))
-    policy = guard_policies(ServeConfig(), other)[FORWARD]
+    policy = pair_guards(SwitchSettings(), other)[FORWARD]
     assert policy.source == "recorded" and "measured under recompute none, served under recent:5%" in policy.note
     # a stand-in mapper without a manifest has no record; a record of a signal this kvhandoff does not know serves none
-    assert guard_policies(ServeConfig(), {FORWARD: object()})[FORWARD].source == "none"
+    assert pair_guards(SwitchSettings(), {FORWARD: object()})[FORWARD].source == "none"
     _, unknown = family_with_a_recorded_forward_guard(recorded(signal="telepathy"))
-    policy = guard_policies(ServeConfig(), unknown)[FORWARD]
+    policy = pair_guards(SwitchSettings(), unknown)[FORWARD]
     assert policy.source == "none" and "'telepathy', a signal this kvhandoff does not know" in policy.note
     with pytest.raises(ConfigError, match="guard signal"):
         GuardPolicy("recorded", "vibes", 1.0)
@@ -280,17 +288,17 @@ def test_each_pair_takes_its_recorded_guard_a_configured_one_or_none():
 
 def test_a_pair_acts_as_its_record_says_unless_an_action_is_configured():
     _, mappers = family_with_a_recorded_forward_guard()
-    assert guard_policies(ServeConfig(), mappers)[FORWARD].action == Fallback()  # a record without one falls back
+    assert pair_guards(SwitchSettings(), mappers)[FORWARD].action == Fallback()  # a record without one falls back
     escalating = dataclasses.replace(recorded(), action="escalate:recent:35%")
     _, mappers = family_with_a_recorded_forward_guard(escalating)
-    policy = guard_policies(ServeConfig(), mappers)[FORWARD]
+    policy = pair_guards(SwitchSettings(), mappers)[FORWARD]
     assert policy.action == Escalate(Recent(0.35)) and policy.to_dict()["action"] == "escalate:recent:35%"
     assert "→ escalate:recent:35% (recorded" in policy.describe(*FORWARD)
-    assert guard_policies(ServeConfig(guard_action="fallback"), mappers)[FORWARD].action == Fallback()
-    configured = guard_policies(ServeConfig(guard_threshold=1.0, guard_action="escalate:sinks:50%"), mappers)
+    assert pair_guards(SwitchSettings(guard_action="fallback"), mappers)[FORWARD].action == Fallback()
+    configured = pair_guards(SwitchSettings(guard_threshold=1.0, guard_action="escalate:sinks:50%"), mappers)
     assert {p.action for p in configured.values()} == {Escalate(policy_of("sinks:50%"))}
     _, unreadable = family_with_a_recorded_forward_guard(dataclasses.replace(recorded(), action="escalate:warp:9%"))
-    policy = guard_policies(ServeConfig(), unreadable)[FORWARD]
+    policy = pair_guards(SwitchSettings(), unreadable)[FORWARD]
     assert policy.source == "none" and "acts by 'escalate:warp:9%'" in policy.note
     with pytest.raises(ConfigError, match="Fallback or an Escalate"):
         GuardPolicy("recorded", "entropy", 1.0, action="escalate:recent:35%")
@@ -311,7 +319,7 @@ def test_start_up_says_how_each_pair_is_guarded(caplog):
     assert line.startswith("no guard recorded for large → small: switches are served mapped without a guard; run "
                            "`kvhandoff guard-calibrate`")
     caplog.clear()
-    Engine(models, mappers, ServeConfig(guard=False)).close()
+    Engine(models, mappers, ServeConfig(switch=SwitchSettings(guard=False))).close()
     assert [r.getMessage() for r in caplog.records if r.name == "kvhandoff.serving.engine"
             and not r.getMessage().startswith("recompute for")] == [
         "the quality guard is off (--guard off): every switch is served mapped"]

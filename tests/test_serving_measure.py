@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from _serving_support import chat_ids, tiny_family
 from kvhandoff.coqa import DEMO_STORY_ID, dev_conversations
 from kvhandoff.errors import ConfigError
-from kvhandoff.serving.guard import GuardRecord, auroc, guard_records, guard_records_by_signal
+from kvhandoff.serving.calibrate import GuardRecord, auroc, guard_records, guard_records_by_signal
 from kvhandoff_lab.cli import app
 from kvhandoff_lab.serving.client import require_loopback
 from kvhandoff_lab.serving.guard_eval import (

@@ -38,7 +38,7 @@ def ids(count: int, seed: int = 0) -> list[int]:
 
 # -- checkout and checkin ------------------------------------------------------------------------------------------
 def report(status="none", source=None, cached=0):
-    """The parts of an `engine.HandoffReport` a checkin reads."""
+    """The parts of an `engine.TurnReport` a checkin reads."""
     return SimpleNamespace(status=status, source=source, cached_tokens=cached)
 
 

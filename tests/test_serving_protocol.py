@@ -6,11 +6,14 @@ import pytest
 from pydantic import ValidationError
 
 from kvhandoff.serving.protocol import (
+    MAX_KEY_CHARS,
+    MAX_STOP_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
     HandoffInfo,
     TokenizeRequest,
     dump,
+    surrogate_path,
     unknown_fields,
 )
 
@@ -86,6 +89,34 @@ def test_chat_request_refuses_what_the_server_cannot_do(fields, field):
     with pytest.raises(ValidationError) as caught:
         ChatCompletionRequest(**{"model": "m", "messages": MESSAGES, **fields})
     assert field_of(caught.value) == field
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"logit_bias": {"²": 1}}, "logit_bias"), ({"logit_bias": {"1" * 5000: 1}}, "logit_bias"),
+    ({"logit_bias": {"٣": 1}}, "logit_bias"), ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "stop"),
+    ({"stop": ["a", "x" * (MAX_STOP_CHARS + 1)]}, "stop"), ({"prompt_cache_key": "日本"}, "prompt_cache_key"),
+    ({"prompt_cache_key": "a\r\nb"}, "prompt_cache_key"), ({"prompt_cache_key": "a\x00"}, "prompt_cache_key"),
+    ({"prompt_cache_key": "k" * (MAX_KEY_CHARS + 1)}, "prompt_cache_key"), ({"user": "a\nb"}, "user"),
+    ({"user": "u" * (MAX_KEY_CHARS + 1)}, "user"), ({"cache_salt": "s" * (MAX_KEY_CHARS + 1)}, "cache_salt"),
+])
+def test_hostile_values_are_refused_by_field(fields, field):
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest(**{"model": "m", "messages": MESSAGES, **fields})
+    assert field_of(caught.value) == field
+
+
+def test_bounded_values_are_taken():
+    request = ChatCompletionRequest(model="m", messages=MESSAGES, logit_bias={"007": 1.0}, stop=["x" * MAX_STOP_CHARS],
+                                    prompt_cache_key="k" * MAX_KEY_CHARS, user="José", cache_salt="salt 1")
+    assert request.sampling_fields()["logit_bias"] == ((7, 1.0),)
+
+
+def test_a_lone_surrogate_is_found_at_any_depth():
+    deep: list = ["\ud800"]
+    for _ in range(5000):
+        deep = [deep]
+    assert surrogate_path({"a": deep}) == "a" + "[0]" * 5001
+    assert surrogate_path({"a": [1, {"b": "ok", "\udc00": 2}]}) == "a[1]" and surrogate_path({"a": "ok"}) is None
 
 
 def test_a_non_text_part_is_named_by_its_type():

@@ -13,10 +13,11 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.manifest import RecomputeChoice, TradeoffPoint
 from kvhandoff.runtime.plan import HandoffPlan, recorded_recompute
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, LeadingLayers, Recent
+from kvhandoff.runtime.switch.pair import ServedRecompute, SwitchSettings, served_recompute
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
-from kvhandoff.serving.guard import guard_policies
-from kvhandoff.serving.recompute import PairRecompute, pair_recompute, pair_recomputes
+
+from conftest import pair_guards, pair_recomputes
 
 FORWARD, BACKWARD = ("small", "large"), ("large", "small")
 
@@ -33,10 +34,10 @@ def family_with_a_recorded_forward_recompute(chosen: RecomputeChoice | None = No
 
 def test_each_pair_takes_the_configured_policy_its_recorded_one_or_the_default():
     _, mappers = family_with_a_recorded_forward_recompute()
-    chosen = pair_recomputes(ServeConfig(), mappers)
-    assert chosen[FORWARD] == PairRecompute(Recent(0.2), "recorded", choice())
-    assert chosen[BACKWARD] == PairRecompute(DEFAULT_RECOMPUTE, "default")
-    configured = pair_recomputes(ServeConfig(recompute="layers:25%"), mappers)
+    chosen = pair_recomputes(SwitchSettings(), mappers)
+    assert chosen[FORWARD] == ServedRecompute(Recent(0.2), "recorded", choice())
+    assert chosen[BACKWARD] == ServedRecompute(DEFAULT_RECOMPUTE, "default")
+    configured = pair_recomputes(SwitchSettings(recompute="layers:25%"), mappers)
     assert {c.policy for c in configured.values()} == {LeadingLayers(0.25)}
     assert {c.source for c in configured.values()} == {"configured"}
     assert recorded_recompute(object()) is None  # a stand-in without a manifest
@@ -46,27 +47,27 @@ def test_each_pair_takes_the_configured_policy_its_recorded_one_or_the_default()
         chosen[BACKWARD].describe("large", "small")
     assert chosen[FORWARD].to_dict()["recorded"]["spec"] == "recent:20%"
     with pytest.raises(ConfigError, match=r"small → large \('nearby:20%'\) cannot be read.*--recompute"):
-        pair_recompute(ServeConfig(), choice("nearby:20%"), "small → large")
+        served_recompute(SwitchSettings(), choice("nearby:20%"), "small → large")
     with pytest.raises(ConfigError, match="source"):
-        PairRecompute(Recent(0.1), "guessed")
+        ServedRecompute(Recent(0.1), "guessed")
 
 
 def test_the_server_hands_each_pair_over_under_its_own_policy_and_says_so(caplog):
     models, mappers = family_with_a_recorded_forward_recompute()
     caplog.set_level(logging.INFO, logger="kvhandoff.serving.engine")
-    engine = Engine(models, mappers, ServeConfig(guard=False))
+    engine = Engine(models, mappers, ServeConfig(switch=SwitchSettings(guard=False)))
     try:
-        assert engine.plans[FORWARD].recompute == Recent(0.2)
-        assert engine.plans[BACKWARD].recompute == DEFAULT_RECOMPUTE
-        assert engine.plans[FORWARD].prefix_store is engine.prefix_store  # the rest of the plan is the server's
+        assert engine.policies[FORWARD].plan.recompute == Recent(0.2)
+        assert engine.policies[BACKWARD].plan.recompute == DEFAULT_RECOMPUTE
+        assert engine.policies[FORWARD].plan.prefix_store is engine.prefix_store  # the rest of the plan is the server's
         session = engine._new_session()
-        assert session.pair_plans == engine.plans
+        assert session.pair_plans == {pair: p.plan for pair, p in engine.policies.items()}
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("recompute for")]
         assert len(lines) == 2 and any("small → large: recent:20% (recorded" in line for line in lines)
     finally:
         engine.close()
     # a guard recorded under the pair's own policy carries no note
-    guards = guard_policies(ServeConfig(), mappers, {FORWARD: Recent(0.2)})
+    guards = pair_guards(SwitchSettings(), mappers)
     assert guards[FORWARD].note is None or "measured under recompute" not in guards[FORWARD].note
 
 
@@ -132,22 +133,22 @@ def traded(spec: str = "recent:10%", min_speedup: float = 5.0) -> RecomputeChoic
 
 
 def test_bounds_choose_each_pairs_policy_again_from_its_recorded_tradeoff():
-    slower = pair_recompute(ServeConfig(min_speedup=2.0), traded(), "small → large")
+    slower = served_recompute(SwitchSettings(min_speedup=2.0), traded(), "small → large")
     assert (slower.policy, slower.source, slower.recorded.spec, slower.recorded.min_speedup) == (
         Recent(0.5), "tradeoff", "recent:50%", 2.0)
     assert "recent:50% (from the trade-off recorded with its mapper, chosen as the fastest of 3 measured at 2x or " \
            "faster with mean retention >= 0.97" in slower.describe("small", "large")
-    assert pair_recompute(ServeConfig(min_retention=0.9), traded(), "s → l").policy == Recent(0.05)
-    assert pair_recompute(ServeConfig(), traded(), "s → l") == PairRecompute(Recent(0.1), "recorded", traded())
+    assert served_recompute(SwitchSettings(min_retention=0.9), traded(), "s → l").policy == Recent(0.05)
+    assert served_recompute(SwitchSettings(), traded(), "s → l") == ServedRecompute(Recent(0.1), "recorded", traded())
     with pytest.raises(ConfigError, match=r"small → large: .*recorded without the trade-off.*--recompute"):
-        pair_recompute(ServeConfig(min_speedup=2.0), choice(), "small → large")
+        served_recompute(SwitchSettings(min_speedup=2.0), choice(), "small → large")
     with pytest.raises(ConfigError, match=r"no recompute trade-off is recorded with the mapper of large → small.*"
                                           r"record-recompute.*--recompute"):
-        pair_recompute(ServeConfig(min_speedup=2.0), None, "large → small")
+        served_recompute(SwitchSettings(min_speedup=2.0), None, "large → small")
     for bad in ({"min_speedup": -1.0}, {"min_retention": float("nan")}, {"min_speedup": "fast"},
                 {"min_speedup": 3.0, "recompute": "recent:5%"}):
         with pytest.raises(ConfigError, match=r"min_speedup|min_retention"):
-            ServeConfig(**bad)
+            SwitchSettings(**bad)
 
 
 def test_a_server_given_a_speed_floor_serves_the_point_it_chooses_and_health_shows_the_record():
@@ -162,11 +163,12 @@ def test_a_server_given_a_speed_floor_serves_the_point_it_chooses_and_health_sho
                                json={"model": model, "messages": messages, "max_tokens": 4, "temperature": 0})
             assert reply.status_code == 200, reply.text
             messages = [*messages, reply.json()["choices"][0]["message"], {"role": "user", "content": "and then?"}]
-        assert server.engine.plans[FORWARD].recompute == Recent(0.5)
+        assert server.engine.policies[FORWARD].plan.recompute == Recent(0.5)
     assert health["small → large"]["policy"] == health["large → small"]["policy"] == "recent:50%"
     assert health["small → large"]["source"] == "tradeoff"
     assert health["small → large"]["recorded"]["min_speedup"] == 2.0
     assert len(health["small → large"]["recorded"]["tradeoff"]) == 3
     assert reply.json()["kv_handoff"]["status"] == "applied"
     with pytest.raises(ConfigError, match="no recompute trade-off is recorded with the mapper of large → small"):
-        Engine(models, {**both, BACKWARD: mappers[BACKWARD]}, ServeConfig(guard=False, min_speedup=2.0))
+        Engine(models, {**both, BACKWARD: mappers[BACKWARD]},
+               ServeConfig(switch=SwitchSettings(guard=False, min_speedup=2.0)))

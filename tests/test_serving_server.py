@@ -17,6 +17,7 @@ import pytest
 
 from _serving_support import tiny_family
 from kvhandoff.errors import ConfigError
+from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.server import serve_in_thread
@@ -27,17 +28,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_serve_config_validates_every_field_by_name():
     config = ServeConfig()
-    assert config.guard and (config.guard_signal, config.guard_threshold, config.guard_window) == (None, None, None)
+    switch = config.switch
+    assert switch.guard and (switch.guard_signal, switch.guard_threshold, switch.guard_window) == (None, None, None)
     assert config.max_context is None and config.host == "127.0.0.1"
     for field, bad in (("port", -1), ("max_sessions", 0), ("session_ttl_s", 0), ("cache_memory_bytes", 0),
-                       ("max_context", 1), ("default_max_tokens", 0), ("max_queue", 0), ("guard", "on"),
-                       ("guard_signal", "vibes"), ("guard_threshold", "high"), ("guard_threshold", float("nan")),
-                       ("guard_window", 0),
-                       ("handover", "lazy"), ("exact_prefix", -1), ("log_level", "loud"), ("host", ""),
-                       ("recompute", "sinks:300%"), ("max_body_bytes", 0), ("admission_wait_s", -1),
-                       ("drain_timeout_s", 0), ("api_key", ""), ("api_key", ("a", "")), ("api_key", ())):
+                       ("max_context", 1), ("default_max_tokens", 0), ("max_queue", 0), ("handover", "lazy"),
+                       ("log_level", "loud"), ("host", ""), ("max_body_bytes", 0), ("admission_wait_s", -1),
+                       ("drain_timeout_s", 0), ("api_key", ""), ("api_key", ("a", "")), ("api_key", ()),
+                       ("switch", {"guard": False})):
         with pytest.raises(ConfigError, match=field):
             ServeConfig(**{field: bad})
+    for field, bad in (("guard", "on"), ("guard_signal", "vibes"), ("guard_threshold", "high"),
+                       ("guard_threshold", float("nan")), ("guard_window", 0), ("exact_prefix", -1),
+                       ("recompute", "sinks:300%")):
+        with pytest.raises(ConfigError, match=field):
+            SwitchSettings(**{field: bad})
 
 
 def test_serve_config_takes_one_api_key_or_several_and_never_writes_them():
@@ -142,7 +147,7 @@ def test_sigterm_drains_running_streams_refuses_new_requests_and_exits(tmp_path)
 
 def test_abort_running_ends_a_stream_with_an_error_event():
     family, mappers = tiny_family()
-    engine = Engine(family, mappers, ServeConfig(guard=False))
+    engine = Engine(family, mappers, ServeConfig(switch=SwitchSettings(guard=False)))
     with serve_in_thread(engine) as server:
         body = {"model": "small", "prompt": "abc", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
                 "stream": True}

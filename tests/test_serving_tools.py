@@ -12,6 +12,9 @@ import pytest
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.tools import (
+    MAX_SCHEMA_CHARS,
+    MAX_SCHEMA_DEPTH,
+    MAX_TOOLS,
     TOOL_PARSERS,
     ContentDelta,
     HermesToolParser,
@@ -19,6 +22,7 @@ from kvhandoff.serving.tools import (
     ToolCall,
     ToolCallDelta,
     ToolChoice,
+    check_schema_bounds,
     parse_tools,
     tool_parser,
     validate_arguments,
@@ -74,6 +78,31 @@ def test_parse_tools_refusals_name_the_field(tools, choice, parallel, field):
     with pytest.raises(ConfigError) as caught:
         parse_tools(tools, choice, parallel)
     assert str(caught.value).startswith(field + ": "), str(caught.value)
+
+
+def nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_tools_and_their_schemas_are_bounded():
+    parse_tools([fn(name=f"t{i}") for i in range(MAX_TOOLS)])
+    with pytest.raises(ConfigError, match=rf"^tools: {MAX_TOOLS + 1} tools given, past the limit of {MAX_TOOLS}"):
+        parse_tools([fn(name=f"t{i}") for i in range(MAX_TOOLS + 1)])
+    with pytest.raises(ConfigError, match=r"tools\[2\]\.function\.name: 'a' is given twice \(also as tools\[0\]\)"):
+        parse_tools([fn(name="a"), fn(name="b"), fn(name="a")])
+    parse_tools([fn(name="f", parameters=nested(MAX_SCHEMA_DEPTH // 2 - 1))])  # 63 levels
+    for parameters, limit in ((nested(MAX_SCHEMA_DEPTH // 2), MAX_SCHEMA_DEPTH), (nested(5000), MAX_SCHEMA_DEPTH),
+                              ({"description": "x" * MAX_SCHEMA_CHARS}, MAX_SCHEMA_CHARS)):
+        with pytest.raises(ConfigError, match=rf"^tools\[0\]\.function\.parameters: .*{limit}"):
+            parse_tools([fn(name="f", parameters=parameters)])
+    deep_list: list = []
+    for _ in range(10_000):  # measured without recursion
+        deep_list = [deep_list]
+    with pytest.raises(ConfigError, match=r"^where: .*levels"):
+        check_schema_bounds({"enum": deep_list}, "where")
 
 
 def test_parse_tools_defaults_and_forms():

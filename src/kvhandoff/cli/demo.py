@@ -7,7 +7,9 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from kvhandoff.cli.options import (
     DEFAULT_DTYPE,
@@ -21,7 +23,7 @@ from kvhandoff.cli.options import (
     Dtype,
     JsonOut,
     Mix,
-    PairRecompute,
+    RecomputeOption,
     SeqLen,
     Sequences,
     Source,
@@ -53,7 +55,7 @@ def demo(
     = None,
     reverse_mapper: Annotated[Path | None, typer.Option(help="a saved mapper of the way back (TARGET → SOURCE) "
                                                              "instead of the default")] = None,
-    recompute: PairRecompute = None,
+    recompute: RecomputeOption = None,
     dtype: Dtype = DEFAULT_DTYPE,
     device_map: DeviceMap = None,
 ) -> None:
@@ -73,33 +75,35 @@ def demo(
 
 def render_demo(result: DemoResult, console: Console | None = None) -> None:
     """The conversation turn by turn, then the switches: the handoff's time to first token and answer beside the
-    re-prefill's."""
+    re-prefill's. Each turn and each switch is a heading line and a few labelled lines below it, so that the text wraps
+    at word boundaries in a narrow terminal (80 columns) instead of folding words inside table cells."""
     console = console or Console()
     names = short_names(result.source, result.target)
-    console.print(f"[bold]kvhandoff demo[/bold]: {names[result.source]} ({result.source}) ⇄ {names[result.target]} "
-                  f"({result.target}) on {result.story}, {result.story_tokens:,} tokens")
+    console.print(Text.assemble(("kvhandoff demo", "bold"), f": {names[result.source]} ({result.source}) ⇄ "
+                                f"{names[result.target]} ({result.target}) on {result.story}, "
+                                f"{result.story_tokens:,} tokens"))
     for use in result.mappers:
-        console.print(f"mapper {names[use.source]} → {names[use.target]}: {'reused' if use.reused else 'fitted now'}, "
-                      f"{use.fit} ({use.folder})")
+        console.print(Text(f"mapper {names[use.source]} → {names[use.target]}: "
+                           f"{'reused' if use.reused else 'fitted now'}, {use.fit}"))
+        console.print(_details([("folder", use.folder)]))
 
-    turns = Table(title="The conversation (the story comes with turn 1)")
-    for column in ("turn", "model", "question", "answer", "the story says"):
-        turns.add_column(column, overflow="fold")
+    console.print()
+    console.print(Text("The conversation (the story comes with turn 1)", style="bold"))
     for turn in result.turns:
-        turns.add_row(str(turn.turn), names[turn.model], turn.question.text, turn.answer.text, turn.question.reference)
-    console.print(turns)
+        console.print(Text(f"turn {turn.turn}, {names[turn.model]}: {turn.question.text}"))
+        console.print(_details([("answer", turn.answer.text), ("story says", turn.question.reference)]))
 
-    switches = Table(title="Each switch: the handoff beside the receiving model re-prefilling the whole conversation")
-    for column, justify in (("switch", "left"), ("handed over", "left"), ("first token: handoff", "right"),
-                            ("re-prefill", "right"), ("speed-up", "right"), ("answer after handoff", "left"),
-                            ("after re-prefill", "left"), ("same", "left")):
-        switches.add_column(column, overflow="fold", justify=justify)
+    console.print()
+    console.print(Text("Each switch: the handoff beside the receiving model re-prefilling the whole conversation",
+                       style="bold"))
     for switch in result.switches:
-        switches.add_row(*_switch_cells(switch, names))
-    console.print(switches)
-    console.print("handoff: the history is mapped and the receiving model reads the new turn itself (a switch at a "
-                  f"turn boundary); {QUESTION_MAPPED}: the paper's condition, the source had read the new question "
-                  "as well; same: the same answer tokens.")
+        heading, rows = _switch_lines(switch, names)
+        console.print(Text(heading))
+        console.print(_details(rows))
+    console.print()
+    console.print(Text("handoff: the history is mapped and the receiving model reads the new turn itself (a switch "
+                       f"at a turn boundary); {QUESTION_MAPPED}: the paper's condition, the source had read the new "
+                       "question as well."))
 
 
 def short_names(first: str, second: str) -> dict[str, str]:
@@ -114,10 +118,28 @@ def short_names(first: str, second: str) -> dict[str, str]:
     return short if len(set(short.values())) == 2 else {first: first, second: second}
 
 
-def _switch_cells(switch: Switch, names: dict[str, str]) -> tuple[str, ...]:
-    label = f"turn {switch.turn}, {names[switch.source]} → {names[switch.target]}"
+def _details(rows: list[tuple[str, str]]) -> Padding:
+    """Labelled lines, indented under a heading: the labels in a column of their own, each value wrapping at word
+    boundaries in the rest of the width (a single word longer than that is folded). Values are plain text, never
+    console markup."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True, style="dim")
+    grid.add_column(overflow="fold")
+    for label, value in rows:
+        grid.add_row(label, Text(value))
+    return Padding(grid, (0, 0, 0, 2))
+
+
+def _switch_lines(switch: Switch, names: dict[str, str]) -> tuple[str, list[tuple[str, str]]]:
+    """A switch's heading line (which turn, which way, what was handed over) and its labelled lines: both times to the
+    first token with the speed-up, and both answers."""
+    heading = f"turn {switch.turn}, {names[switch.source]} → {names[switch.target]}"
     if switch.condition == QUESTION_MAPPED:
-        label += f", {QUESTION_MAPPED} (the paper's condition)"
-    return (label, f"{switch.mapped_tokens:,} mapped ({switch.recompute}), {switch.read_tokens} read",
-            f"{switch.handoff.ttft_seconds:.2f} s", f"{switch.reprefill.ttft_seconds:.2f} s", f"{switch.speedup:.1f}×",
-            switch.handoff.text, switch.reprefill.text, "yes" if switch.same_answer else "no")
+        heading += f", {QUESTION_MAPPED} (the paper's condition)"
+    heading += f": {switch.mapped_tokens:,} mapped ({switch.recompute}), {switch.read_tokens} read"
+    same = "the same answer" if switch.same_answer else "another answer"
+    return heading, [
+        ("first token", f"handoff {switch.handoff.ttft_seconds:.2f} s, "
+                        f"re-prefill {switch.reprefill.ttft_seconds:.2f} s: {switch.speedup:.1f}× sooner"),
+        ("handoff", switch.handoff.text),
+        ("re-prefill", f"{switch.reprefill.text} ({same})")]

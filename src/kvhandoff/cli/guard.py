@@ -7,13 +7,14 @@ from typing import Annotated
 
 import typer
 
-from kvhandoff.cli.options import DEFAULT_DTYPE, DeviceMap, Dtype, PairRecompute, one_of, positive_float, positive_int
+from kvhandoff.cli.options import DEFAULT_DTYPE, DeviceMap, Dtype, RecomputeOption, one_of, positive_float, positive_int
 from kvhandoff.cli.serve import Mappers, Models, family_specs
 from kvhandoff.errors import ConfigError
-from kvhandoff.serving.calibrate import SIGNAL_CHOICES, calibrate_guard, record_guards
-from kvhandoff.serving.config import DEFAULT_GUARD_SIGNAL, ServeConfig
+from kvhandoff.runtime.switch.guard import DEFAULT_GUARD_SIGNAL
+from kvhandoff.runtime.switch.pair import SwitchSettings
+from kvhandoff.serving.calibrate import GUARD_LABELS, SIGNAL_CHOICES, calibrate_guard, record_guards
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.family import load_family
-from kvhandoff.serving.guard import GUARD_LABELS
 
 
 def _rate(value) -> float:
@@ -48,7 +49,7 @@ def guard_calibrate(
         "default: no bound, the threshold that best separates bad switches from good ones"))] = None,
     time_limit: Annotated[float, typer.Option("--time-limit", parser=positive_float, help=(
         "seconds; no conversation starts after it"))] = 1800.0,
-    recompute: PairRecompute = None,
+    recompute: RecomputeOption = None,
     dtype: Dtype = DEFAULT_DTYPE,
     device_map: DeviceMap = None,
 ) -> None:
@@ -56,7 +57,7 @@ def guard_calibrate(
     with that direction's mapper, where `kvhandoff serve` reads it."""
     if turns < 2:
         raise typer.BadParameter("give at least 2 (a switch needs a turn before it)", param_hint="--turns")
-    config = ServeConfig(recompute=recompute)
+    config = ServeConfig(switch=SwitchSettings(recompute=recompute))
     hosted, mappers = load_family(*family_specs(models, mapper), dtype=dtype, progress=True, device_map=device_map)
     guards = calibrate_guard(hosted, mappers, conversations=conversations, turns=turns, signal=signal, label=label,
                              target_rate=target_rate, time_limit_s=time_limit, config=config, progress=True)

@@ -23,7 +23,7 @@ from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.model.placement import MODEL_DTYPES, PLANNED_DEVICE_MAPS, ModelPlacement
 from kvhandoff.runtime import policy
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RULES, RecomputePolicy
-from kvhandoff.serving.config import GuardAction, parse_guard_action
+from kvhandoff.runtime.switch.guard import GuardAction, parse_guard_action
 
 __all__ = ["DEFAULT_MIX", "DEFAULT_SOURCE", "DEFAULT_TARGET"]
 
@@ -242,7 +242,7 @@ Recompute = Annotated[RecomputePolicy | None, typer.Option(
     "--recompute", parser=recompute_policy, metavar="RULE:BUDGET",
     help=f"{_RECOMPUTE_HELP}; default: {DEFAULT_RECOMPUTE.spec}")]
 #: the served pairs' policy: one for every pair, or (not given) each pair's own
-PairRecompute = Annotated[RecomputePolicy | None, typer.Option(
+RecomputeOption = Annotated[RecomputePolicy | None, typer.Option(
     "--recompute", parser=recompute_policy, metavar="RULE:BUDGET",
     help=f"{_RECOMPUTE_HELP}; for every pair (default: each pair's policy recorded with its mapper by `kvhandoff-lab "
          f"eval-switch --sweep-recompute RULES --record-recompute`, else {DEFAULT_RECOMPUTE.spec})")]

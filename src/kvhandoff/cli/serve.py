@@ -12,7 +12,7 @@ from kvhandoff.cli.options import (
     DEFAULT_TARGET,
     DeviceMap,
     Dtype,
-    PairRecompute,
+    RecomputeOption,
     guard_action,
     non_negative_float,
     non_negative_int,
@@ -22,7 +22,9 @@ from kvhandoff.cli.options import (
     positive_int,
 )
 from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings
-from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
+from kvhandoff.runtime.switch.guard import GUARD_SIGNALS
+from kvhandoff.runtime.switch.pair import SwitchSettings
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.family import (
     load_family,
     parse_gguf_paths,
@@ -83,8 +85,8 @@ def serve(
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(parser=non_negative_int, help="port to listen on")] = 8000,
     guard: GuardSwitch = "on",
-    guard_signal: GuardSignal = ServeConfig.guard_signal,
-    guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
+    guard_signal: GuardSignal = SwitchSettings.guard_signal,
+    guard_threshold: GuardThreshold = SwitchSettings.guard_threshold,
     guard_action: GuardActionOption = None,
     max_sessions: Annotated[int, typer.Option(parser=positive_int, help="live sessions at once")] = 256,
     session_ttl: Annotated[float, typer.Option(parser=positive_float, help="seconds an idle session is kept")]
@@ -100,7 +102,7 @@ def serve(
         "the largest request body read (past it: 413, before it is read whole)"))] = ServeConfig.max_body_bytes,
     max_context: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "tokens a conversation may reach (default: the hosted models' smallest max_position_embeddings)"))] = None,
-    recompute: PairRecompute = None,
+    recompute: RecomputeOption = None,
     min_speedup: Annotated[float | None, typer.Option(parser=non_negative_float, help=(
         "choose each pair's recompute policy again from the trade-off recorded with its mapper: the most "
         "retentive measured point at least this many times faster than re-prefill (the fastest one keeping "
@@ -130,12 +132,13 @@ def serve(
     """Serve a model family behind an OpenAI-compatible API; a conversation that switches models is handed over."""
     with option_errors("--host", "--port", "--guard-threshold", "--max-context", "--api-key", "--recompute",
                        "--min-speedup", "--min-retention"):
-        config = ServeConfig(host=host, port=port, guard=guard == "on", guard_signal=guard_signal,
-                             guard_threshold=guard_threshold, guard_action=guard_action,
+        switch = SwitchSettings(recompute=recompute, min_speedup=min_speedup, min_retention=min_retention,
+                                guard=guard == "on", guard_signal=guard_signal, guard_threshold=guard_threshold,
+                                guard_action=guard_action)
+        config = ServeConfig(host=host, port=port, switch=switch,
                              max_sessions=max_sessions, session_ttl_s=session_ttl,
                              cache_memory_bytes=cache_memory, max_context=max_context,
                              max_body_bytes=max_body_bytes, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                             recompute=recompute, min_speedup=min_speedup, min_retention=min_retention,
                              api_key=tuple(api_key) if api_key else None, open_probes=open_probes,
                              tool_parser=tool_call_parser, log_level=log_level)
     specs, mapper_dirs = family_specs(models, mapper, served_model_name)

@@ -141,7 +141,7 @@ class GuardCalibration:
 #: `RecomputeChoice.min_speedup` times faster than re-prefill at `RecomputeChoice.history_tokens`, the fastest whose
 #: mean retention over the tasks is at least `RecomputeChoice.min_retention`, else the most retentive; when no point
 #: is that fast, the fastest
-RECOMPUTE_RULES = ("fastest_at_min_retention",)
+TRADEOFF_RULES = ("fastest_at_min_retention",)
 
 
 #: the command that measures a pair's trade-off and records its policy with its mapper
@@ -181,7 +181,7 @@ class TradeoffPoint:
 
 def choose_point(points: tuple[TradeoffPoint, ...], min_retention: float, min_speedup: float = 0.0
                  ) -> TradeoffPoint | None:
-    """The point `RECOMPUTE_RULES` takes from ``points``: among those at least ``min_speedup`` times faster than
+    """The point `TRADEOFF_RULES` takes from ``points``: among those at least ``min_speedup`` times faster than
     re-prefill, the fastest whose mean retention is at least ``min_retention``, else the most retentive (ties: the
     faster; tied on both: the earlier); when no point is that fast, the fastest, whatever its retention. None: no
     point."""
@@ -203,7 +203,7 @@ class RecomputeChoice:
     switches over under ``spec`` (`kvhandoff.runtime.policy.parse` reads it where the server starts) unless it is
     told a policy, or other bounds to choose from ``tradeoff`` by (`rechosen`).
 
-    rule: how the point was chosen (`RECOMPUTE_RULES`), at ``min_retention`` and ``min_speedup`` (0: no bound);
+    rule: how the point was chosen (`TRADEOFF_RULES`), at ``min_retention`` and ``min_speedup`` (0: no bound);
     group / tasks / pool / items_per_task: what the retention was measured on; mean_retention: the chosen point's,
     over those tasks; history_tokens / speedup: the history length its time to the first token was measured at,
     and its speed-up over the target's re-prefill there; tradeoff: every point measured so (empty: only the chosen
@@ -227,8 +227,8 @@ class RecomputeChoice:
         for name in ("spec", "group", "pool"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise _bad_recompute(name, f"must be a non-empty string, got {getattr(self, name)!r}")
-        if self.rule not in RECOMPUTE_RULES:
-            raise _bad_recompute("rule", f"must be one of {', '.join(RECOMPUTE_RULES)}, got {self.rule!r}")
+        if self.rule not in TRADEOFF_RULES:
+            raise _bad_recompute("rule", f"must be one of {', '.join(TRADEOFF_RULES)}, got {self.rule!r}")
         tasks = self.tasks
         if not isinstance(tasks, list | tuple) or not tasks or not all(isinstance(t, str) and t for t in tasks):
             raise _bad_recompute("tasks", f"must be a non-empty list of task names, got {tasks!r}")

@@ -326,6 +326,39 @@ def as_kv_cache(cache) -> KVCache:
 CacheFactory = Callable[[Any], KVCache]
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do at a switch, read off its models (`capabilities_of`).
+
+    engine: its name in messages. recompute_rules: the recompute rules (`RecomputePolicy.rule`) it serves (None:
+    every rule; an engine without access to the model's layers serves only the rules that pick positions without
+    them)."""
+
+    engine: str = "transformers"
+    recompute_rules: tuple[str, ...] | None = None
+
+    def serves(self, recompute) -> bool:
+        """Whether a switch on this backend can serve recompute policy ``recompute`` (a `RecomputePolicy`)."""
+        return not recompute.active or self.recompute_rules is None or recompute.rule in self.recompute_rules
+
+    def refusal(self, recompute) -> str:
+        """Why ``recompute`` cannot be served here, and the fix (for a policy `serves` refuses)."""
+        return (f"recompute {recompute.spec!r}: a {self.engine} target recomputes by the rules "
+                f"{', '.join(self.recompute_rules or ())} (the others rank positions with a transformers model's "
+                "layers); choose one of those, e.g. recent:5%")
+
+
+#: what a `transformers` model can do (every recompute rule)
+TRANSFORMERS_CAPABILITIES = Capabilities()
+
+
+def capabilities_of(model) -> Capabilities:
+    """The `Capabilities` of the backend that runs ``model``: its ``kvhandoff_capabilities`` where its engine
+    declares them (`kvhandoff.runtime.llama_cpp.engine.LlamaCppModel`), else a `transformers` model's."""
+    declared = getattr(model, "kvhandoff_capabilities", None)
+    return declared if isinstance(declared, Capabilities) else TRANSFORMERS_CAPABILITIES
+
+
 def new_cache(model=None) -> KVCache:
     """An empty cache for ``model`` in the engine that runs it: the default `CacheFactory`. A model of another engine
     makes its own (its ``new_cache()``, e.g. `kvhandoff.runtime.llama_cpp.engine.LlamaCppModel`); a `transformers`

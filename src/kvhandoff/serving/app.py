@@ -24,9 +24,10 @@ from starlette.routing import Match
 import kvhandoff
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.decoding import SamplingParams
-from kvhandoff.serving.engine import Choice, Engine, Generation, GenerationRequest, RequestError, TokenEntry
+from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.grammar import GrammarSpec, JsonObject, JsonSchema, ToolCalls
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE, namespace_of
+from kvhandoff.serving.prompts import surely_longer, too_long
 from kvhandoff.serving.protocol import (
     LONE_SURROGATE,
     AssistantMessage,
@@ -61,8 +62,10 @@ from kvhandoff.serving.protocol import (
     TopLogprob,
     Usage,
     dump,
+    session_key_problem,
     unknown_fields,
 )
+from kvhandoff.serving.requests import Choice, Generation, GenerationRequest, RequestError, TokenEntry
 from kvhandoff.serving.tools import ContentDelta, ToolSettings, parse_tools, validate_arguments
 from kvhandoff.serving.tools import ToolCallDelta as ParsedCallDelta
 
@@ -96,6 +99,9 @@ TRANSFER_STATUS = {"applied": "applied", "escalated": "applied", "fallback": "fa
 RETRY_AFTER_S = 1
 #: routes that answer without the API key when the server opens its probes
 PROBE_PATHS = ("/health", "/metrics")
+#: ignored field names logged at most (each once; later ones are not), and the characters of a name shown
+MAX_LOGGED_FIELDS = 100
+MAX_LOGGED_NAME_CHARS = 64
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 
 
@@ -161,10 +167,16 @@ def field_path(location) -> str | None:
 def session_of(request: Request, body: SamplingRequest) -> str | None:
     """The session a request belongs to: header X-Session-ID, else x-litellm-session-id, else the cache a router
     names (x-vsr-kv-cache-id), else the body's prompt_cache_key (None: the conversation is found by its tokens in
-    the prefix cache). A session key is looked up within the request's tenant (`tenant_of`) only."""
-    headers = request.headers
-    return (headers.get(SESSION_HEADER) or headers.get(LITELLM_SESSION_HEADER) or headers.get(CACHE_ID_HEADER)
-            or body.prompt_cache_key or None)
+    the prefix cache). A session key is looked up within the request's tenant (`tenant_of`) only; a header key is
+    checked as prompt_cache_key is (`protocol.session_key_problem`: it is echoed)."""
+    for name in (SESSION_HEADER, LITELLM_SESSION_HEADER, CACHE_ID_HEADER):
+        key = request.headers.get(name)
+        if key:
+            problem = session_key_problem(key, f"the header {name}")
+            if problem is not None:
+                raise RequestError("invalid_request", problem, param=name)
+            return key
+    return body.prompt_cache_key or None
 
 
 def tenant_of(request: Request, body: SamplingRequest, keyed: bool) -> str:
@@ -190,7 +202,8 @@ def refused_as(param: str | None):
 
 
 class UnknownFieldLog:
-    """Names each request field the server ignores once in its log."""
+    """Names each request field the server ignores once in its log: the first `MAX_LOGGED_FIELDS` names, each cut to
+    `MAX_LOGGED_NAME_CHARS` characters (a client inventing names cannot fill the memory or the log)."""
 
     def __init__(self) -> None:
         self._seen: set[str] = set()
@@ -198,11 +211,32 @@ class UnknownFieldLog:
 
     def note(self, body: SamplingRequest) -> None:
         for name in unknown_fields(body):
+            name = name[:MAX_LOGGED_NAME_CHARS]
             with self._lock:
-                if name in self._seen:
+                if name in self._seen or len(self._seen) > MAX_LOGGED_FIELDS:
                     continue
                 self._seen.add(name)
+                full = len(self._seen) > MAX_LOGGED_FIELDS
+            if full:
+                logger.warning("requests carry more than %d fields this server does not read; they are ignored, and "
+                               "not logged any more", MAX_LOGGED_FIELDS)
+                return
             logger.warning("requests carry the field %r, which this server does not read; it is ignored", name)
+
+
+def tokenize_request(engine: Engine, body: TokenizeRequest) -> list[int]:
+    """/tokenize's answer, its input bounded as a completion's is: tools checked as a chat request's (`parse_tools`),
+    and a text surely past the context window refused (`prompts.surely_longer`: context_length_exceeded) before it
+    is tokenized whole; a shorter one is counted exactly, even past the window."""
+    with refused_as(None):
+        parse_tools(body.tools)
+    field = "prompt" if body.prompt is not None else "messages"
+    text = body.prompt if body.prompt is not None else "\n".join(message.text() or "" for message in body.messages)
+    if surely_longer(engine.hosted(body.model).tokenizer, text, engine.max_context, add_special_tokens=False):
+        raise too_long(field, engine.max_context)
+    messages = None if body.messages is None else [message.template_message() for message in body.messages]
+    return engine.tokenize(body.model, body.prompt, messages, body.tools, body.add_generation_prompt,
+                           body.add_special_tokens)
 
 
 def sampling_of(body: SamplingRequest) -> SamplingParams:
@@ -652,9 +686,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/tokenize", responses=documented(400, 404, 413))
     async def tokenize(body: TokenizeRequest):
         ignored.note(body)
-        messages = None if body.messages is None else [message.template_message() for message in body.messages]
-        tokens = await asyncio.to_thread(engine.tokenize, body.model, body.prompt, messages, body.tools,
-                                         body.add_generation_prompt, body.add_special_tokens)
+        tokens = await asyncio.to_thread(tokenize_request, engine, body)
         return dump(TokenizeResponse(count=len(tokens), max_model_len=engine.max_context, tokens=tokens))
 
     @app.post("/detokenize", responses=documented(400, 404, 413))
@@ -664,8 +696,8 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         ignored.note(body)
-        generation_request, tools = chat_request(body, session_of(request, body),
-                                                 tenant_of(request, body, bool(engine.config.api_key)))
+        generation_request, tools = await asyncio.to_thread(  # tools and grammars are checked off the event loop
+            chat_request, body, session_of(request, body), tenant_of(request, body, bool(engine.config.api_key)))
         return await respond_chat(engine, generation_request, tools, body, request.headers.get(CACHE_ID_HEADER))
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)

@@ -47,22 +47,24 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 def choose_token(logprobs: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
                  generator: torch.Generator | None = None) -> int:
-    """The next token from log-probs [vocab]: the argmax when ``temperature`` is 0 (what `generate(do_sample=False)`
-    picks), else a sample from softmax(logprobs / temperature) restricted to the smallest set of most likely tokens
-    whose probability reaches ``top_p``."""
-    if temperature <= 0:
+    """The next token from log-probs [vocab]: the argmax when ``temperature`` is 0 or below `GREEDY_BELOW` (what
+    `generate(do_sample=False)` picks), else a sample from softmax(logprobs / temperature) restricted to the smallest
+    set of most likely tokens whose probability reaches ``top_p``."""
+    if temperature < GREEDY_BELOW:
         return int(logprobs.argmax())
     return _draw(torch.softmax(logprobs.float().cpu() / temperature, dim=-1), top_p, generator)
 
 
 def _draw(probs: torch.Tensor, top_p: float, generator: torch.Generator | None) -> int:
     """A token drawn from ``probs`` [vocab] (CPU) restricted to the smallest set of most likely tokens whose
-    probability reaches ``top_p``. `choose_token` and `Sampler` share it, so that one seed draws the same token in
-    both; transformers' TopPLogitsWarper sorts the other way and renormalises, which draws otherwise at the edges."""
+    probability reaches ``top_p`` (always at least the most likely token: a tiny positive top_p is greedy).
+    `choose_token` and `Sampler` share it, so that one seed draws the same token in both; transformers'
+    TopPLogitsWarper sorts the other way and renormalises, which draws otherwise at the edges."""
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(0) - sorted_probs  # mass of the more likely tokens
-        sorted_probs[before >= top_p] = 0.0  # keeps at least the most likely token
+        # the most likely token always stays: a top_p that is 0 in float32 (1e-300) keeps it alone, i.e. greedy
+        sorted_probs[1:][before[1:] >= top_p] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -268,11 +270,17 @@ def held_back(text: str, stops) -> int:
     held = 0
     while held < len(text) and text[len(text) - 1 - held] == "\ufffd":
         held += 1
+    if not text:
+        return held
+    last = text[-1]
     for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:size]):
-                held = max(held, size)
+        size = min(len(stop) - 1, len(text))
+        while size > held:  # only the sizes whose prefix of the stop ends with the text's last character
+            size = stop.rfind(last, 0, size) + 1
+            if size > held and text.endswith(stop[:size]):
+                held = size
                 break
+            size -= 1
     return held
 
 

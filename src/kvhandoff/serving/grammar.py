@@ -20,6 +20,7 @@ import llguidance.hf
 import torch
 
 from kvhandoff.errors import ConfigError, KVHandoffError
+from kvhandoff.serving.tools import check_schema_bounds
 
 #: llguidance's JSON options: no free whitespace (a random or confused model cannot pad forever), json.dumps' separators
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -148,6 +149,7 @@ class JsonSchema(GrammarSpec):
         if not isinstance(self.schema, dict):
             raise ConfigError("response_format.json_schema.schema: must be a JSON object, not "
                               f"{type(self.schema).__name__}")
+        check_schema_bounds(self.schema, "response_format.json_schema.schema")
         grammar = _json_grammar(self.schema, "response_format.json_schema.schema", lenient=not self.strict)
         object.__setattr__(self, "grammar", grammar)
 
@@ -180,6 +182,8 @@ class ToolCalls(GrammarSpec):
             if parameters is not None and not isinstance(parameters, dict):
                 raise ConfigError(f"tools[{i}].function.parameters: must be a JSON object, not "
                                   f"{type(parameters).__name__}")
+            if parameters is not None:
+                check_schema_bounds(parameters, f"tools[{i}].function.parameters")
         names = [name for name, _ in tools]
         if self.name is not None and self.name not in names:
             raise ConfigError(f"tool_choice.function.name: {self.name!r} is not among the tools ({', '.join(names)})")
@@ -224,7 +228,11 @@ class ToolCalls(GrammarSpec):
 class Constraint:
     """One answer's grammar state: which tokens may come next (`allowed`, `mask`), advancing by the chosen token
     (`accept`), and whether the grammar is complete (`done`: the answer ends there) or may end (`stop_allowed`).
-    usable: the bitmask of ids ever allowed (32 per int32 word, lowest bit first; default: all)."""
+    usable: the bitmask of ids ever allowed (32 per int32 word, lowest bit first; default: all).
+
+    A grammar no answer can begin is refused when the state is made (ConfigError), before any model work: one that
+    allows no usable first token, or whose first allowed token already exceeds llguidance's limits (a required
+    property that recurses without end, a pattern repeating a character a million times)."""
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, usable: torch.Tensor | None = None) -> None:
         self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
@@ -234,13 +242,36 @@ class Constraint:
         self.vocab_size = tokenizer.vocab_size
         self._bits = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
         self._usable = usable if usable is not None else torch.full_like(self._bits, -1)
+        self._next: torch.Tensor | None = None  # `allowed` computed ahead (by the check below), until asked for
+        self._next = self._first_allowed()
 
-    def _first_line(self) -> str:
-        error = self._matcher.get_error().strip()
+    def _first_line(self, matcher=None) -> str:
+        error = (matcher or self._matcher).get_error().strip()
         return error.splitlines()[0] if error else ""
+
+    def _first_allowed(self) -> torch.Tensor:
+        """The tokens allowed first, once a copy of the state has taken the first of them; ConfigError if there is
+        none, or if the grammar breaks on it."""
+        fix = ("simplify the schema: e.g. a required property that recurses without end, or a pattern with a huge "
+               "repetition count, cannot be followed")
+        try:
+            allowed = self.allowed()
+        except KVHandoffError as error:
+            raise ConfigError(f"the grammar cannot begin an answer ({error}); {fix}") from None
+        first = allowed.nonzero()
+        if not len(first):
+            raise ConfigError(f"the grammar allows no token of this model's vocabulary to begin the answer; {fix}")
+        probe = self._matcher.deep_copy()
+        if not probe.consume_token(int(first[0])) or probe.is_error():
+            reason = self._first_line(probe) or "its first token is refused"
+            raise ConfigError(f"the grammar cannot begin an answer: {reason}; {fix}")
+        return allowed
 
     def allowed(self) -> torch.Tensor:
         """Bool [vocab_size]: the tokens the grammar allows next (an end-of-text token only where it may end)."""
+        if self._next is not None:
+            allowed, self._next = self._next, None
+            return allowed
         if self._matcher.is_error():
             raise KVHandoffError(f"the grammar state is broken: {self._first_line()}")
         self._matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
@@ -254,6 +285,7 @@ class Constraint:
     def accept(self, token: int) -> None:
         """Advance by ``token``; KVHandoffError (naming it) if the grammar does not allow it here."""
         token = int(token)
+        self._next = None
         if not 0 <= token < self.vocab_size:
             raise KVHandoffError(f"token {token} is not allowed by the grammar: past the vocabulary "
                                  f"({self.vocab_size})")

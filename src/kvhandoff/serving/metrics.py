@@ -66,7 +66,7 @@ class ServingMetrics:
         self.registry.register(_PrefixCacheCollector(stats))
 
     def record_first_token(self, report: dict, seconds: float) -> None:
-        """Count one request's handoff report (`engine.HandoffReport.to_dict()`) and its time to first token."""
+        """Count one request's handoff report (`engine.TurnReport.to_dict()`) and its time to first token."""
         status = report["status"]
         source, target = report["from"] or "", report["to"]
         self.ttft.labels(status=status).observe(seconds)

@@ -79,7 +79,7 @@ class PrefixCache:
 
     def checkin(self, checkout: Checkout, session: SwitchingSession, report) -> None:
         """Keep what the request added to the asked model's cache of ``session`` (``report``: the request's
-        `engine.HandoffReport`): the positions it computed over its own exact prefix as exact rows, those a handoff
+        `engine.TurnReport`): the positions it computed over its own exact prefix as exact rows, those a handoff
         mapped as mapped from the model handed over from, and the rest as derived. Best effort: a failure is
         logged, the request's answer stands. Call on the worker thread, before `release`."""
         try:

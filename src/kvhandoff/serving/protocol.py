@@ -7,6 +7,8 @@ ignored, as OpenAI and vLLM do; `unknown_fields` names them so the server can lo
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -24,10 +26,19 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from kvhandoff.serving.tools import MAX_TOOLS
+
 #: roles a chat message may have ("developer" reads as "system")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 #: at most this many stop strings (OpenAI's limit)
 MAX_STOP_STRINGS = 4
+#: at most this many characters in one stop string (each is looked for after every token)
+MAX_STOP_CHARS = 1000
+#: a logit_bias key is a token id of at most this many ASCII digits (past any vocabulary)
+MAX_TOKEN_ID_DIGITS = 9
+#: at most this many characters in a session key (prompt_cache_key, X-Session-ID and the other session headers) and
+#: in a tenant mark (user, cache_salt)
+MAX_KEY_CHARS = 256
 #: at most this many choices per request
 MAX_CHOICES = 16
 #: at most this many alternatives per position in log-probs (OpenAI's limits: chat 20, completions 5)
@@ -61,13 +72,25 @@ def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
     return names
 
 
+#: a session key is echoed in a response header: printable ASCII only (no line breaks, no NUL)
+PRINTABLE_ASCII = "^[ -~]*$"
+_SESSION_KEY = re.compile(PRINTABLE_ASCII)
+#: a tenant mark (user, cache_salt) is never echoed: any text without control characters
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+_TOKEN_ID = re.compile(f"[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}")
+
 # schemas of fields whose rules a validator checks (with a message naming the fix), stated for the OpenAPI document
-STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
-                         {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS},
+STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+STOP_SCHEMA = {"anyOf": [STOP_STRING, {"type": "array", "items": STOP_STRING, "maxItems": MAX_STOP_STRINGS},
                          {"type": "null"}]}
-LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "object", "propertyNames": {"pattern": f"^[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}$"},
                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
                                {"type": "null"}]}
+SESSION_KEY_SCHEMA = {"anyOf": [{"type": "string", "maxLength": MAX_KEY_CHARS, "pattern": PRINTABLE_ASCII},
+                                {"type": "null"}]}
+TENANT_MARK_SCHEMA = {"anyOf": [{"type": "string", "maxLength": MAX_KEY_CHARS,
+                                 "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"}, {"type": "null"}]}
+TOOLS_SCHEMA = {"anyOf": [{"type": "array", "items": {"type": "object"}, "maxItems": MAX_TOOLS}, {"type": "null"}]}
 REFUSED = {"type": "null", "description": "not supported: only null (or leaving it out) is accepted"}
 TEXT_ONLY = {"anyOf": [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1},
                        {"type": "null"}]}
@@ -86,17 +109,38 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def surrogate_path(value, path: str = "") -> str | None:
     """Where in a parsed JSON ``value`` a string holds a lone UTF-16 surrogate (JSON allows ``"\ud800"``, Unicode
-    text does not), e.g. ``messages[0].content``; None when every string is valid."""
-    if isinstance(value, str):
-        return (path or "body") if _SURROGATE.search(value) else None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        if isinstance(key, str) and _SURROGATE.search(key):
-            return path or "body"
-        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
-        found = surrogate_path(item, where)
-        if found is not None:
-            return found
+    text does not), e.g. ``messages[0].content``; None when every string is valid. Searched in the value's JSON text
+    first (fast), then walked without recursion (a body may nest as deep as the JSON parser allows) to name it."""
+    with contextlib.suppress(TypeError, ValueError, RecursionError):  # anything json cannot write is walked
+        if not _SURROGATE.search(json.dumps(value, ensure_ascii=False)):
+            return None
+    pending = [(value, path, None)]  # (value, its path, the path of its object when its own key is not Unicode)
+    while pending:
+        value, path, bad_key = pending.pop()
+        if bad_key is not None:
+            return bad_key or "body"
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path or "body"
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        children = []
+        for key, item in items:
+            where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+            children.append((item, where, path if isinstance(key, str) and _SURROGATE.search(key) else None))
+        pending.extend(reversed(children))
+    return None
+
+
+def session_key_problem(key: str, name: str) -> str | None:
+    """Why ``key`` cannot name a session (it is echoed in a response header), as a message for the field or header
+    ``name``; None when it can: at most `MAX_KEY_CHARS` printable ASCII characters."""
+    if len(key) > MAX_KEY_CHARS:
+        return (f"{name} is {len(key)} characters long, past the limit of {MAX_KEY_CHARS}; send a shorter key (e.g. "
+                "a hash of it)")
+    if not _SESSION_KEY.fullmatch(key):
+        return (f"{name} must be printable ASCII (it is echoed in a response header): no line breaks, control or "
+                "non-ASCII characters; send e.g. a hex or base64url key")
     return None
 
 
@@ -201,8 +245,11 @@ class SamplingRequest(RequestBody):
 
     model: str = Field(min_length=1)
     max_tokens: JsonInt | None = Field(default=None, gt=0)
-    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0, description=(
+        "0, or any value below 1e-5 (too small to divide by), is greedy"))
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, description=(
+        "the smallest set of most likely tokens whose probability reaches top_p is sampled from; it always holds the "
+        "most likely token, so a tiny top_p (e.g. 1e-300, 0 in float32) is greedy"))
     top_k: JsonInt | None = Field(default=None, ge=-1)
     min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, le=2.0)
@@ -216,9 +263,9 @@ class SamplingRequest(RequestBody):
     stop: Annotated[str | list[str] | None, WithJsonSchema(STOP_SCHEMA)] = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    prompt_cache_key: str | None = None
-    cache_salt: str | None = None
+    user: Annotated[str | None, WithJsonSchema(TENANT_MARK_SCHEMA)] = None
+    prompt_cache_key: Annotated[str | None, WithJsonSchema(SESSION_KEY_SCHEMA)] = None
+    cache_salt: Annotated[str | None, WithJsonSchema(TENANT_MARK_SCHEMA)] = None
     n: JsonInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
     kv_handoff: HandoffOptions | None = None
 
@@ -228,16 +275,41 @@ class SamplingRequest(RequestBody):
         strings = [value] if isinstance(value, str) else list(value or [])
         if len(strings) > MAX_STOP_STRINGS or any(not s for s in strings):
             raise ValueError(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings")
+        longest = max(strings, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string is {len(longest)} characters long, past the limit of {MAX_STOP_CHARS}; "
+                             "send shorter stop strings")
         return value
 
     @field_validator("logit_bias")
     @classmethod
     def _token_biases(cls, value):
         for key, bias in (value or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not _TOKEN_ID.fullmatch(key):
+                shown = key if len(key) <= 32 else key[:32] + "…"
+                raise ValueError(f"logit_bias keys are token ids written in ASCII digits (at most "
+                                 f"{MAX_TOKEN_ID_DIGITS}, e.g. \"50256\"), got {shown!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in -100..100, got {bias} for token {key}")
+        return value
+
+    @field_validator("prompt_cache_key")
+    @classmethod
+    def _session_key(cls, value, info):
+        problem = None if value is None else session_key_problem(value, info.field_name)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("user", "cache_salt")
+    @classmethod
+    def _tenant_mark(cls, value, info):
+        if value is not None and len(value) > MAX_KEY_CHARS:
+            raise ValueError(f"{info.field_name} is {len(value)} characters long, past the limit of {MAX_KEY_CHARS}; "
+                             "send a shorter one (e.g. a hash of it)")
+        if value is not None and _CONTROL.search(value):
+            raise ValueError(f"{info.field_name} holds a control character (a line break, NUL, ...); send printable "
+                             "text")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -289,7 +361,7 @@ class ResponseFormat(Lenient):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: JsonInt | None = Field(default=None, gt=0)
-    tools: list[dict] | None = None
+    tools: Annotated[list[dict] | None, WithJsonSchema(TOOLS_SCHEMA)] = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None

@@ -16,6 +16,14 @@ from kvhandoff.errors import ConfigError
 
 #: OpenAI's rule for function names
 NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+#: at most this many tools per request (OpenAI's limit)
+MAX_TOOLS = 128
+#: a JSON schema the server reads (a tool's parameters, a response_format's schema) nests objects and arrays at most
+#: this deep (``{"type": "object", "properties": {"a": {...}}}`` is two levels per property): jsonschema's checks and
+#: llguidance's compiler recurse over it, and both fail past about 100 levels
+MAX_SCHEMA_DEPTH = 64
+#: and is at most this many characters as compact JSON
+MAX_SCHEMA_CHARS = 128 * 1024
 
 TOOL_CHOICE_MODES = ("auto", "none", "required", "named")
 
@@ -80,6 +88,24 @@ def _path(parts: Iterable[str | int]) -> str:
     return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts)
 
 
+def check_schema_bounds(schema: Any, where: str) -> None:
+    """A ConfigError naming ``where`` (e.g. ``tools[0].function.parameters``) when the JSON value ``schema`` nests
+    deeper than `MAX_SCHEMA_DEPTH` or is longer than `MAX_SCHEMA_CHARS` as compact JSON. The depth is measured
+    without recursion, before anything recursive reads the schema."""
+    pending = [(schema, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, dict | list):
+            if depth > MAX_SCHEMA_DEPTH:
+                raise ConfigError(f"{where}: the schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels "
+                                  "deep, past this server's limit; flatten it (e.g. with $defs and $ref)")
+            pending.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+    if size > MAX_SCHEMA_CHARS:
+        raise ConfigError(f"{where}: the schema is {size} characters as JSON, past this server's limit of "
+                          f"{MAX_SCHEMA_CHARS}; send a shorter schema")
+
+
 def _parse_tool(index: int, item: Any) -> Tool:
     where = f"tools[{index}]"
     if not isinstance(item, dict):
@@ -99,6 +125,7 @@ def _parse_tool(index: int, item: Any) -> Tool:
     if parameters is not None:
         if not isinstance(parameters, dict):
             raise ConfigError(f"{where}.function.parameters: must be a JSON schema object")
+        check_schema_bounds(parameters, f"{where}.function.parameters")
         try:
             jsonschema.validators.validator_for(parameters).check_schema(parameters)
         except jsonschema.exceptions.SchemaError as exc:
@@ -133,16 +160,22 @@ def _parse_choice(tool_choice: Any, names: set[str]) -> ToolChoice:
 def parse_tools(tools: Any = None, tool_choice: Any = None, parallel_tool_calls: Any = None) -> ToolSettings:
     """A request's `tools`, `tool_choice` and `parallel_tool_calls` (as JSON gives them; None: not given) checked
     and typed. Defaults as OpenAI's: without tools the choice is "none", with tools "auto"; parallel calls allowed.
-    An empty tools list counts as none. Raises ConfigError naming the field at fault."""
+    An empty tools list counts as none; at most `MAX_TOOLS`. Raises ConfigError naming the field at fault."""
     if tools is None:
         tools = []
     if not isinstance(tools, list):
         raise ConfigError(f"tools: must be a list of tools, got {type(tools).__name__}")
+    if len(tools) > MAX_TOOLS:
+        raise ConfigError(f"tools: {len(tools)} tools given, past the limit of {MAX_TOOLS} per request; send only "
+                          "the tools this turn may need")
     parsed: list[Tool] = []
+    seen: dict[str, int] = {}
     for index, item in enumerate(tools):
         tool = _parse_tool(index, item)
-        if any(tool.name == other.name for other in parsed):
-            raise ConfigError(f"tools[{index}].function.name: {tool.name!r} is given twice")
+        if tool.name in seen:
+            raise ConfigError(f"tools[{index}].function.name: {tool.name!r} is given twice (also as "
+                              f"tools[{seen[tool.name]}]); give each function once")
+        seen[tool.name] = index
         parsed.append(tool)
     choice = _parse_choice(tool_choice, {tool.name for tool in parsed})
     if parallel_tool_calls is None:

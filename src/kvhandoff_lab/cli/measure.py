@@ -33,7 +33,9 @@ from kvhandoff.cli.serve import (
     family_specs,
 )
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
-from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
+from kvhandoff.runtime.switch.guard import GUARD_SIGNALS
+from kvhandoff.runtime.switch.pair import SwitchSettings
+from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.family import load_family
 from kvhandoff_lab.serving.agent_bench import (
     CONDITIONS,
@@ -61,8 +63,9 @@ def _server_config(guard: str, guard_signal: str, guard_threshold: float,
     for every pair), so that a result says what it was served under; guard_action: every pair's (None: each pair's
     recorded one)."""
     with option_errors("--guard-threshold"):
-        return ServeConfig(guard=guard == "on", guard_signal=guard_signal, guard_threshold=guard_threshold,
-                           guard_action=guard_action, recompute=recompute or DEFAULT_RECOMPUTE, log_level="warning")
+        switch = SwitchSettings(recompute=recompute or DEFAULT_RECOMPUTE, guard=guard == "on",
+                                guard_signal=guard_signal, guard_threshold=guard_threshold, guard_action=guard_action)
+        return ServeConfig(switch=switch, log_level="warning")
 
 
 def _print(table) -> None:
@@ -83,8 +86,8 @@ def bench_serve(
     max_tokens: Annotated[int, typer.Option(parser=positive_int, help="answer length of each request")] = 8,
     warmup: Annotated[bool, typer.Option(help="one untimed short switch per path and direction first")] = True,
     guard: GuardSwitch = "off",
-    guard_signal: GuardSignal = ServeConfig.guard_signal,
-    guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
+    guard_signal: GuardSignal = SwitchSettings.guard_signal,
+    guard_threshold: GuardThreshold = SwitchSettings.guard_threshold,
     guard_action: GuardActionOption = None,
     recompute: Recompute = None,
     time_limit: TimeLimit = None,
@@ -118,8 +121,8 @@ def load_test(
         "name each conversation by X-Session-ID (--no-session-header: send none, as most clients do; the server "
         "finds conversations by their tokens)"))] = True,
     guard: GuardSwitch = "off",
-    guard_signal: GuardSignal = ServeConfig.guard_signal,
-    guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
+    guard_signal: GuardSignal = SwitchSettings.guard_signal,
+    guard_threshold: GuardThreshold = SwitchSettings.guard_threshold,
     recompute: Recompute = None,
     out: Annotated[Path, typer.Option(help="the report (JSON)")] = Path("runs/serve_load.json"),
 ) -> None:
@@ -200,7 +203,8 @@ def guard_eval(
                             signals=signals, max_new_tokens=max_new_tokens, window=window,
                             heldout_every=heldout_every, max_false_fallback=max_false_fallback,
                             time_limit_s=time_limit, story_chars=story_chars, escalate=escalate,
-                            config=ServeConfig(recompute=recompute or DEFAULT_RECOMPUTE), out=out)
+                            config=ServeConfig(switch=SwitchSettings(recompute=recompute or DEFAULT_RECOMPUTE)),
+                            out=out)
     _print(guard_table(result))
     typer.echo(f"wrote {out}")
 
@@ -225,8 +229,8 @@ def bench_agent(
         "seconds; no problem starts after it (rerun with the same --out to continue)"))] = None,
     warmup: Annotated[bool, typer.Option(help="untimed short requests on each model and path first")] = True,
     guard: GuardSwitch = "off",
-    guard_signal: GuardSignal = ServeConfig.guard_signal,
-    guard_threshold: GuardThreshold = ServeConfig.guard_threshold,
+    guard_signal: GuardSignal = SwitchSettings.guard_signal,
+    guard_threshold: GuardThreshold = SwitchSettings.guard_threshold,
     recompute: Recompute = None,
     max_context: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "the started server's context (default: the hosted models' smallest max_position_embeddings)"))] = None,

@@ -56,8 +56,7 @@ from kvhandoff.runtime.handoff import handoff_cache
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import NoRecompute, RecomputePolicy, SelectionInfo
 from kvhandoff.runtime.seam import as_kv_cache
-from kvhandoff.serving.config import DEFAULT_GUARD_WINDOW, GUARD_SIGNALS
-from kvhandoff.serving.guard import guard_score
+from kvhandoff.runtime.switch.guard import DEFAULT_GUARD_WINDOW, GUARD_SIGNALS, guard_score
 from kvhandoff_lab.evaluation.metrics import mean, paired_bootstrap, summarise_conditions
 from kvhandoff_lab.evaluation.runner import (
     RECORD_VERSION,

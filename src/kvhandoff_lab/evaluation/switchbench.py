@@ -25,7 +25,7 @@ from typing import Any
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json, atomic_write_text
-from kvhandoff.mapper.manifest import RECOMPUTE_RULES, RecomputeChoice, TradeoffPoint, choose_point
+from kvhandoff.mapper.manifest import TRADEOFF_RULES, RecomputeChoice, TradeoffPoint, choose_point
 from kvhandoff.runtime import policy as recompute_policies
 from kvhandoff.runtime.policy import NoRecompute, RecomputePolicy, policy_for
 from kvhandoff_lab.evaluation.metrics import mean, paired_bootstrap
@@ -315,7 +315,7 @@ def choice_kl_change(tasks: dict, policy: str, baseline: str, group: str = "core
 
 def choose_recompute(result: dict, direction: str, min_retention: float = 0.97, min_speedup: float = 0.0,
                      length: str | None = None) -> RecomputeChoice | None:
-    """The policy a sweep's result recommends for ``direction`` by `RECOMPUTE_RULES` (`choose_point`) over its
+    """The policy a sweep's result recommends for ``direction`` by `TRADEOFF_RULES` (`choose_point`) over its
     points' mean retention over the sweep's group in that direction and speed-up at ``length`` (default: the
     longest history timed), recorded with every such point (the trade-off the server can choose from again). None
     when no point has a retention yet."""
@@ -331,7 +331,7 @@ def choose_recompute(result: dict, direction: str, min_retention: float = 0.97, 
     chosen = choose_point(points, min_retention, min_speedup)
     if chosen is None:
         return None
-    return RecomputeChoice(chosen.spec, RECOMPUTE_RULES[0], float(min_retention), result.get("group", "core"),
+    return RecomputeChoice(chosen.spec, TRADEOFF_RULES[0], float(min_retention), result.get("group", "core"),
                            tuple(result["settings"]["tasks"]), result["settings"]["pool"],
                            int(result["items_per_task"]), chosen.mean_retention, int(length), chosen.speedup,
                            float(min_speedup), points)

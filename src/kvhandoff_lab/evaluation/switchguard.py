@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.serving.guard import auroc, flag_rates
+from kvhandoff.serving.calibrate import auroc, flag_rates
 from kvhandoff_lab.evaluation.metrics import mean
 from kvhandoff_lab.evaluation.switch import SWITCH_GUARD_SIGNALS, paired_difference
 

@@ -16,11 +16,11 @@ Each switch is recorded once for every signal (`guard.guard_records_by_signal`: 
 model's greedy answers over the mapped cache and after re-prefilling, and the KL of their first tokens'
 distributions). A switch is bad as each of `LABELS` says (the answer changed; its F1 against the re-prefilled answer
 fell below 0.5; the first token's KL exceeded 0.5 nats). Per label and signal: AUROC (dev, held-out, all), the
-threshold maximising catch − false-fallback rate on dev (`guard.summarize_guard`, bounded by ``max_false_fallback``
-when given) and that threshold's rates on held-out, and the rates of the server's configured threshold
-(``config.guard_threshold``; `SERVED_THRESHOLD` when none is configured) on all of them. With an escalation policy
-every switch is also handed over with a larger recompute budget, and `escalation` compares serving the mapped cache,
-re-prefilling and escalating at the switches a signal flags.
+threshold maximising catch − false-fallback rate on dev (`calibrate.summarize_guard`, bounded by
+``max_false_fallback`` when given) and that threshold's rates on held-out, and the rates of the server's configured
+threshold (``config.switch.guard_threshold``; `SERVED_THRESHOLD` when none is configured) on all of them. With an
+escalation policy every switch is also handed over with a larger recompute budget, and `escalation` compares serving
+the mapped cache, re-prefilling and escalating at the switches a signal flags.
 """
 
 from __future__ import annotations
@@ -33,17 +33,19 @@ from kvhandoff.coqa import coqa_places, split_of
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
 from kvhandoff.runtime.policy import RecomputePolicy
-from kvhandoff.serving.calibrate import chat_turns, switching_schedule
-from kvhandoff.serving.config import GUARD_SIGNALS, ServeConfig
-from kvhandoff.serving.decoding import end_ids
-from kvhandoff.serving.guard import (
+from kvhandoff.runtime.switch.guard import GUARD_SIGNALS
+from kvhandoff.serving.calibrate import (
     GuardRecord,
     WithinTime,
     auroc,
+    chat_turns,
     flag_rates,
     guard_records_by_signal,
     summarize_guard,
+    switching_schedule,
 )
+from kvhandoff.serving.config import ServeConfig
+from kvhandoff.serving.decoding import end_ids
 from kvhandoff_lab.evaluation.metrics import paired_bootstrap, token_f1
 from kvhandoff_lab.serving.client import machine_facts
 from kvhandoff_lab.serving.workload import coqa_dialogues
@@ -231,7 +233,7 @@ def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, swi
     started, timed = time.monotonic(), WithinTime(built, time_limit_s)
     records = guard_records_by_signal({name: model for name, (model, _) in models.items()}, mappers, timed,
                                       signals, max_new_tokens, window, stop_ids, config.handover,
-                                      config.plan(), escalate=escalate)
+                                      config.switch.plan(), escalate=escalate)
     wall, ran = time.monotonic() - started, timed.started
     first = records[signals[0]]
     heldout = heldout_conversations(dialogues[:ran], heldout_every)
@@ -243,7 +245,8 @@ def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, swi
                 "signals": list(signals), "max_new_tokens": max_new_tokens, "window": window,
                 "heldout_every": heldout_every, "max_false_fallback": max_false_fallback, "time_limit_s": time_limit_s,
                 "story_chars": story_chars, "handover": config.handover,
-                "recompute": config.served_recompute.spec, "escalate": None if escalate is None else escalate.spec,
+                "recompute": config.switch.served_recompute.spec,
+                "escalate": None if escalate is None else escalate.spec,
                 "labels": list(LABELS), "text": "CoQA validation conversations in the chat template"}
     result = {
         "format": GUARD_EVAL_FORMAT,
@@ -260,7 +263,8 @@ def run_guard_eval(models, mappers, conversations: int = 20, turns: int = 4, swi
                     for i, r in enumerate(first)],
         "machine": machine_facts(),
     }
-    result = resummarize(result, SERVED_THRESHOLD if config.guard_threshold is None else config.guard_threshold)
+    threshold = config.switch.guard_threshold
+    result = resummarize(result, SERVED_THRESHOLD if threshold is None else threshold)
     if out is not None:
         atomic_write_json(Path(out), result)
     return result

@@ -201,9 +201,9 @@ def run_load_test(models, mappers, config: ServeConfig = ServeConfig(),  # noqa:
         report = asyncio.run(load_over_http(server.url, list(models), conversations, turns, max_tokens,
                                             time_limit_s, dialogues=dialogues, story_chars=story_chars,
                                             session_header=session_header))
-    report["settings"].update({"guard": config.guard, "guard_signal": config.guard_signal,
-                               "guard_threshold": config.guard_threshold, "handover": config.handover,
-                               "recompute": config.served_recompute.spec, "models": list(models)})
+    report["settings"].update({"guard": config.switch.guard, "guard_signal": config.switch.guard_signal,
+                               "guard_threshold": config.switch.guard_threshold, "handover": config.handover,
+                               "recompute": config.switch.served_recompute.spec, "models": list(models)})
     if out is not None:
         atomic_write_json(Path(out), report)
     return report
@@ -258,7 +258,7 @@ def run_concurrency_bench(models, mappers, config: ServeConfig = ServeConfig(), 
     result = {"format": CONCURRENCY_FORMAT, "kvhandoff_version": kvhandoff.__version__,
               "settings": {"levels": levels, "batches": batches, "turns": turns, "max_tokens": max_tokens,
                            "story_chars": story_chars, "time_limit_s": time_limit_s, "models": list(models),
-                           "recompute": config.served_recompute.spec, "prefill_chunk": config.prefill_chunk},
+                           "recompute": config.switch.served_recompute.spec, "prefill_chunk": config.prefill_chunk},
               "rows": rows,
               "machine": machine_facts()}
     if out is not None:

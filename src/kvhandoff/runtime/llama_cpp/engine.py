@@ -30,7 +30,7 @@ from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.runtime.llama_cpp import INSTALL_HINT, LLAMA_CPP_PYTHON_VERSION
 from kvhandoff.runtime.llama_cpp import state as seq_state
 from kvhandoff.runtime.llama_cpp.state import GGML_TYPE_NAMES, CacheLayout, StateFormatError
-from kvhandoff.runtime.seam import KVCache, Pending, rows_of
+from kvhandoff.runtime.seam import Capabilities, KVCache, Pending, rows_of
 
 logger = logging.getLogger(__name__)
 
@@ -38,21 +38,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3")
 
 
-#: the recompute rules a llama.cpp target serves (the others rank positions with the transformers model's layers)
-RECOMPUTE_RULES = ("none", "sinks", "recent")
-
-
-def serves_recompute(policy) -> bool:
-    """Whether a llama.cpp target can serve recompute ``policy`` (a `RecomputePolicy`)."""
-    return not policy.active or policy.rule in RECOMPUTE_RULES
-
-
-def check_recompute(policy) -> None:
-    """ConfigError unless a llama.cpp target can serve recompute ``policy`` (a `RecomputePolicy`)."""
-    if not serves_recompute(policy):
-        raise ConfigError(f"recompute {policy.spec!r}: a llama.cpp target recomputes by the rules "
-                          f"{', '.join(RECOMPUTE_RULES)} (the others rank positions with a transformers model's "
-                          "layers); choose one of those, e.g. recent:5%", field="recompute")
+#: what a llama.cpp model can do at a switch: the recompute rules that pick positions without the model's layers
+LLAMA_CPP_CAPABILITIES = Capabilities("llama.cpp", ("none", "sinks", "recent"))
 
 
 class LlamaCppError(KVHandoffError):
@@ -116,8 +103,9 @@ class LlamaCppModel:
     transformers model the mapper was fitted on for these weights (what `verify_mapper` checks), and
     `new_cache` the `CacheFactory` of its conversations (`seam.new_cache` calls it). `close` frees the context and
     the weights. Recompute policies that rank positions by the target's own forward (deviation, source_attention,
-    mix) need a transformers model: `RECOMPUTE_RULES` are the ones it serves."""
+    mix) need a transformers model: `kvhandoff_capabilities` names the ones it serves."""
 
+    kvhandoff_capabilities = LLAMA_CPP_CAPABILITIES
     device = torch.device("cpu")
     dtype = torch.float32
 
