@@ -19,9 +19,10 @@ import torch
 
 from _serving_support import AGENT_CONTEXT, chat_ids, reference_answer, running, tiny_family
 from kvhandoff.runtime.switch.pair import SwitchSettings
-from kvhandoff.serving.app import create_app, field_path
+from kvhandoff.serving.app import create_app
 from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
+from kvhandoff.serving.middleware import field_path
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -868,3 +869,28 @@ def test_the_openapi_document_states_errors_streams_and_metrics_as_sent(server):
     for field, value in (("n", "2"), ("n", True), ("temperature", "0.5"), ("frequency_penalty", False)):
         assert httpx.post(server.url + "/v1/chat/completions", json={**lax, field: value}).status_code == 400, field
     assert httpx.post(server.url + "/v1/chat/completions", json={**lax, "max_tokens": 1.0, "n": 1.0}).status_code == 200
+
+
+def test_every_route_is_a_handler_of_its_own_in_one_flat_table():
+    """`ROUTES` is what the app serves, and a handler answers when called alone with a request that carries the
+    engine (no app machinery in between)."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from kvhandoff.serving import app as app_module
+
+    models, mappers = tiny_family()
+    engine = Engine(models, mappers, ServeConfig(switch=SwitchSettings(guard=False)))
+    try:
+        served = create_app(engine)
+        paths = [(next(iter(r.methods)), r.path) for r in served.router.routes if getattr(r, "endpoint", None)
+                 in {route.handler for route in app_module.ROUTES}]
+        assert paths == [(route.method, route.path) for route in app_module.ROUTES]
+        request = Request({"type": "http", "app": served, "headers": [], "method": "GET", "path": "/v1/models"})
+        listed = asyncio.run(app_module.models(request))
+        assert [card["id"] for card in listed["data"]] == engine.model_names()
+        health = asyncio.run(app_module.health(request))
+        assert health.status_code == 200 and json.loads(health.body)["status"] == "ok"
+    finally:
+        engine.close()

@@ -19,7 +19,8 @@ import httpx
 import torch
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.serving.app import HANDOFF_HEADER, SESSION_HEADER
+from kvhandoff.serving.parse import SESSION_HEADER
+from kvhandoff.serving.respond import HANDOFF_HEADER
 
 
 def require_loopback(url: str) -> str:

@@ -1,0 +1,229 @@
+"""The HTTP server's outer layer: errors as OpenAI-shaped bodies with their status (`ERROR_STATUS`), the request
+counter and body limit middlewares, the API key and its tenants, and the OpenAPI document's error responses."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+from kvhandoff.serving.engine import Engine
+from kvhandoff.serving.protocol import (
+    LONE_SURROGATE,
+    ErrorBody,
+    ErrorResponse,
+    dump,
+)
+from kvhandoff.serving.requests import RequestError
+
+logger = logging.getLogger(__name__)
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict"}
+
+#: HTTP status and OpenAI error type of each `engine.ERROR_KINDS`
+ERROR_STATUS = {
+    "invalid_request": (400, "invalid_request_error"),
+    "not_found": (404, "not_found_error"),
+    "too_long": (400, "invalid_request_error"),
+    "too_many_sessions": (429, "rate_limit_error"),
+    "overloaded": (503, "server_error"),
+    "cancelled": (499, "invalid_request_error"),
+    "internal": (500, "server_error"),
+    "shutting_down": (503, "server_error"),
+}
+
+
+#: seconds a client is told to wait before retrying a 429 or 503 (Retry-After)
+RETRY_AFTER_S = 1
+#: routes that answer without the API key when the server opens its probes
+PROBE_PATHS = ("/health", "/metrics")
+#: what each error status of the API means (the OpenAPI document's responses; every body an `ErrorResponse`)
+ERROR_MEANINGS = {
+    400: "an invalid request: a body that is not JSON, a field that is invalid or unsupported (named in `param`), "
+         "a prompt past the context window (code context_length_exceeded)",
+    401: "no valid API key (the server was started with --api-key)",
+    404: "no such model",
+    413: "the request body is larger than --max-body-bytes",
+    429: "every session is busy (retry after Retry-After seconds)",
+    499: "the client went away",
+    500: "an internal error",
+    503: "the model's queue is full, or the server is draining (retry after Retry-After seconds)",
+}
+
+
+RETRY_HEADER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
+
+
+def documented(*statuses: int) -> dict:
+    """The OpenAPI responses of ``statuses``: an `ErrorResponse` each, with Retry-After on 429 and 503."""
+    return {status: {"model": ErrorResponse, "description": ERROR_MEANINGS[status],
+                     **({"headers": RETRY_HEADER} if status in (429, 503) else {})} for status in statuses}
+
+
+#: the completion routes: a JSON body, or server-sent events with ``stream``; and every error they may answer
+GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {"schema": {
+                                  "type": "object", "required": ["data"], "properties": {"data": {
+                                      "type": "string", "description": "a JSON chunk, an error object, or [DONE]"}}}}},
+                              "description": "the answer: JSON, or server-sent events with stream"},
+                        **documented(400, 401, 404, 413, 429, 500, 503)}
+
+
+def openapi_of(app: FastAPI) -> dict:
+    """``app``'s OpenAPI document without FastAPI's 422: an invalid body is a 400 here (`install_error_handlers`)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    """An OpenAI-style error object {"error": {message, type, param, code}}."""
+    body = ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=code))
+    return JSONResponse(dump(body), status_code=status)
+
+
+def field_path(location) -> str | None:
+    """The request field a validation error is about, e.g. ``messages[0].content`` (pydantic's union-member tags
+    left out)."""
+    path = ""
+    for part in location[1:] if location and location[0] == "body" else location:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS and not part[:1].isupper():
+            path += f".{part}" if path else part
+    return path or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every failure as an OpenAI-style error object: invalid bodies 400 naming the field, the engine's refusals
+    with their status (`ERROR_STATUS`; a 429 or 503 with Retry-After), unknown routes 404, anything else 500."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+        kind = first.get("type")
+        if kind == "json_invalid" or (tuple(first.get("loc", ())) == ("body",) and kind != LONE_SURROGATE):
+            return error_response(400, f"the request body is not a valid JSON object ({first['msg']})",
+                                  "invalid_request_error", None, "invalid_json")
+        if kind == LONE_SURROGATE:
+            return error_response(400, first["msg"], "invalid_request_error", first["ctx"]["path"], "invalid_value")
+        param = field_path(first.get("loc", ()))
+        message = f"{param}: {first['msg']}" if param else f"invalid request: {first['msg']}"
+        return error_response(400, message, "invalid_request_error", param, "invalid_value")
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError):
+        status, kind = ERROR_STATUS[exc.kind]
+        response = error_response(status, exc.message, kind, exc.param, exc.code)
+        if status in (429, 503):
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        code = "request_too_large" if exc.status_code == 413 else None
+        response = error_response(exc.status_code, str(exc.detail), kind, None, code)
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return response
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}", "server_error", None, "internal")
+
+
+class RequestCount:
+    """Count every response in ``requests`` by route (its path template, whether or not the request reached it;
+    "unmatched" for unknown paths) and status, whatever answered it: a route, an error handler, the API key's
+    check, the body limit, or a crash (500). A plain ASGI wrapper of ``send``: streams pass through untouched."""
+
+    def __init__(self, app, requests, routes) -> None:
+        self.app, self.requests, self.routes = app, requests, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            self.requests.labels(self._route(scope), str(status or 500)).inc()
+            raise
+        self.requests.labels(self._route(scope), str(status or 500)).inc()
+
+    def _route(self, scope) -> str:
+        route = scope.get("route")
+        if route is None:
+            route = next((r for r in self.routes if r.matches(scope)[0] == Match.FULL), None)
+        return getattr(route, "path", None) or "unmatched"
+
+
+class BodyLimit:
+    """Refuse a request body past ``limit`` bytes with 413 before it is read whole: at once by its Content-Length,
+    else as it arrives (a chunked body is cut off at the limit)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send)
+        received = 0
+
+        async def limited():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise StarletteHTTPException(413, self._message())
+            return message
+
+        return await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return (f"the request body is larger than this server takes ({self.limit} bytes); send a shorter "
+                "conversation, or start the server with a larger --max-body-bytes")
+
+    async def _refuse(self, scope, receive, send):
+        response = error_response(413, self._message(), "invalid_request_error", None, "request_too_large")
+        await response(scope, receive, send)
+
+
+def install_api_key(app: FastAPI, engine: Engine) -> None:
+    """With ``config.api_key`` set, every route but the open probes needs ``Authorization: Bearer <key>`` with one
+    of its keys."""
+    keys = engine.config.api_key
+    if not keys:
+        return
+    expected = [f"Bearer {key}".encode() for key in keys]
+    open_paths = PROBE_PATHS if engine.config.open_probes else ()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        given = request.headers.get("authorization", "").encode()
+        matches = [hmac.compare_digest(given, key) for key in expected]  # every key compared: no timing by position
+        if request.url.path in open_paths or any(matches):
+            return await call_next(request)
+        return error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>' with "
+                              "the key the server was started with (--api-key)", "invalid_request_error", None,
+                              "invalid_api_key")
