@@ -54,7 +54,7 @@ def write_gguf(model, path: Path) -> Path:
 def llama_model(model, folder: Path, name: str = "tiny", generation_config=None, **settings):
     """A `LlamaCppModel` of ``model`` (written as a GGUF in ``folder``), fingerprinted as ``model``, with an f32
     cache unless settings say otherwise."""
-    from kvhandoff.runtime.llama_cpp.engine import LlamaCppModel, LlamaCppSettings
+    from kvhandoff.runtime.llama_cpp.backend import LlamaCppModel, LlamaCppSettings
 
     gguf_path = write_gguf(model, folder / f"{name}.gguf")
     options = {"cache_type": "f32", "context": 1024, "sequences": 8, "threads": 1, "batch": 64, **settings}

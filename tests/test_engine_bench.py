@@ -10,7 +10,7 @@ from _serving_support import tiny_family
 pytest.importorskip("llama_cpp")
 
 from _llama_support import write_gguf
-from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings
+from kvhandoff.runtime.llama_cpp.backend import LlamaCppSettings
 from kvhandoff_lab.engine_bench import context_ids, engine_table, run_engine_bench
 
 

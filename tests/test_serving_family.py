@@ -135,7 +135,7 @@ def test_the_gguf_of_each_model_is_named_found_or_asked_for(tmp_path):
 
 
 def test_the_llama_cpp_engine_takes_no_device_map(tmp_path):
-    from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings
+    from kvhandoff.runtime.llama_cpp.backend import LlamaCppSettings
 
     (tmp_path / "a.gguf").write_bytes(b"")
     with pytest.raises(ConfigError, match="device map"):

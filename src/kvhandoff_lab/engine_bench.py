@@ -33,13 +33,13 @@ import torch
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
-from kvhandoff.fit.corpus import heldout_texts
+from kvhandoff.fit.text_sources import heldout_texts
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.cache import kl_divergence
 from kvhandoff.model.loading import model_gguf
 from kvhandoff.runtime.handoff import MappedCache, map_for_target
 from kvhandoff.runtime.llama_cpp import LLAMA_CPP_PYTHON_VERSION
-from kvhandoff.runtime.llama_cpp.engine import LlamaCppModel, LlamaCppSettings, llama_cpp_twin
+from kvhandoff.runtime.llama_cpp.backend import LlamaCppModel, LlamaCppSettings, llama_cpp_twin
 from kvhandoff.runtime.llama_cpp.state import parse, to_rows
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import RecomputePolicy

@@ -21,7 +21,7 @@ from kvhandoff.cli.options import (
     positive_float,
     positive_int,
 )
-from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings
+from kvhandoff.runtime.llama_cpp.backend import LlamaCppSettings
 from kvhandoff.runtime.switch.guard import GUARD_SIGNALS
 from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.config import ServeConfig

@@ -2,7 +2,7 @@
 target's cache, shaped after vLLM's KV connector (`KVConnectorBase_V1`, docs/ENGINES.md section 3.1).
 
 `KVCache` is the interface; `TransformersCache` implements it on a `transformers` `DynamicCache` (the sparse forward
-of `kvhandoff.runtime.recompute`), `kvhandoff.runtime.llama_cpp.engine.LlamaCppCache` on a sequence of a llama.cpp
+of `kvhandoff.runtime.recompute`), `kvhandoff.runtime.llama_cpp.backend.LlamaCppCache` on a sequence of a llama.cpp
 context. Another engine's cache (a vLLM KV connector's paged blocks) would implement the same methods; the handoff
 never learns which cache it holds. Rows travel between caches and the mapper as a `DynamicCache` of [batch,
 kv_heads, positions, head_dim] tensors per layer: what `Mapper.transfer` reads and returns.
@@ -354,14 +354,14 @@ TRANSFORMERS_CAPABILITIES = Capabilities()
 
 def capabilities_of(model) -> Capabilities:
     """The `Capabilities` of the backend that runs ``model``: its ``kvhandoff_capabilities`` where its engine
-    declares them (`kvhandoff.runtime.llama_cpp.engine.LlamaCppModel`), else a `transformers` model's."""
+    declares them (`kvhandoff.runtime.llama_cpp.backend.LlamaCppModel`), else a `transformers` model's."""
     declared = getattr(model, "kvhandoff_capabilities", None)
     return declared if isinstance(declared, Capabilities) else TRANSFORMERS_CAPABILITIES
 
 
 def new_cache(model=None) -> KVCache:
     """An empty cache for ``model`` in the engine that runs it: the default `CacheFactory`. A model of another engine
-    makes its own (its ``new_cache()``, e.g. `kvhandoff.runtime.llama_cpp.engine.LlamaCppModel`); a `transformers`
+    makes its own (its ``new_cache()``, e.g. `kvhandoff.runtime.llama_cpp.backend.LlamaCppModel`); a `transformers`
     model gets a `TransformersCache`."""
     own = getattr(model, "new_cache", None)
     if not callable(own):

@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.runtime.llama_cpp.engine import LlamaCppModel
+from kvhandoff.runtime.llama_cpp.backend import LlamaCppModel
 from kvhandoff.runtime.prefix_store import PrefixStore
 from kvhandoff.runtime.seam import capabilities_of
 from kvhandoff.runtime.session import SwitchingSession

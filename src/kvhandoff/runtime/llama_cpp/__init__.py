@@ -1,4 +1,4 @@
-"""The llama.cpp engine: `state` reads and writes llama.cpp's sequence state, `engine` runs a model's conversations
+"""The llama.cpp engine: `state` reads and writes llama.cpp's sequence state, `backend` runs a model's conversations
 in a llama.cpp context behind the cache seam. What scripts/setup.sh builds is named here, importable without
 llama.cpp or torch."""
 

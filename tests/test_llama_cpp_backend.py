@@ -17,7 +17,7 @@ from kvhandoff.runtime.session import SwitchingSession
 pytest.importorskip("llama_cpp")
 
 from kvhandoff.runtime.llama_cpp import state
-from kvhandoff.runtime.llama_cpp.engine import LlamaCppCache, LlamaCppError
+from kvhandoff.runtime.llama_cpp.backend import LlamaCppCache, LlamaCppError
 from kvhandoff.runtime.llama_cpp.state import StateFormatError
 
 
@@ -179,7 +179,7 @@ def test_write_replaces_rows_in_place(pair):
 
 
 def test_settings_are_checked_where_they_enter():
-    from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings
+    from kvhandoff.runtime.llama_cpp.backend import LlamaCppSettings
 
     with pytest.raises(ConfigError, match="batch 512 is past the context's 100"):
         LlamaCppSettings(context=100)
