@@ -14,10 +14,10 @@ import time
 import httpx
 
 from kvhandoff.files import atomic_write_json
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.family import load_family
 from kvhandoff.serving.server import serve_in_thread
+from kvhandoff.serving.settings import ServeConfig
 from kvhandoff_lab.serving.loadtest import current_rss, peak_rss
 
 

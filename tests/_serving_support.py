@@ -13,9 +13,9 @@ import torch
 from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.server import serve_in_thread
+from kvhandoff.serving.settings import ServeConfig
 
 from conftest import chat_tokenizer, exactly_related, random_batches, tiny_model
 

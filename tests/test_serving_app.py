@@ -20,9 +20,9 @@ import torch
 from _serving_support import AGENT_CONTEXT, chat_ids, reference_answer, running, tiny_family
 from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.app import create_app
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.middleware import field_path
+from kvhandoff.serving.settings import ServeConfig
 
 pytestmark = pytest.mark.timeout(120)
 

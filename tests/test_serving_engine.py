@@ -23,11 +23,11 @@ from kvhandoff.runtime.switch.guard import Fallback
 from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.runtime.switch.turn import common_prefix
 from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.decoding import SamplingParams
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.prompts import LENGTH_CHUNK_CHARS, surely_longer
 from kvhandoff.serving.requests import GenerationRequest, RequestError
+from kvhandoff.serving.settings import ServeConfig
 
 pytestmark = pytest.mark.timeout(120)
 

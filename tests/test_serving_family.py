@@ -12,10 +12,10 @@ from kvhandoff import FitConfig, fit_mapper
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET, load_model
 from kvhandoff.runtime.switch.pair import SwitchSettings
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.family import load_family, parse_mapper_dirs, parse_model_specs, served_names
 from kvhandoff.serving.server import serve_in_thread
+from kvhandoff.serving.settings import ServeConfig
 
 from conftest import random_batches, save_tiny_pair
 

@@ -41,8 +41,8 @@ from kvhandoff.serving.calibrate import (
     relabel,
     summarize_guard,
 )
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
+from kvhandoff.serving.settings import ServeConfig
 
 from conftest import exactly_related, pair_guards, random_batches, tiny_model
 

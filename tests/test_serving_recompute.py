@@ -14,8 +14,8 @@ from kvhandoff.mapper.manifest import RecomputeChoice, TradeoffPoint
 from kvhandoff.runtime.plan import HandoffPlan, recorded_recompute
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, LeadingLayers, Recent
 from kvhandoff.runtime.switch.pair import ServedRecompute, SwitchSettings, served_recompute
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
+from kvhandoff.serving.settings import ServeConfig
 
 from conftest import pair_guards, pair_recomputes
 

@@ -18,9 +18,9 @@ import pytest
 from _serving_support import tiny_family
 from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.switch.pair import SwitchSettings
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.server import serve_in_thread
+from kvhandoff.serving.settings import ServeConfig
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ def server_process(tmp_path, setup: str = "", **settings):
         import sys, time
         sys.path.insert(0, {str(ROOT / "tests")!r})
         from _serving_support import tiny_family
-        from kvhandoff.serving.config import ServeConfig
+        from kvhandoff.serving.settings import ServeConfig
         from kvhandoff.serving.server import run_server
         models, mappers = tiny_family()
     """) + textwrap.dedent(setup) + f"run_server(models, mappers, ServeConfig({config}))\n")

@@ -1,6 +1,6 @@
 """The fit's settings (FitConfig, CalibrationSpec, MLPConfig, RefineConfig), the one positive-value check, and
 where kvhandoff keeps its files. The runtime's, the server's and the models' placement settings live with them
-(`runtime.policy`, `serving.config`, `model.placement`)."""
+(`runtime.policy`, `serving.settings`, `model.placement`)."""
 
 from __future__ import annotations
 

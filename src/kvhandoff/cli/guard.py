@@ -13,8 +13,8 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.switch.guard import DEFAULT_GUARD_SIGNAL
 from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.calibrate import GUARD_LABELS, SIGNAL_CHOICES, calibrate_guard, record_guards
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.family import load_family
+from kvhandoff.serving.settings import ServeConfig
 
 
 def _rate(value) -> float:

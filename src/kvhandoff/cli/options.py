@@ -50,7 +50,7 @@ def recompute_policy(value) -> RecomputePolicy:
 
 def guard_action(value) -> GuardAction:
     """The serving guard's action at a switch it flags, from "fallback" or "escalate:RULE:BUDGET"
-    (`kvhandoff.serving.config.parse_guard_action`): parsed here, once."""
+    (`kvhandoff.serving.settings.parse_guard_action`): parsed here, once."""
     try:
         return parse_guard_action(value)
     except ConfigError as exc:

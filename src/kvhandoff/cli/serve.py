@@ -24,7 +24,6 @@ from kvhandoff.cli.options import (
 from kvhandoff.runtime.llama_cpp.backend import LlamaCppSettings
 from kvhandoff.runtime.switch.guard import GUARD_SIGNALS
 from kvhandoff.runtime.switch.pair import SwitchSettings
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.family import (
     load_family,
     parse_gguf_paths,
@@ -33,6 +32,7 @@ from kvhandoff.serving.family import (
     served_names,
 )
 from kvhandoff.serving.server import run_server
+from kvhandoff.serving.settings import ServeConfig
 from kvhandoff.serving.tools import TOOL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

@@ -46,8 +46,8 @@ from kvhandoff.runtime.switch.guard import (
 )
 from kvhandoff.runtime.switch.pair import pair_policies
 from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.decoding import end_ids, greedy_answer
+from kvhandoff.serving.settings import ServeConfig
 
 logger = logging.getLogger(__name__)
 

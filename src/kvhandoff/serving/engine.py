@@ -41,7 +41,6 @@ from kvhandoff.runtime.switch.pair import PairPolicy, pair_policies
 from kvhandoff.runtime.switch.turn import TURN_MODES, TurnCancelled, serve_turn
 from kvhandoff.serving.answers import answers, echo
 from kvhandoff.serving.chat import render
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.decoding import end_ids
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.prefix_cache import PrefixCache
@@ -49,6 +48,7 @@ from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE
 from kvhandoff.serving.prompts import family_template, request_inputs, too_long
 from kvhandoff.serving.requests import Generation, GenerationRequest, RequestError
 from kvhandoff.serving.sessions import SessionState, SessionTable
+from kvhandoff.serving.settings import ServeConfig
 from kvhandoff.serving.tools import tool_parser
 from kvhandoff.serving.worker import HostedModel, ModelWorker, Read
 

@@ -11,8 +11,8 @@ import time
 import uvicorn
 
 from kvhandoff.serving.app import create_app
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
+from kvhandoff.serving.settings import ServeConfig
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhandoff.runtime.session import SwitchingSession
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.requests import RequestError
+from kvhandoff.serving.settings import ServeConfig
 
 
 @dataclass

@@ -35,8 +35,8 @@ from kvhandoff.cli.serve import (
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.runtime.switch.guard import GUARD_SIGNALS
 from kvhandoff.runtime.switch.pair import SwitchSettings
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.family import load_family
+from kvhandoff.serving.settings import ServeConfig
 from kvhandoff_lab.serving.agent_bench import (
     CONDITIONS,
     DEFAULT_MAX_STEPS,

@@ -53,11 +53,11 @@ import kvhandoff
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
 from kvhandoff.progress import Progress, as_progress
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.parse import SESSION_HEADER
 from kvhandoff.serving.respond import HANDOFF_HEADER
 from kvhandoff.serving.server import serve_in_thread
+from kvhandoff.serving.settings import ServeConfig
 from kvhandoff.serving.tools import ToolCall, parse_tools, validate_arguments
 from kvhandoff_lab.evaluation.data import oe_requests
 from kvhandoff_lab.evaluation.metrics import paired_bootstrap

@@ -31,9 +31,9 @@ import torch
 import kvhandoff
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.files import atomic_write_json
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.server import serve_in_thread
+from kvhandoff.serving.settings import ServeConfig
 from kvhandoff_lab.bench import summarize
 from kvhandoff_lab.figures import save_figure
 from kvhandoff_lab.serving.client import TurnResult, machine_facts, stream_chat

@@ -44,8 +44,8 @@ from kvhandoff.serving.calibrate import (
     summarize_guard,
     switching_schedule,
 )
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.decoding import end_ids
+from kvhandoff.serving.settings import ServeConfig
 from kvhandoff_lab.evaluation.metrics import paired_bootstrap, token_f1
 from kvhandoff_lab.serving.client import machine_facts
 from kvhandoff_lab.serving.workload import coqa_dialogues

@@ -33,9 +33,9 @@ import httpx
 import kvhandoff
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
-from kvhandoff.serving.config import ServeConfig
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.server import serve_in_thread
+from kvhandoff.serving.settings import ServeConfig
 from kvhandoff_lab.serving.client import TurnResult, machine_facts, require_loopback, stream_chat
 from kvhandoff_lab.serving.workload import coqa_dialogues
 
