@@ -24,13 +24,8 @@ from kvhandoff.fit.distributed import Ranks, collect_shared, gpu_share, launched
 from kvhandoff.fit.pipeline import collect_statistics
 from kvhandoff.fit.statistics import CalibrationStats
 from kvhandoff.mapper.mapper import Mapper
-from kvhandoff.workflow import (
-    checkpoint_path,
-    load_named_pair,
-    obtain_mapper,
-    obtain_statistics,
-    statistics_path,
-)
+from kvhandoff.workflow import load_named_pair, obtain_mapper, obtain_statistics
+from kvhandoff.workflow.named_pair import checkpoint_path, statistics_path
 
 from conftest import save_tiny_pair, tiny_model
 

@@ -14,17 +14,9 @@ import torch
 
 from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.model.cache import cache_of
-from kvhandoff.serving.prefix_tree import (
-    EXACT,
-    SEAM_ROWS,
-    PrefixTree,
-    Provenance,
-    RowOps,
-    choose_reuse,
-    derived_from,
-    mapped_from,
-    namespace_of,
-)
+from kvhandoff.serving.prefix_reuse import choose_reuse
+from kvhandoff.serving.prefix_tree import EXACT, PrefixTree, Provenance, derived_from, mapped_from
+from kvhandoff.serving.row_ops import SEAM_ROWS, RowOps
 
 LAYERS, HEAD_DIM = 2, 2
 HEADS = {"a": 1, "b": 2, "c": 1}
@@ -223,22 +215,6 @@ def test_namespaces_are_isolated():
     assert stats.namespaces == 2 and stats.nodes == 2
     assert tree.evict(0) == 7 * position_bytes("a")
     assert tree.stats().namespaces == 0
-
-
-def test_namespace_of_joins_the_api_key_user_and_salt():
-    key = namespace_of(api_key="sk-secret")
-    assert key.startswith("key:") and "sk-secret" not in key
-    assert key != namespace_of(api_key="sk-other")
-    everything = namespace_of(api_key="sk-secret", user="u", cache_salt="s")
-    assert "sk-secret" not in everything and key in everything
-    assert namespace_of(user="u\nsalt:s") != namespace_of(user="u", cache_salt="s")  # no value passes for two
-    assert namespace_of(user='u", "salt:s') != namespace_of(user="u", cache_salt="s")
-    assert len({everything, key, namespace_of(api_key="sk-secret", user="u"), namespace_of(user="u"),
-                namespace_of(user="u", cache_salt="s")}) == 5
-    assert namespace_of(cache_salt="u") == "salt:u" != namespace_of(user="u")
-    assert namespace_of() == "default" and namespace_of(default="server") == "server"
-    with pytest.raises(ConfigError):
-        namespace_of(user=3)
 
 
 # -- eviction and locks --------------------------------------------------------------------------------------------

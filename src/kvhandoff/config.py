@@ -23,7 +23,7 @@ HELDOUT_KS: tuple[int | str, ...] = (1, 2, 4, 8, 16, "all")
 HELDOUT_LAMBDAS: tuple[float, ...] = (0.01, 0.1, 1.0)
 HELDOUT_FRACTION = 0.1
 
-#: calibration text groups (`CalibrationSpec.mix`) and the corpus sources each packs (see `corpus.py`):
+#: calibration text groups (`CalibrationSpec.mix`) and the corpus sources each packs (see `fit/text_sources.py`):
 #: "prose" — BoolQ train passages and LAMBADA novels; "exams" — multiple-choice questions with their answers
 #: in the few-shot exam layout (CommonsenseQA, SciQ, MedMCQA; none of them an evaluation task); "math" — worked
 #: MATH solutions in the chain-of-thought layout of few-shot GSM8K prompts (MATH is not an evaluation task);

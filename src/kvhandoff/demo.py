@@ -24,14 +24,8 @@ from kvhandoff.model.loading import end_of_text_ids
 from kvhandoff.model.placement import ModelPlacement
 from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan, recorded_plans
 from kvhandoff.runtime.session import SwitchingSession
-from kvhandoff.workflow import (
-    NamedPair,
-    describe_fit,
-    load_named_pair,
-    load_pair_mapper,
-    obtain_mapper,
-    on_source_device,
-)
+from kvhandoff.workflow import NamedPair, describe_fit, load_named_pair, load_pair_mapper, obtain_mapper
+from kvhandoff.workflow.pair_mappers import on_source_device
 
 logger = logging.getLogger(__name__)
 

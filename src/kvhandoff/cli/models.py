@@ -44,15 +44,9 @@ from kvhandoff.config import (
 from kvhandoff.fit.distributed import DEFAULT_CHECKPOINT_EVERY, dismiss, launched, requested_world_size
 from kvhandoff.fit.pipeline import estimate_memory, feature_layout, layer_block_for_budget
 from kvhandoff.model.loading import prepare_model
-from kvhandoff.workflow import (
-    describe_fit,
-    describe_size,
-    fit_on_texts,
-    load_named_pair,
-    obtain_mapper,
-    refine_saved_mapper,
-    serve_calibration,
-)
+from kvhandoff.workflow import describe_fit, fit_on_texts, load_named_pair, obtain_mapper, refine_saved_mapper
+from kvhandoff.workflow.calibration_passes import serve_calibration
+from kvhandoff.workflow.pair_mappers import describe_size
 
 
 def prepare(

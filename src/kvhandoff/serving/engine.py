@@ -225,7 +225,7 @@ class Engine:
         (their client went away) that have not stopped yet; per ordered pair ("from → to") its quality guard
         (`GuardPolicy.to_dict`: source "recorded" | "configured" | "none", signal, threshold) and its recompute
         policy (`ServedRecompute.to_dict`: policy, source "configured" | "recorded" | "default"); the prefix store's
-        and the prefix cache's figures (`prefix_tree.TreeStats`)."""
+        and the prefix cache's figures (`prefix_tree_stats.TreeStats`)."""
         return {"status": "draining" if self.draining else "ok", "models": {name: {"queued": hosted.worker.queued()}
                                            for name, hosted in self._models.items()},
                 "guard": {policy.name: policy.guard.to_dict() for policy in self.policies.values()},

@@ -26,8 +26,9 @@ from kvhandoff.model.loading import (
     registry_names,
 )
 from kvhandoff.progress import Progress
-from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings, llama_cpp_twin
-from kvhandoff.workflow import NamedPair, obtain_mapper, on_source_device
+from kvhandoff.runtime.llama_cpp.backend import LlamaCppSettings, llama_cpp_twin
+from kvhandoff.workflow import NamedPair, obtain_mapper
+from kvhandoff.workflow.pair_mappers import on_source_device
 
 
 def parse_model_specs(items: Iterable[str]) -> dict[str, str]:

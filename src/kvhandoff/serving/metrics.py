@@ -61,7 +61,7 @@ class ServingMetrics:
         self.cache_bytes.set_function(cache_bytes)
 
     def track_prefix_cache(self, stats) -> None:
-        """Read the prefix cache's per-model figures from ``stats()`` (a `prefix_tree.TreeStats`) at every
+        """Read the prefix cache's per-model figures from ``stats()`` (a `prefix_tree_stats.TreeStats`) at every
         scrape."""
         self.registry.register(_PrefixCacheCollector(stats))
 

@@ -2,16 +2,18 @@
 (exact) or mapped from another model, so a request is served from the longest prefix any model holds.
 
 After SGLang's radix cache and vLLM's automatic prefix caching, across models: one radix tree per namespace (a
-tenant; `namespace_of`), whose nodes each hold a run of token ids and, per model, that model's K/V rows of exactly
-those positions with their `Provenance`. `PrefixTree.match` finds, for the model asked about and for every other
-one, the longest prefix of a prompt it holds; `choose_reuse` turns that into the model's own hit, a handoff from
-the model holding the longest exact prefix (only the part the receiving model lacks is mapped), or a miss.
+tenant; `tenants.namespace_of`), whose nodes each hold a run of token ids and, per model, that model's K/V rows of
+exactly those positions with their `Provenance`. `PrefixTree.match` finds, for the model asked about and for every
+other one, the longest prefix of a prompt it holds (a `prefix_reuse.PrefixMatch`); `choose_reuse`
+(`prefix_reuse`) turns that into the model's own hit, a handoff from the model holding the longest exact prefix
+(only the part the receiving model lacks is mapped), or a miss. `PrefixTree.stats`: its figures
+(`prefix_tree_stats.TreeStats`).
 
 Invariants: a model's payload on a node covers exactly the node's positions; a model holding a node holds its parent
 (what a model holds of a prompt is a path from the root); every node but a root holds some model's payload. Rows are
-opaque: the tree only counts, slices, concatenates and sizes them through `RowOps` (`SEAM_ROWS`: the cache seam's
-`DynamicCache` rows, what `KVCache.export` returns and `KVCache.append` takes), and keeps its own copies, so the
-rows it hands out stay valid whatever happens to the caches they came from or to the tree afterwards.
+opaque: the tree only counts, slices, concatenates and sizes them through `RowOps` (`row_ops.SEAM_ROWS`: the cache
+seam's `DynamicCache` rows, what `KVCache.export` returns and `KVCache.append` takes), and keeps its own copies, so
+the rows it hands out stay valid whatever happens to the caches they came from or to the tree afterwards.
 
 Threads: one lock inside; every method is safe from any thread. `match`, `lock`, `unlock`, `evict`, `stats` and
 `total_bytes` are bookkeeping (references, counters: no tensor work), fit for the event loop. `insert` copies the
@@ -22,22 +24,25 @@ rows it keeps (outside the lock; a node split copies the one straddling segment 
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
-import json
 import logging
 import threading
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from kvhandoff.errors import ConfigError, KVHandoffError
-from kvhandoff.model.cache import cache_view
-from kvhandoff.runtime.seam import rows_of
+from kvhandoff.serving.prefix_reuse import Hold, PrefixMatch, choose_reuse
+from kvhandoff.serving.prefix_tree_stats import TreeCounts, TreeStats
+from kvhandoff.serving.row_ops import SEAM_ROWS, RowOps
+from kvhandoff.serving.tenants import DEFAULT_NAMESPACE, namespace_of
+
+# what docs/API.md documents here: the tree, and from `prefix_reuse` and `tenants` the reuse decision and namespaces
+__all__ = ["DEFAULT_NAMESPACE", "EXACT", "PROVENANCES", "PrefixHandle", "PrefixTree", "Provenance", "choose_reuse",
+           "derived_from", "mapped_from", "namespace_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,66 +52,11 @@ logger = logging.getLogger(__name__)
 #: trips through mappers)
 PROVENANCES = ("exact", "mapped", "derived")
 
-#: what `choose_reuse` decides for a request (`Reuse.kind`)
-REUSE_KINDS = ("own", "handoff", "miss")
-
-#: the namespace of a request that names no tenant
-DEFAULT_NAMESPACE = "default"
-
 # the longest segment the in-place growth of a leaf merges into (a merge is a copy inside the lock: kept small)
 _MERGE_POSITIONS = 256
 
 
-# -- rows -----------------------------------------------------------------------------------------------------------
-@runtime_checkable
-class RowOps(Protocol):
-    """What the tree does with one engine's K/V rows (opaque to it): count, slice and concatenate them along
-    positions, and count their bytes."""
-
-    def positions(self, rows) -> int:
-        """The positions ``rows`` hold."""
-
-    def slice(self, rows, start: int, end: int):
-        """The rows of positions ``start``..``end`` − 1 (views allowed: the tree copies what it keeps)."""
-
-    def concat(self, parts: Sequence):
-        """``parts`` one after the other as new rows that own their memory (a copy, even of a single part)."""
-
-    def nbytes(self, rows) -> int:
-        """The bytes ``rows`` hold."""
-
-
-class SeamRows:
-    """`RowOps` of the cache seam's rows: a `DynamicCache` of (keys, values) [batch, kv_heads, positions,
-    head_dim] per layer (`KVCache.export`, `KVCache.append`, `Mapper.transfer`)."""
-
-    def positions(self, rows: DynamicCache) -> int:
-        if not rows.layers or rows.layers[0].keys is None:
-            return 0
-        return rows.layers[0].keys.shape[-2]
-
-    def slice(self, rows: DynamicCache, start: int, end: int) -> DynamicCache:
-        return cache_view(rows, start, end)
-
-    def concat(self, parts: Sequence[DynamicCache]) -> DynamicCache:
-        if not parts:
-            raise ConfigError("concat needs at least one part")
-        layers = {len(part.layers) for part in parts}
-        if len(layers) != 1:
-            raise ConfigError(f"rows of different layer counts cannot be joined: {sorted(layers)}")
-        return rows_of((torch.cat([part.layers[i].keys for part in parts], dim=-2),
-                        torch.cat([part.layers[i].values for part in parts], dim=-2))
-                       for i in range(layers.pop()))
-
-    def nbytes(self, rows: DynamicCache) -> int:
-        return sum(tensor.numel() * tensor.element_size()
-                   for layer in rows.layers for tensor in (layer.keys, layer.values) if tensor is not None)
-
-
-SEAM_ROWS = SeamRows()
-
-
-# -- provenance, namespaces -----------------------------------------------------------------------------------------
+# -- provenance -----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Provenance:
     """Where a model's rows come from: ``kind`` "exact" (its own), "mapped" from ``source``'s (a model name), or
@@ -141,29 +91,7 @@ def derived_from(source: str) -> Provenance:
     return Provenance("derived", source)
 
 
-def namespace_of(api_key: str | None = None, user: str | None = None, cache_salt: str | None = None,
-                 default: str = DEFAULT_NAMESPACE) -> str:
-    """The namespace of a request's cached prefixes: every tenant mark it carries — its API key (hashed: the tree
-    never holds a key), its ``user``, its ``cache_salt`` — so a user under a key is a tenant of its own and a salt
-    splits any of them further; ``default`` (the server's) when it carries none. Each kind has its own prefix, so a
-    user named like a salt shares nothing with it, and several marks are joined as a JSON list, so no value can
-    pass for two."""
-    for value, what in ((api_key, "api_key"), (user, "user"), (cache_salt, "cache_salt")):
-        if value is not None and not isinstance(value, str):
-            raise ConfigError(f"{what} must be a string, got {type(value).__name__}")
-    parts = []
-    if api_key:
-        parts.append("key:" + hashlib.sha256(api_key.encode()).hexdigest()[:32])
-    if user:
-        parts.append("user:" + user)
-    if cache_salt:
-        parts.append("salt:" + cache_salt)
-    if len(parts) > 1:
-        return json.dumps(parts)
-    return parts[0] if parts else _name(default, "the default namespace")
-
-
-# -- results ----------------------------------------------------------------------------------------------------------
+# -- segments, handles -------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Segment:
     """Rows the tree owns, of ``positions`` positions and ``nbytes`` bytes."""
@@ -183,147 +111,6 @@ class PrefixHandle:
     node: Any = field(repr=False)
     owner: object = field(repr=False)
     locks: int = field(default=0, repr=False)
-
-
-@dataclass(frozen=True)
-class Hold:
-    """What one model holds of a prompt: positions 0..``length`` − 1, the first ``exact`` of them its own K/V and
-    the rest mapped or derived (``sources``: the models they were mapped from); ``mapped_until``: where its last run
-    of a mapper's output ends (0: none), so its rows from there on may be handed over."""
-
-    model: str
-    length: int = 0
-    exact: int = 0
-    sources: tuple[str, ...] = ()
-    mapped_until: int = 0
-    # (start position, positions used, the node's segments) along the path, captured at the match
-    parts: tuple = field(default=(), repr=False, compare=False)
-    ops: RowOps | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def mapped(self) -> bool:
-        return self.length > self.exact
-
-    def transferable(self, start: int) -> int:
-        """How far this model's rows from position ``start`` on may be handed over to another model: to its end when
-        no mapper's output lies past ``start``, else to the end of its exact rows (``start`` when none)."""
-        if self.mapped_until <= start:
-            return self.length
-        return max(start, self.exact)
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """The result of `PrefixTree.match`: what ``model`` and every other model hold (``holds``, models holding
-    nothing left out) of a prompt of ``tokens`` ids, and the ``handle`` of the matched path. With ``exact_only``
-    every hold stops at its first mapped position."""
-
-    namespace: str
-    model: str
-    tokens: int
-    exact_only: bool
-    holds: Mapping[str, Hold]
-    handle: PrefixHandle
-
-    @property
-    def own(self) -> Hold:
-        """What the model asked about holds."""
-        return self.hold(self.model)
-
-    def hold(self, model: str) -> Hold:
-        return self.holds.get(model, Hold(model))
-
-    def rows(self, model: str, start: int = 0, end: int | None = None):
-        """``model``'s rows of positions ``start``..``end`` − 1 (None: to the end of its hold) as new rows of its
-        `RowOps` (a copy: valid whatever the tree does later). Call it on a worker thread."""
-        hold = self.hold(model)
-        end = hold.length if end is None else end
-        if not 0 <= start < end <= hold.length:
-            raise ConfigError(f"{model} holds positions 0..{hold.length - 1} of this prompt"
-                              f"{' exactly' if self.exact_only else ''}; rows {start}..{end - 1} were asked for")
-        pieces = []
-        for depth, _, segments in hold.parts:
-            offset = depth
-            for segment in segments:
-                first, offset = offset, offset + segment.positions
-                if offset <= start or first >= end:
-                    continue
-                low, high = max(start, first) - first, min(end, offset) - first
-                whole = low == 0 and high == segment.positions
-                pieces.append(segment.rows if whole else hold.ops.slice(segment.rows, low, high))
-        return hold.ops.concat(pieces)
-
-
-@dataclass(frozen=True)
-class Reuse:
-    """How to serve a request (`choose_reuse`): ``kind`` "own" (the model's rows of positions 0..``own`` − 1),
-    "handoff" (those, then ``source``'s exact rows of positions ``own``..``source_length`` − 1 mapped onto them) or
-    "miss" (a prefill)."""
-
-    kind: str
-    own: int = 0
-    source: str | None = None
-    source_length: int = 0
-
-    @property
-    def reused(self) -> int:
-        """The positions not computed by the model's forward over the prompt."""
-        return self.source_length if self.kind == "handoff" else self.own
-
-
-def choose_reuse(match: PrefixMatch, *, limit: int | None = None, sources: Collection[str] | None = None,
-                 min_gain: int = 1) -> Reuse:
-    """The reuse of ``match``: a handoff when a model in ``sources`` (None: any) holds, past what the model itself
-    holds, at least ``min_gain`` positions it may hand over (its exact or derived rows: `Hold.transferable`), else
-    its own rows, else a miss. Prefixes are capped at ``limit`` positions (e.g. the prompt's length − 1: the last
-    token is read for its logits). A mapper's output is never a handoff's source (no position makes two trips
-    through mappers) and an exact-only match never hands off (the mapped rows would serve it)."""
-    cap = match.tokens if limit is None else limit
-    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-        raise ConfigError(f"limit must be a non-negative integer, got {limit!r}")
-    if isinstance(min_gain, bool) or not isinstance(min_gain, int) or min_gain < 1:
-        raise ConfigError(f"min_gain must be a positive integer, got {min_gain!r}")
-    own = min(match.own.length, cap)
-    if not match.exact_only:
-        candidates = sorted((-min(hold.transferable(own), cap), name) for name, hold in match.holds.items()
-                            if name != match.model and (sources is None or name in sources))
-        if candidates and -candidates[0][0] - own >= min_gain:
-            return Reuse("handoff", own, candidates[0][1], -candidates[0][0])
-    return Reuse("own", own) if own else Reuse("miss")
-
-
-# -- stats -------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelStats:
-    """One model's part of the tree: bytes and nodes held; matches asking for it that its own exact rows served
-    (``hits_own``), that mapped rows served (``hits_mapped``) or nothing (``misses``), those where another model
-    held a longer exact prefix (``handoff_candidates``), the positions asked for and served; payloads evicted."""
-
-    bytes: int = 0
-    nodes: int = 0
-    hits_own: int = 0
-    hits_mapped: int = 0
-    misses: int = 0
-    handoff_candidates: int = 0
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class TreeStats:
-    """The tree for /metrics and /health: bytes, nodes, namespaces, nodes evicted, handles locked, per model."""
-
-    bytes: int
-    nodes: int
-    namespaces: int
-    evictions: int
-    locked: int
-    models: dict[str, ModelStats]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 # -- the tree ----------------------------------------------------------------------------------------------------------
@@ -363,10 +150,7 @@ class PrefixTree:
         self._lock = threading.Lock()
         self._roots: dict[str, _Node] = {}
         self._clock = 0  # a counter, not time: the order of matches and inserts is what LRU needs
-        self._nodes = 0
-        self._node_evictions = 0
-        self._locked = 0
-        self._counts: dict[str, dict[str, int]] = {}
+        self._counts = TreeCounts()
 
     # -- lookup ---------------------------------------------------------------------------------------------------
     def match(self, namespace: str, tokens, model: str, exact_only: bool = False, *,
@@ -388,7 +172,7 @@ class PrefixTree:
             handle = PrefixHandle(namespace, own.length, node, self)
             if lock:
                 self._pin(handle)
-            self._count_match(model, own, holds, len(tokens))
+            self._counts.count_match(model, own, holds, len(tokens))
         return PrefixMatch(namespace, model, len(tokens), exact_only, holds, handle)
 
     # -- insert ---------------------------------------------------------------------------------------------------
@@ -462,12 +246,12 @@ class PrefixTree:
             merged = _merge_tail([*payload.segments, *segments], self._ops(model))
             node.tokens += tokens
             node.last_access = self._clock
-            self._account(model, sum(s.nbytes for s in merged) - payload.nbytes, 0)
+            self._counts.account(model, sum(s.nbytes for s in merged) - payload.nbytes, 0)
             payload.segments, payload.nbytes = merged, sum(s.nbytes for s in merged)
             return node
         child = _Node(tokens, node, self._clock)
         node.children[tokens[0]] = child
-        self._nodes += 1
+        self._counts.nodes += 1
         self._store(child, model, provenance, segments)
         return child
 
@@ -481,18 +265,18 @@ class PrefixTree:
             old = node.payloads[name]
             upper.payloads[name] = _Payload(old.provenance, top, sum(s.nbytes for s in top))
             node.payloads[name] = _Payload(old.provenance, bottom, sum(s.nbytes for s in bottom))
-            self._account(name, upper.payloads[name].nbytes + node.payloads[name].nbytes - old.nbytes, 1)
+            self._counts.account(name, upper.payloads[name].nbytes + node.payloads[name].nbytes - old.nbytes, 1)
         node.parent.children[node.tokens[0]] = upper
         node.tokens, node.parent = node.tokens[count:], upper
         upper.children[node.tokens[0]] = node
-        self._nodes += 1
+        self._counts.nodes += 1
         return upper
 
     def _store(self, node: _Node, model: str, provenance: Provenance, segments: list[_Segment]) -> None:
         old = node.payloads.get(model)
         payload = _Payload(provenance, list(segments), sum(s.nbytes for s in segments))
         node.payloads[model] = payload
-        self._account(model, payload.nbytes - (old.nbytes if old else 0), 0 if old else 1)
+        self._counts.account(model, payload.nbytes - (old.nbytes if old else 0), 0 if old else 1)
 
     # -- locks ----------------------------------------------------------------------------------------------------
     def lock(self, handle: PrefixHandle) -> None:
@@ -512,7 +296,7 @@ class PrefixTree:
                 node.lock_ref -= 1
                 node = node.parent
             handle.locks -= 1
-            self._locked -= 1
+            self._counts.locked -= 1
 
     def _pin(self, handle: PrefixHandle) -> None:
         self._check_handle(handle)
@@ -524,7 +308,7 @@ class PrefixTree:
             node.lock_ref += 1
             node = node.parent
         handle.locks += 1
-        self._locked += 1
+        self._counts.locked += 1
 
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, PrefixHandle) or handle.owner is not self:
@@ -542,7 +326,7 @@ class PrefixTree:
             model = _name(model, "model")
         with self._lock:
             def held() -> int:
-                return self._bytes_held() if model is None else self._counts.get(model, {}).get("bytes", 0)
+                return self._counts.bytes_held(model)
 
             if held() <= limit_bytes:
                 return 0
@@ -568,52 +352,25 @@ class PrefixTree:
     def _drop(self, node: _Node, model: str) -> int:
         """Drop ``model``'s payload on ``node`` (a leaf of its), and ``node`` when nothing is left on it."""
         payload = node.payloads.pop(model)
-        self._account(model, -payload.nbytes, -1)
-        counts = self._counts[model]
-        counts["evictions"] += 1
-        counts["evicted_bytes"] += payload.nbytes
+        self._counts.count_eviction(model, payload.nbytes)
         if not node.payloads:  # no model holds it, so none holds a child either: the node is a leaf
             parent = node.parent
             del parent.children[node.tokens[0]]
             node.alive, node.parent = False, None
-            self._nodes -= 1
-            self._node_evictions += 1
+            self._counts.nodes -= 1
+            self._counts.node_evictions += 1
             if parent.parent is None and not parent.children:
                 self._roots = {key: root for key, root in self._roots.items() if root is not parent}
         return payload.nbytes
 
     def total_bytes(self) -> int:
         with self._lock:
-            return self._bytes_held()
-
-    def _bytes_held(self) -> int:
-        return sum(counts["bytes"] for counts in self._counts.values())
+            return self._counts.bytes_held()
 
     # -- stats ----------------------------------------------------------------------------------------------------
     def stats(self) -> TreeStats:
         with self._lock:
-            return TreeStats(self._bytes_held(), self._nodes, len(self._roots), self._node_evictions, self._locked,
-                             {name: ModelStats(**counts) for name, counts in sorted(self._counts.items())})
-
-    def _model_counts(self, model: str) -> dict[str, int]:
-        counts = self._counts.get(model)
-        if counts is None:
-            counts = self._counts[model] = asdict(ModelStats())
-        return counts
-
-    def _account(self, model: str, nbytes: int, nodes: int) -> None:
-        counts = self._model_counts(model)
-        counts["bytes"] += nbytes
-        counts["nodes"] += nodes
-
-    def _count_match(self, model: str, own: Hold, holds: Mapping[str, Hold], tokens: int) -> None:
-        counts = self._model_counts(model)
-        counts["queried_tokens"] += tokens
-        counts["hit_tokens"] += own.length
-        kind = "misses" if not own.length else "hits_mapped" if own.mapped else "hits_own"
-        counts[kind] += 1
-        if any(hold.transferable(own.length) > own.length for name, hold in holds.items() if name != model):
-            counts["handoff_candidates"] += 1
+            return self._counts.snapshot(len(self._roots))
 
     def _ops(self, model: str) -> RowOps:
         return self._model_ops.get(model, self._default_ops)

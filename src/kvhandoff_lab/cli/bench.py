@@ -37,7 +37,8 @@ from kvhandoff.cli.options import (
 )
 from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.fit.corpus import calibration_batches
-from kvhandoff.workflow import load_named_pair, obtain_mapper, on_source_device
+from kvhandoff.workflow import load_named_pair, obtain_mapper
+from kvhandoff.workflow.pair_mappers import on_source_device
 from kvhandoff_lab.bench import DEFAULT_LENGTHS, bench_mapper, bench_table, run_bench
 from kvhandoff_lab.engine_bench import DEFAULT_ENGINE_LENGTHS
 from kvhandoff_lab.fitbench import describe_fit_cost, run_fit_bench
@@ -176,7 +177,7 @@ def bench_llama_cpp(
     """A switch in llama.cpp on the registry pair's GGUFs: the handoff's time to first logits against llama.cpp's own
     re-prefill, where the time goes, decode speed after it, and the KL against the target's own cache — with the
     transformers engine beside it."""
-    from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings
+    from kvhandoff.runtime.llama_cpp.backend import LlamaCppSettings
     from kvhandoff_lab.engine_bench import engine_table, run_engine_bench
 
     if threads is not None:
@@ -208,7 +209,7 @@ def eval_llama_cpp(
 ) -> None:
     """A switch's answers in llama.cpp against the same switch in transformers, on the switch benchmark's generative
     items: target alone and switch, per engine and direction, with paired intervals."""
-    from kvhandoff.runtime.llama_cpp.engine import LlamaCppSettings
+    from kvhandoff.runtime.llama_cpp.backend import LlamaCppSettings
     from kvhandoff.serving.decoding import end_ids
     from kvhandoff_lab.engine_bench import llama_twins
     from kvhandoff_lab.engine_quality import run_engine_quality

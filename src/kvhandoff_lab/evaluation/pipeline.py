@@ -15,7 +15,8 @@ from kvhandoff.config import TOP_K_CHOICES, FitConfig
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
 from kvhandoff.fit.statistics import CalibrationStats
-from kvhandoff.workflow import NamedPair, load_pair_mapper, obtain_mapper, on_source_device
+from kvhandoff.workflow import NamedPair, load_pair_mapper, obtain_mapper
+from kvhandoff.workflow.pair_mappers import on_source_device
 from kvhandoff_lab.evaluation.options import EvalOptions, OutputOptions, ScoringOptions
 from kvhandoff_lab.evaluation.report import render_results
 from kvhandoff_lab.evaluation.runner import run_eval

@@ -1,19 +1,17 @@
+"""What was measured for the embedded pair's default mappers (kvhandoff.workflow.measured): the packaged records,
+invalid files refused, and the records a mapper carries from its fit on."""
+
 import json
-import logging
 import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
-import torch
 
-from kvhandoff import FitConfig, fit_mapper, workflow
+from kvhandoff import FitConfig, workflow
 from kvhandoff.config import CalibrationSpec
 from kvhandoff.errors import ConfigError
-from kvhandoff.fit.corpus import calibration_batches
-from kvhandoff.fit.statistics import CalibrationStats
 from kvhandoff.mapper.manifest import (
-    GUARD_RULES,
     GuardCalibration,
     MapperManifest,
     RecomputeChoice,
@@ -24,9 +22,9 @@ from kvhandoff.mapper.manifest import (
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.capture import FeatureLayout
 from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
-from kvhandoff.workflow import load_named_pair, mapper_dir, obtain_mapper, on_source_device, statistics_path
+from kvhandoff.workflow import load_named_pair, measured, obtain_mapper
 
-from conftest import random_batches, save_tiny_pair, tiny_model
+from conftest import save_tiny_pair
 
 CALIBRATION = CalibrationSpec(num_sequences=3, seq_len=64)
 
@@ -36,213 +34,6 @@ def pair(tmp_path, monkeypatch):
     monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
     small, large = save_tiny_pair(tmp_path)
     return load_named_pair(small, large, progress=False)
-
-
-def test_mapper_is_fitted_once_then_reused(pair):
-    first, folder, reused = obtain_mapper(pair, calibration=CALIBRATION,
-                                          progress=False)
-    assert not reused and folder == mapper_dir(pair, FitConfig(), CALIBRATION)
-    assert first.manifest["calibration"]["num_tokens"] == 3 * 64
-    again, _, reused = obtain_mapper(pair, calibration=CALIBRATION,
-                                     progress=False)
-    assert reused and again.manifest["tensor_sha256"] == first.manifest["tensor_sha256"]
-    assert first.folder == again.folder == folder  # where `kvhandoff guard-calibrate` records the pair's guard
-    guard = GuardCalibration("entropy", 2.0, None, "answer_changed", GUARD_RULES[0], None, 4, 0, None, 0.0, 2,
-                             "recent:5%", 64)
-    again.record_guard(guard)
-    recorded, _, reused = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
-    assert reused and recorded.manifest.guard == guard  # a recorded guard keeps the cached mapper in use
-
-
-def test_reverse_direction_reuses_the_forward_statistics(pair):
-    obtain_mapper(pair, calibration=CALIBRATION, progress=False, both_directions=True)
-    assert CalibrationStats.saved_content(statistics_path(pair, FitConfig(), CALIBRATION)).target_gram
-    reverse, _, reused = obtain_mapper(pair.reversed(), calibration=CALIBRATION,
-                                       progress=False)
-    assert not reused and reverse.manifest["calibration"]["reused_reverse_pass"] is True
-    assert not statistics_path(pair.reversed(), FitConfig(), CALIBRATION).exists()
-    assert reverse.selected.shape[0] == 2  # the small model is now the target
-    # the same mapper as from a pass of its own in that direction
-    windows = calibration_batches(pair.tokenizer, CALIBRATION.num_sequences, CALIBRATION.seq_len, CALIBRATION.seed,
-                                  CALIBRATION.batch_size, mix=CALIBRATION.mix)
-    own = fit_mapper(pair.target, pair.source, windows, progress=False)
-    torch.testing.assert_close(reverse.weight, own.weight, rtol=0, atol=1e-5)
-
-
-def test_a_pass_for_one_direction_leaves_the_reverse_its_own_pass(pair, caplog):
-    caplog.set_level(logging.INFO, logger="kvhandoff")
-    forward, _, _ = obtain_mapper(pair, calibration=CALIBRATION)
-    assert not CalibrationStats.saved_content(statistics_path(pair, FitConfig(), CALIBRATION)).target_gram
-    reverse, _, reused = obtain_mapper(pair.reversed(), calibration=CALIBRATION)
-    assert not reused and "reused_reverse_pass" not in reverse.manifest["calibration"]
-    assert statistics_path(pair.reversed(), FitConfig(), CALIBRATION).is_file()
-    assert "hold no target Gram" in caplog.text
-    # asking for both directions later reuses the cached pass of each as it is
-    again, _, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False, both_directions=True, refit=True)
-    assert torch.equal(again.weight, forward.weight)
-
-
-def test_attention_weighted_rows_are_a_pass_of_their_own_that_serves_one_direction(pair):
-    weighted = FitConfig(row_weights="attention")
-    obtain_mapper(pair, calibration=CALIBRATION, progress=False, both_directions=True)
-    mapper, folder, reused = obtain_mapper(pair, weighted, CALIBRATION, progress=False)
-    assert not reused and folder != mapper_dir(pair, FitConfig(), CALIBRATION)
-    assert statistics_path(pair, weighted, CALIBRATION).is_file() and mapper.manifest["config"]["row_weights"] == \
-        "attention"
-    # the uniform pass of the other direction holds its Gram, but its rows are not weighted by this target
-    reverse, _, _ = obtain_mapper(pair.reversed(), weighted, CALIBRATION, progress=False)
-    assert "reused_reverse_pass" not in reverse.manifest["calibration"]
-    assert statistics_path(pair.reversed(), weighted, CALIBRATION).is_file()
-    with pytest.raises(ConfigError, match="nor the reverse direction"):
-        obtain_mapper(pair, weighted, CALIBRATION, progress=False, both_directions=True, refit=True)
-
-
-def test_damaged_cached_mapper_is_refitted_not_reused(pair, caplog):
-    _, folder, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
-    tensors = folder / "mapper.safetensors"
-    tensors.write_bytes(tensors.read_bytes()[:100])
-    mapper, _, reused = obtain_mapper(pair, calibration=CALIBRATION)
-    assert not reused and mapper.num_parameters() > 0
-    assert "not usable" in caplog.text
-
-
-def test_heldout_config_collects_rows_and_reuses_them(pair):
-    from kvhandoff.workflow import features_dir
-
-    config = FitConfig(top_k="heldout", ridge_lambda="heldout")
-    mapper, _, reused = obtain_mapper(pair, config, CALIBRATION, progress=False, both_directions=True)
-    assert not reused and features_dir(pair, config, CALIBRATION).is_dir()
-    assert len(mapper.manifest["fit_metrics"]["heldout_choice"]["k_per_target_layer"]) == 3
-    # the reverse direction reads the same pass's rows, flipped
-    reverse, _, _ = obtain_mapper(pair.reversed(), config, CALIBRATION, progress=False)
-    assert reverse.manifest["calibration"]["reused_reverse_pass"] is True
-    assert len(reverse.manifest["fit_metrics"]["heldout_choice"]["k_per_target_layer"]) == 2
-
-
-def test_a_calibration_mix_is_its_own_cache_entry(pair):
-    mixed = CalibrationSpec(num_sequences=4, seq_len=64, mix=("prose", "exams"))
-    assert statistics_path(pair, FitConfig(), mixed) != statistics_path(pair, FitConfig(), CALIBRATION)
-    mapper, folder, reused = obtain_mapper(pair, calibration=mixed, progress=False)
-    assert not reused and folder == mapper_dir(pair, FitConfig(), mixed)
-    assert mapper.manifest["calibration"]["mix"] == {"prose": 2, "exams": 2}
-    assert mapper.manifest["calibration"]["num_tokens"] == 4 * 64
-
-
-@pytest.mark.parametrize(("lead_gram", "both_directions"), [(False, False), (True, True), (False, True)])
-def test_a_mix_extends_a_cached_pass_of_its_leading_groups(pair, monkeypatch, lead_gram, both_directions):
-    from kvhandoff import workflow
-
-    lead = CalibrationSpec(num_sequences=2, seq_len=64, mix=("prose", "exams"))
-    extended = CalibrationSpec(num_sequences=3, seq_len=64, mix=("prose", "exams", "tasks"))
-    workflow.obtain_statistics(pair, FitConfig(), lead, progress=False, both_directions=lead_gram)
-    collected = []
-    real_collect = workflow._collect
-    monkeypatch.setattr(workflow, "_collect", lambda *a, **k: collected.append(a[2]) or real_collect(*a, **k))
-    stats, info = workflow.obtain_statistics(pair, FitConfig(), extended, progress=False,
-                                             both_directions=both_directions)
-    # only the new group was run through the models
-    assert collected == [CalibrationSpec(num_sequences=1, seq_len=64, mix=("tasks",))]
-    assert info["mix"] == {"prose": 1, "exams": 1, "tasks": 1} and info["num_tokens"] == 3 * 64
-    assert info["assembled_from"]["new_pass"]["mix"] == ["tasks"]
-    assert statistics_path(pair, FitConfig(), extended).is_file()
-    # the same statistics as one pass over the whole mix (sums over disjoint windows add)
-    path = statistics_path(pair, FitConfig(), extended)
-    # the Gram when both passes sum it
-    assert CalibrationStats.saved_content(path).target_gram == (lead_gram and both_directions)
-    saved = CalibrationStats.load(path, target_gram=lead_gram and both_directions)
-    whole, whole_info = real_collect(pair, FitConfig(), extended, False, target_gram=True)
-    assert stats.count == saved.count == whole.count and info["token_ids_sha256"] == whole_info["token_ids_sha256"]
-    for name, tensor in saved.tensors().items():
-        assert torch.allclose(tensor, whole.tensors()[name], rtol=1e-9, atol=1e-6)
-
-
-def test_a_pass_with_feature_rows_is_never_assembled(pair):
-    config = FitConfig(top_k="heldout", ridge_lambda="heldout")
-    lead = CalibrationSpec(num_sequences=2, seq_len=64, mix=("prose", "exams"))
-    extended = CalibrationSpec(num_sequences=3, seq_len=64, mix=("prose", "exams", "tasks"))
-    obtain_mapper(pair, config, lead, progress=False)
-    mapper, _, _ = obtain_mapper(pair, config, extended, progress=False)
-    assert "assembled_from" not in mapper.manifest["calibration"]
-
-
-def test_a_changed_model_under_the_same_name_never_reuses_old_statistics(pair, tmp_path, monkeypatch, caplog):
-    from kvhandoff import workflow
-
-    from conftest import tiny_model
-
-    workflow.obtain_statistics(pair, FitConfig(), CALIBRATION, progress=False)
-    first = statistics_path(pair, FitConfig(), CALIBRATION)
-    assert first.is_file()
-    # another model saved into the same folder: same name, different weights
-    tiny_model("qwen2", layers=3, head_dim=32, seed=7, vocab_size=300).save_pretrained(pair.target_spec)
-    changed = load_named_pair(pair.source_spec, pair.target_spec, progress=False)
-    assert changed.target_identity != pair.target_identity
-    assert statistics_path(changed, FitConfig(), CALIBRATION) != first
-    collected = []
-    real_collect = workflow._collect
-    monkeypatch.setattr(workflow, "_collect", lambda *a, **k: collected.append(a[2]) or real_collect(*a, **k))
-    _, info = workflow.obtain_statistics(changed, FitConfig(), CALIBRATION, progress=False)
-    assert collected == [CALIBRATION] and info["target_identity"] == changed.target_identity
-    # an entry whose record names other models (e.g. copied by hand) is stale: rebuilt, with a one-line note
-    stale = statistics_path(changed, FitConfig(), CALIBRATION).with_suffix(".json")
-    stale.write_text(stale.read_text().replace(changed.target_identity, pair.target_identity))
-    workflow.obtain_statistics(changed, FitConfig(), CALIBRATION)
-    assert len(collected) == 2 and "stale" in caplog.text
-
-
-def test_an_unreadable_cached_entry_is_rebuilt(pair, caplog):
-    from kvhandoff import workflow
-
-    workflow.obtain_statistics(pair, FitConfig(), CALIBRATION, progress=False)
-    statistics_path(pair, FitConfig(), CALIBRATION).with_suffix(".json").write_text("{not json")
-    stats, info = workflow.obtain_statistics(pair, FitConfig(), CALIBRATION)
-    assert stats.count > 0 and info["num_tokens"] == 3 * 64
-    assert "not usable" in caplog.text
-
-
-def test_the_manifest_records_each_sides_own_tokenizer(pair):
-    from kvhandoff.model.geometry import tokenizer_hash
-
-    mapper, _, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
-    assert mapper.manifest["source_fingerprint"]["tokenizer_hash"] == tokenizer_hash(pair.models.source_tokenizer)
-    assert mapper.manifest["target_fingerprint"]["tokenizer_hash"] == tokenizer_hash(pair.models.target_tokenizer)
-
-
-def test_a_pair_whose_tokenizers_differ_is_refused(tmp_path):
-    from kvhandoff.errors import IncompatiblePairError
-
-    from conftest import chat_tokenizer
-
-    small, large = save_tiny_pair(tmp_path / "models")
-    chat_tokenizer().save_pretrained(large)
-    with pytest.raises(IncompatiblePairError, match="tokenizers differ"):
-        load_named_pair(small, large, progress=False)
-
-
-def test_a_mapper_goes_where_the_source_takes_its_inputs():
-    source, target = tiny_model("qwen2", layers=2), tiny_model("qwen2", layers=3, seed=1)
-    mapper = fit_mapper(source, target, random_batches(2), FitConfig(top_k=1), progress=False)
-    assert on_source_device(mapper, source) is mapper and mapper.device == torch.device("cpu")  # CPU: untouched
-    assert on_source_device(None, source) is None
-    source.model.embed_tokens.to("meta")  # stands in for a GPU this machine lacks
-    on_source_device(mapper, source)
-    assert mapper.device == torch.device("meta") and mapper.weight.device == torch.device("meta")
-
-
-def test_maps_that_read_k_and_v_collect_again_over_a_pass_without_the_cross_moments(pair, caplog):
-    caplog.set_level(logging.INFO, logger="kvhandoff")
-    path = statistics_path(pair, FitConfig(), CALIBRATION)
-    own, _, _ = obtain_mapper(pair, calibration=CALIBRATION)
-    assert CalibrationStats.saved_content(path).kv_cross is False
-    joint, _, _ = obtain_mapper(pair, FitConfig(source_inputs="kv"), CALIBRATION)
-    assert "hold no K–V cross moments" in caplog.text
-    caplog.clear()
-    assert CalibrationStats.saved_content(path).kv_cross is True  # the same windows, now with them
-    assert joint.weight.shape[2] == 2 * own.weight.shape[2]
-    # the pass with them serves maps of their own modality as well, as they were
-    again, _, reused = obtain_mapper(pair, calibration=CALIBRATION, refit=True)
-    assert not reused and "collecting" not in caplog.text
-    torch.testing.assert_close(again.weight, own.weight, rtol=0, atol=1e-6)
 
 
 def record_entry(source: str, target: str, config: FitConfig | None = None, calibration: CalibrationSpec = CALIBRATION,
@@ -267,7 +58,7 @@ def test_a_mapper_with_a_measured_guard_records_it_when_fitted(pair, monkeypatch
                              rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=10, bad_switches=4,
                              catch_rate=0.5, false_fallback_rate=0.1, dev_conversations=5, recompute="recent:5%",
                              window=64)
-    monkeypatch.setattr(workflow, "MEASURED_RECORDS_FILE",
+    monkeypatch.setattr(measured, "MEASURED_RECORDS_FILE",
                         records_file(tmp_path, record_entry(pair.source_spec, pair.target_spec, guard=guard)))
     mapper, folder, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
     assert mapper.manifest.guard == guard and mapper.manifest.recompute is None
@@ -279,7 +70,7 @@ def test_a_mapper_with_a_measured_guard_records_it_when_fitted(pair, monkeypatch
 def test_a_mapper_with_a_measured_recompute_policy_records_it_when_fitted(pair, monkeypatch, tmp_path):
     choice = RecomputeChoice("turn_attention:5%", "fastest_at_min_retention", 0.97, "generative",
                              ("coqa_gen", "boolq_long"), "dev", 12, 0.98, 2048, 8.2)
-    monkeypatch.setattr(workflow, "MEASURED_RECORDS_FILE",
+    monkeypatch.setattr(measured, "MEASURED_RECORDS_FILE",
                         records_file(tmp_path, record_entry(pair.source_spec, pair.target_spec, recompute=choice)))
     mapper, folder, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
     assert mapper.manifest.recompute == choice and mapper.manifest.guard is None
@@ -294,7 +85,7 @@ def test_the_default_pairs_measured_records_serve_as_recorded():
     from kvhandoff.runtime.policy import parse
     from kvhandoff.runtime.switch.guard import Fallback
     from kvhandoff.runtime.switch.pair import guard_policy
-    from kvhandoff.serving.config import ServeConfig
+    from kvhandoff.serving.settings import ServeConfig
 
     for record in workflow.measured_records():
         policy = guard_policy(ServeConfig().switch, record.guard, recompute=parse(record.recompute.spec))
@@ -361,7 +152,7 @@ def test_the_packaged_records_are_the_measured_values_with_their_source():
         assert "experiments/switch_guard.py" in record.measured_by["guard"]["command"]
         assert "experiments/recompute_tradeoff.py" in record.measured_by["recompute"]["command"]
     # no measured number is left in the code
-    code = Path(workflow.__file__).read_text(encoding="utf-8")
+    code = "".join(path.read_text(encoding="utf-8") for path in Path(workflow.__file__).parent.glob("*.py"))
     numbers = {repr(float(v)) for r in EXPECTED_RECORDS for v in (r.guard.threshold, r.guard.auroc,
                                                                   r.recompute.mean_retention, r.recompute.speedup)}
     assert not [n for n in numbers if n in code]
@@ -370,7 +161,7 @@ def test_the_packaged_records_are_the_measured_values_with_their_source():
 def test_the_records_file_ships_with_the_package():
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
     patterns = pyproject["tool"]["setuptools"]["package-data"]["kvhandoff"]
-    package = Path(workflow.__file__).parent
+    package = Path(workflow.__file__).parents[1]
     relative = workflow.MEASURED_RECORDS_FILE.relative_to(package).as_posix()
     assert any(fnmatch(relative, pattern) for pattern in patterns)
 
