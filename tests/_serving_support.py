@@ -7,6 +7,8 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import threading
+import time
 
 import torch
 
@@ -84,3 +86,30 @@ def reference_answer(model, tokenizer, ids, max_tokens: int) -> str:
     if tokenizer.eos_token_id in answer:
         answer = answer[: answer.index(tokenizer.eos_token_id)]
     return tokenizer.decode(answer, skip_special_tokens=True)
+
+
+class GatedModel:
+    """A model whose forward passes wait on `gate` once `free` calls have gone through (the worker is then busy)."""
+
+    def __init__(self, model, free: int) -> None:
+        self.model, self.free, self.calls = model, free, 0
+        self.gate, self.waiting = threading.Event(), threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls > self.free:
+            self.waiting.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def wait_for(condition, what: str, tries: int = 1000) -> None:
+    """Poll ``condition`` (bounded: tries × 10 ms) — the server acts on another thread."""
+    for _ in range(tries):
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -566,6 +566,9 @@ def test_serve_builds_the_config_and_family_from_its_options(monkeypatch, tmp_pa
     assert (models, mappers) == ({"models": 1}, {"mappers": 2})
     assert (config.port, config.switch.guard, config.max_context, config.cache_memory_bytes) == (0, False, 300, 1000)
     assert config.switch.guard_action == Escalate(Recent(0.35))
+    assert (config.read_timeout_s, config.open_probes) == (30.0, False)  # the probes need the key by default
+    invoke(["serve", "--models", "small=/m/s,large=/m/l", "--read-timeout", "2.5", "--open-probes"])
+    assert (calls["run"][2].read_timeout_s, calls["run"][2].open_probes) == (2.5, True)
     invoke(["serve", "--models", "small=/m/s,large=/m/l"])
     assert calls["run"][2].switch.guard_action is None  # each pair's recorded action
     assert (calls["run"][2].switch.min_speedup, calls["run"][2].switch.min_retention) == (None, None)  # the records

@@ -1,21 +1,30 @@
 """The server holds under hostile input: requests that used to crash a route (500), drop the connection or freeze
 the event loop are refused at the edge with a 400 in OpenAI's error shape naming the field, or (a tiny top_p)
-served as the user means them. Against a real server of the tiny family on a loopback port."""
+served as the user means them; a client that goes away or sends its body slowly holds nothing; tenants learn
+nothing of each other's openings. Against a real server of the tiny family on a loopback port."""
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import torch
 
-from _serving_support import AGENT_CONTEXT, running, tiny_family
+from _serving_support import AGENT_CONTEXT, GatedModel, running, tiny_family, wait_for
+from kvhandoff.runtime.seam import new_cache
+from kvhandoff.serving.answers import ECHO_CHUNK, echo
 from kvhandoff.serving.parse import MAX_LOGGED_FIELDS, MAX_LOGGED_NAME_CHARS
 from kvhandoff.serving.prompts import LENGTH_CHUNK_CHARS
 from kvhandoff.serving.protocol import MAX_KEY_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from kvhandoff.serving.requests import MAX_LOGPROB_ENTRIES, GenerationRequest, token_entry
 from kvhandoff.serving.tools import MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH, MAX_TOOLS
+from kvhandoff.serving.worker import HostedModel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -181,3 +190,213 @@ def test_unknown_field_names_are_logged_boundedly(caplog):
     assert len(named) == MAX_LOGGED_FIELDS
     assert all(len(line.split("'")[1]) == MAX_LOGGED_NAME_CHARS for line in named)
     assert sum("not logged any more" in line for line in lines) == 1
+
+
+# -- nothing heavy on the event loop ------------------------------------------------------------------------------
+def health_waits(server, busy: threading.Thread) -> list[float]:
+    """How long each /health took while ``busy`` ran (asked at least once)."""
+    waits = []
+    while True:
+        asked = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        waits.append(time.perf_counter() - asked)
+        if not busy.is_alive():
+            return waits
+        time.sleep(0.02)
+
+
+def test_a_response_past_the_logprob_bound_is_refused_before_any_work(server):
+    before = [server.engine.hosted(name).worker.steps for name in ("small", "large")]
+    started = time.perf_counter()
+    huge = post(server, {**BASE, "n": 16, "logprobs": True, "top_logprobs": 20, "max_tokens": 4000})
+    error = refused(huge, "top_logprobs", "n × max_tokens × (1 + top_logprobs)", f"{MAX_LOGPROB_ENTRIES:,}")
+    assert error["code"] == "response_too_large" and time.perf_counter() - started < 3
+    prompt = list(range(3, 253)) * 12  # 3,000 ids: echoed into each of 16 choices with 1 + 5 entries a position
+    echoed = post(server, {"model": "small", "prompt": prompt, "echo": True, "logprobs": 5, "n": 16, "max_tokens": 1},
+                  "/v1/completions")
+    refused(echoed, "logprobs", "echoed prompt", "lower n, max_tokens or logprobs")
+    assert [server.engine.hosted(name).worker.steps for name in ("small", "large")] == before  # nothing ran
+    assert post(server, {**BASE, "n": 16, "logprobs": True, "top_logprobs": 20}).status_code == 200  # 16 × 2 × 21
+
+
+def test_a_large_answer_is_written_while_health_answers(server):
+    body = {**BASE, "n": 4, "logprobs": True, "top_logprobs": 20, "max_tokens": 300, "ignore_eos": True, "seed": 1}
+    answer: dict = {}
+    sender = threading.Thread(target=lambda: answer.update(response=post(server, body)))
+    sender.start()
+    waits = health_waits(server, sender)
+    sender.join()
+    assert answer["response"].status_code == 200, answer["response"].text
+    choices = answer["response"].json()["choices"]
+    assert len(choices) == 4 and all(len(c["logprobs"]["content"]) == 300 for c in choices)
+    assert all(len(entry["top_logprobs"]) == 20 for entry in choices[0]["logprobs"]["content"])
+    assert max(waits) < 3.0, waits  # well under a second alone; the suite shares two cores with other workers
+
+
+# -- clients that go away, clients that dawdle ------------------------------------------------------------------------
+def raw_request(url: str, head: bytes, body: bytes = b"") -> socket.socket:
+    """A connection to ``url``'s server that has sent ``head`` (the request line and headers) and ``body``."""
+    where = urlsplit(url)
+    connection = socket.create_connection((where.hostname, where.port), timeout=30)
+    connection.sendall(head + b"\r\n\r\n" + body)
+    return connection
+
+
+def post_head(path: str, length: int) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: kvhandoff\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}").encode()
+
+
+def metric_lines(server, key=None) -> list[str]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(server.url + "/metrics", headers=headers, timeout=10).text.splitlines()
+
+
+@pytest.mark.parametrize("key", [None, "sesame"])  # with a key, the connection is watched through its check
+def test_a_client_that_goes_away_cancels_its_non_streaming_generation(key):
+    models, _ = tiny_family()
+    model, tokenizer = models["small"]
+    gated = GatedModel(model, free=3)  # the prefill and two decoding steps, then the worker waits
+    with running({"m": (gated, tokenizer)}, {}, api_key=key) as server:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        head = post_head("/v1/chat/completions", len(body)) + (f"\r\nAuthorization: Bearer {key}".encode() if key
+                                                               else b"")
+        connection = raw_request(server.url, head, body)
+        wait_for(gated.waiting.is_set, "the generation to be decoding")
+        connection.close()  # the client goes away before its answer
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        health = lambda: httpx.get(server.url + "/health", headers=headers, timeout=10).json()  # noqa: E731
+        wait_for(lambda: health()["cancelling"] == 1, "the server to see the client go")
+        gated.gate.set()
+        wait_for(lambda: health()["running"] == 0, "the generation to stop")
+        assert gated.calls < 10  # it stopped at its next token, not after 200
+        lines = metric_lines(server, key)
+        assert "kvhandoff_cancelled_total 1.0" in lines
+        assert 'kvhandoff_requests_total{endpoint="/v1/chat/completions",outcome="499"} 1.0' in lines
+
+
+def test_a_body_that_arrives_too_slowly_is_answered_408_and_the_connection_closed():
+    with running(read_timeout_s=0.5) as server:
+        started = time.perf_counter()
+        connection = raw_request(server.url, post_head("/v1/chat/completions", 100), b'{"model": "small"')
+        assert httpx.get(server.url + "/health", timeout=3).status_code == 200  # the server answers meanwhile
+        answer = b""
+        while chunk := connection.recv(65536):  # until the server closes the connection
+            answer += chunk
+        connection.close()
+        assert time.perf_counter() - started < 10
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower()
+        error = json.loads(body)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "request_timeout"
+        assert "--read-timeout" in error["message"]
+        assert post(server, BASE).status_code == 200  # a client that sends its body in time is served
+
+
+# -- memory: an echo's log-probs are read in chunks -----------------------------------------------------------------
+def one_pass_entries(model, tokenizer, ids: list[int], alternatives: int) -> list:
+    """The echo's entries as one forward over the whole prompt computes them (every position's logits held)."""
+    with torch.inference_mode():
+        logprobs = new_cache(model).read(model, torch.tensor([ids]), 0)[0].float().log_softmax(-1)
+    return [token_entry(tokenizer, None, ids[0], 0)] + [
+        token_entry(tokenizer, logprobs[i - 1], ids[i], alternatives) for i in range(1, len(ids))]
+
+
+def test_an_echo_reads_its_prompt_in_chunks_and_reports_the_one_pass_entries(server):
+    model, tokenizer = tiny_family(AGENT_CONTEXT)[0]["small"]
+    ids = [(7 * i) % 250 + 3 for i in range(2 * ECHO_CHUNK + 90)]  # three chunks
+    expected = one_pass_entries(model, tokenizer, ids, 3)
+    hosted = HostedModel("small", model, tokenizer, frozenset(), 300, None)
+    request = GenerationRequest(model="small", prompt=tuple(ids), logprobs=3, echo=True)
+    with torch.inference_mode():
+        reading = echo(hosted, request, ids, chunk=37)
+        chunks = 0
+        try:
+            while True:
+                next(reading)
+                chunks += 1
+        except StopIteration as done:
+            _, entries = done.value
+    assert chunks == -(-(len(ids) - 1) // 37)  # one forward per chunk of the positions that need logits
+    assert [(e.token, e.bytes, [t for t, _, _ in e.top]) for e in entries] == \
+        [(e.token, e.bytes, [t for t, _, _ in e.top]) for e in expected]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in expected], abs=1e-5, nan_ok=True)
+    answered = post(server, {"model": "small", "prompt": ids, "echo": True, "logprobs": 3, "max_tokens": 0},
+                    "/v1/completions")
+    assert answered.status_code == 200, answered.text
+    logprobs = answered.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [e.token for e in expected]
+    assert logprobs["token_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == pytest.approx([e.logprob for e in expected[1:]], abs=1e-5)
+    assert [set(top) for top in logprobs["top_logprobs"][1:]] == [{t for t, _, _ in e.top} for e in expected[1:]]
+
+
+# -- tenants: the openings store is per tenant, the probes need a key ----------------------------------------------
+def switch(server, key: str, session: str) -> None:
+    """One conversation of tenant ``key``: a turn on small, the next on large (a switch: the opening is looked up)."""
+    headers = {"Authorization": f"Bearer {key}", "X-Session-ID": session}
+    messages = [{"role": "user", "content": "Tell me about the tides."}]
+    first = post(server, {"model": "small", "messages": messages, "max_tokens": 3, "temperature": 0}, headers=headers)
+    assert first.status_code == 200, first.text
+    messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "And the moon?"}]
+    second = post(server, {"model": "large", "messages": messages, "max_tokens": 3, "temperature": 0},
+                  headers=headers)
+    assert second.status_code == 200 and second.headers["x-kv-handoff"] == "applied", second.text
+
+
+def test_a_tenant_never_finds_another_tenants_opening_and_the_probes_need_a_key():
+    with running(api_key=("key-a", "key-b"), exact_prefix=4) as server:
+        keyed = {"Authorization": "Bearer key-a"}
+        store = lambda: httpx.get(server.url + "/health", headers=keyed, timeout=10).json()["prefix_store"]  # noqa: E731
+        switch(server, "key-a", "one")
+        assert store()["hits"] == 0 and store()["openings"] == 1
+        switch(server, "key-b", "two")  # the same opening under another key: not found, kept apart
+        assert store()["hits"] == 0 and store()["misses"] == 2 and store()["openings"] == 2
+        switch(server, "key-a", "three")  # the first tenant's own opening serves it
+        assert store()["hits"] == 1 and store()["openings"] == 2
+        health = httpx.get(server.url + "/health", headers=keyed, timeout=10).json()
+        assert health["cache_bytes"] >= health["prefix_store"]["bytes"] > 0  # under --cache-memory
+        for probe in ("/health", "/metrics"):
+            answer = httpx.get(server.url + probe, timeout=10)
+            assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+        assert "kvhandoff_cache_bytes" in "\n".join(metric_lines(server, "key-b"))
+    with running(api_key="key-a", open_probes=True) as server:
+        stranger = httpx.get(server.url + "/health", timeout=10)
+        assert stranger.status_code == 200
+        assert set(stranger.json()) == {"status", "models", "running", "cancelling"}  # liveness, no cache figures
+        tenant = httpx.get(server.url + "/health", headers={"Authorization": "Bearer key-a"}, timeout=10).json()
+        assert {"prefix_store", "prefix_cache", "cache_bytes", "sessions"} <= set(tenant)
+        assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200
+
+
+# -- the contract ---------------------------------------------------------------------------------------------------
+def test_head_health_answers_and_unreadable_bodies_are_invalid_json(server):
+    head = httpx.head(server.url + "/health", timeout=10)
+    assert head.status_code == 200 and head.content == b""
+    for body, why in ((b'{"model": "small", "messages": [{"role": "user", "content": "caf\xe9"}]}', "UTF-8"),
+                      (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+                      (b'{"a": ' * 20_000 + b"1" + b"}" * 20_000, "nested too deeply")):
+        answer = httpx.post(server.url + CHAT, content=body, headers={"Content-Type": "application/json"}, timeout=30)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "invalid_json" and error["param"] is None and why in error["message"], error
+
+
+def test_the_openapi_document_states_integer_bounds_as_json_schema_does(server):
+    document = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    schemas = document["components"]["schemas"]
+
+    def integer(schema: dict) -> dict:
+        return next(option for option in schema.get("anyOf", [schema]) if option.get("type") == "integer")
+
+    chat, completion = schemas["ChatCompletionRequest"]["properties"], schemas["CompletionRequest"]["properties"]
+    assert integer(chat["n"]) == {"type": "integer", "minimum": 1, "maximum": 16}
+    assert integer(chat["max_tokens"]) == {"type": "integer", "exclusiveMinimum": 0}
+    assert integer(chat["top_logprobs"]) == {"type": "integer", "minimum": 0, "maximum": 20}
+    assert integer(completion["logprobs"]) == {"type": "integer", "minimum": 0, "maximum": 5}
+    assert integer(completion["max_tokens"]) == {"type": "integer", "minimum": 0}
+    assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] == {"type": "integer", "minimum": 0}
+    text = json.dumps(document)
+    assert not any(f'"{name}":' in text for name in ("ge", "le", "gt", "lt"))  # pydantic's names, not JSON Schema's

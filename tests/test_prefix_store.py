@@ -53,3 +53,25 @@ def test_the_least_recently_used_opening_is_dropped_first(model):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="capacity"):
             PrefixStore(capacity=bad)
+
+
+def test_a_namespace_sees_only_its_own_openings_and_trim_bounds_the_bytes(model):
+    store = PrefixStore(capacity=4)
+    alice, bob = store.within("alice"), store.within("bob")
+    opening = ids_of(seed=7)
+    alice.prime(model, opening)
+    assert bob.lookup(model, opening, torch.float32) is None  # another tenant's opening is not found
+    assert store.lookup(model, opening, torch.float32) is None  # nor by the store's own (namespace None)
+    assert alice.lookup(model, opening, torch.float32) is not None
+    assert (store.hits, store.misses) == (1, 2) and len(store) == len(bob) == 1  # counters and entries shared
+    one = store.bytes()
+    assert one == sum(t.numel() * t.element_size() for layer in prefill(model, opening)[0].layers
+                      for t in (layer.keys, layer.values))
+    bob.prime(model, opening)
+    store.prime(model, ids_of(seed=8))
+    assert len(store) == 3 and store.bytes() == 3 * one
+    assert alice.lookup(model, opening, torch.float32) is not None  # alice's is now the most recently used
+    assert store.trim(one) == 2 and store.bytes() == one
+    assert alice.lookup(model, opening, torch.float32) is not None and bob.lookup(model, opening, torch.float32) is None
+    store.clear()
+    assert store.bytes() == 0 and len(alice) == 0

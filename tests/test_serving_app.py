@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -17,7 +16,7 @@ import pytest
 import schemathesis
 import torch
 
-from _serving_support import AGENT_CONTEXT, chat_ids, reference_answer, running, tiny_family
+from _serving_support import AGENT_CONTEXT, GatedModel, chat_ids, reference_answer, running, tiny_family, wait_for
 from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.app import create_app
 from kvhandoff.serving.engine import Engine
@@ -424,33 +423,6 @@ def test_cache_memory_limit_evicts_the_least_recently_used_session():
         assert text == expected("large", first)
 
 
-class GatedModel:
-    """A model whose forward passes wait on `gate` once `free` calls have gone through (the worker is then busy)."""
-
-    def __init__(self, model, free: int) -> None:
-        self.model, self.free, self.calls = model, free, 0
-        self.gate, self.waiting = threading.Event(), threading.Event()
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls > self.free:
-            self.waiting.set()
-            assert self.gate.wait(30), "the test never opened the gate"
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
-def wait_for(condition, what: str, tries: int = 1000) -> None:
-    """Poll ``condition`` (bounded: tries × 10 ms) — the server acts on another thread."""
-    for _ in range(tries):
-        if condition():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_full_server_answers_429_and_503_and_health_while_busy():
     models, _ = tiny_family()
     model, tokenizer = models["small"]
@@ -778,7 +750,8 @@ def test_router_headers_and_the_litellm_session_key(agent_server):
     assert forced.headers["x-vsr-kv-transfer-status"] == "fallback_reprefill"
 
 
-def test_an_api_key_guards_every_route_but_the_open_probes():
+def test_an_api_key_guards_every_route_and_the_probes_unless_they_are_opened():
+    key = {"Authorization": "Bearer sesame"}
     with running(api_key="sesame") as server:
         assert httpx.get(server.url + "/v1/models").status_code == 401
         refused = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
@@ -787,10 +760,11 @@ def test_an_api_key_guards_every_route_but_the_open_probes():
             client_of(server).models.list()
         keyed = openai.OpenAI(base_url=server.url + "/v1", api_key="sesame", max_retries=0, timeout=30)
         assert [m.id for m in keyed.models.list()] == ["small", "large"]
-        assert httpx.get(server.url + "/health").status_code == 200
-        assert httpx.get(server.url + "/metrics").status_code == 200
-    with running(api_key="sesame", open_probes=False) as server:
-        assert httpx.get(server.url + "/health").status_code == 401
+        assert httpx.get(server.url + "/health").status_code == httpx.get(server.url + "/metrics").status_code == 401
+        assert httpx.get(server.url + "/health", headers=key).status_code == 200
+        assert httpx.get(server.url + "/metrics", headers=key).status_code == 200
+    with running(api_key="sesame", open_probes=True) as server:
+        assert httpx.get(server.url + "/health").status_code == httpx.get(server.url + "/metrics").status_code == 200
 
 
 def test_a_router_naming_the_cache_pins_the_session_and_gets_the_name_back(agent_server):

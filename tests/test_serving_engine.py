@@ -25,6 +25,7 @@ from kvhandoff.runtime.switch.turn import common_prefix
 from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
 from kvhandoff.serving.decoding import SamplingParams
 from kvhandoff.serving.engine import Engine
+from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE
 from kvhandoff.serving.prompts import LENGTH_CHUNK_CHARS, surely_longer
 from kvhandoff.serving.requests import GenerationRequest, RequestError
 from kvhandoff.serving.settings import ServeConfig
@@ -162,7 +163,9 @@ def test_conversations_that_open_alike_share_the_exact_prefix_at_a_switch():
                 second = (*first, ("assistant", text), ("user", "And the moon?"))
                 answers.append((await ask(engine, "large", messages=second, session=session, max_tokens=6))[0])
             assert answers[0] == answers[1]
-            assert engine.health()["prefix_store"] == {"openings": 1, "hits": 1, "misses": 1}
+            store = engine.health()["prefix_store"]
+            assert store == {"openings": 1, "bytes": engine.prefix_store.bytes(), "hits": 1, "misses": 1}
+            assert store["bytes"] > 0 and engine.cache_bytes() >= store["bytes"]
         finally:
             engine.close()
 
@@ -182,8 +185,9 @@ def test_the_engine_and_its_sessions_hold_the_settings_parsed_once():
     engine = Engine(family, mappers, config)
     try:
         assert engine.plan == HandoffPlan(2, Sinks(0.1), engine.prefix_store)
-        session = engine._new_session()
-        assert session.plan is engine.plan and session.handover == config.handover
+        session = engine._new_session()  # the engine's plan, its openings kept in the default tenant's share
+        assert dataclasses.replace(session.plan, prefix_store=engine.prefix_store) == engine.plan
+        assert session.plan.prefix_store.namespace == DEFAULT_NAMESPACE and session.handover == config.handover
     finally:
         engine.close()
 

@@ -4,6 +4,7 @@ said at start-up, shown on /health, and the one each pair's switches run under."
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -60,8 +61,10 @@ def test_the_server_hands_each_pair_over_under_its_own_policy_and_says_so(caplog
         assert engine.policies[FORWARD].plan.recompute == Recent(0.2)
         assert engine.policies[BACKWARD].plan.recompute == DEFAULT_RECOMPUTE
         assert engine.policies[FORWARD].plan.prefix_store is engine.prefix_store  # the rest of the plan is the server's
-        session = engine._new_session()
-        assert session.pair_plans == {pair: p.plan for pair, p in engine.policies.items()}
+        session = engine._new_session("tenant")  # the pair's plan, its openings kept in the tenant's share
+        assert {pair: replace(plan, prefix_store=engine.prefix_store) for pair, plan in session.pair_plans.items()} \
+            == {pair: p.plan for pair, p in engine.policies.items()}
+        assert {plan.prefix_store.namespace for plan in session.pair_plans.values()} == {"tenant"}
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("recompute for")]
         assert len(lines) == 2 and any("small → large: recent:20% (recorded" in line for line in lines)
     finally:

@@ -34,7 +34,8 @@ def test_serve_config_validates_every_field_by_name():
     for field, bad in (("port", -1), ("max_sessions", 0), ("session_ttl_s", 0), ("cache_memory_bytes", 0),
                        ("max_context", 1), ("default_max_tokens", 0), ("max_queue", 0), ("handover", "lazy"),
                        ("log_level", "loud"), ("host", ""), ("max_body_bytes", 0), ("admission_wait_s", -1),
-                       ("drain_timeout_s", 0), ("api_key", ""), ("api_key", ("a", "")), ("api_key", ()),
+                       ("drain_timeout_s", 0), ("read_timeout_s", 0), ("open_probes", "yes"), ("api_key", ""),
+                       ("api_key", ("a", "")), ("api_key", ()),
                        ("switch", {"guard": False})):
         with pytest.raises(ConfigError, match=field):
             ServeConfig(**{field: bad})

@@ -100,6 +100,9 @@ def serve(
         "tokens a prompt is read in at a time (running answers step between chunks)"))] = ServeConfig.prefill_chunk,
     max_body_bytes: Annotated[int, typer.Option(parser=positive_int, help=(
         "the largest request body read (past it: 413, before it is read whole)"))] = ServeConfig.max_body_bytes,
+    read_timeout: Annotated[float, typer.Option(parser=positive_float, help=(
+        "seconds a request's body may take to arrive whole (past it: 408, the connection closed)"))]
+    = ServeConfig.read_timeout_s,
     max_context: Annotated[int | None, typer.Option(parser=positive_int, help=(
         "tokens a conversation may reach (default: the hosted models' smallest max_position_embeddings)"))] = None,
     recompute: RecomputeOption = None,
@@ -113,7 +116,9 @@ def serve(
     api_key: Annotated[list[str] | None, typer.Option(envvar="KVHANDOFF_API_KEY", help=(
         "require 'Authorization: Bearer KEY' on every request; repeatable, each key a tenant whose caches no other "
         "key reaches (env KVHANDOFF_API_KEY: keys separated by spaces)"))] = None,
-    open_probes: Annotated[bool, typer.Option(help="/health and /metrics answer without the API key")] = True,
+    open_probes: Annotated[bool, typer.Option(help=(
+        "with --api-key: /health and /metrics answer without a key too (/health then shows liveness only); by "
+        "default they need a key as every route does"))] = ServeConfig.open_probes,
     tool_call_parser: Annotated[str, typer.Option(parser=one_of(tuple(TOOL_PARSERS)), help=(
         "how tool calls are read out of the models' answers"))] = ServeConfig.tool_parser,
     log_level: Annotated[str, typer.Option(parser=one_of(LOG_LEVELS), help="uvicorn's log level")] = "info",
@@ -138,7 +143,8 @@ def serve(
         config = ServeConfig(host=host, port=port, switch=switch,
                              max_sessions=max_sessions, session_ttl_s=session_ttl,
                              cache_memory_bytes=cache_memory, max_context=max_context,
-                             max_body_bytes=max_body_bytes, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                             max_body_bytes=max_body_bytes, read_timeout_s=read_timeout, max_batch=max_batch,
+                             prefill_chunk=prefill_chunk,
                              api_key=tuple(api_key) if api_key else None, open_probes=open_probes,
                              tool_parser=tool_call_parser, log_level=log_level)
     specs, mapper_dirs = family_specs(models, mapper, served_model_name)

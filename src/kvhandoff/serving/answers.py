@@ -14,19 +14,30 @@ from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.requests import GenerationRequest, TokenEntry, token_entry
 from kvhandoff.serving.worker import HostedModel, Read
 
+#: prompt positions an echo reads at a time: only one chunk's logits ([chunk, vocab]) are held at once
+ECHO_CHUNK = 256
 
-def echo(hosted: HostedModel, request: GenerationRequest, prompt: list[int]):
+
+def echo(hosted: HostedModel, request: GenerationRequest, prompt: list[int], chunk: int = ECHO_CHUNK):
     """(the prompt's text, its log-prob entries): each token under the model's distribution after the tokens
-    before it (a forward over the whole prompt, apart from the session's cache); no entries without log-probs."""
+    before it; no entries without log-probs. The prompt is read ``chunk`` positions at a time on a cache of its own
+    (apart from the session's), so each forward runs only its chunk's positions and only that chunk's logits are
+    held, turned into entries, then let go. A generator on the model's worker (see `ModelWorker`): it yields after
+    each chunk, so the worker's other requests step meanwhile, and returns the pair."""
     text = request.prompt if isinstance(request.prompt, str) else hosted.tokenizer.decode(prompt)
     if request.logprobs is None:
         return text, []
-    logits = new_cache(hosted.model).read(hosted.model, torch.tensor([prompt]), 0)[0]  # every position's
-    logprobs = logits.float().log_softmax(-1).cpu()
     entries = [token_entry(hosted.tokenizer, None, prompt[0], 0)]
-    entries += [token_entry(hosted.tokenizer, logprobs[i - 1], prompt[i], request.logprobs)
-                for i in range(1, len(prompt))]
+    cache = new_cache(hosted.model)
+    for start in range(0, len(prompt) - 1, chunk):  # the last token's logits are the answer's, not the echo's
+        ids = prompt[start : min(start + chunk, len(prompt) - 1)]
+        logprobs = cache.read(hosted.model, torch.tensor([ids]), len(ids))[0].float().log_softmax(-1).cpu()
+        entries += [token_entry(hosted.tokenizer, logprobs[offset], prompt[start + offset + 1], request.logprobs)
+                    for offset in range(len(ids))]
+        del logprobs
+        yield
     return text, entries
+
 
 def answers(session, hosted, logprobs, prompt, max_new, request, generation, constraints, metrics: ServingMetrics):
     """Each of the request's answers in turn, from the same distribution after the prompt (the session's cache

@@ -25,6 +25,7 @@ from kvhandoff.serving.middleware import (
     documented,
     install_api_key,
     install_error_handlers,
+    keyed,
     openapi_of,
 )
 from kvhandoff.serving.parse import (
@@ -47,7 +48,7 @@ from kvhandoff.serving.protocol import (
     TokenizeResponse,
     dump,
 )
-from kvhandoff.serving.respond import respond_chat, respond_completion
+from kvhandoff.serving.respond import respond_chat, respond_completion, until_gone
 
 
 def engine_of(request: Request) -> Engine:
@@ -59,8 +60,12 @@ def card(engine: Engine, name: str) -> ModelCard:
 
 
 async def health(request: Request):
+    # (no docstring: it would become the OpenAPI document's description of the route)
+    # `Engine.health`; a caller without a key on a keyed server with open probes gets `Engine.liveness` only (no
+    # figure of what the tenants' caches hold). HEAD: the same status, without the body.
     engine = engine_of(request)
-    return JSONResponse(engine.health(), status_code=503 if engine.draining else 200)
+    return JSONResponse(engine.health() if keyed(request) else engine.liveness(),
+                        status_code=503 if engine.draining else 200)
 
 
 async def metrics(request: Request):
@@ -99,7 +104,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     request.app.state.ignored.note(body)
     generation_request, tools = await asyncio.to_thread(  # tools and grammars are checked off the event loop
         chat_request, body, session_of(request, body), tenant_of(request, body, bool(engine.config.api_key)))
-    return await respond_chat(engine, generation_request, tools, body, request.headers.get(CACHE_ID_HEADER))
+    return await until_gone(request, respond_chat(engine, generation_request, tools, body,
+                                                  request.headers.get(CACHE_ID_HEADER)))
 
 
 async def completions(body: CompletionRequest, request: Request):
@@ -107,7 +113,8 @@ async def completions(body: CompletionRequest, request: Request):
     request.app.state.ignored.note(body)
     generation_request = completion_request(body, session_of(request, body),
                                             tenant_of(request, body, bool(engine.config.api_key)))
-    return await respond_completion(engine, generation_request, body, request.headers.get(CACHE_ID_HEADER))
+    return await until_gone(request, respond_completion(engine, generation_request, body,
+                                                        request.headers.get(CACHE_ID_HEADER)))
 
 
 @dataclass(frozen=True)
@@ -119,11 +126,13 @@ class Route:
     handler: Any
     responses: dict | None = None
     response_class: type | None = None
+    include_in_schema: bool = True
 
 
 #: every route the server answers, in the order the OpenAPI document lists them
 ROUTES = (
     Route("GET", "/health", health, {503: {"description": "the server is draining (shutting down)"}}),
+    Route("HEAD", "/health", health, include_in_schema=False),  # a balancer's probe; the document keeps GET's
     Route("GET", "/metrics", metrics, response_class=PlainTextResponse),
     Route("GET", "/version", version),
     Route("GET", "/v1/models", models),
@@ -144,9 +153,10 @@ def create_app(engine: Engine) -> FastAPI:
     app.state.ignored = UnknownFieldLog()
     install_error_handlers(app)
     install_api_key(app, engine)
-    app.add_middleware(BodyLimit, limit=engine.config.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=engine.config.max_body_bytes, read_timeout_s=engine.config.read_timeout_s)
     app.add_middleware(RequestCount, requests=engine.metrics.requests, routes=app.router.routes)  # outermost
     for route in ROUTES:
         options = {} if route.response_class is None else {"response_class": route.response_class}
-        app.add_api_route(route.path, route.handler, methods=[route.method], responses=route.responses, **options)
+        app.add_api_route(route.path, route.handler, methods=[route.method], responses=route.responses,
+                          include_in_schema=route.include_in_schema, **options)
     return app

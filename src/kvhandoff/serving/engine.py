@@ -46,7 +46,7 @@ from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.prefix_cache import PrefixCache
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE
 from kvhandoff.serving.prompts import family_template, request_inputs, too_long
-from kvhandoff.serving.requests import Generation, GenerationRequest, RequestError
+from kvhandoff.serving.requests import Generation, GenerationRequest, RequestError, refuse_large_logprobs
 from kvhandoff.serving.sessions import SessionState, SessionTable
 from kvhandoff.serving.settings import ServeConfig
 from kvhandoff.serving.tools import tool_parser
@@ -151,7 +151,7 @@ class Engine:
         self.chat_template = family_template(models)
         self.tool_parser = tool_parser(config.tool_parser)  # reads tool calls out of every answer
         self.prefix_cache = PrefixCache()  # the conversations that name no session, found by their tokens
-        self.prefix_store = PrefixStore()  # the conversations' openings, shared: a switch copies its exact prefix
+        self.prefix_store = PrefixStore()  # the conversations' openings, per tenant: a switch copies its exact prefix
         self.plan = config.switch.plan(self.prefix_store)  # every session's handoffs, each pair's recompute its own
         self.policies: dict[tuple[str, str], PairPolicy] = pair_policies(
             config.switch, self._mappers, self.prefix_store, lambda name: capabilities_of(models[name][0]))
@@ -182,8 +182,9 @@ class Engine:
         return len(self.sessions)
 
     def cache_bytes(self) -> int:
-        """Bytes of KV cache held: the named sessions' and the prefix cache's."""
-        return self.sessions.bytes() + self.prefix_cache.tree.total_bytes()
+        """Bytes of KV cache held: the named sessions', the prefix cache's and the openings store's (all under
+        ``config.cache_memory_bytes``)."""
+        return self.sessions.bytes() + self.prefix_cache.tree.total_bytes() + self.prefix_store.bytes()
 
     def hosted(self, name: str) -> HostedModel:
         """The hosted model ``name``, or a not-found `RequestError` listing the served names."""
@@ -219,9 +220,16 @@ class Engine:
         state = self.sessions.state(namespace, session_id)
         return None if state is None else list(state.session.tokens)
 
+    def liveness(self) -> dict:
+        """What a probe without a key sees (a keyed server with open probes): status, per model the requests queued,
+        generations running and cancelling — nothing of what the tenants' caches hold."""
+        return {"status": "draining" if self.draining else "ok",
+                "models": {name: {"queued": hosted.worker.queued()} for name, hosted in self._models.items()},
+                "running": len(self._running), "cancelling": sum(g.cancelled.is_set() for g in self._running)}
+
     def health(self) -> dict:
         """Liveness and load: status ("ok", or "draining" while shutting down), per model the requests queued, the
-        named sessions, cache bytes (sessions and prefix cache), generations running and those of them cancelled
+        named sessions, cache bytes (sessions, prefix cache, openings store), generations running and those cancelled
         (their client went away) that have not stopped yet; per ordered pair ("from → to") its quality guard
         (`GuardPolicy.to_dict`: source "recorded" | "configured" | "none", signal, threshold) and its recompute
         policy (`ServedRecompute.to_dict`: policy, source "configured" | "recorded" | "default"); the prefix store's
@@ -231,8 +239,8 @@ class Engine:
                 "guard": {policy.name: policy.guard.to_dict() for policy in self.policies.values()},
                 "recompute": {policy.name: policy.recompute.to_dict() for policy in self.policies.values()},
                 "sessions": len(self.sessions), "cache_bytes": self.cache_bytes(), "running": len(self._running),
-                "prefix_store": {"openings": len(self.prefix_store), "hits": self.prefix_store.hits,
-                                 "misses": self.prefix_store.misses},
+                "prefix_store": {"openings": len(self.prefix_store), "bytes": self.prefix_store.bytes(),
+                                 "hits": self.prefix_store.hits, "misses": self.prefix_store.misses},
                 "prefix_cache": self.prefix_cache.tree.stats().to_dict(),
                 "cancelling": sum(g.cancelled.is_set() for g in self._running)}
 
@@ -264,14 +272,16 @@ class Engine:
         if request.handoff_mode not in TURN_MODES:
             raise RequestError("invalid_request", f"kv_handoff.mode must be one of {', '.join(TURN_MODES)}, got "
                                f"{request.handoff_mode!r}", param="kv_handoff.mode")
+        limit = self.config.default_max_tokens if request.max_tokens is None else request.max_tokens
+        refuse_large_logprobs(request, min(limit, self.max_context))  # before any work
         prompt, constraints = await asyncio.to_thread(request_inputs, hosted, request, self.chat_template,
                                                      self.max_context)
         if not prompt:
             raise RequestError("invalid_request", "the prompt is empty", param=request.prompt_field)
         if len(prompt) >= self.max_context:
             raise too_long(request.prompt_field, self.max_context, len(prompt))
-        limit = self.config.default_max_tokens if request.max_tokens is None else request.max_tokens
         max_new = min(limit, self.max_context - len(prompt))
+        refuse_large_logprobs(request, max_new, len(prompt) if request.echo else 0)
         self._refuse_if_draining()  # it may have begun while the prompt was built
         state = await self.sessions.admit_waiting(request.session_id, request.namespace)
         state.pending += 1
@@ -300,19 +310,25 @@ class Engine:
             raise RequestError("shutting_down", "the server is shutting down; retry against another instance",
                                code="shutting_down")
 
-    def _new_session(self) -> SwitchingSession:
+    def _new_session(self, namespace: str = DEFAULT_NAMESPACE) -> SwitchingSession:
+        """A conversation of ``namespace``: its handoffs copy and keep exact prefixes in that tenant's share of the
+        openings store only."""
+        store = self.prefix_store.within(namespace)
         return SwitchingSession({name: hosted.model for name, hosted in self._models.items()}, self._mappers,
-                                self.config.handover, self.plan,
-                                pair_plans={pair: policy.plan for pair, policy in self.policies.items()})
+                                self.config.handover, replace(self.plan, prefix_store=store),
+                                pair_plans={pair: replace(policy.plan, prefix_store=store)
+                                            for pair, policy in self.policies.items()})
 
     def _finish(self, state: SessionState, generation: Generation) -> None:
         """A request of ``state`` ended (event loop): release its session and keep the cache memory in bounds (the
-        prefix cache's least recently used leaves first, then idle sessions)."""
+        prefix cache's least recently used leaves first, then idle sessions, then the openings store's least
+        recently used openings)."""
         self._running.discard(generation)
         self.sessions.release(state)
         limit = self.config.cache_memory_bytes
-        self.prefix_cache.tree.evict(max(0, limit - self.sessions.bytes()))
+        self.prefix_cache.tree.evict(max(0, limit - self.sessions.bytes() - self.prefix_store.bytes()))
         self.sessions.trim(self.cache_bytes(), limit)
+        self.prefix_store.trim(max(0, limit - self.sessions.bytes() - self.prefix_cache.tree.total_bytes()))
 
     # -- compute (the model's worker thread) ----------------------------------------------------------------------
     def _step(self, server: str, reads: list[Read]) -> torch.Tensor:
@@ -336,7 +352,7 @@ class Engine:
                 raise RequestError("cancelled", str(exc)) from None
             self.metrics.record_first_token(report.to_dict(), time.perf_counter() - arrival)
             if request.echo:
-                generation.echo = echo(hosted, request, prompt)
+                generation.echo = yield from echo(hosted, request, prompt)
             generation.post("ready", report)
             yield from answers(session, hosted, logprobs, prompt, max_new, request, generation, constraints,
                                self.metrics)
@@ -344,7 +360,9 @@ class Engine:
                 self.prefix_cache.checkin(checkout, session, report)
             generation.post("end")
         except Exception as exc:
-            if not (isinstance(exc, RequestError) and exc.kind == "cancelled"):  # a cancel leaves the session whole
+            if isinstance(exc, RequestError) and exc.kind == "cancelled":  # before its first token: the session whole
+                self.metrics.cancelled.inc()  # (a cancel while it answers is counted by `answers`)
+            else:
                 with contextlib.suppress(Exception):  # it may be half-way through a change: forgotten, never stale
                     session.truncate(0)
             error = exc if isinstance(exc, RequestError) else RequestError("internal", f"{type(exc).__name__}: {exc}")

@@ -3,8 +3,10 @@ counter and body limit middlewares, the API key and its tenants, and the OpenAPI
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,14 +43,17 @@ ERROR_STATUS = {
 
 #: seconds a client is told to wait before retrying a 429 or 503 (Retry-After)
 RETRY_AFTER_S = 1
-#: routes that answer without the API key when the server opens its probes
+#: routes that answer without the API key when the server opens its probes (`ServeConfig.open_probes`)
 PROBE_PATHS = ("/health", "/metrics")
+#: the ASGI scope key set on a request that carried a valid API key
+KEYED_SCOPE = "kvhandoff.keyed"
 #: what each error status of the API means (the OpenAPI document's responses; every body an `ErrorResponse`)
 ERROR_MEANINGS = {
     400: "an invalid request: a body that is not JSON, a field that is invalid or unsupported (named in `param`), "
          "a prompt past the context window (code context_length_exceeded)",
     401: "no valid API key (the server was started with --api-key)",
     404: "no such model",
+    408: "the request body did not arrive whole within --read-timeout seconds (the connection is closed)",
     413: "the request body is larger than --max-body-bytes",
     429: "every session is busy (retry after Retry-After seconds)",
     499: "the client went away",
@@ -75,14 +80,34 @@ GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {"schema": {
 
 
 def openapi_of(app: FastAPI) -> dict:
-    """``app``'s OpenAPI document without FastAPI's 422: an invalid body is a 400 here (`install_error_handlers`)."""
+    """``app``'s OpenAPI document without FastAPI's 422 (an invalid body is a 400 here: `install_error_handlers`),
+    the bounds of its integers written as integers (FastAPI writes every bound as a float: ``"minimum": 1.0``)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for operations in schema["paths"].values():
             for operation in operations.values():
                 operation["responses"].pop("422", None)
+        _integer_bounds(schema)
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _integer_bounds(document) -> None:
+    """Write the bounds of every ``"type": "integer"`` schema in ``document`` as integers (in place)."""
+    pending = [document]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                for bound in _BOUNDS:
+                    if isinstance(node.get(bound), float) and node[bound].is_integer():
+                        node[bound] = int(node[bound])
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
 
 
 def error_response(status: int, message: str, kind: str, param: str | None = None,
@@ -132,14 +157,30 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        code = "request_too_large" if exc.status_code == 413 else None
-        response = error_response(exc.status_code, str(exc.detail), kind, None, code)
+        code = HTTP_ERROR_CODES.get(exc.status_code)
+        message = str(exc.detail)
+        if exc.status_code == 400:  # FastAPI's: a body json could not read past its decoder (not UTF-8, too deep)
+            message = f"the request body is not a valid JSON object ({unreadable_body(exc.__cause__)})"
+        response = error_response(exc.status_code, message, kind, None, code)
         response.headers.update(exc.headers or {})  # e.g. a 405's Allow
         return response
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception):
         return error_response(500, f"internal error: {type(exc).__name__}", "server_error", None, "internal")
+
+
+#: the error code of each status the HTTP layer answers by itself (a 400: a body FastAPI could not parse)
+HTTP_ERROR_CODES = {400: "invalid_json", 408: "request_timeout", 413: "request_too_large"}
+
+
+def unreadable_body(cause: BaseException | None) -> str:
+    """Why a request body could not be parsed as JSON, in words (``cause``: what the parser raised)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return "it is not UTF-8 text"
+    if isinstance(cause, RecursionError):
+        return "it is nested too deeply"
+    return "it could not be parsed"
 
 
 class RequestCount:
@@ -177,10 +218,12 @@ class RequestCount:
 
 class BodyLimit:
     """Refuse a request body past ``limit`` bytes with 413 before it is read whole: at once by its Content-Length,
-    else as it arrives (a chunked body is cut off at the limit)."""
+    else as it arrives (a chunked body is cut off at the limit). A body that has not arrived whole ``read_timeout_s``
+    seconds after the request's headers is answered 408, and the connection closed (a slow client holds no
+    connection open for longer)."""
 
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, read_timeout_s: float | None = None) -> None:
+        self.app, self.limit, self.read_timeout_s = app, limit, read_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -188,17 +231,29 @@ class BodyLimit:
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._refuse(scope, receive, send)
-        received = 0
+        received, whole = 0, False
+        deadline = None if self.read_timeout_s is None else time.monotonic() + self.read_timeout_s
 
         async def limited():
-            nonlocal received
-            message = await receive()
+            nonlocal received, whole
+            if whole or deadline is None:  # the body is in (later messages: the client going away)
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise StarletteHTTPException(408, self._too_slow(), headers={"Connection": "close"}) from None
+            whole = whole or message["type"] != "http.request" or not message.get("more_body", False)
             received += len(message.get("body", b""))
             if received > self.limit:
                 raise StarletteHTTPException(413, self._message())
             return message
 
         return await self.app(scope, limited, send)
+
+    def _too_slow(self) -> str:
+        return (f"the request body did not arrive whole within {self.read_timeout_s:g} seconds (--read-timeout); "
+                "the connection is closed")
 
     def _message(self) -> str:
         return (f"the request body is larger than this server takes ({self.limit} bytes); send a shorter "
@@ -210,8 +265,9 @@ class BodyLimit:
 
 
 def install_api_key(app: FastAPI, engine: Engine) -> None:
-    """With ``config.api_key`` set, every route but the open probes needs ``Authorization: Bearer <key>`` with one
-    of its keys."""
+    """With ``config.api_key`` set, every route needs ``Authorization: Bearer <key>`` with one of its keys — but the
+    probes (`PROBE_PATHS`) when ``config.open_probes``. A request that carried a valid key is marked in its scope
+    (`keyed`), so an open probe can tell a tenant from a stranger."""
     keys = engine.config.api_key
     if not keys:
         return
@@ -222,8 +278,17 @@ def install_api_key(app: FastAPI, engine: Engine) -> None:
     async def check_key(request: Request, call_next):
         given = request.headers.get("authorization", "").encode()
         matches = [hmac.compare_digest(given, key) for key in expected]  # every key compared: no timing by position
-        if request.url.path in open_paths or any(matches):
+        if any(matches):
+            request.scope[KEYED_SCOPE] = True
+            return await call_next(request)
+        if request.url.path in open_paths:
             return await call_next(request)
         return error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer <key>' with "
                               "the key the server was started with (--api-key)", "invalid_request_error", None,
                               "invalid_api_key")
+
+
+def keyed(request: Request) -> bool:
+    """Whether ``request`` may see what the server's tenants share: it carried a valid API key, or the server has
+    none."""
+    return not request.app.state.engine.config.api_key or bool(request.scope.get(KEYED_SCOPE))

@@ -56,8 +56,24 @@ def _whole_number(value):
 
 #: an integer as JSON Schema has it: 1.0 is one; true, "2" and 1.5 are not
 JsonInt = Annotated[StrictInt, BeforeValidator(_whole_number)]
+
+
+def _bounded(**bounds):
+    """`JsonInt` within ``bounds`` (pydantic's ge, le, gt): the bounds sit on the integer itself, so the JSON schema
+    states them in its own terms (minimum, maximum, exclusiveMinimum), not under pydantic's names."""
+    return Annotated[StrictInt, Field(**bounds), BeforeValidator(_whole_number)]
+
+
 #: a token id: a non-negative integer
-TokenId = Annotated[JsonInt, Field(ge=0)]
+TokenId = _bounded(ge=0)
+#: a count of tokens that may be zero (min_tokens; a completion's max_tokens: 0 with echo scores a prompt)
+TokenCount = _bounded(ge=0)
+#: a count of tokens to generate (a chat's max_tokens, max_completion_tokens)
+AnswerTokens = _bounded(gt=0)
+TopK = _bounded(ge=-1)
+Choices = _bounded(ge=1, le=MAX_CHOICES)
+TopLogprobs = _bounded(ge=0, le=MAX_TOP_LOGPROBS)
+CompletionLogprobCount = _bounded(ge=0, le=MAX_COMPLETION_LOGPROBS)
 
 
 def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
@@ -244,19 +260,19 @@ class SamplingRequest(RequestBody):
     """Fields chat and text completions share. None stands for the field's default wherever OpenAI allows null."""
 
     model: str = Field(min_length=1)
-    max_tokens: JsonInt | None = Field(default=None, gt=0)
+    max_tokens: AnswerTokens | None = None
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0, description=(
         "0, or any value below 1e-5 (too small to divide by), is greedy"))
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, description=(
         "the smallest set of most likely tokens whose probability reaches top_p is sampled from; it always holds the "
         "most likely token, so a tiny top_p (e.g. 1e-300, 0 in float32) is greedy"))
-    top_k: JsonInt | None = Field(default=None, ge=-1)
+    top_k: TopK | None = None
     min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, le=2.0)
     presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: Annotated[dict[str, StrictFloat] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
-    min_tokens: JsonInt | None = Field(default=None, ge=0)
+    min_tokens: TokenCount | None = None
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[TokenId] | None = None
     seed: JsonInt | None = None
@@ -266,7 +282,7 @@ class SamplingRequest(RequestBody):
     user: Annotated[str | None, WithJsonSchema(TENANT_MARK_SCHEMA)] = None
     prompt_cache_key: Annotated[str | None, WithJsonSchema(SESSION_KEY_SCHEMA)] = None
     cache_salt: Annotated[str | None, WithJsonSchema(TENANT_MARK_SCHEMA)] = None
-    n: JsonInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    n: Choices | None = None
     kv_handoff: HandoffOptions | None = None
 
     @field_validator("stop")
@@ -360,13 +376,13 @@ class ResponseFormat(Lenient):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: JsonInt | None = Field(default=None, gt=0)
+    max_completion_tokens: AnswerTokens | None = None
     tools: Annotated[list[dict] | None, WithJsonSchema(TOOLS_SCHEMA)] = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: TopLogprobs | None = None
     functions: Annotated[list | None, WithJsonSchema(REFUSED)] = None
     function_call: Annotated[Any, WithJsonSchema(REFUSED)] = None
     audio: Annotated[Any, WithJsonSchema(REFUSED)] = None
@@ -412,9 +428,9 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[TokenId] | list[str] = Field(min_length=1)
     # OpenAI's default for text completions; 0 with echo scores a prompt without answering
-    max_tokens: JsonInt | None = Field(default=16, ge=0)
+    max_tokens: TokenCount | None = 16
     echo: StrictBool | None = False
-    logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    logprobs: CompletionLogprobCount | None = None
     suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0},
                                                              {"type": "null"}]})] = None
     best_of: JsonInt | None = None

@@ -22,6 +22,11 @@ ERROR_KINDS = ("invalid_request", "not_found", "too_long", "too_many_sessions", 
                "shutting_down")
 
 
+#: log-prob entries one response may hold: each reported position counts 1 + its alternatives, in every choice
+#: (``n × max_tokens × (1 + top_logprobs)``; an echoed prompt's positions count as the answer's)
+MAX_LOGPROB_ENTRIES = 2**18
+
+
 class RequestError(KVHandoffError):
     """A request the engine refuses or could not serve: kind (one of `ERROR_KINDS`), message, the request field it
     is about (param) and a machine-readable code."""
@@ -63,6 +68,23 @@ class GenerationRequest:
     @property
     def prompt_field(self) -> str:
         return "messages" if self.messages is not None else "prompt"
+
+
+def refuse_large_logprobs(request: GenerationRequest, answer_tokens: int, echoed: int = 0) -> None:
+    """A 400 naming the fields when ``request``'s log-probs could pass `MAX_LOGPROB_ENTRIES`: its choices, each of
+    up to ``answer_tokens`` tokens (and ``echoed`` prompt tokens), each with 1 + its alternatives."""
+    if request.logprobs is None:
+        return
+    entries = request.choices * (answer_tokens + echoed) * (1 + request.logprobs)
+    if entries <= MAX_LOGPROB_ENTRIES:
+        return
+    alternatives = "top_logprobs" if request.messages is not None else "logprobs"
+    tokens, given = ("max_tokens", f"{answer_tokens}") if not echoed else (
+        "(max_tokens + the echoed prompt's tokens)", f"({answer_tokens} + {echoed})")
+    raise RequestError("invalid_request", f"n × {tokens} × (1 + {alternatives}) = {request.choices} × {given} × "
+                       f"{1 + request.logprobs} = {entries:,} log-prob entries, past the {MAX_LOGPROB_ENTRIES:,} one "
+                       f"response may hold; lower n, max_tokens or {alternatives}", param=alternatives,
+                       code="response_too_large")
 
 
 @dataclass

@@ -4,11 +4,13 @@ the handoff's report (`kv_handoff`), usage and the router headers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
 
+from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvhandoff.serving.engine import Engine
@@ -142,16 +144,49 @@ def chat_choice(choice: Choice, request: GenerationRequest, tools: ToolSettings,
 async def respond(engine: Engine, request: GenerationRequest, body: SamplingRequest, prefix: str,
                   stream, whole, router_cache: str | None = None):
     """Run ``request`` and answer it: with ``body.stream`` the events of ``stream(generation, ident, created)``,
-    else the JSON of ``whole(generation, choices, ident, created)``; the handoff status, the router vocabulary and
-    the session in the headers either way."""
+    else the JSON of ``whole(generation, choices, ident, created)``, built and written off the event loop (an
+    answer with log-probs may be megabytes); the handoff status, the router vocabulary and the session in the
+    headers either way."""
     generation = await engine.start(request)
     headers = headers_of(engine, request, generation, router_cache)
     ident, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
     if body.streams():
         return StreamingResponse(stream(generation, ident, created), media_type="text/event-stream",
                                  headers=headers)
-    result = whole(generation, await complete(generation), ident, created)
-    return JSONResponse(dump(result), headers=headers)
+    choices = await complete(generation)
+    return await asyncio.to_thread(
+        lambda: JSONResponse(dump(whole(generation, choices, ident, created)), headers=headers))
+
+
+async def until_gone(request: Request, answer):
+    """Await ``answer`` (a coroutine: a request's `respond`) while watching the client's connection: when the client
+    goes away first, the answer is cancelled — its generation stops at its next token (`Generation.cancel`, counted
+    in kvhandoff_cancelled_total) — and the request ends with 499. A streamed answer is watched until its response
+    starts; the stream then notices a client that goes away itself (`framed`)."""
+    task = asyncio.ensure_future(answer)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()  # the client went away: `engine.start` and `complete` cancel the generation
+        with contextlib.suppress(asyncio.CancelledError, RequestError):
+            await task
+        raise RequestError("cancelled", "the client went away before the answer was finished")
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client goes away (ASGI ``http.disconnect``; the body has been read). A receive channel that
+    refuses further reads cannot be watched: then this never returns (the answer decides)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:
+        await asyncio.Event().wait()  # never set
 
 
 async def respond_chat(engine: Engine, request: GenerationRequest, tools: ToolSettings, body: ChatCompletionRequest,

@@ -35,11 +35,11 @@ class SessionState:
 
 class SessionTable:
     """The named sessions, least recently used first, under ``config``'s bounds (max_sessions, session_ttl_s,
-    admission_wait_s, max_queue waiting). ``new_session`` makes a conversation's `SwitchingSession`;
-    ``refuse_if_draining`` raises while the server shuts down; evictions are counted in ``metrics``. Use from the
-    event loop."""
+    admission_wait_s, max_queue waiting). ``new_session(namespace)`` makes a conversation's `SwitchingSession` in
+    that tenant's namespace; ``refuse_if_draining`` raises while the server shuts down; evictions are counted in
+    ``metrics``. Use from the event loop."""
 
-    def __init__(self, config: ServeConfig, new_session: Callable[[], SwitchingSession], metrics: ServingMetrics,
+    def __init__(self, config: ServeConfig, new_session: Callable[[str], SwitchingSession], metrics: ServingMetrics,
                  refuse_if_draining: Callable[[], None]) -> None:
         self.config, self.new_session, self.metrics = config, new_session, metrics
         self.refuse_if_draining = refuse_if_draining
@@ -91,7 +91,7 @@ class SessionTable:
             if state.idle() and now - state.last_used > self.config.session_ttl_s:
                 self._evict(key, "ttl")
         if session_id is None:
-            return SessionState(None, self.new_session(), cache_id=None)
+            return SessionState(None, self.new_session(namespace), cache_id=None)
         key = (namespace, session_id)
         state = self._states.get(key)
         if state is None:
@@ -101,7 +101,7 @@ class SessionTable:
                     raise RequestError("too_many_sessions", f"all {self.config.max_sessions} sessions are busy; "
                                        "retry later", code="too_many_sessions")
                 self._evict(victim, "sessions")
-            state = self._states[key] = SessionState(key, self.new_session())
+            state = self._states[key] = SessionState(key, self.new_session(namespace))
         self._states.move_to_end(key)
         state.last_used = now
         return state

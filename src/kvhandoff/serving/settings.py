@@ -19,21 +19,24 @@ class ServeConfig:
     max_sessions: live sessions at once (a new session past it waits up to admission_wait_s seconds for one to end —
     at most max_queue requests wait so — then is refused with 429). drain_timeout_s: at SIGTERM or SIGINT, how long
     running requests may go on (new ones get 503) before they are ended with an error. session_ttl_s: an idle
-    session is dropped after this many seconds. cache_memory_bytes: bytes of KV cache held by the sessions and the
-    prefix cache together (the copies a running request serving from the prefix cache works on are not counted);
-    past it the prefix cache's least recently used leaves go first, then the least recently used idle sessions
-    (their next request re-prefills). max_context: tokens a conversation may reach, prompt and answer together
-    (None: the smallest `max_position_embeddings` of the hosted models). default_max_tokens: answer length when a
+    session is dropped after this many seconds. cache_memory_bytes: bytes of KV cache held by the sessions, the
+    prefix cache and the openings store together (the copies a running request serving from the prefix cache works
+    on are not counted); past it the prefix cache's least recently used leaves go first, then the least recently
+    used idle sessions (their next request re-prefills), then the openings store's least recently used openings.
+    max_context: tokens a conversation may reach, prompt and answer together (None: the smallest
+    `max_position_embeddings` of the hosted models). default_max_tokens: answer length when a
     request names none. max_queue: requests waiting per model worker (past it: 503). max_batch: requests a model
     serves at once (their decode steps share one forward; more wait in its queue). prefill_chunk: tokens a prompt is
     read in at a time, so a long prefill lets running answers step between its chunks (a re-prefill is read whole).
-    max_body_bytes: the largest request body read (past it: 413, refused before it is read whole). switch: what every
+    max_body_bytes: the largest request body read (past it: 413, refused before it is read whole). read_timeout_s:
+    seconds a request's body may take to arrive whole (past it: 408, and the connection is closed). switch: what every
     pair's switches do (`SwitchSettings`: the exact prefix, the recompute policy or the bounds that choose it, the
     quality guard), resolved into each ordered pair's `PairPolicy` when the server starts. api_key: one key or
-    several (stored as a tuple); when set, every request but the probes (``/health``, ``/metrics``, while
-    ``open_probes``) must carry ``Authorization: Bearer <key>`` with one of them, and each key is a tenant of its own
-    (its caches and sessions serve no other key). tool_parser: how tool calls are read out of answers (a name of
-    `tools.TOOL_PARSERS`). handover: as in `SwitchingSession`.
+    several (stored as a tuple); when set, every request must carry ``Authorization: Bearer <key>`` with one of
+    them, and each key is a tenant of its own (its caches, sessions and openings serve no other key). open_probes:
+    with a key set, ``/health`` and ``/metrics`` answer without one too (``/health`` then shows a caller without a
+    key its liveness only, no cache figures); default False: they need a key as every route does. tool_parser: how
+    tool calls are read out of answers (a name of `tools.TOOL_PARSERS`). handover: as in `SwitchingSession`.
     """
 
     host: str = "127.0.0.1"
@@ -45,12 +48,13 @@ class ServeConfig:
     default_max_tokens: int = 512
     max_queue: int = 64
     max_body_bytes: int = 8 * 1024**2
+    read_timeout_s: float = 30.0
     max_batch: int = 16
     prefill_chunk: int = 512
     admission_wait_s: float = 10.0
     drain_timeout_s: float = 30.0
     api_key: str | tuple[str, ...] | None = None
-    open_probes: bool = True
+    open_probes: bool = False
     tool_parser: str = "hermes"
     handover: str = "incremental"
     switch: SwitchSettings = field(default_factory=SwitchSettings)
@@ -64,7 +68,7 @@ class ServeConfig:
         for name in ("max_sessions", "cache_memory_bytes", "default_max_tokens", "max_queue", "max_body_bytes",
                      "max_batch", "prefill_chunk"):
             require_positive(f"serve {name}", getattr(self, name))
-        for name in ("session_ttl_s", "drain_timeout_s"):
+        for name in ("session_ttl_s", "drain_timeout_s", "read_timeout_s"):
             require_positive(f"serve {name}", getattr(self, name), float)
         require_positive("serve admission_wait_s", self.admission_wait_s, float, minimum=0)
         if self.max_context is not None:

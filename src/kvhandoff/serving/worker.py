@@ -35,10 +35,11 @@ class ModelWorker:
     meanwhile). Every round the worker takes queued jobs (up to ``max_batch`` held at once), runs one piece of one
     preparing job (its start up to its first chunk, or its next chunk), then one decode step of every job waiting
     for one, all in one forward (``step``: the reads → log-probs [n, vocab]). Concurrent answers so share their
-    forwards, and a prompt read in chunks lets running answers step between its chunks (a re-prefill, a guard's
-    reference pass and an echo are read whole). A batched step that fails is retried one read at a time, so only a
-    request whose own step fails gets the error. Jobs report their own errors; a job that fails past them is
-    logged, and the worker goes on. `close` ends the jobs it holds (each generator closed: its cleanup runs).
+    forwards, and a prompt read in chunks lets running answers step between its chunks (so does an echo's; a
+    re-prefill and a guard's reference pass are read whole). A batched step that fails is retried one read at a
+    time, so only a request whose own step fails gets the error. Jobs report their own errors; a job that fails
+    past them is logged, and the worker goes on. `close` ends the jobs it holds (each generator closed: its cleanup
+    runs).
     """
 
     def __init__(self, name: str, max_queue: int, step=None, max_batch: int = 16) -> None:
