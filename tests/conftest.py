@@ -1,4 +1,5 @@
-"""Tiny randomly initialised models of the real architectures, and an exactly related pair builder."""
+"""Tiny randomly initialised models of the real architectures, an exactly related pair builder, and a tiny pair on
+disk as the workflow names it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+from kvhandoff.config import CalibrationSpec
 
 VOCAB = 128
 
@@ -391,3 +394,17 @@ def pair_recomputes(settings, mappers) -> dict:
     from kvhandoff.runtime.switch.pair import pair_policies
 
     return {pair: policy.recompute for pair, policy in pair_policies(settings, mappers).items()}
+
+
+#: a calibration small enough for a tiny pair's fit in a test
+TINY_CALIBRATION = CalibrationSpec(num_sequences=3, seq_len=64)
+
+
+@pytest.fixture
+def named_pair(tmp_path, monkeypatch):
+    """A tiny pair saved to disk and loaded as a `NamedPair`, its caches under a home of its own."""
+    from kvhandoff.workflow import load_named_pair
+
+    monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
+    small, large = save_tiny_pair(tmp_path)
+    return load_named_pair(small, large, progress=False)

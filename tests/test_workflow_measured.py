@@ -22,18 +22,9 @@ from kvhandoff.mapper.manifest import (
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.capture import FeatureLayout
 from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
-from kvhandoff.workflow import load_named_pair, measured, obtain_mapper
+from kvhandoff.workflow import measured, obtain_mapper
 
-from conftest import save_tiny_pair
-
-CALIBRATION = CalibrationSpec(num_sequences=3, seq_len=64)
-
-
-@pytest.fixture
-def pair(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
-    small, large = save_tiny_pair(tmp_path)
-    return load_named_pair(small, large, progress=False)
+from conftest import TINY_CALIBRATION as CALIBRATION
 
 
 def record_entry(source: str, target: str, config: FitConfig | None = None, calibration: CalibrationSpec = CALIBRATION,
@@ -53,29 +44,29 @@ def records_file(folder: Path, *records: dict, name: str = "records.json") -> Pa
     return path
 
 
-def test_a_mapper_with_a_measured_guard_records_it_when_fitted(pair, monkeypatch, tmp_path):
+def test_a_mapper_with_a_measured_guard_records_it_when_fitted(named_pair, monkeypatch, tmp_path):
     guard = GuardCalibration(signal="entropy", threshold=1.5, auroc=0.7, label="answer_changed",
                              rule="max_catch_minus_false_fallback", target_rate=None, dev_switches=10, bad_switches=4,
                              catch_rate=0.5, false_fallback_rate=0.1, dev_conversations=5, recompute="recent:5%",
                              window=64)
-    monkeypatch.setattr(measured, "MEASURED_RECORDS_FILE",
-                        records_file(tmp_path, record_entry(pair.source_spec, pair.target_spec, guard=guard)))
-    mapper, folder, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
+    entry = record_entry(named_pair.source_spec, named_pair.target_spec, guard=guard)
+    monkeypatch.setattr(measured, "MEASURED_RECORDS_FILE", records_file(tmp_path, entry))
+    mapper, folder, _ = obtain_mapper(named_pair, calibration=CALIBRATION, progress=False)
     assert mapper.manifest.guard == guard and mapper.manifest.recompute is None
-    assert Mapper.load(folder, pair.source, pair.target).manifest.guard == guard
-    reverse, _, _ = obtain_mapper(pair.reversed(), calibration=CALIBRATION, progress=False)
+    assert Mapper.load(folder, named_pair.source, named_pair.target).manifest.guard == guard
+    reverse, _, _ = obtain_mapper(named_pair.reversed(), calibration=CALIBRATION, progress=False)
     assert reverse.manifest.guard is None  # measured for one direction only
 
 
-def test_a_mapper_with_a_measured_recompute_policy_records_it_when_fitted(pair, monkeypatch, tmp_path):
+def test_a_mapper_with_a_measured_recompute_policy_records_it_when_fitted(named_pair, monkeypatch, tmp_path):
     choice = RecomputeChoice("turn_attention:5%", "fastest_at_min_retention", 0.97, "generative",
                              ("coqa_gen", "boolq_long"), "dev", 12, 0.98, 2048, 8.2)
-    monkeypatch.setattr(measured, "MEASURED_RECORDS_FILE",
-                        records_file(tmp_path, record_entry(pair.source_spec, pair.target_spec, recompute=choice)))
-    mapper, folder, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
+    entry = record_entry(named_pair.source_spec, named_pair.target_spec, recompute=choice)
+    monkeypatch.setattr(measured, "MEASURED_RECORDS_FILE", records_file(tmp_path, entry))
+    mapper, folder, _ = obtain_mapper(named_pair, calibration=CALIBRATION, progress=False)
     assert mapper.manifest.recompute == choice and mapper.manifest.guard is None
-    assert Mapper.load(folder, pair.source, pair.target).manifest.recompute == choice
-    other, _, _ = obtain_mapper(pair, FitConfig(ridge_lambda=0.5), CALIBRATION, progress=False)
+    assert Mapper.load(folder, named_pair.source, named_pair.target).manifest.recompute == choice
+    other, _, _ = obtain_mapper(named_pair, FitConfig(ridge_lambda=0.5), CALIBRATION, progress=False)
     assert other.manifest.recompute is None  # measured for the default fit only
 
 

@@ -9,33 +9,25 @@ from kvhandoff.config import CalibrationSpec
 from kvhandoff.workflow import load_named_pair, mapper_dir, obtain_mapper
 from kvhandoff.workflow.named_pair import statistics_path
 
+from conftest import TINY_CALIBRATION as CALIBRATION
 from conftest import save_tiny_pair
 
-CALIBRATION = CalibrationSpec(num_sequences=3, seq_len=64)
 
-
-@pytest.fixture
-def pair(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
-    small, large = save_tiny_pair(tmp_path)
-    return load_named_pair(small, large, progress=False)
-
-
-def test_a_calibration_mix_is_its_own_cache_entry(pair):
+def test_a_calibration_mix_is_its_own_cache_entry(named_pair):
     mixed = CalibrationSpec(num_sequences=4, seq_len=64, mix=("prose", "exams"))
-    assert statistics_path(pair, FitConfig(), mixed) != statistics_path(pair, FitConfig(), CALIBRATION)
-    mapper, folder, reused = obtain_mapper(pair, calibration=mixed, progress=False)
-    assert not reused and folder == mapper_dir(pair, FitConfig(), mixed)
+    assert statistics_path(named_pair, FitConfig(), mixed) != statistics_path(named_pair, FitConfig(), CALIBRATION)
+    mapper, folder, reused = obtain_mapper(named_pair, calibration=mixed, progress=False)
+    assert not reused and folder == mapper_dir(named_pair, FitConfig(), mixed)
     assert mapper.manifest["calibration"]["mix"] == {"prose": 2, "exams": 2}
     assert mapper.manifest["calibration"]["num_tokens"] == 4 * 64
 
 
-def test_the_manifest_records_each_sides_own_tokenizer(pair):
+def test_the_manifest_records_each_sides_own_tokenizer(named_pair):
     from kvhandoff.model.geometry import tokenizer_hash
 
-    mapper, _, _ = obtain_mapper(pair, calibration=CALIBRATION, progress=False)
-    assert mapper.manifest["source_fingerprint"]["tokenizer_hash"] == tokenizer_hash(pair.models.source_tokenizer)
-    assert mapper.manifest["target_fingerprint"]["tokenizer_hash"] == tokenizer_hash(pair.models.target_tokenizer)
+    mapper, _, _ = obtain_mapper(named_pair, calibration=CALIBRATION, progress=False)
+    assert mapper.manifest["source_fingerprint"]["tokenizer_hash"] == tokenizer_hash(named_pair.models.source_tokenizer)
+    assert mapper.manifest["target_fingerprint"]["tokenizer_hash"] == tokenizer_hash(named_pair.models.target_tokenizer)
 
 
 def test_a_pair_whose_tokenizers_differ_is_refused(tmp_path):
