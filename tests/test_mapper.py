@@ -250,7 +250,7 @@ def test_a_crash_between_the_two_renames_loads_the_good_copy(fitted, tmp_path):
 
 
 def test_models_are_fingerprinted_once_per_mapper(fitted, monkeypatch):
-    import kvhandoff.mapper.mapper as mapper_module
+    import kvhandoff.mapper.pairing as mapper_module
 
     source, target, mapper = fitted
     fresh = DenseMapper(mapper.weight, mapper.bias, mapper.selected, mapper.manifest)

@@ -120,7 +120,7 @@ def test_a_turn_attention_switch_under_a_relative_guard_reads_the_turn_once(monk
     """The guard's reference and turn_attention's ranking are the previous model's one read of the new turn: the
     policy does not read it again, and the switch answers as it does without the guard."""
     from kvhandoff.runtime import policy as policy_module
-    from kvhandoff.runtime import session as session_module
+    from kvhandoff.runtime import session_caches as session_module
 
     policy_reads, previews = [], []
     real_scores, real_read = policy_module.turn_attention_scores, session_module.read_turn

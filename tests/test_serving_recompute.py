@@ -75,7 +75,7 @@ def test_the_server_hands_each_pair_over_under_its_own_policy_and_says_so(caplog
 
 
 def test_a_switch_runs_under_the_pairs_policy_and_health_shows_it(monkeypatch):
-    from kvhandoff.runtime import session as session_module
+    from kvhandoff.runtime import session_handover as session_module
 
     used = []
     for name in ("map_for_target", "catch_up"):

@@ -29,7 +29,7 @@ def test_a_mapper_for_another_pair_is_refused_when_the_session_starts(trio):
 
 
 def test_the_pair_is_fingerprinted_once_per_mapper_and_model(trio, monkeypatch):
-    import kvhandoff.mapper.mapper as mapper_module
+    import kvhandoff.mapper.pairing as mapper_module
 
     a, b, _, mapper = trio
     fresh = type(mapper)(mapper.weight, mapper.bias, mapper.selected, mapper.manifest)

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from kvhandoff.config import FitConfig
 from kvhandoff.errors import StatisticsError
-from kvhandoff.fit import statistics
+from kvhandoff.fit import statistics_file as statistics
 from kvhandoff.fit.pipeline import collect_statistics, feature_layout, mapper_from_statistics
 from kvhandoff.fit.statistics import CalibrationStats, SumsContent, sum_shapes
 from kvhandoff.model.capture import FeatureLayout, capture_content_kv

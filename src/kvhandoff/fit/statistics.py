@@ -18,9 +18,9 @@ Memory is O(features²), independent of the number of calibration tokens. What i
   covariance of the reverse direction, so that the same pass gives its statistics (`reversed()`).
 
 The optional blocks multiply the memory and the work per row several times over, so a pass sums them only when
-asked (`sum_shapes` gives the shapes; `pipeline.estimate_memory` the bytes). A file holding the whole matrices
-(not kept per modality pair) loads into any of these forms (`load`: the blocks asked for, the variances from the
-Gram's diagonal), so it gives the same maps.
+asked (`sums.sum_shapes` gives the shapes; `pipeline.estimate_memory` the bytes). A file holding the whole
+matrices (not kept per modality pair) loads into any of these forms (`load`, `statistics_file`: the blocks asked
+for, the variances from the Gram's diagonal), so it gives the same maps.
 Where the sums of a big pair do not fit, statistics may cover a block of consecutive target layers only
 (`FeatureLayout.block`, `CalibrationStats.for_target_layers`): every map of a target layer reads only its own
 layer's columns, so the blocks' solves together give the whole mapper (`pipeline.fit_in_blocks`).
@@ -28,29 +28,24 @@ layer's columns, so the blocks' solves together give the whole mapper (`pipeline
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from kvhandoff.errors import StatisticsError
-from kvhandoff.files import atomic_path
+from kvhandoff.fit import statistics_file
+from kvhandoff.fit.sums import (
+    MOMENTS,
+    ROW_CHUNK,
+    SumsContent,
+    as_count,
+    missing_moment,
+    moment_blocks,
+    moment_name,
+    sum_shapes,
+)
 from kvhandoff.model.capture import MODALITIES, ContentKV, FeatureLayout, all_finite, nonfinite_layers
-
-#: the second moments, each summed per pair of modalities (a, b); xxᵀ and yyᵀ are symmetric, so only their
-#: (K, V) cross block is held, (V, K) being its transpose
-MOMENTS = ("xx", "xy", "yy")
-#: the tensors of a file holding the whole matrices (every cross block and the Gram) instead of per-modality sums
-_WHOLE = {"xx": "sum_xx", "xy": "sum_xy", "yy": "sum_yy"}
-_WHOLE_FILE = ("sum_x", "sum_y", "sum_xx", "sum_xy", "sum_yy")
-#: rows of a big matrix handled at once where a whole-matrix temporary would double its memory
-ROW_CHUNK = 1024
-#: metadata key of the caller's description saved with the sums (`save(info=...)`, `read_info`)
-_INFO_KEY = "kvhandoff_info"
 
 
 def require_finite_content(side: str, content: ContentKV) -> None:
@@ -62,45 +57,6 @@ def require_finite_content(side: str, content: ContentKV) -> None:
                 f"{nonfinite_layers(tensor, dim=0)}: run the calibration in float32 (or bfloat16) and check the "
                 "model's weights"
             )
-
-
-def moment_name(kind: str, a: int, b: int) -> str:
-    """The tensor name of moment `kind`'s block of modalities (a, b), e.g. sum_xy_KV."""
-    return f"sum_{kind}_{MODALITIES[a]}{MODALITIES[b]}"
-
-
-def moment_blocks(kind: str, kv_cross: bool) -> list[tuple[int, int]]:
-    """The modality pairs held of moment `kind`: K·K and V·V, and with `kv_cross` the cross blocks (K·V alone for
-    the symmetric xxᵀ and yyᵀ)."""
-    if not kv_cross:
-        return [(0, 0), (1, 1)]
-    return [(0, 0), (0, 1), (1, 0), (1, 1)] if kind == "xy" else [(0, 0), (0, 1), (1, 1)]
-
-
-def sum_shapes(source: FeatureLayout, target: FeatureLayout, source_sums: bool = True, target_gram: bool = False,
-               kv_cross: bool = False) -> dict[str, tuple[int, ...]]:
-    """Name → shape of every sum statistics of these layouts hold, in `CalibrationStats.sums()` order."""
-    widths = {"x": source.modality_width, "y": target.modality_width}
-    shapes: dict[str, tuple[int, ...]] = {"sum_x": (source.width,)} if source_sums else {}
-    shapes.update(sum_y=(target.width,), sum_y_squared=(target.width,))
-    for kind in MOMENTS:
-        if (kind == "xx" and not source_sums) or (kind == "yy" and not target_gram):
-            continue
-        for a, b in moment_blocks(kind, kv_cross):
-            shapes[moment_name(kind, a, b)] = (widths[kind[0]], widths[kind[1]])
-    return shapes
-
-
-@dataclass(frozen=True)
-class SumsContent:
-    """What statistics hold beyond the sums every map reads: the target's Gram (`target_gram`) and the K–V cross
-    moments (`kv_cross`)."""
-
-    target_gram: bool = False
-    kv_cross: bool = False
-
-    def covers(self, needed: SumsContent) -> bool:
-        return (self.target_gram or not needed.target_gram) and (self.kv_cross or not needed.kv_cross)
 
 
 class CalibrationStats:
@@ -285,17 +241,9 @@ class CalibrationStats:
     def gather(self, kind: str, rows, columns) -> torch.Tensor:
         """A copy of the whole moment matrix `kind`'s [rows, columns] (feature indices of the whole layouts: slices
         or index tensors), assembled from the modality blocks they fall in."""
-        row_parts = modality_parts(rows, self.target if kind == "yy" else self.source)
-        column_parts = modality_parts(columns, self.source if kind == "xx" else self.target)
-        if len(row_parts) == 1 and len(column_parts) == 1:
-            (a, _, local_rows), (b, _, local_columns) = row_parts[0], column_parts[0]
-            return submatrix(self.block(kind, a, b), local_rows, local_columns)
-        out = torch.empty(sum(len(p[1]) for p in row_parts), sum(len(p[1]) for p in column_parts),
-                          dtype=torch.float64)
-        for a, at_rows, local_rows in row_parts:
-            for b, at_columns, local_columns in column_parts:
-                out[at_rows[:, None], at_columns] = submatrix(self.block(kind, a, b), local_rows, local_columns)
-        return out
+        return assemble(lambda a, b: self.block(kind, a, b),
+                        modality_parts(rows, self.target if kind == "yy" else self.source),
+                        modality_parts(columns, self.source if kind == "xx" else self.target))
 
     def cov_xx(self, idx) -> torch.Tensor:
         """The centred covariance of the source features `idx` (a slice or an index tensor)."""
@@ -327,39 +275,24 @@ class CalibrationStats:
                 tensors[moment_name(swapped[kind], a, b)] = tensor
         return CalibrationStats.holding(self.target, self.source, self.count, tensors, self.kv_cross)
 
-    # -- persistence ------------------------------------------------------------------------------
+    # -- persistence (`statistics_file`) ----------------------------------------------------------
     def save(self, path: str | Path, info: dict | None = None) -> None:
         """Write the sums atomically; `info` (JSON) is stored in the same file, so it always describes these sums
         (`read_info`)."""
         if not self.source_sums:
             raise StatisticsError("statistics without their source sums are not saved")
-        layouts = {"source": self.source.__dict__, "target": self.target.__dict__, "count": self.count}
-        metadata = {"kvhandoff_stats": json.dumps(layouts)}
-        if info is not None:
-            metadata[_INFO_KEY] = json.dumps(info)
-        tensors = {name: tensor.contiguous() for name, tensor in self.tensors().items()}
-        with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata=metadata)
+        statistics_file.write_sums(path, self.source, self.target, self.count, self.tensors(), info)
 
     @staticmethod
     def read_info(path: str | Path) -> dict | None:
         """The `info` saved with the statistics at `path` (None when none was), without reading the tensors."""
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                text = (handle.metadata() or {}).get(_INFO_KEY)
-            return None if text is None else json.loads(text)
-        except Exception as exc:  # safetensors raises several types for corrupt files
-            raise StatisticsError(f"cannot read statistics file {path}: {exc}; re-run the calibration") from exc
+        return statistics_file.read_info(path)
 
     @staticmethod
     def saved_content(path: str | Path) -> SumsContent:
         """What the statistics file at `path` holds of the optional moments, from its header (a file of whole
         matrices holds all)."""
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                return held_content(set(handle.keys()))
-        except Exception as exc:  # safetensors raises several types for corrupt files
-            raise StatisticsError(f"cannot read statistics file {path}: {exc}; re-run the calibration") from exc
+        return statistics_file.saved_content(path)
 
     @classmethod
     def load(cls, path: str | Path, target_gram: bool = False, kv_cross: bool = False) -> CalibrationStats:
@@ -367,95 +300,8 @@ class CalibrationStats:
         is missing when the file does not hold them); every tensor is checked against the layouts in the metadata.
         Of a file that holds more, only the blocks asked for are read: the whole matrices of files written before
         the sums were kept per modality pair too, and their Gram's diagonal for the variances."""
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                meta = json.loads(handle.metadata()["kvhandoff_stats"])
-                source, target = FeatureLayout(**meta["source"]), FeatureLayout(**meta["target"])
-                whole = check_saved_sums(path, handle, source, target)
-                held = held_content(set(handle.keys()))
-                if not held.covers(SumsContent(target_gram, kv_cross)):
-                    kind, a = ("yy", 0) if target_gram and not held.target_gram else ("xy", 1)
-                    raise StatisticsError(f"statistics file {path}: {missing_moment(kind, 0, a, True)}")
-                tensors = {name: read_sum(handle, name, source, target, whole)
-                           for name in sum_shapes(source, target, True, target_gram, kv_cross)}
-            return cls.holding(source, target, as_count(meta["count"]), tensors, kv_cross)
-        except StatisticsError:
-            raise
-        except Exception as exc:  # safetensors raises several types for corrupt files
-            raise StatisticsError(
-                f"cannot read statistics file {path}: {exc}; re-run the calibration"
-            ) from exc
-
-
-def as_count(count: float) -> int | float:
-    """What statistics count their rows with: an int where it is whole (unweighted rows), else the float sum of the
-    rows' weights (`add_rows`)."""
-    return int(count) if float(count).is_integer() else float(count)
-
-
-def held_content(names: set[str]) -> SumsContent:
-    """What a statistics file with tensors `names` holds of the optional moments (whole-matrix files: all)."""
-    if _WHOLE["xx"] in names:
-        return SumsContent(True, True)
-    return SumsContent(moment_name("yy", 0, 0) in names, moment_name("xy", 0, 1) in names)
-
-
-def missing_moment(kind: str, a: int, b: int, source_sums: bool) -> str:
-    """Why statistics lack moment `kind`'s block (a, b), and how to get statistics that hold it."""
-    if kind == "yy":
-        return ("these statistics hold no target Gram (a pass for one direction), which the reverse direction "
-                "reads as its input covariance: collect them with target_gram=True (`kvhandoff fit "
-                "--both-directions`), or run a pass in the other direction")
-    if kind == "xx" and not source_sums:
-        return "the source sums (x, xxᵀ) of these statistics were not collected"
-    return (f"these statistics hold no {MODALITIES[a]}·{MODALITIES[b]} cross moments (a pass for maps that read "
-            "their own modality); maps that read source K and V together (source_inputs='kv', `--inputs kv`) need "
-            "a pass that sums them (kv_cross=True)")
-
-
-def check_saved_sums(path, handle, source: FeatureLayout, target: FeatureLayout) -> bool:
-    """Check that an open statistics file holds a set of sums `save` writes (or the whole matrices: returns True
-    then), each with its layouts' shape, float64."""
-    names = sorted(handle.keys())
-    forms = {(gram, cross): sum_shapes(source, target, True, gram, cross)
-             for gram in (False, True) for cross in (False, True)}
-    ws, wt = source.width, target.width
-    whole = {"sum_x": (ws,), "sum_y": (wt,), "sum_xx": (ws, ws), "sum_xy": (ws, wt), "sum_yy": (wt, wt)}
-    expected = next((shapes for shapes in [*forms.values(), whole] if sorted(shapes) == names), None)
-    if expected is None:
-        raise StatisticsError(
-            f"statistics file {path} holds tensors {names}, expected {sorted(forms[False, False])} (with the K–V "
-            f"cross moments and the target Gram where collected), or {sorted(whole)}; re-run the calibration"
-        )
-    for name in names:
-        part = handle.get_slice(name)
-        shape, dtype = tuple(part.get_shape()), part.get_dtype()
-        if shape != expected[name] or dtype != "F64":
-            raise StatisticsError(
-                f"statistics tensor {name} in {path} is {shape} {dtype}, but its layouts need {expected[name]} F64; "
-                "the file is damaged: re-run the calibration"
-            )
-    return expected is whole
-
-
-def read_sum(handle, name: str, source: FeatureLayout, target: FeatureLayout, whole: bool) -> torch.Tensor:
-    """Sum `name` (as `sum_shapes` names it) from an open statistics file; of a whole-matrix file, the block it
-    is of the whole matrix (reading that block alone), and the variances from its Gram's diagonal."""
-    if not whole or name in ("sum_x", "sum_y"):
-        return handle.get_tensor(name)
-    if name == "sum_y_squared":
-        return gram_diagonal(handle.get_slice(_WHOLE["yy"]), target.width)
-    kind, a, b = name[4:6], MODALITIES.index(name[7]), MODALITIES.index(name[8])
-    rows = (target if kind == "yy" else source).modality_width
-    columns = (source if kind == "xx" else target).modality_width
-    return handle.get_slice(_WHOLE[kind])[a * rows : (a + 1) * rows, b * columns : (b + 1) * columns]
-
-
-def gram_diagonal(part, width: int) -> torch.Tensor:
-    """The diagonal of a saved [width, width] matrix (a safetensors slice), reading only its diagonal blocks."""
-    starts = range(0, width, ROW_CHUNK)
-    return torch.cat([part[start : start + ROW_CHUNK, start : start + ROW_CHUNK].diagonal() for start in starts]
-                     or [torch.zeros(0, dtype=torch.float64)])
+        source, target, count, tensors = statistics_file.read_sums(path, target_gram, kv_cross)
+        return cls.holding(source, target, count, tensors, kv_cross)
 
 
 def modality_parts(index, layout: FeatureLayout) -> list[tuple[int, torch.Tensor, slice | torch.Tensor]]:
@@ -475,6 +321,19 @@ def modality_parts(index, layout: FeatureLayout) -> list[tuple[int, torch.Tensor
     modality = torch.div(index, width, rounding_mode="floor")
     return [(m, (modality == m).nonzero().flatten(), index[modality == m] - m * width)
             for m in range(len(MODALITIES)) if bool((modality == m).any())]
+
+
+def assemble(block, row_parts: list, column_parts: list) -> torch.Tensor:
+    """A copy of the matrix of rows ``row_parts`` and columns ``column_parts`` (`modality_parts`) of a matrix held as
+    modality blocks, ``block(a, b)``: of the one block they fall in, else assembled from each block (float64)."""
+    if len(row_parts) == 1 and len(column_parts) == 1:
+        (a, _, local_rows), (b, _, local_columns) = row_parts[0], column_parts[0]
+        return submatrix(block(a, b), local_rows, local_columns)
+    out = torch.empty(sum(len(p[1]) for p in row_parts), sum(len(p[1]) for p in column_parts), dtype=torch.float64)
+    for a, at_rows, local_rows in row_parts:
+        for b, at_columns, local_columns in column_parts:
+            out[at_rows[:, None], at_columns] = submatrix(block(a, b), local_rows, local_columns)
+    return out
 
 
 def submatrix(matrix: torch.Tensor, rows, columns) -> torch.Tensor:

@@ -2,16 +2,16 @@
 
 A mapper turns a source model's KV cache into a target model's (`Mapper.transfer`): the source RoPE is stripped
 from the keys, the content-space K/V rows are mapped, the target RoPE is applied and the result is a
-`DynamicCache`. The frame holds the manifest, RoPE (`rope.RopeTable`), the refusals (another model pair, a context
-past the target's window, a cache on another device, NaN/Inf), save and load (eager or lazy) and the registry of
-methods a manifest can name. A variant (`dense`, `blocks`, `lowrank`, `mlp`) says only how rows are mapped
-(`map_rows`), which tensors it holds and saves, how they move, and what a token costs.
+`DynamicCache`. The frame holds the manifest, the refusals (another model pair, a context past the target's
+window, a cache on another device, NaN/Inf), save and load (eager or lazy) and the registry of methods a manifest
+can name; its collaborators: `rows.TokenRows` (the layouts around the map, RoPE included), `pairing.PairingCheck`
+(the models against the manifest's fingerprints) and `storage` (the folder on disk). A variant (`dense`,
+`blocks`, `lowrank`, `mlp`) says only how rows are mapped (`map_rows`), which tensors it holds and saves, how
+they move, and what a token costs.
 """
 
 from __future__ import annotations
 
-import json
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,22 +19,20 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from kvhandoff.errors import ConfigError, ContextTooLongError, MapperFormatError, MapperMismatchError, NonFiniteError
+from kvhandoff.errors import ConfigError, ContextTooLongError, MapperFormatError
 from kvhandoff.mapper.manifest import GuardCalibration, MapperManifest, RecomputeChoice
+from kvhandoff.mapper.pairing import PairingCheck
+from kvhandoff.mapper.rows import TokenRows
 from kvhandoff.mapper.storage import (
-    check_file_size,
+    UnreadTensors,
     read_manifest,
     read_tensors,
-    refuse_nonfinite,
+    record_manifest,
+    storage_copies,
     storage_dtype,
-    to_storage,
-    write_folder,
-    write_manifest,
+    write_mapper,
 )
-from kvhandoff.model.cache import cache_of
-from kvhandoff.model.capture import ContentKV, all_finite, nonfinite_layers
-from kvhandoff.model.geometry import PAIRING_KEYS, model_fingerprint, signatures_match
-from kvhandoff.model.rope import RopeTable, rotate
+from kvhandoff.model.capture import ContentKV
 
 
 def check_mapper_dtype(dtype: torch.dtype | None) -> None:
@@ -68,8 +66,8 @@ class Mapper(ABC):
             manifest = MapperManifest.from_dict(manifest)
         self.manifest = manifest
         self.source, self.target = manifest.source_layout, manifest.target_layout
-        self._verified: dict[str, weakref.WeakSet] = {"source": weakref.WeakSet(), "target": weakref.WeakSet()}
-        self._rope_tables: dict[str, RopeTable] = {}
+        self._pairing = PairingCheck()  # the models it verified
+        self._rows = TokenRows(self.source, self.target)  # its RoPE tables, made at the first transfer
         return manifest
 
     # -- what a variant defines -------------------------------------------------------------------
@@ -152,35 +150,18 @@ class Mapper(ABC):
         return sum(t.numel() * t.element_size() for t in [*self.parameter_tensors(), *self.index_tensors()])
 
     # -- application ------------------------------------------------------------------------------
-    def _check_source(self, layers: int, heads: int, head_dim: int) -> None:
-        src = self.source
-        if (layers, heads, head_dim) != (src.num_layers, src.num_kv_heads, src.head_dim):
-            raise MapperMismatchError(
-                f"source cache has {layers} layers × {heads} KV heads × head dim {head_dim}, "
-                f"but this mapper was fitted for {src.num_layers} × {src.num_kv_heads} × {src.head_dim}: "
-                "load the mapper fitted for this source model"
-            )
-
     @torch.no_grad()
     def map_feature_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Calibration-layout rows (`FeatureLayout`: K then V of every source layer) [n, source width] → target
         rows [n, target width], content space."""
-        src = self.source
-        grid = x.to(self.device, self.dtype).view(-1, 2, src.num_layers, src.num_kv_heads, src.head_dim)
-        y = self.map_rows(grid.transpose(0, 1).unsqueeze(1).contiguous())  # [2, 1, n, Lt, Ht, Dt]
-        return y.permute(1, 2, 0, 3, 4, 5).reshape(x.shape[0], -1).float()
+        return self._rows.to_features(self.map_rows(self._rows.from_features(x, self.device, self.dtype)))
 
     @torch.inference_mode()
     def map_content(self, content: ContentKV) -> ContentKV:
         """Map content-space source K/V [Ls, B, Hs, T, Ds] to content-space target K/V [Lt, B, Ht, T, Dt]."""
         layers, _, heads, _, head_dim = content.keys.shape
-        self._check_source(layers, heads, head_dim)
-        # [2, Ls, B, Hs, T, Ds] → token rows [2, B, T, Ls, Hs, Ds]: the permute and the cast in one copy
-        batch, tokens = content.keys.shape[1], content.keys.shape[3]
-        rows = torch.empty(2, batch, tokens, layers, heads, head_dim, dtype=self.dtype, device=self.device)
-        rows.copy_(torch.stack([content.keys, content.values]).permute(0, 2, 4, 1, 3, 5))
-        y = self.map_rows(rows).permute(0, 3, 1, 4, 2, 5)  # [2, Lt, B, Ht, T, Dt]
-        return ContentKV(keys=y[0], values=y[1])
+        self._rows.check_source(layers, heads, head_dim)
+        return self._rows.to_content(self.map_rows(self._rows.from_content(content, self.device, self.dtype)))
 
     def check_context(self, length: int) -> None:
         """ContextTooLongError unless ``length`` positions fit the target's context window (checked before any
@@ -193,114 +174,43 @@ class Mapper(ABC):
             )
 
     @torch.no_grad()  # not inference_mode: the cache's tensors must stay usable (in place) outside it
-    def transfer(
-        self,
-        source_cache,
-        position_ids: torch.Tensor | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> DynamicCache:
+    def transfer(self, source_cache, position_ids: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None) -> DynamicCache:
         """Turn a source `transformers` cache into a target `DynamicCache` for the same positions.
 
         position_ids: [batch, tokens] (or [tokens]) positions of the cached tokens (default 0..T−1).
         dtype: dtype of the returned cache (default: the source cache's dtype).
 
-        Same arithmetic as `cache_to_content` → `map_content` → `apply_rope`, laid out for speed: RoPE
-        cos/sin tables are kept per mapper, the source cache is gathered in one copy and de-rotated in
-        place, the mapped rows are rotated straight into the target cache's buffers, and the DynamicCache
-        layers are views of two buffers (no per-layer concatenation). RoPE is stripped and applied in float32;
-        the map runs in the mapper's dtype (float32 unless `to` changed it). Refused: positions past the
-        target's context window, a cache on another device than the mapper, NaN/Inf in the cache.
+        Same arithmetic as `cache_to_content` → `map_content` → `apply_rope`, laid out for speed (`TokenRows`).
+        RoPE is stripped and applied in float32; the map runs in the mapper's dtype (float32 unless `to` changed
+        it). Refused: positions past the target's context window, a cache on another device than the mapper,
+        NaN/Inf in the cache.
         """
         layers = source_cache.layers
         keys0 = layers[0].keys
         _, heads, tokens, head_dim = keys0.shape
-        self._check_source(len(layers), heads, head_dim)
+        self._rows.check_source(len(layers), heads, head_dim)
         if position_ids is not None and position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
         self.check_context(tokens if position_ids is None else int(position_ids.max()) + 1)
-        if keys0.device != self.device:
-            raise ConfigError(
-                f"the source cache is on {keys0.device}, the mapper on {self.device}: move the mapper with "
-                f"mapper.to({str(keys0.device)!r})"
-            )
-        x = self._content_rows(layers, position_ids)
+        x = self._rows.from_cache(layers, position_ids, self.manifest, self.device)
         y = self.map_rows(x.to(self.dtype))  # [2, B, T, Lt, Ht, Dt]
-        return self._target_cache(y, position_ids, dtype or keys0.dtype)
+        return self._rows.to_cache(y, position_ids, dtype or keys0.dtype, self.manifest, self.device)
 
-    def _content_rows(self, layers, position_ids: torch.Tensor | None) -> torch.Tensor:
-        """The source cache gathered straight into token rows [2, B, T, Ls, Hs, Ds] (cache dtype), RoPE stripped
-        in place; NaN/Inf refused with the layer named."""
-        src = self.source
-        keys0 = layers[0].keys
-        batch, heads, tokens, head_dim = keys0.shape
-        x = torch.empty(2, batch, tokens, src.num_layers, heads, head_dim, dtype=keys0.dtype, device=keys0.device)
-        torch.stack([layer.keys.transpose(1, 2) for layer in layers], dim=2, out=x[0])
-        torch.stack([layer.values.transpose(1, 2) for layer in layers], dim=2, out=x[1])
-        if not all_finite(x):
-            bad = nonfinite_layers(x, dim=3)
-            raise NonFiniteError(
-                f"the source cache holds NaN/Inf in layer(s) {bad}: the source model's prefill overflowed (e.g. in "
-                "float16); prefill in bfloat16 or float32 and hand off again"
-            )
-        cos, sin, scaling = self._rope("source").lookup(position_ids, tokens, self.device)  # [b, T, R]
-        rotary = cos.shape[-1]
-        keys = x[0, ..., :rotary]
-        content = rotate(keys.float(), cos[:, :, None, None], sin[:, :, None, None], inverse=True)
-        if scaling != 1.0:  # x / 1 is exact: skipping it changes nothing
-            content = content / (scaling * scaling)
-        keys.copy_(content)  # rounds to the cache dtype, as strip_rope does
-        return x
-
-    def _target_cache(self, y: torch.Tensor, position_ids: torch.Tensor | None, dtype: torch.dtype) -> DynamicCache:
-        """Rotate the mapped rows y [2, B, T, Lt, Ht, Dt] into the target cache's buffers [Lt, B, Ht, T, Dt]."""
-        tgt = self.target
-        batch, tokens = y.shape[1:3]
-        shape = (tgt.num_layers, batch, tgt.num_kv_heads, tokens, tgt.head_dim)
-        out_keys = torch.empty(shape, dtype=dtype, device=y.device)
-        out_values = torch.empty(shape, dtype=dtype, device=y.device)
-        out_values.permute(1, 3, 0, 2, 4).copy_(y[1])
-        cos, sin, _ = self._rope("target").lookup(position_ids, tokens, self.device)
-        rotary = cos.shape[-1]
-        rotated = rotate(y[0][..., :rotary].float(), cos[:, :, None, None], sin[:, :, None, None])
-        keys_view = out_keys.permute(1, 3, 0, 2, 4)  # [B, T, Lt, Ht, Dt]
-        keys_view[..., :rotary].copy_(rotated)
-        if rotary < tgt.head_dim:
-            keys_view[..., rotary:].copy_(y[0][..., rotary:])
-        return cache_of(zip(out_keys.unbind(0), out_values.unbind(0), strict=True))
-
-    def _rope(self, side: str) -> RopeTable:
-        """``side``'s RoPE table, made at the first transfer (a mapper solved from statistics alone has none)."""
-        if side not in self._rope_tables:
-            self._rope_tables[side] = RopeTable(self.manifest.rope_config(side))
-        return self._rope_tables[side]
-
-    # -- persistence ------------------------------------------------------------------------------
+    # -- persistence (`storage`) ------------------------------------------------------------------
     def stored(self) -> Mapper:
-        """This mapper as its saved file will hold it: weight tensors rounded to the fit config's storage dtype
-        (itself when that is float32), so a fitted mapper behaves exactly like the one loaded back."""
-        dtype = storage_dtype(self.manifest)
-        if dtype == torch.float32:
+        """This mapper as its saved file will hold it (`storage.storage_copies`; itself when the fit config's storage
+        dtype is float32), so a fitted mapper behaves exactly like the one loaded back."""
+        if storage_dtype(self.manifest) == torch.float32:
             return self
-        tensors = {name: to_storage(name, tensor.detach().cpu(), dtype).to(tensor.device)
-                   for name, tensor in self.saved_tensors().items()}
-        return type(self).from_tensors(tensors, self.manifest)
+        return type(self).from_tensors(storage_copies(self.saved_tensors(), self.manifest), self.manifest)
 
     def save(self, path: str | Path) -> Path:
-        """Write `mapper.safetensors` + `manifest.json` into directory `path`, atomically.
-
-        The new mapper is written beside the old one and swapped in by rename (`files.atomic_folder`), so an
-        interrupted save never leaves a half-written mapper where a good one was, nor loses the old one. Weight
-        tensors are written in the fit config's `storage_dtype` (biases and indices as they are). The manifest
-        records the tensor file's sha256, what the tensors take (`storage`: parameters, bytes) and a checksum
-        over itself. A mapper with NaN/Inf weights (or weights past the storage dtype's range) is refused
-        (nothing is written).
-        """
+        """Write `mapper.safetensors` + `manifest.json` into directory `path`, atomically (`storage.write_mapper`:
+        an interrupted save never leaves a half-written mapper where a good one was, nor loses the old one; weights
+        in the fit config's `storage_dtype`; a mapper with NaN/Inf weights is refused and nothing written)."""
         path = Path(path)
-        dtype = storage_dtype(self.manifest)
-        tensors = {name: to_storage(name, tensor.detach().to("cpu"), dtype).contiguous()
-                   for name, tensor in self.saved_tensors().items()}
-        refuse_nonfinite(tensors, self._target_layer_axis)
-        self.manifest = write_folder(path, tensors, self.manifest, dtype)
+        self.manifest = write_mapper(path, self.saved_tensors(), self.manifest, self._target_layer_axis)
         self.folder = path
         return path
 
@@ -309,12 +219,12 @@ class Mapper(ABC):
         manifest, in memory and in its `folder`: only `manifest.json` is rewritten, atomically
         (`storage.write_manifest`); the tensors stay as they are. Refused (MapperFormatError) for a mapper that is
         only in memory, or when the folder holds another mapper by now."""
-        return self._rewrite_manifest(self.manifest.with_guard(guard), "its guard")
+        return self._record(self.manifest.with_guard(guard), "its guard")
 
     def record_recompute(self, recompute: RecomputeChoice | None) -> MapperManifest:
         """Record ``recompute`` (the selective-recompute policy chosen for this pair; None: drop the record) in
         this mapper's manifest, in memory and in its `folder`, as `record_guard` does."""
-        return self._rewrite_manifest(self.manifest.with_recompute(recompute), "its recompute policy")
+        return self._record(self.manifest.with_recompute(recompute), "its recompute policy")
 
     def record_measured(self, guard: GuardCalibration | None, recompute: RecomputeChoice | None) -> MapperManifest:
         """Record what was measured for this pair, its guard and its recompute policy (None: leave that record as
@@ -324,42 +234,27 @@ class Mapper(ABC):
             manifest = manifest.with_guard(guard)
         if recompute is not None:
             manifest = manifest.with_recompute(recompute)
-        return self._rewrite_manifest(manifest, "what was measured for it")
+        return self._record(manifest, "what was measured for it")
 
-    def _rewrite_manifest(self, manifest: MapperManifest, what: str) -> MapperManifest:
-        """``manifest`` as this mapper's, in memory and in its `folder` (only `manifest.json` rewritten)."""
-        if self.folder is None:
-            raise MapperFormatError("this mapper is not saved (no folder): save it (`Mapper.save`) before recording "
-                                    f"{what}")
-        self.manifest = write_manifest(self.folder, manifest)
+    def _record(self, manifest: MapperManifest, what: str) -> MapperManifest:
+        self.manifest = record_manifest(self.folder, manifest, what)
         return self.manifest
 
     @classmethod
-    def load(
-        cls,
-        path: str | Path,
-        source_model=None,
-        target_model=None,
-        source_tokenizer=None,
-        target_tokenizer=None,
-        lazy: bool = False,
-    ) -> Mapper:
+    def load(cls, path: str | Path, source_model=None, target_model=None, source_tokenizer=None,
+             target_tokenizer=None, lazy: bool = False) -> Mapper:
         """Load a saved mapper of any registered method; with models given, verify it was fitted for exactly this
-        pair. Never runs code.
-
-        An interrupted save is finished first (`files.recover_folder`): the good copy is what loads. The manifest
-        (and its checksum) is always read and checked here. lazy: the tensors are read only at the mapper's first
-        use (a router holding several mappers pays for the ones it uses); the tensor file's size is checked now
-        against the manifest's `storage` record and its sha256 at that first use, before any tensor is read —
-        a damaged file then raises MapperFormatError from the first transfer instead of from `load`.
-        """
+        pair. Never runs code. The manifest (and its checksum) is always read and checked here, an interrupted save
+        finished first (`storage.read_manifest`: the good copy is what loads). lazy: the tensors are read only at
+        the mapper's first use (a router holding several mappers pays for the ones it uses), the file checked as
+        `storage.UnreadTensors` says: a damaged one then raises MapperFormatError from the first transfer instead
+        of from `load`."""
         manifest, tensor_path = read_manifest(Path(path))
         kind = mapper_class(manifest.method, str(path))
         if lazy:
             mapper = kind.__new__(kind)
             mapper._adopt_manifest(manifest)
-            check_file_size(tensor_path, manifest)
-            mapper._pending = tensor_path
+            mapper._pending = UnreadTensors(tensor_path, manifest)
         else:
             mapper = kind.from_tensors(read_tensors(tensor_path, manifest), manifest)
         mapper.verify_pair(source_model, target_model, source_tokenizer, target_tokenizer)
@@ -380,60 +275,21 @@ class Mapper(ABC):
         return getattr(self, name)
 
     def _materialise(self) -> None:
-        verified = self._verified
-        built = type(self).from_tensors(read_tensors(self.__dict__["_pending"], self.manifest), self.manifest)
+        pairing = self._pairing
+        built = type(self).from_tensors(self.__dict__["_pending"].read(self.manifest), self.manifest)
         del self.__dict__["_pending"]  # only now: a damaged file keeps raising MapperFormatError at every use
         self.__dict__.update(built.__dict__)
-        self._verified = verified  # the models already checked stay checked
+        self._pairing = pairing  # the models already checked stay checked
 
-    # -- pairing ----------------------------------------------------------------------------------
+    # -- pairing (`PairingCheck`) -----------------------------------------------------------------
     def check_models(self, source_model=None, target_model=None) -> None:
-        """`verify_pair` for these models, once per (mapper, model): the hot path (`handoff_cache`, `catch_up`,
-        `SwitchingSession`) calls it every time and fingerprints a model only the first time it sees it."""
-        for side, model in (("source", source_model), ("target", target_model)):
-            if model is None or model in self._verified[side]:
-                continue
-            self.verify_pair(**{f"{side}_model": model})
-            self._verified[side].add(model)
+        """`verify_pair` for these models, once per (mapper, model) (`PairingCheck.check_models`: the hot path calls
+        it every time and fingerprints a model only the first time it sees it)."""
+        self._pairing.check_models(self.manifest, source_model, target_model)
 
     def verify_pair(self, source_model=None, target_model=None, source_tokenizer=None, target_tokenizer=None):
         """Raise MapperMismatchError unless the given models (and tokenizers) are the ones fitted for."""
-        for side, model, tokenizer in (
-            ("source", source_model, source_tokenizer),
-            ("target", target_model, target_tokenizer),
-        ):
-            if model is None:
-                continue
-            expected = getattr(self.manifest, f"{side}_fingerprint")
-            actual = model_fingerprint(model, tokenizer)
-            key = differing_pairing_key(expected, actual)
-            if key is not None:
-                raise MapperMismatchError(
-                    f"this mapper was fitted for a different {side} model ({key} differs: fitted "
-                    f"{_short(expected.get(key))}, given {_short(actual[key])}); load the mapper fitted for "
-                    f"this pair or fit one with `kvhandoff fit`"
-                )
-
-
-def differing_pairing_key(expected: dict, actual: dict) -> str | None:
-    """The first `PAIRING_KEYS` entry where fingerprint ``actual`` differs from the fitted ``expected`` (None: the
-    same model). A tokenizer hash missing on either side is not compared; weight signatures match loosely
-    (`signatures_match`)."""
-    for key in PAIRING_KEYS:
-        if key == "tokenizer_hash" and (actual[key] is None or expected.get(key) is None):
-            continue
-        if key == "weight_signature":
-            same = signatures_match(actual[key], expected.get(key) or [])
-        else:
-            same = actual[key] == expected.get(key)
-        if not same:
-            return key
-    return None
-
-
-def _short(value) -> str:
-    text = json.dumps(value, sort_keys=True, default=str)
-    return text if len(text) <= 80 else text[:77] + "..."
+        PairingCheck.verify(self.manifest, source_model, target_model, source_tokenizer, target_tokenizer)
 
 
 #: mapper classes by the manifest's ``method``; each variant module registers its own (`kvhandoff.mapper` imports

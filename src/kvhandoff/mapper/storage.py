@@ -58,6 +58,30 @@ def refuse_nonfinite(tensors: dict[str, torch.Tensor], layer_axis: Callable[[str
         )
 
 
+def storage_copies(tensors: dict[str, torch.Tensor], manifest: MapperManifest) -> dict[str, torch.Tensor]:
+    """``tensors`` as a saved file holds them, each on its own device: weight tensors rounded to the fit config's
+    storage dtype (`to_storage`), so that a fitted mapper behaves exactly like the one loaded back."""
+    dtype = storage_dtype(manifest)
+    return {name: to_storage(name, tensor.detach().cpu(), dtype).to(tensor.device) for name, tensor in tensors.items()}
+
+
+def write_mapper(path: Path, tensors: dict[str, torch.Tensor], manifest: MapperManifest,
+                 layer_axis: Callable[[str], int | None]) -> MapperManifest:
+    """Write a mapper's ``tensors`` (`Mapper.saved_tensors`) and ``manifest`` into folder ``path``, atomically
+    (`write_folder`); returns the manifest as written.
+
+    The new mapper is written beside the old one and swapped in by rename (`files.atomic_folder`), so an
+    interrupted save never leaves a half-written mapper where a good one was, nor loses the old one. Weight tensors
+    are written in the fit config's `storage_dtype` (biases and indices as they are). The manifest records the
+    tensor file's sha256, what the tensors take (`storage`: parameters, bytes) and a checksum over itself. Tensors
+    with NaN/Inf (or weights past the storage dtype's range) are refused (`refuse_nonfinite`, naming target layers
+    by ``layer_axis``): nothing is written."""
+    dtype = storage_dtype(manifest)
+    stored = {name: to_storage(name, tensor.detach().to("cpu"), dtype).contiguous() for name, tensor in tensors.items()}
+    refuse_nonfinite(stored, layer_axis)
+    return write_folder(path, stored, manifest, dtype)
+
+
 def write_folder(path: Path, tensors: dict[str, torch.Tensor], manifest: MapperManifest,
                  dtype: torch.dtype) -> MapperManifest:
     """Write ``tensors`` (CPU, contiguous, as stored) and ``manifest`` into folder ``path`` atomically; returns the
@@ -102,6 +126,15 @@ def write_manifest(path: Path, manifest: MapperManifest) -> MapperManifest:
     return manifest
 
 
+def record_manifest(folder: Path | None, manifest: MapperManifest, what: str) -> MapperManifest:
+    """`write_manifest` for a mapper saved in ``folder``; MapperFormatError naming ``what`` it records when the mapper
+    is only in memory (no folder)."""
+    if folder is None:
+        raise MapperFormatError(f"this mapper is not saved (no folder): save it (`Mapper.save`) before recording "
+                                f"{what}")
+    return write_manifest(folder, manifest)
+
+
 def check_file_size(tensor_path: Path, manifest: MapperManifest) -> None:
     """MapperFormatError when the tensor file's size differs from the manifest's record (a cheap check, no read)."""
     recorded = (manifest.storage or {}).get("file_bytes")
@@ -122,3 +155,17 @@ def read_tensors(tensor_path: Path, manifest: MapperManifest) -> dict[str, torch
         )
     with safe_open(str(tensor_path), framework="pt") as handle:
         return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+
+
+class UnreadTensors:
+    """The tensor file of a mapper loaded lazily (`Mapper.load`), read at the mapper's first use: its size is checked
+    against the manifest's `storage` record at once (a cheap check, no read), its sha256 when it is read, before any
+    tensor is."""
+
+    def __init__(self, path: Path, manifest: MapperManifest) -> None:
+        check_file_size(path, manifest)
+        self.path = path
+
+    def read(self, manifest: MapperManifest) -> dict[str, torch.Tensor]:
+        """The saved tensors (`read_tensors`)."""
+        return read_tensors(self.path, manifest)
