@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import kvhandoff
+from kvhandoff.serving import prompts
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.middleware import (
     GENERATION_RESPONSES,
@@ -96,7 +97,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 
 
 async def detokenize(body: DetokenizeRequest, request: Request):
-    return dump(DetokenizeResponse(prompt=engine_of(request).detokenize(body.model, body.tokens)))
+    return dump(DetokenizeResponse(prompt=prompts.detokenize(engine_of(request).hosted(body.model), body.tokens)))
 
 
 async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -40,7 +40,6 @@ from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.runtime.switch.pair import PairPolicy, pair_policies
 from kvhandoff.runtime.switch.turn import TURN_MODES, TurnCancelled, serve_turn
 from kvhandoff.serving.answers import answers, echo
-from kvhandoff.serving.chat import render
 from kvhandoff.serving.decoding import end_ids
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.prefix_cache import PrefixCache
@@ -197,23 +196,6 @@ class Engine:
     def mapper_id(self, source: str, target: str) -> str:
         """The identity of the mapper from ``source`` to ``target``: its manifest's checksum."""
         return self._mappers[source, target].manifest.checksum()
-
-    def tokenize(self, model: str, prompt: str | None = None, messages=None, tools=None,
-                 add_generation_prompt: bool = True, add_special_tokens: bool = True) -> list[int]:
-        """The token ids ``model`` reads for a ``prompt`` or chat ``messages`` (as a request's would be built)."""
-        hosted = self.hosted(model)
-        if messages is None:
-            return list(hosted.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
-        try:
-            return render(hosted.tokenizer, messages, tools, add_generation_prompt, self.chat_template)
-        except ConfigError as exc:
-            raise RequestError("invalid_request", str(exc), param="messages") from exc
-
-    def detokenize(self, model: str, tokens: list[int]) -> str:
-        hosted = self.hosted(model)
-        if any(not 0 <= token < hosted.vocab_size for token in tokens):
-            raise RequestError("invalid_request", f"token ids must be in 0..{hosted.vocab_size - 1}", param="tokens")
-        return hosted.tokenizer.decode(tokens)
 
     def session_tokens(self, session_id: str, namespace: str = DEFAULT_NAMESPACE) -> list[int] | None:
         """The token ids a session has cached (None: no such session in ``namespace``)."""

@@ -14,7 +14,7 @@ from kvhandoff.serving.decoding import SamplingParams
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.grammar import GrammarSpec, JsonObject, JsonSchema, ToolCalls
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE, namespace_of
-from kvhandoff.serving.prompts import surely_longer, too_long
+from kvhandoff.serving.prompts import surely_longer, tokenize, too_long
 from kvhandoff.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -106,11 +106,12 @@ def tokenize_request(engine: Engine, body: TokenizeRequest) -> list[int]:
         parse_tools(body.tools)
     field = "prompt" if body.prompt is not None else "messages"
     text = body.prompt if body.prompt is not None else "\n".join(message.text() or "" for message in body.messages)
-    if surely_longer(engine.hosted(body.model).tokenizer, text, engine.max_context, add_special_tokens=False):
+    hosted = engine.hosted(body.model)
+    if surely_longer(hosted.tokenizer, text, engine.max_context, add_special_tokens=False):
         raise too_long(field, engine.max_context)
     messages = None if body.messages is None else [message.template_message() for message in body.messages]
-    return engine.tokenize(body.model, body.prompt, messages, body.tools, body.add_generation_prompt,
-                           body.add_special_tokens)
+    return tokenize(hosted, engine.chat_template, body.prompt, messages, body.tools, body.add_generation_prompt,
+                    body.add_special_tokens)
 
 
 def sampling_of(body: SamplingRequest) -> SamplingParams:

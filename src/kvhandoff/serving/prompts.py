@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.serving.chat import chat_template_of, render_text
+from kvhandoff.serving.chat import chat_template_of, render, render_text
 from kvhandoff.serving.decoding import Sampler
 from kvhandoff.serving.grammar import ToolCalls
 from kvhandoff.serving.requests import GenerationRequest, RequestError
@@ -99,3 +99,21 @@ def request_inputs(hosted: HostedModel, request: GenerationRequest, chat_templat
         param = "tool_choice" if isinstance(request.grammar, ToolCalls) else "response_format"
         raise RequestError("invalid_request", str(exc), param=param) from exc
     return prompt, constraints
+
+
+def tokenize(hosted: HostedModel, chat_template: str, prompt: str | None = None, messages=None, tools=None,
+             add_generation_prompt: bool = True, add_special_tokens: bool = True) -> list[int]:
+    """The token ids ``hosted`` reads for a ``prompt`` or chat ``messages`` (as a request's would be built)."""
+    if messages is None:
+        return list(hosted.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+    try:
+        return render(hosted.tokenizer, messages, tools, add_generation_prompt, chat_template)
+    except ConfigError as exc:
+        raise RequestError("invalid_request", str(exc), param="messages") from exc
+
+
+def detokenize(hosted: HostedModel, tokens: list[int]) -> str:
+    """The text of ``tokens`` under ``hosted``'s tokenizer; ids past its vocabulary are a `RequestError`."""
+    if any(not 0 <= token < hosted.vocab_size for token in tokens):
+        raise RequestError("invalid_request", f"token ids must be in 0..{hosted.vocab_size - 1}", param="tokens")
+    return hosted.tokenizer.decode(tokens)
