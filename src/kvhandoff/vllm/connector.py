@@ -1,0 +1,344 @@
+"""`KVHandoffConnector`: a vLLM v1 KV connector (vLLM 0.32.0, CPU build) that makes a switch between the models of
+a family a cache hit in another model's format, each model in its own vLLM instance, the K/V travelling through a
+Valkey/Redis store (`kvhandoff.vllm.store`).
+
+- Save: once a request's prefill has computed its prompt's full blocks, its own K/V of those blocks go to the store
+  under (tenant, this model's identity, hash of the prefix's token ids). A request that loaded mapped rows — or
+  whose prefix vLLM's local prefix cache served from mapped rows — is never saved: mapped rows are not the model's
+  own K/V.
+- Load: for a new request, the longest full-block prefix held under this model's identity (a cache hit of its own
+  K/V, e.g. from another instance of the same model); else under another family model's identity: those rows are
+  mapped with the pair's `Mapper` (keys after RoPE → the target's) and loaded. vLLM computes the rest (at least the
+  prompt's last token).
+- Every entry is checked against what its key promises (model, tenant, prefix, length, shape, checksum) before any
+  token is promised to vLLM; a refused entry is logged (logger ``kvhandoff.vllm``) and the request is prefilled by
+  vLLM itself. The worker checks it again when it loads; a failure there is reported as load errors (run with
+  ``kv_load_failure_policy="recompute"`` so that vLLM recomputes those blocks).
+- Tenant of a request: ``kv_transfer_params["tenant"]`` if given, else its ``cache_salt`` (which also keeps vLLM's
+  own prefix cache apart per tenant), else the configured default.
+
+Use::
+
+    KVTransferConfig(kv_connector="KVHandoffConnector", kv_connector_module_path="kvhandoff.vllm.connector",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={"store_url": ..., "model": ..., "mappers": {...}})
+
+(`kvhandoff.vllm.family` documents the extra config.) Limits of this first version: loads and saves are
+synchronous, one KV-cache group, full attention (Qwen2/Llama-like), CPU paged-cache layouts only
+(`kvhandoff.vllm.layout`); a mapped prefix is loaded whole (no recompute policy: vLLM cannot recompute positions
+inside a loaded prefix).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.forward_context import get_forward_context
+
+from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.model.cache import cache_of
+from kvhandoff.vllm.family import FamilyConfig, resolve_identities
+from kvhandoff.vllm.layout import block_slots, read_blocks, write_rows
+from kvhandoff.vllm.store import EntryRefused, Expected, KVStore, decode_entry, encode_entry, entry_key, prefix_hashes
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvhandoff.vllm")
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+#: how many (tenant, prefix hash) of mapped loads the scheduler remembers, to keep them from being saved as own
+_MAPPED_MEMORY = 65536
+
+
+def _setup_logging() -> None:
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s kvhandoff.vllm[%(process)d]: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _layer_index(name: str) -> int:
+    match = _LAYER_INDEX.search(name)
+    return int(match.group(1)) if match else -1
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    key: str
+    tenant: str
+    prefix: str
+    identity: str
+    tokens: int                       # the stored prefix's length (full blocks)
+    start: int                        # positions before it are already in vLLM's cache (its local prefix cache)
+    geometry: tuple[int, int, int]    # the stored rows' (layers, kv_heads, head_dim)
+    source: str | None = None         # another family model whose rows are mapped; None: this model's own
+    block_ids: list[int] = field(default_factory=list)  # the request's blocks for positions start..tokens-1
+    hashes: list[str] = field(default_factory=list)     # the hashes of the loaded prefix's full blocks
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    key: str
+    tenant: str
+    prefix: str
+    tokens: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class KVHandoffMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+class KVHandoffConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _setup_logging()
+        self._block_size = vllm_config.cache_config.block_size
+        self._family = FamilyConfig.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        self._store = KVStore(self._family.store_url, self._family.ttl_s)
+        if role == KVConnectorRole.SCHEDULER:
+            model_config = vllm_config.model_config
+            self._ids = resolve_identities(self._family, model_config.model, model_config.dtype)
+            self._loads: dict[str, LoadSpec] = {}
+            self._tracking: dict[str, SaveSpec] = {}
+            self._tenants: dict[str, str] = {}
+            self._own_load: dict[str, int] = {}
+            self._mapped: OrderedDict[tuple[str, str], None] = OrderedDict()
+            self._saved: OrderedDict[str, None] = OrderedDict()
+            logger.info("scheduler: model %r (identity %s), store %s, mapped in from %s", self._family.model,
+                        self._ids.own, self._family.store_url,
+                        {name: ident for name, ident in self._ids.others.items()} or "no other model")
+        else:
+            self._mappers = {source: Mapper.load(folder) for source, folder in self._family.incoming.items()}
+            self._layer_names: list[str] = []
+            self._save_rows: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+            self._invalid: set[int] = set()
+            logger.info("worker: model %r, store %s, mappers from %s", self._family.model, self._family.store_url,
+                        sorted(self._mappers) or "no other model")
+
+    # ------------------------------------------------------------------ scheduler side
+    def _tenant_of(self, request: Request) -> str:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        return str(params.get("tenant") or getattr(request, "cache_salt", None) or self._family.tenant)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        prompt = list(request.prompt_token_ids or [])
+        bs = self._block_size
+        tenant = self._tenant_of(request)
+        self._tenants[request.request_id] = tenant
+        self._loads.pop(request.request_id, None)
+        longest = (len(prompt) - 1) // bs  # vLLM computes at least the last prompt token itself
+        first = num_computed_tokens // bs + 1
+        if longest < first:
+            return 0, False
+        hashes = prefix_hashes(prompt, bs, longest)
+        candidates = [(None, self._ids.own, self._ids.geometry)]
+        candidates += [(name, ident, self._ids.sources[name]) for name, ident in self._ids.others.items()]
+        try:
+            for source, identity, geometry in candidates:
+                blocks = list(range(longest, first - 1, -1))
+                keys = [entry_key(tenant, identity, hashes[b - 1]) for b in blocks]
+                for b, key, found in zip(blocks, keys, self._store.exists(keys), strict=True):
+                    if not found:
+                        continue
+                    expected = Expected(identity, tenant, hashes[b - 1], b * bs, geometry)
+                    try:
+                        decode_entry(self._store.get(key), expected)
+                    except EntryRefused as refusal:
+                        logger.warning("refused store entry %s for request %s (%s): %s; vLLM prefills these "
+                                       "tokens itself", key, request.request_id,
+                                       "own" if source is None else f"from {source}", refusal)
+                        continue
+                    self._loads[request.request_id] = LoadSpec(request.request_id, key, tenant, hashes[b - 1],
+                                                               identity, b * bs, num_computed_tokens, geometry,
+                                                               source, hashes=hashes[:b])
+                    return b * bs - num_computed_tokens, False
+        except Exception as error:  # the store down or failing: a miss, vLLM prefills
+            logger.warning("store %s unavailable for request %s (%s: %s); vLLM prefills", self._family.store_url,
+                           request.request_id, type(error).__name__, error)
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        if num_external_tokens == 0:
+            self._loads.pop(request.request_id, None)
+
+    def _remember(self, memory: OrderedDict, item) -> None:
+        memory[item] = None
+        memory.move_to_end(item)
+        while len(memory) > _MAPPED_MEMORY:
+            memory.popitem(last=False)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVHandoffMetadata()
+        bs = self._block_size
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = list(new.prompt_token_ids or [])
+            blocks = list(new.block_ids[0]) if new.block_ids else []
+            tenant = self._tenants.get(new.req_id, self._family.tenant)
+            hashes = prefix_hashes(prompt, bs)
+            load = self._loads.pop(new.req_id, None)
+            if load is not None:
+                self._emit_load(meta, load, blocks)
+                if load.source is not None:  # mapped rows: never saved as this model's own
+                    continue
+            if not hashes or any((tenant, digest) in self._mapped for digest in hashes):
+                continue  # nothing full to save, or vLLM's prefix cache serves mapped rows to this request
+            key = entry_key(tenant, self._ids.own, hashes[-1])
+            if key in self._saved or (load is not None and load.tokens >= len(hashes) * bs):
+                continue
+            try:
+                if self._store.exists([key])[0]:
+                    self._remember(self._saved, key)
+                    continue
+            except Exception as error:
+                logger.warning("store unavailable, request %s not saved (%s)", new.req_id, error)
+                continue
+            self._tracking[new.req_id] = SaveSpec(new.req_id, key, tenant, hashes[-1], len(hashes) * bs, blocks)
+            self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[index]
+            load = self._loads.pop(req_id, None)
+            if load is not None and req_id in cached.resumed_req_ids:  # a preempted request, loaded again
+                self._emit_load(meta, load, list(new_blocks[0]) if new_blocks else [])
+            spec = self._tracking.get(req_id)
+            if spec is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                spec.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                spec.block_ids.extend(new_blocks[0])
+            self._maybe_save(meta, req_id, cached.num_computed_tokens[index], scheduler_output)
+        return meta
+
+    def _emit_load(self, meta: KVHandoffMetadata, load: LoadSpec, blocks: list[int]) -> None:
+        """Send ``load`` to the worker with the request's blocks for its positions; remember mapped prefixes."""
+        bs = self._block_size
+        load.block_ids = blocks[load.start // bs: load.tokens // bs]
+        meta.loads.append(load)
+        if load.source is not None:
+            for digest in load.hashes:
+                self._remember(self._mapped, (load.tenant, digest))
+
+    def _maybe_save(self, meta: KVHandoffMetadata, req_id: str, computed: int, scheduler_output) -> None:
+        """Save the tracked request's full blocks in the step that completes them (chunked prefill included)."""
+        spec = self._tracking[req_id]
+        if computed + scheduler_output.num_scheduled_tokens.get(req_id, 0) < spec.tokens:
+            return
+        del self._tracking[req_id]
+        spec.block_ids = spec.block_ids[: spec.tokens // self._block_size]
+        meta.saves.append(spec)
+        self._remember(self._saved, spec.key)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        for table in (self._loads, self._tracking, self._tenants):
+            table.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._layer_names = sorted(kv_caches, key=_layer_index)
+
+    @staticmethod
+    def _attention_layers(forward_context: ForwardContext) -> list[tuple[str, Any]]:
+        layers = [(name, layer) for name, layer in forward_context.no_compile_layers.items()
+                  if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)]
+        return sorted(layers, key=lambda item: _layer_index(item[0]))
+
+    def _mapped_rows(self, source: str, rows: torch.Tensor) -> torch.Tensor:
+        """Another model's rows [Ls, 2, T, Hs, Ds] mapped into this model's [Lt, 2, T, Ht, Dt] (float32)."""
+        mapper = self._mappers[source]
+        cache = cache_of((rows[layer, 0].float().transpose(0, 1).unsqueeze(0).contiguous(),
+                          rows[layer, 1].float().transpose(0, 1).unsqueeze(0).contiguous())
+                         for layer in range(rows.shape[0]))
+        mapped = mapper.transfer(cache, dtype=torch.float32)
+        return torch.stack([torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)])
+                            for layer in mapped.layers])
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVHandoffMetadata) or not meta.loads:
+            return
+        layers = self._attention_layers(forward_context)
+        for load in meta.loads:
+            try:
+                rows = decode_entry(self._store.get(load.key),
+                                    Expected(load.identity, load.tenant, load.prefix, load.tokens, load.geometry))
+                if load.source is not None:
+                    rows = self._mapped_rows(load.source, rows)
+                rows = rows[:, :, load.start: load.tokens]
+                if rows.shape[0] != len(layers):
+                    raise EntryRefused(f"rows of {rows.shape[0]} layers for a model of {len(layers)}")
+                slots = block_slots(load.block_ids, self._block_size)[: load.tokens - load.start]
+                for index, (_, layer) in enumerate(layers):
+                    write_rows(layer.kv_cache, rows[index, 0], rows[index, 1], slots, layer.isa)
+            except Exception as error:
+                logger.warning("could not load %s for request %s (%s: %s): its blocks are reported as load errors",
+                               load.key, load.req_id, type(error).__name__, error)
+                self._invalid.update(load.block_ids)
+                continue
+            what = "own K/V" if load.source is None else f"K/V of {load.source!r} mapped to {self._family.model!r}"
+            logger.info("loaded %d tokens (positions %d..%d) for request %s: %s, tenant %r", load.tokens - load.start,
+                        load.start, load.tokens - 1, load.req_id, what, load.tenant)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous, in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVHandoffMetadata) or not meta.saves:
+            return
+        layer = get_forward_context().no_compile_layers[layer_name]
+        for spec in meta.saves:
+            k, v = read_blocks(kv_layer, spec.block_ids, layer.isa)
+            self._save_rows.setdefault(spec.req_id, {})[layer_name] = (k[: spec.tokens], v[: spec.tokens])
+
+    def wait_for_save(self):
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVHandoffMetadata):
+            return
+        for spec in meta.saves:
+            parts = self._save_rows.pop(spec.req_id, {})
+            names = sorted(parts, key=_layer_index)
+            if not names or (self._layer_names and names != self._layer_names):
+                logger.warning("request %s: K/V of %d of %d layers seen, not saved", spec.req_id, len(names),
+                               len(self._layer_names))
+                continue
+            rows = torch.stack([torch.stack(parts[name]) for name in names])
+            _, identity, _ = spec.key.rsplit(":", 2)
+            try:
+                self._store.put(spec.key, encode_entry(rows, identity=identity, model_name=self._family.model,
+                                                       tenant=spec.tenant, prefix=spec.prefix))
+            except Exception as error:
+                logger.warning("store unavailable, request %s not saved (%s: %s)", spec.req_id,
+                               type(error).__name__, error)
+                continue
+            logger.info("saved %d tokens of own K/V for request %s under %s", spec.tokens, spec.req_id, spec.key)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid

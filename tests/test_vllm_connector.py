@@ -1,0 +1,254 @@
+"""kvhandoff inside vLLM: the connector (`kvhandoff.vllm.connector`) in real vLLM engines (the CPU build in
+.venv-vllm, each engine a subprocess running tests/vllm_driver.py), K/V travelling through a Valkey/Redis server the
+test starts on a free loopback port.
+
+A tiny Qwen2 ("small", vLLM-compatible: hidden = heads × head_dim, head_dim 32) and an exactly related copy
+("large": equal outputs, another cache) with exact mappers both ways, float32. One scenario, engines reused:
+(a) a fresh engine of the small model loads the small model's saved K/V and answers as a normal run; (b) the large
+model's engine loads the small model's K/V mapped and answers as its own run, and saves nothing of them as its own;
+(c) another tenant's entry, a corrupt and a truncated entry are refused with a log line, vLLM prefills, same answer.
+The store's entry format alone is tested without vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tests._serving_support import EXACT_FIT
+
+from kvhandoff.fit.pipeline import fit_mapper
+from kvhandoff.vllm.store import EntryRefused, Expected, decode_entry, encode_entry, entry_key, prefix_hashes
+
+from conftest import chat_tokenizer, exactly_related, random_batches, tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"
+BLOCK = 128  # vLLM's CPU block size
+PROMPT = [(7 * i + 3) % 256 for i in range(300)]  # 2 full blocks + 44 tokens
+TOKENS = 16
+
+
+# -- the entry format (no vLLM) -----------------------------------------------------------------------------------
+
+def test_store_entry_round_trip_and_refusals():
+    rows = torch.randn(2, 2, 256, 2, 32)
+    prefix = prefix_hashes(PROMPT, BLOCK)[-1]
+    value = encode_entry(rows, identity="m1", model_name="small", tenant="t", prefix=prefix)
+    expected = Expected("m1", "t", prefix, 256, (2, 2, 32))
+    assert torch.equal(decode_entry(value, expected), rows)
+    assert entry_key("a:b", "m1", prefix) == f"kvhandoff:a%3Ab:m1:{prefix}"
+    refusals = {
+        "another model": (value, Expected("m2", "t", prefix, 256)),
+        "another tenant": (value, Expected("m1", "u", prefix, 256)),
+        "another prefix": (value, Expected("m1", "t", "0" * 40, 256)),
+        "truncated": (value[:-100], expected),
+        "checksum": (value[:-5] + bytes([value[-5] ^ 1]) + value[-4:], expected),
+        "layers": (value, Expected("m1", "t", prefix, 256, (3, 2, 32))),
+        "magic": (b"junk" + value, expected),
+        "no entry": (None, expected),
+    }
+    for what, (data, want) in refusals.items():
+        with pytest.raises(EntryRefused, match=what):
+            decode_entry(data, want)
+    half = encode_entry(rows.to(torch.bfloat16), identity="m1", model_name="small", tenant="t", prefix=prefix)
+    assert torch.equal(decode_entry(half, expected), rows.to(torch.bfloat16))
+
+
+def test_prefix_hashes_are_incremental():
+    hashes = prefix_hashes(PROMPT, BLOCK)
+    assert len(hashes) == 2 and hashes[0] == prefix_hashes(PROMPT[:BLOCK], BLOCK)[0]
+    assert hashes[1] != prefix_hashes(PROMPT[:BLOCK] + [0] * BLOCK, BLOCK)[1]
+
+
+# -- real engines -------------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _store_server() -> str | None:
+    return shutil.which("valkey-server") or shutil.which("redis-server")
+
+
+class Engine:
+    """A vLLM engine with the connector in a subprocess (tests/vllm_driver.py); every output line is kept."""
+
+    def __init__(self, name: str, model: Path, store_url: str, mappers: dict, cpu: str, log: Path,
+                 label: str | None = None):
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu,
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.name = label or name
+        self.log = log
+        self.lines: list[str] = []
+        self._replies: queue.Queue = queue.Queue()
+        self._process = subprocess.Popen(
+            [str(VLLM_PYTHON), str(DRIVER), "--model", str(model), "--name", name, "--store-url", store_url,
+             "--mappers", json.dumps(mappers)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        with open(self.log, "w") as log:
+            for line in self._process.stdout:
+                log.write(line)
+                log.flush()
+                self.lines.append(line)
+                if line.startswith("KVH-REPLY "):
+                    self._replies.put(json.loads(line[len("KVH-REPLY "):]))
+        self._replies.put({"error": f"engine {self.name} exited (log: {self.log})"})
+
+    def reply(self, timeout: float = 150.0) -> dict:
+        try:
+            answer = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"engine {self.name}: no answer in {timeout} s; log {self.log}:\n"
+                                 + "".join(self.lines[-40:])) from None
+        assert "error" not in answer, f"engine {self.name}: {answer['error']}\n" + "".join(self.lines[-40:])
+        return answer
+
+    def ask(self, **command) -> tuple[dict, str]:
+        """(the answer, the output lines printed while the command ran)."""
+        start = len(self.lines)
+        self._process.stdin.write(json.dumps(command) + "\n")
+        self._process.stdin.flush()
+        answer = self.reply()
+        time.sleep(0.3)  # the engine core's and worker's log lines of this request
+        return answer, "".join(self.lines[start:])
+
+    def generate(self, tenant: str) -> tuple[dict, str]:
+        return self.ask(op="generate", prompt=PROMPT, tenant=tenant, max_tokens=TOKENS)
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            try:
+                self._process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self._process.stdin.flush()
+                self._process.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self._process.kill()
+                self._process.wait()
+
+
+def _family(folder: Path) -> tuple[Path, Path, dict]:
+    """small, large (exactly related) as vLLM-loadable folders, and exact mappers both ways: {'A->B': folder}."""
+    small = tiny_model("qwen2", layers=2, head_dim=32, kv_heads=2, heads=2, vocab_size=300, seed=5,
+                       attn_implementation=None)
+    large = exactly_related(small)
+    for model in (small, large):
+        config = model.config
+        assert config.hidden_size == config.num_attention_heads * config.head_dim  # vLLM's Qwen2 reads no head_dim
+    tokenizer = chat_tokenizer()
+    paths = {}
+    for name, model in (("small", small), ("large", large)):
+        model.config.eos_token_id = tokenizer.eos_token_id
+        model.config.bos_token_id = None
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.save_pretrained(folder / name)
+        tokenizer.save_pretrained(folder / name)
+        paths[name] = folder / name
+    mappers = {}
+    for source, target, a, b in (("small", "large", small, large), ("large", "small", large, small)):
+        path = folder / f"{source}-to-{target}"
+        fit_mapper(a, b, random_batches(), EXACT_FIT, progress=False).save(path)
+        mappers[f"{source}->{target}"] = str(path)
+    return paths["small"], paths["large"], mappers
+
+
+@pytest.fixture
+def store(tmp_path):
+    server = _store_server()
+    if server is None:
+        pytest.fail("no valkey-server or redis-server: run `bash scripts/setup.sh --no-models` (it installs one)")
+    port = _free_port()
+    process = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                "no", "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", "--dir",
+                                str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline and process.poll() is None, f"{server} did not start on port {port}"
+        time.sleep(0.1)
+    yield f"redis://127.0.0.1:{port}/0"
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def _same(answer: dict, reference: dict) -> None:
+    assert answer["tokens"] == reference["tokens"]
+    gap = max(abs(a - b) for a, b in zip(answer["logprobs"], reference["logprobs"], strict=True))
+    assert gap < 1e-3, gap
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is absent (made by `bash scripts/setup.sh`)")
+@pytest.mark.timeout(600)
+def test_vllm_connector_round_trip_switch_and_refusals(tmp_path, store):
+    small_path, large_path, mappers = _family(tmp_path)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    small = Engine("small", small_path, store, mappers, "0", logs / "small.log")
+    large = Engine("large", large_path, store, mappers, "1", logs / "large.log")
+    engines = [small, large]
+    try:
+        small.reply(timeout=240)
+        large.reply(timeout=240)
+
+        # the small model prefills the prompt itself and saves its own K/V of the 2 full blocks
+        own_small, out = small.generate("t")
+        assert own_small["cached"] == 0 and "saved 256 tokens of own K/V" in out, out
+        # the large model's own run, under another tenant: the small model's entry (tenant t) is not used
+        own_large, out = large.generate("ref")
+        assert own_large["cached"] == 0 and "loaded" not in out, out
+
+        # (b) a switch: the large model's engine loads the small model's K/V mapped, answers as its own run
+        switched, out = large.generate("t")
+        assert switched["cached"] == 256, out
+        assert "K/V of 'small' mapped to 'large'" in out, out
+        _same(switched, own_large)
+        keys = large.ask(op="keys", pattern="kvhandoff:t:*")[0]["keys"]
+        assert len(keys) == 1, keys  # the small model's entry only: mapped rows are never saved as the large's own
+
+        # (a) a fresh engine of the small model loads its own saved K/V and answers as the normal run
+        small.close()
+        fresh = Engine("small", small_path, store, mappers, "0", logs / "small-fresh.log", label="small-fresh")
+        engines.append(fresh)
+
+        # (c) refusals, on the large model's engine while the fresh one starts; each served by vLLM's own prefill
+        (entry,) = keys
+        _, _, identity, prefix = entry.split(":")
+        cases = {"u": (None, None, "another tenant's entry"), "v": ("v", "flip", "checksum mismatch"),
+                 "w": ("w", "truncate", "truncated")}
+        for tenant, (header_tenant, damage, reason) in cases.items():
+            large.ask(op="copy", src=entry, dst=entry_key(tenant, identity, prefix), tenant=header_tenant,
+                      damage=damage)
+            answer, out = large.generate(tenant)
+            assert "refused store entry" in out and reason in out, out
+            assert answer["cached"] == 0, out
+            _same(answer, own_large)
+
+        fresh.reply(timeout=240)
+        loaded, out = fresh.generate("t")
+        assert loaded["cached"] == 256 and "own K/V" in out, out
+        _same(loaded, own_small)
+    finally:
+        for engine in engines:
+            engine.close()
