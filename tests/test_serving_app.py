@@ -783,28 +783,55 @@ def test_a_router_naming_the_cache_pins_the_session_and_gets_the_name_back(agent
 
 
 # -- the OpenAPI document is the contract: schemathesis against a real server -----------------------------------------
-def openapi_document() -> dict:
+def openapi_document(**settings) -> dict:
     """The app's OpenAPI document, built without serving (the routes do not depend on the engine's state); the
-    schema is read at collection, the live server's URL given to each call."""
+    schema is read at collection, the live server's URL given to each call. ``settings``: `ServeConfig`'s."""
     models, mappers = tiny_family()
-    engine = Engine(models, mappers, ServeConfig(switch=SwitchSettings(guard=False)))
+    engine = Engine(models, mappers, ServeConfig(switch=SwitchSettings(guard=False), **settings))
     try:
         return create_app(engine).openapi()
     finally:
         engine.close()
 
 
-#: rules between fields, or against the model, that a JSON schema cannot state (a prompt or messages on
-#: /tokenize, a tool message's tool_call_id, best_of equal to n, top_logprobs with logprobs, token ids within the
-#: vocabulary, the context window): their 400 is a right answer to a schema-valid request
-SCHEMA_CONFIG = schemathesis.config.SchemathesisConfig.from_dict(
-    {"checks": {"positive_data_acceptance": {"expected-statuses": ["2xx", "400", "404", "429", "503"]}}})
-SCHEMA = schemathesis.openapi.from_dict(openapi_document(), config=SCHEMA_CONFIG)
+#: every check schemathesis has, as `st run --checks all` runs them (max_response_time is a time budget, not part of
+#: the contract: off), on requests that fit the document and requests that do not (generation mode "all": positive
+#: and negative). One adjustment, a fact of the API rather than a failure: rules between fields, or against the
+#: model, that a JSON schema cannot state (a prompt or messages on /tokenize, a tool message's content and
+#: tool_call_id, a function named twice, best_of equal to n, top_logprobs with logprobs, token ids within the
+#: vocabulary, the context window) make 400 a right
+#: answer to a schema-valid request (positive_data_acceptance). object_level_authorization finds nothing to test
+#: (the server holds no objects a caller owns); ignored_auth tests the keyed server's document (`KEYED_SCHEMA`).
+SCHEMA_CONFIG = {
+    "checks": {"enabled": True,
+               "positive_data_acceptance": {"expected-statuses": ["2xx", "400", "404", "429", "503"]}},
+    "generation": {"mode": "all"},
+}
+SCHEMA = schemathesis.openapi.from_dict(
+    openapi_document(), config=schemathesis.config.SchemathesisConfig.from_dict(SCHEMA_CONFIG))
+#: the key of the keyed server the keyed document is checked against
+KEY = "sesame"
+#: a keyed server's document (a bearer security scheme on every route, 401 documented), the key sent as it says
+KEYED_SCHEMA = schemathesis.openapi.from_dict(
+    openapi_document(api_key=KEY), config=schemathesis.config.SchemathesisConfig.from_dict(
+        {**SCHEMA_CONFIG, "auth": {"openapi": {"apiKey": {"bearer": KEY}}}}))
+#: the settings of every schemathesis test: bounded and the same each run (derandomized, no example database)
+BOUNDED = {"deadline": None, "database": None, "derandomize": True,
+           "suppress_health_check": list(hypothesis.HealthCheck)}
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    with running(api_key=KEY) as server:
+        yield server
 
 
 def cheap(case) -> None:
-    """A generated request that reaches a hosted model (tiny token budgets): past the model lookup, quick to run."""
+    """A generated request that reaches a hosted model (tiny token budgets): past the model lookup, quick to run. A
+    request meant not to fit the document is left as generated (refused before any work, or a failure to report)."""
     body = case.body
+    if case.meta is not None and not case.meta.generation.mode.is_positive:
+        return
     if isinstance(body, dict):
         if isinstance(body.get("model"), str) and body["model"]:
             body["model"] = "small"
@@ -816,12 +843,38 @@ def cheap(case) -> None:
 
 
 @SCHEMA.parametrize()
-@hypothesis.settings(max_examples=8, deadline=None, database=None, derandomize=True,
-                     suppress_health_check=list(hypothesis.HealthCheck), phases=[hypothesis.Phase.generate])
+@hypothesis.settings(max_examples=8, phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate], **BOUNDED)
 def test_the_server_keeps_to_its_openapi_document(case, server):
-    """schemathesis' default checks on every route, bounded (8 generated requests per route, the same each run)."""
+    """Every schemathesis check on every route: the coverage phase's edge cases (every boundary of the document, a
+    required field missing, a method no route takes) and 8 generated requests per route."""
     cheap(case)
     case.call_and_validate(base_url=server.url, timeout=30)
+
+
+@KEYED_SCHEMA.parametrize()
+@hypothesis.settings(max_examples=4, phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate], **BOUNDED)
+def test_a_keyed_server_keeps_to_its_openapi_document(case, keyed_server):
+    """The same on a server with an API key, whose document declares it: ignored_auth sends each request without the
+    key and with a wrong one as well, and expects a 401."""
+    cheap(case)
+    case.call_and_validate(base_url=keyed_server.url, timeout=30)
+
+
+def test_the_server_keeps_to_its_openapi_document_across_its_links(server):
+    """schemathesis' stateful phase: sequences of calls that follow the document's links (a listed model looked up,
+    tokenized ids detokenized), every check on every response; bounded (20 sequences of at most 4 calls)."""
+    links = [name for ops in SCHEMA.raw_schema["paths"].values() for op in ops.values()
+             for response in op["responses"].values() for name in response.get("links", {})]
+    assert sorted(links) == ["detokenize", "listed"]
+
+    class Linked(SCHEMA.as_state_machine()):
+        def before_call(self, case):
+            cheap(case)
+
+        def get_call_kwargs(self, case):
+            return {"base_url": server.url, "timeout": 30}
+
+    Linked.run(settings=hypothesis.settings(max_examples=20, stateful_step_count=4, **BOUNDED))
 
 
 def test_the_openapi_document_states_errors_streams_and_metrics_as_sent(server):

@@ -1,6 +1,7 @@
 """The server's measurements on the tiny family, through their commands: the serve bench (both paths per length and
-direction, with the server's reports), the load test (switching conversations, no errors) and the guard measurement
-(dev / held-out split); and their pieces (schedules, chat turns, percentiles, loopback only)."""
+direction, with the server's reports), the load test (switching conversations, no errors), the hostile mixed load
+(every class sent, no 5xx) and the guard measurement (dev / held-out split); and their pieces (schedules, chat turns,
+percentiles, loopback only)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from _serving_support import chat_ids, tiny_family
+from _serving_support import AGENT_CONTEXT, chat_ids, tiny_family
 from kvhandoff.coqa import DEMO_STORY_ID, dev_conversations
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.calibrate import GuardRecord, auroc, guard_records, guard_records_by_signal
@@ -24,6 +25,7 @@ from kvhandoff_lab.serving.guard_eval import (
     resummarize,
     switching_schedule,
 )
+from kvhandoff_lab.serving.hostile import CLASSES, hostile_over_http, server_outcomes
 from kvhandoff_lab.serving.loadtest import current_rss, load_over_http, peak_rss, percentile, schedule
 from kvhandoff_lab.serving.workload import coqa_dialogues, document
 
@@ -121,6 +123,50 @@ def test_load_test_without_a_session_header_still_hands_over(tiny_cli, tmp_path)
     assert health["sessions"] == 0 and health["prefix_cache"]["bytes"] > 0
     later = [entry for entry in report["requests_log"] if entry["turn"] > 0]
     assert all(entry["handoff"]["read_tokens"] < entry["prompt_tokens"] for entry in later)  # served from caches
+
+
+def test_load_hostile_sends_every_class_with_chat_and_gets_no_5xx(monkeypatch, tmp_path):
+    """Five seconds of the hostile mixed load on the tiny family (a context long enough that n × max_tokens ×
+    (1 + top_logprobs) can pass the bound): every class sent, each answered as the server's contract says, no 5xx
+    seen by a client nor counted by the server, /health answering 200 throughout."""
+    import kvhandoff_lab.cli.measure as measure
+
+    monkeypatch.setattr(measure, "load_family", lambda specs, mapper_dirs, progress=False: tiny_family(AGENT_CONTEXT))
+    out = tmp_path / "serve_hostile.json"
+    result = CliRunner().invoke(app, ["load-hostile", "--duration", "5", "--read-timeout", "1", "--settle", "0.5",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["five_xx"] == 0 and report["server_five_xx"] == 0
+    classes = report["classes"]
+    assert list(classes) == list(CLASSES) and all(row["sent"] > 0 for row in classes.values()), classes
+    expected = {"chat": {"200"}, "tool_flood": {"400"}, "huge_logprobs": {"200", "400"}, "slow_body": {"408"},
+                "half_sent": {"408"}, "disconnect": {"disconnected", "200"}, "bad_utf8": {"400"},
+                "deep_json": {"400"}, "long_keys": {"200", "400"}}
+    for kind, statuses in expected.items():
+        assert set(classes[kind]["statuses"]) <= statuses, (kind, classes[kind])
+    assert "disconnected" in classes["disconnect"]["statuses"]
+    assert sum(row["sent"] for row in classes.values()) == report["requests"] == sum(report["statuses"].values())
+    assert report["served_2xx"] >= classes["chat"]["sent"]
+    assert report["server_statuses"]["400"] == report["statuses"]["400"]
+    health = report["health"]
+    assert health["polls"] > 0 and set(health["statuses"]) == {"200"} and health["p50_s"] <= health["p99_s"]
+    memory = report["memory"]
+    assert 0 < memory["rss_before_bytes"] <= memory["peak_rss_bytes"]
+    assert memory["rss_peak_during_load_bytes"] > 0 and memory["rss_after_settling_bytes"] > 0
+    assert "/health over" in result.output and "tool_flood" in result.output
+
+
+def test_the_hostile_load_is_loopback_only_and_reads_the_servers_counts():
+    with pytest.raises(ConfigError, match="this machine only"):
+        hostile_over_http("http://192.168.1.2:8000", ["a"])
+    with pytest.raises(ConfigError, match="classes"):
+        hostile_over_http("http://127.0.0.1:1", ["a"], classes=("chat", "teapot"))
+    metrics = ('kvhandoff_requests_total{endpoint="/health",outcome="200"} 3.0\n'
+               'kvhandoff_requests_total{endpoint="/v1/chat/completions",outcome="200"} 2.0\n'
+               'kvhandoff_requests_total{endpoint="unmatched",outcome="404"} 1.0\n'
+               'kvhandoff_requests_created{endpoint="/health",outcome="200"} 1.7e9\n')
+    assert server_outcomes(metrics) == {"200": 5, "404": 1}
 
 
 def test_bench_concurrency_compares_batched_and_one_at_a_time_workers(tiny_cli, tmp_path):

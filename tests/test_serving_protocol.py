@@ -10,12 +10,11 @@ from kvhandoff.serving.protocol import (
     MAX_STOP_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
-    HandoffInfo,
     TokenizeRequest,
-    dump,
     surrogate_path,
     unknown_fields,
 )
+from kvhandoff.serving.response_models import HandoffInfo, dump
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -158,3 +158,18 @@ def test_abort_running_ends_a_stream_with_an_error_event():
             engine.abort_running()
             rest = [line for line in lines if line]
         assert '"shutting_down"' in rest[-2] and rest[-1] == "data: [DONE]"
+
+
+def test_a_server_in_a_thread_answers_a_reused_connection_without_nagle_delays():
+    """Its connections have TCP_NODELAY (asyncio sets it only on a socket that says it is TCP): an answer written
+    in two pieces (head, body) is not held back until the client's delayed ACK, which put a 40 ms floor under every
+    request on a reused connection."""
+    family, mappers = tiny_family()
+    engine = Engine(family, mappers, ServeConfig(switch=SwitchSettings(guard=False)))
+    with serve_in_thread(engine) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        waits = []
+        for _ in range(12):
+            asked = time.perf_counter()
+            assert http.get("/health").status_code == 200
+            waits.append(time.perf_counter() - asked)
+    assert min(waits[1:]) < 0.03, waits  # with Nagle's algorithm: every one ≥ 0.04 s

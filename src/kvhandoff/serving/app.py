@@ -20,10 +20,10 @@ import kvhandoff
 from kvhandoff.serving import prompts
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.middleware import (
-    GENERATION_RESPONSES,
     BodyLimit,
     RequestCount,
     documented,
+    generation_responses,
     install_api_key,
     install_error_handlers,
     keyed,
@@ -38,18 +38,17 @@ from kvhandoff.serving.parse import (
     tenant_of,
     tokenize_request,
 )
-from kvhandoff.serving.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
+from kvhandoff.serving.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvhandoff.serving.respond import respond_chat, respond_completion, until_gone
+from kvhandoff.serving.response_models import (
+    ChatCompletion,
+    Completion,
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     dump,
 )
-from kvhandoff.serving.respond import respond_chat, respond_completion, until_gone
 
 
 def engine_of(request: Request) -> Engine:
@@ -130,18 +129,43 @@ class Route:
     include_in_schema: bool = True
 
 
+#: /health's body: `Engine.liveness` (a caller without a key on a keyed server with open probes), else `Engine.health`
+HEALTH = {"type": "object", "required": ["status", "models", "running", "cancelling"], "properties": {
+    "status": {"enum": ["ok", "draining"]}, "running": {"type": "integer"}, "cancelling": {"type": "integer"},
+    "models": {"type": "object", "additionalProperties": {"type": "object", "required": ["queued"],
+                                                          "properties": {"queued": {"type": "integer"}}}}}}
+#: the links between routes (schemathesis' stateful phase follows them): a listed model looked up by its id, and
+#: the ids /tokenize answers read back by /detokenize with the same model
+MODEL_LINK = {"listed": {"operationRef": "#/paths/~1v1~1models~1{model_id}/get",
+                         "parameters": {"model_id": "$response.body#/data/0/id"},
+                         "description": "the first listed model"}}
+DETOKENIZE_LINK = {"detokenize": {"operationRef": "#/paths/~1detokenize/post",
+                                  "requestBody": {"model": "$request.body#/model", "tokens": "$response.body#/tokens"},
+                                  "description": "the ids read back as text by the same model"}}
+
+
+def answers(model, **more) -> dict:
+    """The OpenAPI response of a 200 whose JSON body is ``model`` (a pydantic model, or a JSON schema)."""
+    if isinstance(model, dict):
+        return {200: {"content": {"application/json": {"schema": model}}, **more}}
+    return {200: {"model": model, **more}}
+
+
 #: every route the server answers, in the order the OpenAPI document lists them
 ROUTES = (
-    Route("GET", "/health", health, {503: {"description": "the server is draining (shutting down)"}}),
+    Route("GET", "/health", health, {**answers(HEALTH), 503: {
+        "description": "the server is draining (shutting down)", "content": {"application/json": {"schema": HEALTH}}}}),
     Route("HEAD", "/health", health, include_in_schema=False),  # a balancer's probe; the document keeps GET's
     Route("GET", "/metrics", metrics, response_class=PlainTextResponse),
-    Route("GET", "/version", version),
-    Route("GET", "/v1/models", models),
-    Route("GET", "/v1/models/{model_id:path}", model, documented(404)),
-    Route("POST", "/tokenize", tokenize, documented(400, 404, 413)),
-    Route("POST", "/detokenize", detokenize, documented(400, 404, 413)),
-    Route("POST", "/v1/chat/completions", chat_completions, GENERATION_RESPONSES),
-    Route("POST", "/v1/completions", completions, GENERATION_RESPONSES),
+    Route("GET", "/version", version, answers({"type": "object", "required": ["version"],
+                                               "properties": {"version": {"type": "string"}}})),
+    Route("GET", "/v1/models", models, answers(ModelList, links=MODEL_LINK)),
+    Route("GET", "/v1/models/{model_id:path}", model, {**answers(ModelCard), **documented(404)}),
+    Route("POST", "/tokenize", tokenize, {**answers(TokenizeResponse, links=DETOKENIZE_LINK),
+                                          **documented(400, 404, 408, 413)}),
+    Route("POST", "/detokenize", detokenize, {**answers(DetokenizeResponse), **documented(400, 404, 408, 413)}),
+    Route("POST", "/v1/chat/completions", chat_completions, generation_responses(ChatCompletion)),
+    Route("POST", "/v1/completions", completions, generation_responses(Completion)),
 )
 
 

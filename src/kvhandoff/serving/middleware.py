@@ -16,13 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from kvhandoff.serving.engine import Engine
-from kvhandoff.serving.protocol import (
-    LONE_SURROGATE,
-    ErrorBody,
-    ErrorResponse,
-    dump,
-)
+from kvhandoff.serving.protocol import LONE_SURROGATE
 from kvhandoff.serving.requests import RequestError
+from kvhandoff.serving.response_models import ErrorBody, ErrorResponse, dump
 
 logger = logging.getLogger(__name__)
 
@@ -71,25 +67,65 @@ def documented(*statuses: int) -> dict:
                      **({"headers": RETRY_HEADER} if status in (429, 503) else {})} for status in statuses}
 
 
-#: the completion routes: a JSON body, or server-sent events with ``stream``; and every error they may answer
-GENERATION_RESPONSES = {200: {"content": {"text/event-stream": {"schema": {
-                                  "type": "object", "required": ["data"], "properties": {"data": {
-                                      "type": "string", "description": "a JSON chunk, an error object, or [DONE]"}}}}},
-                              "description": "the answer: JSON, or server-sent events with stream"},
-                        **documented(400, 401, 404, 413, 429, 500, 503)}
+#: the headers of every answer of the completion routes (`respond.headers_of`)
+ANSWER_HEADERS = {
+    "X-KV-Handoff": {"description": "what happened to the conversation's cache", "required": True,
+                     "schema": {"enum": ["applied", "escalated", "fallback", "reprefill", "none"]}},
+    "x-vsr-kv-transfer-status": {"description": "the same in the router vocabulary", "required": True,
+                                 "schema": {"enum": ["applied", "fallback_reprefill", "unsupported"]}},
+    "x-vsr-kv-mapper-id": {"description": "the mapper that ran (its manifest checksum)", "schema": {"type": "string"}},
+    "x-vsr-kv-cache-id": {"description": "the conversation's cache: the one a router named, else the session's",
+                          "schema": {"type": "string"}},
+    "X-Session-ID": {"description": "the session the request belongs to", "schema": {"type": "string"}},
+}
+
+
+def generation_responses(answer) -> dict:
+    """The OpenAPI responses of a completion route answering ``answer`` (a pydantic model) as JSON, or server-sent
+    events with ``stream``; and every error it may answer."""
+    return {200: {"model": answer, "headers": ANSWER_HEADERS,
+                  "content": {"text/event-stream": {"schema": {
+                      "type": "object", "required": ["data"], "properties": {"data": {
+                          "type": "string", "description": "a JSON chunk, an error object, or [DONE]"}}}}},
+                  "description": "the answer: JSON, or server-sent events with stream"},
+            **documented(400, 401, 404, 408, 413, 429, 500, 503)}
 
 
 def openapi_of(app: FastAPI) -> dict:
     """``app``'s OpenAPI document without FastAPI's 422 (an invalid body is a 400 here: `install_error_handlers`),
-    the bounds of its integers written as integers (FastAPI writes every bound as a float: ``"minimum": 1.0``)."""
+    the bounds of its integers written as integers (FastAPI writes every bound as a float: ``"minimum": 1.0``); on a
+    server with an API key, the key as a bearer security scheme of every route (`install_api_key`)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for operations in schema["paths"].values():
             for operation in operations.values():
                 operation["responses"].pop("422", None)
         _integer_bounds(schema)
+        config = app.state.engine.config
+        if config.api_key:
+            _secured(schema, PROBE_PATHS if config.open_probes else ())
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+#: the name of the API key's security scheme in the OpenAPI document
+API_KEY_SCHEME = "apiKey"
+
+
+def _secured(document: dict, open_paths) -> None:
+    """Declare the API key in ``document`` (in place): every operation needs it (401 without), those of
+    ``open_paths`` take it optionally (a caller without one gets `Engine.liveness`)."""
+    document.setdefault("components", {})["securitySchemes"] = {API_KEY_SCHEME: {
+        "type": "http", "scheme": "bearer", "description": "one of the keys the server was started with (--api-key)"}}
+    unauthorized = {"description": ERROR_MEANINGS[401],
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for path, operations in document["paths"].items():
+        for operation in operations.values():
+            if path in open_paths:
+                operation["security"] = [{}, {API_KEY_SCHEME: []}]
+            else:
+                operation["security"] = [{API_KEY_SCHEME: []}]
+                operation["responses"].setdefault("401", unauthorized)
 
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")

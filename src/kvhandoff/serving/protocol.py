@@ -1,4 +1,5 @@
-"""Request and response bodies of the server's OpenAI-compatible API (pydantic models in OpenAI's shapes).
+"""Request bodies of the server's OpenAI-compatible API (pydantic models in OpenAI's shapes; the responses'
+are `response_models`).
 
 Requests accept what OpenAI accepts, explicit nulls included, and refuse by field name what the server cannot do
 (non-text content parts and output modalities, the deprecated ``functions``). Fields the server does not know are
@@ -26,7 +27,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from kvhandoff.serving.tools import MAX_TOOLS
+from kvhandoff.runtime.switch.turn import TURN_MODES
+from kvhandoff.serving.tools import MAX_TOOLS, NAME_PATTERN
 
 #: roles a chat message may have ("developer" reads as "system")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -44,10 +46,6 @@ MAX_CHOICES = 16
 #: at most this many alternatives per position in log-probs (OpenAI's limits: chat 20, completions 5)
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
-#: the request body's ``kv_handoff.mode``: "auto" (map at a switch, the guard deciding), "reprefill" (at a switch
-#: the receiving model re-prefills the conversation itself: the path without handoff, to compare against) or "exact"
-#: (only the model's own exact cache serves the request: nothing mapped, positions it lacks are read again)
-HANDOFF_MODES = ("auto", "reprefill", "exact")
 
 
 def _whole_number(value):
@@ -106,7 +104,14 @@ SESSION_KEY_SCHEMA = {"anyOf": [{"type": "string", "maxLength": MAX_KEY_CHARS, "
                                 {"type": "null"}]}
 TENANT_MARK_SCHEMA = {"anyOf": [{"type": "string", "maxLength": MAX_KEY_CHARS,
                                  "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"}, {"type": "null"}]}
-TOOLS_SCHEMA = {"anyOf": [{"type": "array", "items": {"type": "object"}, "maxItems": MAX_TOOLS}, {"type": "null"}]}
+#: a tool as `tools.parse_tools` takes it (what a schema cannot say, it checks: parameters a valid JSON schema, names
+#: given once)
+TOOL_SCHEMA = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": f"^{NAME_PATTERN.pattern}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}}}}}
+TOOLS_SCHEMA = {"anyOf": [{"type": "array", "items": TOOL_SCHEMA, "maxItems": MAX_TOOLS}, {"type": "null"}]}
 REFUSED = {"type": "null", "description": "not supported: only null (or leaving it out) is accepted"}
 TEXT_ONLY = {"anyOf": [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1},
                        {"type": "null"}]}
@@ -253,7 +258,7 @@ class HandoffOptions(BaseModel):
     where another model served last, else "none")."""
 
     model_config = ConfigDict(extra="forbid")
-    mode: Literal[HANDOFF_MODES] = "auto"
+    mode: Literal[TURN_MODES] = "auto"
 
 
 class SamplingRequest(RequestBody):
@@ -473,7 +478,7 @@ class TokenizeRequest(RequestBody):
     model: str = Field(min_length=1)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    tools: list[dict] | None = None
+    tools: Annotated[list[dict] | None, WithJsonSchema(TOOLS_SCHEMA)] = None
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = True
 
@@ -487,193 +492,3 @@ class TokenizeRequest(RequestBody):
 class DetokenizeRequest(RequestBody):
     model: str = Field(min_length=1)
     tokens: list[TokenId]
-
-
-# -- responses ------------------------------------------------------------------------------------------------------
-class GuardInfo(BaseModel):
-    signal: str
-    score: float | None
-    threshold: float
-    source: Literal["recorded", "configured"] | None = None  # the pair's guard: its mapper's record, or the config
-
-
-class HandoffInfo(BaseModel):
-    """What the server did with the conversation's cache for this request (also header X-KV-Handoff: status).
-
-    status: "applied" (another model's cache was mapped and served), "escalated" (it was mapped, the guard rejected it,
-    and it was handed over again with a larger recompute budget and served), "fallback" (it was mapped, the guard
-    rejected it, the model re-prefilled), "reprefill" (another model served last and the request asked for
-    ``kv_handoff.mode`` "reprefill" or "exact": nothing was mapped, the model re-prefilled), "none" (no switch: the
-    model's own cache or a prefill). approximate_tokens: the prompt positions served from cached K/V that are not the
-    model's own exact ones (mapped at this or an earlier switch, or read on top of mapped ones); 0 when everything
-    cached was its own.
-    """
-
-    status: Literal["applied", "escalated", "fallback", "reprefill", "none"]
-    from_: str | None = Field(default=None, serialization_alias="from")
-    to: str
-    mapped_tokens: int
-    read_tokens: int
-    approximate_tokens: int = 0
-    guard: GuardInfo | None = None
-    milliseconds: float
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class FunctionCallOut(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCallOut] | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    kv_handoff: HandoffInfo
-
-
-class FunctionCallDelta(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ToolCallDelta(BaseModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta
-
-
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: Delta
-    finish_reason: str | None = None
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    kv_handoff: HandoffInfo | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    """A text completion's log-probs (OpenAI's legacy shape): per token its text, log-prob (None for a prompt's first
-    token), the alternatives, and where its text starts."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None
-    logprobs: CompletionLogprobs | None = None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    kv_handoff: HandoffInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "kvhandoff"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
-
-
-def dump(model: BaseModel) -> dict:
-    """A response model as JSON data, with OpenAI's field names ("from")."""
-    return model.model_dump(mode="json", by_alias=True)

@@ -16,18 +16,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.middleware import ERROR_STATUS
 from kvhandoff.serving.parse import CACHE_ID_HEADER, SESSION_HEADER
-from kvhandoff.serving.protocol import (
+from kvhandoff.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from kvhandoff.serving.requests import Choice, Generation, GenerationRequest, RequestError, TokenEntry
+from kvhandoff.serving.response_models import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChoiceLogprobs,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     Delta,
     ErrorBody,
     ErrorResponse,
@@ -36,7 +36,6 @@ from kvhandoff.serving.protocol import (
     GuardInfo,
     HandoffInfo,
     PromptTokensDetails,
-    SamplingRequest,
     TokenLogprob,
     ToolCallDelta,
     ToolCallOut,
@@ -44,7 +43,6 @@ from kvhandoff.serving.protocol import (
     Usage,
     dump,
 )
-from kvhandoff.serving.requests import Choice, Generation, GenerationRequest, RequestError, TokenEntry
 from kvhandoff.serving.tools import ContentDelta, ToolSettings, validate_arguments
 from kvhandoff.serving.tools import ToolCallDelta as ParsedCallDelta
 

@@ -1,5 +1,5 @@
 """`kvhandoff-lab` command line: tune, eval, eval-render, eval-switch, bench, bench-fit, bench-llama-cpp,
-eval-llama-cpp, analyze, bench-serve, load-test, bench-concurrency, guard-eval, bench-agent.
+eval-llama-cpp, analyze, bench-serve, load-test, load-hostile, bench-concurrency, guard-eval, bench-agent.
 
 The lab's measurements of the product: one module per command group, sharing the product's option parsers
 (`kvhandoff.cli.options`) and its one-line failure reports (`kvhandoff.cli.group`).
@@ -24,6 +24,7 @@ app.command("eval-llama-cpp")(bench.eval_llama_cpp)
 app.command()(analyze.analyze)
 app.command("bench-serve")(measure.bench_serve)
 app.command("load-test")(measure.load_test)
+app.command("load-hostile")(measure.load_hostile)
 app.command("bench-concurrency")(measure.bench_concurrency)
 app.command("guard-eval")(measure.guard_eval)
 app.command("bench-agent")(measure.bench_agent)

@@ -1,7 +1,7 @@
-"""`bench-serve`, `load-test`, `bench-concurrency`, `guard-eval`, `bench-agent`: the server measured over loopback
-HTTP on real text — time to first token at a switch with the handoff vs a re-prefill, concurrent switching
-conversations (batched and one at a time), the quality guard's AUROC and threshold, and a tool-using agent switching
-models on GSM8K."""
+"""`bench-serve`, `load-test`, `load-hostile`, `bench-concurrency`, `guard-eval`, `bench-agent`: the server measured
+over loopback HTTP on real text — time to first token at a switch with the handoff vs a re-prefill, concurrent
+switching conversations (batched and one at a time), the server under a hostile mixed load, the quality guard's AUROC
+and threshold, and a tool-using agent switching models on GSM8K."""
 
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ from kvhandoff_lab.serving.agent_bench import (
 from kvhandoff_lab.serving.bench import DEFAULT_SERVE_LENGTHS, DIRECTIONS, run_serve_bench, serve_bench_table
 from kvhandoff_lab.serving.client import require_loopback
 from kvhandoff_lab.serving.guard_eval import guard_table, run_guard_eval
+from kvhandoff_lab.serving.hostile import CLASSES as HOSTILE_CLASSES
+from kvhandoff_lab.serving.hostile import hostile_summary, hostile_table, run_hostile_load
 from kvhandoff_lab.serving.loadtest import concurrency_table, load_table, run_concurrency_bench, run_load_test
 
 TimeLimit = Annotated[float | None, typer.Option("--time-limit", parser=positive_float, help=(
@@ -137,6 +139,41 @@ def load_test(
     typer.echo(f"wrote {out}")
     if report["errors"]:
         typer.echo(f"{report['errors']} request(s) failed: {report['error_messages'][0]}", err=True)
+        raise typer.Exit(1)
+
+
+def load_hostile(
+    models: Models = "",
+    mapper: Mappers = None,
+    duration: Annotated[float, typer.Option(parser=positive_float, help=(
+        "seconds of load; no request starts after it"))] = 60.0,
+    max_requests: Annotated[int, typer.Option(parser=positive_int, help="requests at most, all classes together")]
+    = 5000,
+    max_tokens: Annotated[int, typer.Option(parser=positive_int, help="answer length of the normal chat requests")]
+    = 8,
+    read_timeout: Annotated[float, typer.Option(parser=positive_float, help=(
+        "the server's --read-timeout: seconds a body may take to arrive (slow and half-sent bodies get 408 past "
+        "it)"))] = 2.0,
+    settle: Annotated[float, typer.Option(parser=positive_float, help=(
+        "seconds the server idles after the load before the last RSS"))] = 5.0,
+    classes: Annotated[tuple, typer.Option(parser=list_of(one_of(HOSTILE_CLASSES), "classes"), metavar="LIST",
+                                           help="classes of request sent, comma-separated")]
+    = ",".join(HOSTILE_CLASSES),
+    out: Annotated[Path, typer.Option(help="the report (JSON)")] = Path("runs/serve_hostile.json"),
+) -> None:
+    """A hostile mixed load against a server on a free loopback port for --duration seconds: normal chat requests
+    with tool floods, huge n × top_logprobs, slow and half-sent bodies, clients that go away, bad UTF-8, deep JSON
+    and long keys, /health polled throughout: statuses per class, /health latency, RSS. Exits 1 on any 5xx."""
+    config = dataclasses.replace(_server_config("off", None, None, None), read_timeout_s=read_timeout)
+    family = load_family(*family_specs(models, mapper), progress=True)
+    report = run_hostile_load(*family, config, duration_s=duration, max_requests=max_requests, max_tokens=max_tokens,
+                              settle_s=settle, classes=classes, out=out)
+    _print(hostile_table(report))
+    typer.echo(hostile_summary(report))
+    typer.echo(f"wrote {out}")
+    if report["five_xx"] or report["server_five_xx"]:
+        typer.echo(f"{report['five_xx']} answer(s) with a 5xx status (the server counted {report['server_five_xx']})",
+                   err=True)
         raise typer.Exit(1)
 
 

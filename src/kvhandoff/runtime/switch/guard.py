@@ -187,7 +187,7 @@ class GuardPolicy:
         return self.active and score is not None and score > self.threshold
 
     def report(self, score: float | None) -> dict | None:
-        """The guard's part of a handoff report (`protocol.GuardInfo`): None when the pair has none."""
+        """The guard's part of a handoff report (`serving.response_models.GuardInfo`): None when the pair has none."""
         if not self.active:
             return None
         return {"signal": self.signal, "score": score, "threshold": float(self.threshold), "source": self.source}
