@@ -66,6 +66,23 @@ for req in sys.argv[1:]:
 EOF
 }
 
+# Whether interpreter $1 has this checkout of kvhandoff installed editable and imports the modules named after it.
+installed_here() {
+    "$1" - "$REPO" "${@:2}" <<'EOF'
+import importlib.metadata as md
+import importlib.util
+import json
+import sys
+
+try:
+    url = json.loads(md.distribution("kvhandoff").read_text("direct_url.json") or "{}").get("url", "")
+except md.PackageNotFoundError:
+    sys.exit(1)
+ok = url.rstrip("/") == "file://" + sys.argv[1].rstrip("/")
+sys.exit(0 if ok and all(importlib.util.find_spec(m) for m in sys.argv[2:]) else 1)
+EOF
+}
+
 pip_install() {
     "$PY" -m pip install --disable-pip-version-check "$@"
 }
@@ -95,21 +112,7 @@ if [ -n "$(missing "torch==$TORCH_VERSION")" ]; then
 fi
 
 # 2. kvhandoff itself, editable, with the dev tools.
-if ! "$PY" - "$REPO" <<'EOF'
-import importlib.metadata as md
-import importlib.util
-import json
-import sys
-
-try:
-    url = json.loads(md.distribution("kvhandoff").read_text("direct_url.json") or "{}").get("url", "")
-except md.PackageNotFoundError:
-    sys.exit(1)
-ok = url.rstrip("/") == "file://" + sys.argv[1].rstrip("/")
-ok = ok and all(importlib.util.find_spec(m) for m in ("pytest", "xdist", "ruff", "importlinter", "openai", "fastapi",
-                                                   "transformers", "lm_eval", "schemathesis"))
-sys.exit(0 if ok else 1)
-EOF
+if ! installed_here "$PY" pytest xdist ruff importlinter openai fastapi transformers lm_eval schemathesis
 then
     echo "== installing kvhandoff (editable, with dev tools)"
     pip_install -e "$REPO[dev]"
@@ -158,17 +161,7 @@ if [ -n "$(missing_in "$VLLM_PY" "redis==$REDIS_CLIENT_VERSION")" ]; then
     echo "== .venv-vllm: installing redis==$REDIS_CLIENT_VERSION"
     vllm_pip "redis==$REDIS_CLIENT_VERSION"
 fi
-if ! "$VLLM_PY" - "$REPO" <<'EOF'
-import importlib.metadata as md
-import json
-import sys
-
-try:
-    url = json.loads(md.distribution("kvhandoff").read_text("direct_url.json") or "{}").get("url", "")
-except md.PackageNotFoundError:
-    sys.exit(1)
-sys.exit(0 if url.rstrip("/") == "file://" + sys.argv[1].rstrip("/") else 1)
-EOF
+if ! installed_here "$VLLM_PY"
 then
     echo "== .venv-vllm: installing kvhandoff (editable, --no-deps)"
     vllm_pip --no-deps -e "$REPO"
