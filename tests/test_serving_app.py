@@ -4,6 +4,7 @@ a client that disconnects mid-stream, and concurrent sessions."""
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ import openai
 import pytest
 import schemathesis
 import torch
+from transformers import GenerationConfig
 
 from _serving_support import AGENT_CONTEXT, GatedModel, chat_ids, reference_answer, running, tiny_family, wait_for
 from kvhandoff.runtime.switch.pair import SwitchSettings
@@ -97,6 +99,32 @@ def test_sampling_is_seeded_and_stop_strings_cut(server):
     cut = client.chat.completions.create(model="small", messages=messages, max_tokens=12, temperature=0, stop=[stop])
     assert cut.choices[0].message.content == greedy[: greedy.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+
+
+def test_a_request_that_leaves_sampling_out_gets_the_models_generation_config():
+    # as vLLM's --generation-config auto: top_k 1 makes any temperature greedy, max_new_tokens is the answer limit
+    models, mappers = tiny_family()
+    small, tokenizer = models["small"]
+    configured = copy.copy(small)  # the shared family's model is never changed
+    configured.generation_config = GenerationConfig(top_k=1, temperature=1.9, max_new_tokens=5, do_sample=True)
+    family = {"small": (configured, tokenizer), "large": models["large"]}
+    messages = [{"role": "user", "content": USER_TURNS[0]}]
+    greedy = expected("small", messages, 5)
+    with running(family, mappers) as server:
+        client = client_of(server)
+        left_out = [client.chat.completions.create(model="small", messages=messages, seed=seed) for seed in range(4)]
+        assert {answer.choices[0].message.content for answer in left_out} == {greedy}
+        assert all(answer.usage.completion_tokens <= 5 for answer in left_out)
+        given = {client.chat.completions.create(model="small", messages=messages, seed=seed, max_tokens=8,
+                                                extra_body={"top_k": 0}).choices[0].message.content
+                 for seed in range(6)}
+        assert len(given) > 1  # a field the request gives wins over the config
+        assert server.engine.generation_defaults("large") == {} and server.engine.generation_defaults("nope") == {}
+    with running(family, mappers, generation_config="vllm") as server:
+        client = client_of(server)
+        answers = {client.chat.completions.create(model="small", messages=messages, seed=seed,
+                                                  max_tokens=8).choices[0].message.content for seed in range(6)}
+        assert len(answers) > 1  # the server's own defaults: temperature 1, every token
 
 
 def test_streaming_chat_and_completion(server):

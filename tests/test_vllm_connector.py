@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -26,8 +24,19 @@ import pytest
 import torch
 from tests._serving_support import EXACT_FIT
 
+from kvhandoff.errors import ConfigError
 from kvhandoff.fit.pipeline import fit_mapper
-from kvhandoff.vllm.store import EntryRefused, Expected, decode_entry, encode_entry, entry_key, prefix_hashes
+from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, parse
+from kvhandoff.vllm.family import VLLM_CAPABILITIES, FamilyConfig, mapped_load_end, resolve_identities
+from kvhandoff.vllm.store import (
+    EntryRefused,
+    Expected,
+    decode_entry,
+    encode_entry,
+    entry_key,
+    local_store,
+    prefix_hashes,
+)
 
 from conftest import chat_tokenizer, exactly_related, random_batches, tiny_model
 
@@ -71,23 +80,44 @@ def test_prefix_hashes_are_incremental():
     assert hashes[1] != prefix_hashes(PROMPT[:BLOCK] + [0] * BLOCK, BLOCK)[1]
 
 
+# -- the family's switch policy (no vLLM) --------------------------------------------------------------------------
+
+def test_a_switch_in_vllm_recomputes_the_latest_mapped_positions_only():
+    assert mapped_load_end(0, 256, parse("recent:25%")) == 192
+    assert mapped_load_end(128, 512, parse("recent:10%")) == 512 - 38  # a share of the 384 mapped positions
+    assert mapped_load_end(0, 256, parse("none")) == 256
+    assert mapped_load_end(0, 256, parse("recent:100%")) == 0
+    assert VLLM_CAPABILITIES.serves(parse("recent:5%")) and not VLLM_CAPABILITIES.serves(parse("sinks:10%"))
+    config = FamilyConfig.from_extra({"store_url": "redis://h:1/0", "model": "large", "recompute": "recent:5%",
+                                      "mappers": {"small->large": "/m"}})
+    assert config.switch.recompute.spec == "recent:5%" and config.incoming == {"small": "/m"}
+    with pytest.raises(ConfigError, match="give one or the other"):
+        FamilyConfig.from_extra({"store_url": "redis://h:1/0", "model": "large", "recompute": "recent:5%",
+                                 "min_speedup": 5})
+    with pytest.raises(ConfigError, match="name it 'SOURCE->TARGET'"):
+        FamilyConfig.from_extra({"store_url": "redis://h:1/0", "model": "large", "mappers": {"small": "/m"}})
+
+
+def test_each_incoming_pair_gets_the_policy_vllm_can_serve(tmp_path):
+    _, large_path, mappers = _family(tmp_path)
+    extra = {"store_url": "redis://h:1/0", "model": "large", "mappers": mappers}
+    ids = resolve_identities(FamilyConfig.from_extra(extra), str(large_path), torch.float32)
+    assert ids.recompute["small"].source == "default" and ids.recompute_policy("small") == DEFAULT_RECOMPUTE
+    named = resolve_identities(FamilyConfig.from_extra({**extra, "recompute": "recent:30%"}), str(large_path),
+                               torch.float32)
+    assert named.recompute_policy("small").spec == "recent:30%" and named.recompute["small"].source == "configured"
+    with pytest.raises(ConfigError, match="a vLLM target recomputes by the rules recent"):
+        resolve_identities(FamilyConfig.from_extra({**extra, "recompute": "turn_attention:10%"}), str(large_path),
+                           torch.float32)
+
+
 # -- real engines -------------------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _store_server() -> str | None:
-    return shutil.which("valkey-server") or shutil.which("redis-server")
-
 
 class Engine:
     """A vLLM engine with the connector in a subprocess (tests/vllm_driver.py); every output line is kept."""
 
     def __init__(self, name: str, model: Path, store_url: str, mappers: dict, cpu: str, log: Path,
-                 label: str | None = None):
+                 label: str | None = None, recompute: str | None = None):
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu,
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -97,7 +127,7 @@ class Engine:
         self._replies: queue.Queue = queue.Queue()
         self._process = subprocess.Popen(
             [str(VLLM_PYTHON), str(DRIVER), "--model", str(model), "--name", name, "--store-url", store_url,
-             "--mappers", json.dumps(mappers)],
+             "--mappers", json.dumps(mappers), *(["--recompute", recompute] if recompute else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -129,8 +159,8 @@ class Engine:
         time.sleep(0.3)  # the engine core's and worker's log lines of this request
         return answer, "".join(self.lines[start:])
 
-    def generate(self, tenant: str) -> tuple[dict, str]:
-        return self.ask(op="generate", prompt=PROMPT, tenant=tenant, max_tokens=TOKENS)
+    def generate(self, tenant: str, **extra) -> tuple[dict, str]:
+        return self.ask(op="generate", prompt=PROMPT, tenant=tenant, max_tokens=TOKENS, **extra)
 
     def close(self) -> None:
         if self._process.poll() is None:
@@ -170,27 +200,8 @@ def _family(folder: Path) -> tuple[Path, Path, dict]:
 
 @pytest.fixture
 def store(tmp_path):
-    server = _store_server()
-    if server is None:
-        pytest.fail("no valkey-server or redis-server: run `bash scripts/setup.sh --no-models` (it installs one)")
-    port = _free_port()
-    process = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                "no", "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru", "--dir",
-                                str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline and process.poll() is None, f"{server} did not start on port {port}"
-        time.sleep(0.1)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.terminate()
-    process.wait(timeout=10)
+    with local_store(tmp_path, max_memory="64mb") as url:
+        yield url
 
 
 def _same(answer: dict, reference: dict) -> None:
@@ -206,7 +217,7 @@ def test_vllm_connector_round_trip_switch_and_refusals(tmp_path, store):
     logs = tmp_path / "logs"
     logs.mkdir()
     small = Engine("small", small_path, store, mappers, "0", logs / "small.log")
-    large = Engine("large", large_path, store, mappers, "1", logs / "large.log")
+    large = Engine("large", large_path, store, mappers, "1", logs / "large.log", recompute="recent:25%")
     engines = [small, large]
     try:
         small.reply(timeout=240)
@@ -216,16 +227,31 @@ def test_vllm_connector_round_trip_switch_and_refusals(tmp_path, store):
         own_small, out = small.generate("t")
         assert own_small["cached"] == 0 and "saved 256 tokens of own K/V" in out, out
         # the large model's own run, under another tenant: the small model's entry (tenant t) is not used
-        own_large, out = large.generate("ref")
-        assert own_large["cached"] == 0 and "loaded" not in out, out
+        own_large, out = large.generate("ref", kv_transfer_params={"save": False})
+        assert own_large["cached"] == 0 and "loaded" not in out and "saved" not in out, out
+        assert large.ask(op="keys", pattern="kvhandoff:ref:*")[0]["keys"] == []  # "save": false
 
-        # (b) a switch: the large model's engine loads the small model's K/V mapped, answers as its own run
+        # (b) a switch: the large model's engine loads the small model's K/V mapped but for the latest quarter, which
+        # vLLM recomputes (recent:25% of 256 mapped positions), and answers as its own run
+        assert "recompute for small → large: recent:25% (--recompute, for every pair)" in "".join(large.lines)
         switched, out = large.generate("t")
-        assert switched["cached"] == 256, out
-        assert "K/V of 'small' mapped to 'large'" in out, out
+        assert switched["cached"] == 192, out
+        assert "loaded 192 tokens (positions 0..191)" in out, out
+        assert "K/V of 'small' mapped to 'large', its latest 64 positions recomputed by vLLM" in out, out
         _same(switched, own_large)
         keys = large.ask(op="keys", pattern="kvhandoff:t:*")[0]["keys"]
         assert len(keys) == 1, keys  # the small model's entry only: mapped rows are never saved as the large's own
+
+        # a request's own recompute policy (kv_transfer_params): none, the whole prefix mapped; one vLLM cannot serve
+        # is refused with a log line and the pair's serves
+        (entry,) = keys
+        _, _, identity, prefix = entry.split(":")
+        for tenant, asked, cached in (("n", "none", 256), ("s", "sinks:10%", 192)):
+            large.ask(op="copy", src=entry, dst=entry_key(tenant, identity, prefix), tenant=tenant, damage=None)
+            answer, out = large.generate(tenant, kv_transfer_params={"recompute": asked})
+            assert answer["cached"] == cached, out
+            _same(answer, own_large)
+        assert "kv_transfer_params recompute refused" in out and "served under the pair's recent:25%" in out, out
 
         # (a) a fresh engine of the small model loads its own saved K/V and answers as the normal run
         small.close()
@@ -233,8 +259,6 @@ def test_vllm_connector_round_trip_switch_and_refusals(tmp_path, store):
         engines.append(fresh)
 
         # (c) refusals, on the large model's engine while the fresh one starts; each served by vLLM's own prefill
-        (entry,) = keys
-        _, _, identity, prefix = entry.split(":")
         cases = {"u": (None, None, "another tenant's entry"), "v": ("v", "flip", "checksum mismatch"),
                  "w": ("w", "truncate", "truncated")}
         for tenant, (header_tenant, damage, reason) in cases.items():

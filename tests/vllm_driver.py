@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--store-url", required=True)
     ap.add_argument("--mappers", default="{}", help="JSON {'SOURCE->TARGET': folder}")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--recompute", default=None, help="the switches' recompute policy, e.g. recent:25%%")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -55,7 +56,8 @@ def main() -> None:
 
     from kvhandoff.vllm.store import KVStore
 
-    extra = {"store_url": args.store_url, "model": args.name, "mappers": json.loads(args.mappers)}
+    extra = {"store_url": args.store_url, "model": args.name, "mappers": json.loads(args.mappers),
+             "recompute": args.recompute}
     config = KVTransferConfig(kv_connector="KVHandoffConnector", kv_connector_module_path="kvhandoff.vllm.connector",
                               kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     started = time.perf_counter()
@@ -70,8 +72,10 @@ def main() -> None:
             if op == "quit":
                 break
             if op == "generate":
+                transfer = command.get("kv_transfer_params")
                 params = SamplingParams(temperature=0.0, max_tokens=command.get("max_tokens", 16), ignore_eos=True,
-                                        detokenize=False, logprobs=1)
+                                        detokenize=False, logprobs=1,
+                                        extra_args={"kv_transfer_params": transfer} if transfer else None)
                 prompt = TokensPrompt(prompt_token_ids=command["prompt"], cache_salt=command["tenant"])
                 out = llm.generate([prompt], params, use_tqdm=False)[0]
                 sample = out.outputs[0]

@@ -32,7 +32,7 @@ from kvhandoff.serving.family import (
     served_names,
 )
 from kvhandoff.serving.server import run_server
-from kvhandoff.serving.settings import ServeConfig
+from kvhandoff.serving.settings import GENERATION_CONFIG_SOURCES, ServeConfig
 from kvhandoff.serving.tools import TOOL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -121,6 +121,10 @@ def serve(
         "default they need a key as every route does"))] = ServeConfig.open_probes,
     tool_call_parser: Annotated[str, typer.Option(parser=one_of(tuple(TOOL_PARSERS)), help=(
         "how tool calls are read out of the models' answers"))] = ServeConfig.tool_parser,
+    generation_config: Annotated[str, typer.Option(parser=one_of(GENERATION_CONFIG_SOURCES), help=(
+        "what a request that leaves sampling fields or max_tokens out gets, as vLLM's flag: auto, each model's "
+        "generation_config.json, then the server's defaults; vllm, the server's defaults only"))]
+    = ServeConfig.generation_config,
     log_level: Annotated[str, typer.Option(parser=one_of(LOG_LEVELS), help="uvicorn's log level")] = "info",
     dtype: Dtype = DEFAULT_DTYPE,
     device_map: DeviceMap = None,
@@ -146,7 +150,8 @@ def serve(
                              max_body_bytes=max_body_bytes, read_timeout_s=read_timeout, max_batch=max_batch,
                              prefill_chunk=prefill_chunk,
                              api_key=tuple(api_key) if api_key else None, open_probes=open_probes,
-                             tool_parser=tool_call_parser, log_level=log_level)
+                             tool_parser=tool_call_parser, generation_config=generation_config,
+                             log_level=log_level)
     specs, mapper_dirs = family_specs(models, mapper, served_model_name)
     llama_cpp, ggufs = None, None
     if engine == "llama.cpp":

@@ -103,7 +103,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     engine = engine_of(request)
     request.app.state.ignored.note(body)
     generation_request, tools = await asyncio.to_thread(  # tools and grammars are checked off the event loop
-        chat_request, body, session_of(request, body), tenant_of(request, body, bool(engine.config.api_key)))
+        chat_request, body, session_of(request, body), tenant_of(request, body, bool(engine.config.api_key)),
+        engine.generation_defaults(body.model))
     return await until_gone(request, respond_chat(engine, generation_request, tools, body,
                                                   request.headers.get(CACHE_ID_HEADER)))
 
@@ -112,7 +113,8 @@ async def completions(body: CompletionRequest, request: Request):
     engine = engine_of(request)
     request.app.state.ignored.note(body)
     generation_request = completion_request(body, session_of(request, body),
-                                            tenant_of(request, body, bool(engine.config.api_key)))
+                                            tenant_of(request, body, bool(engine.config.api_key)),
+                                            engine.generation_defaults(body.model))
     return await until_gone(request, respond_completion(engine, generation_request, body,
                                                         request.headers.get(CACHE_ID_HEADER)))
 

@@ -35,6 +35,34 @@ def end_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+#: the sampling fields a model's generation config may set for the requests that leave them out (vLLM's set; its
+#: ``max_new_tokens`` becomes the answer limit)
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                            "frequency_penalty")
+
+
+def generation_config_defaults(model, name: str = "the model") -> dict:
+    """The sampling settings and answer limit ``model``'s generation config sets, as vLLM serves them under its
+    ``--generation-config auto``: the `GENERATION_CONFIG_FIELDS` and ``max_new_tokens`` (as ``max_tokens``) that the
+    config gives other than transformers' defaults. Checked here, once: a value a request could not carry is refused
+    (ConfigError naming the model and the fix)."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not callable(getattr(config, "to_diff_dict", None)):
+        return {}
+    given = config.to_diff_dict()
+    defaults = {key: given[key] for key in GENERATION_CONFIG_FIELDS if given.get(key) is not None}
+    if given.get("max_new_tokens") is not None:
+        defaults["max_tokens"] = given["max_new_tokens"]
+    try:
+        SamplingParams(**{key: value for key, value in defaults.items() if key != "max_tokens"})
+        if "max_tokens" in defaults:
+            _integer("max_new_tokens", defaults["max_tokens"], 1)
+    except ConfigError as exc:
+        raise ConfigError(f"the generation config of {name}: {exc}; fix its generation_config.json, or serve the "
+                          "server's own defaults (--generation-config vllm)") from exc
+    return defaults
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     """A CPU generator seeded by ``seed`` (None: a fresh random seed)."""
     generator = torch.Generator()

@@ -40,7 +40,7 @@ from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.runtime.switch.pair import PairPolicy, pair_policies
 from kvhandoff.runtime.switch.turn import TURN_MODES, TurnCancelled, serve_turn
 from kvhandoff.serving.answers import answers, echo
-from kvhandoff.serving.decoding import end_ids
+from kvhandoff.serving.decoding import end_ids, generation_config_defaults
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.prefix_cache import PrefixCache
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE
@@ -144,7 +144,8 @@ class Engine:
         self._models = {
             name: HostedModel(name, model, tokenizer, end_ids(model, tokenizer), model.config.vocab_size,
                               ModelWorker(name, config.max_queue, functools.partial(self._step, name),
-                                          config.max_batch))
+                                          config.max_batch),
+                              generation_config_defaults(model, name) if config.generation_config == "auto" else {})
             for name, (model, tokenizer) in models.items()
         }
         self.chat_template = family_template(models)
@@ -154,12 +155,20 @@ class Engine:
         self.plan = config.switch.plan(self.prefix_store)  # every session's handoffs, each pair's recompute its own
         self.policies: dict[tuple[str, str], PairPolicy] = pair_policies(
             config.switch, self._mappers, self.prefix_store, lambda name: capabilities_of(models[name][0]))
+        self._announce_defaults()
         self._announce_policies()
         self._running: set[Generation] = set()  # admitted and not finished
         self.draining = False  # shutting down: no new request is admitted
         self.sessions = SessionTable(config, self._new_session, self.metrics, self._refuse_if_draining)
         self.metrics.track(lambda: len(self.sessions), self.cache_bytes)
         self.metrics.track_prefix_cache(self.prefix_cache.tree.stats)
+
+    def _announce_defaults(self) -> None:
+        """Say at start-up which models' generation configs give the defaults of requests that leave fields out."""
+        for hosted in self._models.values():
+            if hosted.generation_defaults:
+                logger.info("%s: a request that leaves them out gets its generation config's %s (--generation-config "
+                            "vllm: the server's own defaults)", hosted.name, hosted.generation_defaults)
 
     def _announce_policies(self) -> None:
         """Say at start-up what each pair's switches do: its recompute policy, then its guard (a pair without a
@@ -192,6 +201,12 @@ class Engine:
             raise RequestError("not_found", f"the model {name!r} does not exist; this server hosts "
                                f"{', '.join(self._models)}", param="model", code="model_not_found")
         return hosted
+
+    def generation_defaults(self, name: str) -> dict:
+        """The sampling fields and answer limit a request to model ``name`` gets when it leaves them out
+        (`decoding.generation_config_defaults`; {} for a name not hosted, refused later)."""
+        hosted = self._models.get(name)
+        return {} if hosted is None else dict(hosted.generation_defaults)
 
     def mapper_id(self, source: str, target: str) -> str:
         """The identity of the mapper from ``source`` to ``target``: its manifest's checksum."""
@@ -254,7 +269,9 @@ class Engine:
         if request.handoff_mode not in TURN_MODES:
             raise RequestError("invalid_request", f"kv_handoff.mode must be one of {', '.join(TURN_MODES)}, got "
                                f"{request.handoff_mode!r}", param="kv_handoff.mode")
-        limit = self.config.default_max_tokens if request.max_tokens is None else request.max_tokens
+        limit = request.max_tokens
+        if limit is None:
+            limit = hosted.generation_defaults.get("max_tokens", self.config.default_max_tokens)
         refuse_large_logprobs(request, min(limit, self.max_context))  # before any work
         prompt, constraints = await asyncio.to_thread(request_inputs, hosted, request, self.chat_template,
                                                      self.max_context)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Mapping
 
 from fastapi import Request
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.serving.decoding import SamplingParams
+from kvhandoff.serving.decoding import GENERATION_CONFIG_FIELDS, SamplingParams
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.grammar import GrammarSpec, JsonObject, JsonSchema, ToolCalls
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE, namespace_of
@@ -114,9 +115,12 @@ def tokenize_request(engine: Engine, body: TokenizeRequest) -> list[int]:
                     body.add_special_tokens)
 
 
-def sampling_of(body: SamplingRequest) -> SamplingParams:
+def sampling_of(body: SamplingRequest, defaults: Mapping | None = None) -> SamplingParams:
+    """The request's sampling settings: the fields it gives, else ``defaults``' (the model's generation config's,
+    `Engine.generation_defaults`), else `SamplingParams`' own."""
+    given = {key: value for key, value in (defaults or {}).items() if key in GENERATION_CONFIG_FIELDS}
     with refused_as(None):
-        return SamplingParams(**body.sampling_fields())
+        return SamplingParams(**{**given, **body.sampling_fields()})
 
 
 def grammar_of(body: ChatCompletionRequest, tools: ToolSettings | None) -> GrammarSpec | None:
@@ -140,24 +144,24 @@ def grammar_of(body: ChatCompletionRequest, tools: ToolSettings | None) -> Gramm
         return JsonSchema(spec.schema_, spec.name, bool(spec.strict))
 
 
-def chat_request(body: ChatCompletionRequest, session_id: str | None,
-                 namespace: str = DEFAULT_NAMESPACE) -> tuple[GenerationRequest, ToolSettings]:
+def chat_request(body: ChatCompletionRequest, session_id: str | None, namespace: str = DEFAULT_NAMESPACE,
+                 defaults: Mapping | None = None) -> tuple[GenerationRequest, ToolSettings]:
     with refused_as(None):
         tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     template_tools = tools.template_tools()
     request = GenerationRequest(
         model=body.model, messages=tuple(message.template_message() for message in body.messages),
         tools=tuple(template_tools) if template_tools else None, max_tokens=body.answer_limit(),
-        sampling=sampling_of(body), stop=body.stop_strings(), grammar=grammar_of(body, tools), choices=body.choices(),
-        logprobs=body.logprob_alternatives(), session_id=session_id, namespace=namespace,
+        sampling=sampling_of(body, defaults), stop=body.stop_strings(), grammar=grammar_of(body, tools),
+        choices=body.choices(), logprobs=body.logprob_alternatives(), session_id=session_id, namespace=namespace,
         handoff_mode=body.handoff_mode())
     return request, tools
 
 
-def completion_request(body: CompletionRequest, session_id: str | None,
-                       namespace: str = DEFAULT_NAMESPACE) -> GenerationRequest:
+def completion_request(body: CompletionRequest, session_id: str | None, namespace: str = DEFAULT_NAMESPACE,
+                       defaults: Mapping | None = None) -> GenerationRequest:
     prompt = body.prompt if isinstance(body.prompt, str) else tuple(body.prompt)
     return GenerationRequest(
-        model=body.model, prompt=prompt, max_tokens=body.answer_limit(), sampling=sampling_of(body),
+        model=body.model, prompt=prompt, max_tokens=body.answer_limit(), sampling=sampling_of(body, defaults),
         stop=body.stop_strings(), choices=body.choices(), logprobs=body.logprob_alternatives(),
         echo=bool(body.echo), session_id=session_id, namespace=namespace, handoff_mode=body.handoff_mode())

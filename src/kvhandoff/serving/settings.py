@@ -11,6 +11,9 @@ from kvhandoff.runtime.switch.guard import Escalate
 from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.tools import tool_parser
 
+#: where a request's left-out sampling fields come from (`ServeConfig.generation_config`; vLLM's values)
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -37,6 +40,9 @@ class ServeConfig:
     with a key set, ``/health`` and ``/metrics`` answer without one too (``/health`` then shows a caller without a
     key its liveness only, no cache figures); default False: they need a key as every route does. tool_parser: how
     tool calls are read out of answers (a name of `tools.TOOL_PARSERS`). handover: as in `SwitchingSession`.
+    generation_config: where a request that leaves sampling fields or max_tokens out gets them, as vLLM's flag of that
+    name: "auto", each model's generation config (the fields it sets, `decoding.generation_config_defaults`), then the
+    server's own defaults; "vllm": the server's own defaults only (temperature 1, top-p 1, default_max_tokens, ...).
     """
 
     host: str = "127.0.0.1"
@@ -57,6 +63,7 @@ class ServeConfig:
     open_probes: bool = False
     tool_parser: str = "hermes"
     handover: str = "incremental"
+    generation_config: str = "auto"
     switch: SwitchSettings = field(default_factory=SwitchSettings)
     log_level: str = "info"
 
@@ -84,6 +91,9 @@ class ServeConfig:
         tool_parser(self.tool_parser)  # an unknown name is refused, listing the known ones
         if self.handover not in ("all", "incremental"):
             raise ConfigError(f"serve handover must be 'all' or 'incremental', got {self.handover!r}")
+        if self.generation_config not in GENERATION_CONFIG_SOURCES:
+            raise ConfigError(f"serve generation_config must be one of {', '.join(GENERATION_CONFIG_SOURCES)}, got "
+                              f"{self.generation_config!r}")
         if not isinstance(self.switch, SwitchSettings):
             raise ConfigError(f"serve switch must be a SwitchSettings (kvhandoff.runtime.switch.pair), got "
                               f"{self.switch!r}")

@@ -9,7 +9,7 @@ import inspect
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -134,7 +134,8 @@ class ModelWorker:
 @dataclass
 class HostedModel:
     """A model the server hosts: its name, the model, its tokenizer, the ids that end an answer, its vocabulary
-    size, and the worker that runs its requests."""
+    size, the worker that runs its requests, and what a request that leaves sampling fields or its answer limit out
+    gets (`decoding.generation_config_defaults`)."""
 
     name: str
     model: object
@@ -142,3 +143,4 @@ class HostedModel:
     stop_ids: frozenset[int]
     vocab_size: int
     worker: ModelWorker
+    generation_defaults: dict = field(default_factory=dict)

@@ -8,14 +8,18 @@ Valkey/Redis store (`kvhandoff.vllm.store`).
   own K/V.
 - Load: for a new request, the longest full-block prefix held under this model's identity (a cache hit of its own
   K/V, e.g. from another instance of the same model); else under another family model's identity: those rows are
-  mapped with the pair's `Mapper` (keys after RoPE → the target's) and loaded. vLLM computes the rest (at least the
-  prompt's last token).
+  mapped with the pair's `Mapper` (keys after RoPE → the target's) and loaded, but for the latest positions the
+  pair's recompute policy gives back to vLLM (`mapped_load_end`; the policy resolved in `kvhandoff.vllm.family`).
+  vLLM computes the rest (at least the prompt's last token).
 - Every entry is checked against what its key promises (model, tenant, prefix, length, shape, checksum) before any
   token is promised to vLLM; a refused entry is logged (logger ``kvhandoff.vllm``) and the request is prefilled by
   vLLM itself. The worker checks it again when it loads; a failure there is reported as load errors (run with
   ``kv_load_failure_policy="recompute"`` so that vLLM recomputes those blocks).
 - Tenant of a request: ``kv_transfer_params["tenant"]`` if given, else its ``cache_salt`` (which also keeps vLLM's
-  own prefix cache apart per tenant), else the configured default.
+  own prefix cache apart per tenant), else the configured default. Recompute policy of a request's switch:
+  ``kv_transfer_params["recompute"]`` if given and servable here (e.g. "none": the whole prefix mapped), else the
+  pair's; a refused one is logged. ``kv_transfer_params["save"]`` false: the request's K/V are not saved.
+- Each load's log line says what it loaded, for which tenant, and the seconds its steps took (store, map, write).
 
 Use::
 
@@ -23,17 +27,18 @@ Use::
                      kv_role="kv_both", kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"store_url": ..., "model": ..., "mappers": {...}})
 
-(`kvhandoff.vllm.family` documents the extra config.) Limits of this first version: loads and saves are
-synchronous, one KV-cache group, full attention (Qwen2/Llama-like), CPU paged-cache layouts only
-(`kvhandoff.vllm.layout`); a mapped prefix is loaded whole (no recompute policy: vLLM cannot recompute positions
-inside a loaded prefix).
+(`kvhandoff.vllm.family` documents the extra config.) Limits: loads and saves are synchronous, one KV-cache group,
+full attention (Qwen2/Llama-like), CPU paged-cache layouts only (`kvhandoff.vllm.layout`); a recompute policy
+recomputes the latest positions only (vLLM cannot recompute positions inside a loaded prefix).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,9 +51,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.forward_context import get_forward_context
 
+from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.cache import cache_of
-from kvhandoff.vllm.family import FamilyConfig, resolve_identities
+from kvhandoff.runtime import policy
+from kvhandoff.runtime.policy import RecomputePolicy
+from kvhandoff.vllm.family import VLLM_CAPABILITIES, FamilyConfig, mapped_load_end, resolve_identities
 from kvhandoff.vllm.layout import block_slots, read_blocks, write_rows
 from kvhandoff.vllm.store import EntryRefused, Expected, KVStore, decode_entry, encode_entry, entry_key, prefix_hashes
 
@@ -64,6 +72,16 @@ logger = logging.getLogger("kvhandoff.vllm")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 #: how many (tenant, prefix hash) of mapped loads the scheduler remembers, to keep them from being saved as own
 _MAPPED_MEMORY = 65536
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict, step: str):
+    """Add the seconds the block takes to ``seconds[step]`` (the load's steps, in its log line)."""
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[step] = seconds.get(step, 0.0) + time.perf_counter() - began
 
 
 def _setup_logging() -> None:
@@ -89,6 +107,7 @@ class LoadSpec:
     identity: str
     tokens: int                       # the stored prefix's length (full blocks)
     start: int                        # positions before it are already in vLLM's cache (its local prefix cache)
+    end: int                          # positions start..end-1 are loaded (end < tokens: vLLM recomputes the rest)
     geometry: tuple[int, int, int]    # the stored rows' (layers, kv_heads, head_dim)
     source: str | None = None         # another family model whose rows are mapped; None: this model's own
     block_ids: list[int] = field(default_factory=list)  # the request's blocks for positions start..tokens-1
@@ -125,11 +144,14 @@ class KVHandoffConnector(KVConnectorBase_V1):
             self._tracking: dict[str, SaveSpec] = {}
             self._tenants: dict[str, str] = {}
             self._own_load: dict[str, int] = {}
+            self._unsaved: set[str] = set()  # requests whose kv_transfer_params say "save": false
             self._mapped: OrderedDict[tuple[str, str], None] = OrderedDict()
             self._saved: OrderedDict[str, None] = OrderedDict()
             logger.info("scheduler: model %r (identity %s), store %s, mapped in from %s", self._family.model,
                         self._ids.own, self._family.store_url,
                         {name: ident for name, ident in self._ids.others.items()} or "no other model")
+            for source, served in self._ids.recompute.items():
+                logger.info("%s", served.describe(source, self._family.model))
         else:
             self._mappers = {source: Mapper.load(folder) for source, folder in self._family.incoming.items()}
             self._layer_names: list[str] = []
@@ -143,11 +165,30 @@ class KVHandoffConnector(KVConnectorBase_V1):
         params = getattr(request, "kv_transfer_params", None) or {}
         return str(params.get("tenant") or getattr(request, "cache_salt", None) or self._family.tenant)
 
+    def _recompute_of(self, request: Request, source: str) -> RecomputePolicy:
+        """The recompute policy of ``request``'s switch from ``source``: ``kv_transfer_params["recompute"]`` (a spec
+        vLLM can serve) if given, else the pair's."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        pair = self._ids.recompute_policy(source)
+        if params.get("recompute") is None:
+            return pair
+        try:
+            asked = policy.parse(str(params["recompute"]))
+            if not VLLM_CAPABILITIES.serves(asked):
+                raise ConfigError(VLLM_CAPABILITIES.refusal(asked))
+        except ConfigError as refusal:
+            logger.warning("request %s: kv_transfer_params recompute refused (%s); served under the pair's %s",
+                           request.request_id, refusal, pair.spec)
+            return pair
+        return asked
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = list(request.prompt_token_ids or [])
         bs = self._block_size
         tenant = self._tenant_of(request)
         self._tenants[request.request_id] = tenant
+        if (getattr(request, "kv_transfer_params", None) or {}).get("save") is False:
+            self._unsaved.add(request.request_id)
         self._loads.pop(request.request_id, None)
         longest = (len(prompt) - 1) // bs  # vLLM computes at least the last prompt token itself
         first = num_computed_tokens // bs + 1
@@ -171,10 +212,14 @@ class KVHandoffConnector(KVConnectorBase_V1):
                                        "tokens itself", key, request.request_id,
                                        "own" if source is None else f"from {source}", refusal)
                         continue
+                    end = b * bs if source is None else mapped_load_end(
+                        num_computed_tokens, b * bs, self._recompute_of(request, source))
+                    if end <= num_computed_tokens:
+                        break  # the policy recomputes all of it: a shorter prefix would load less still
                     self._loads[request.request_id] = LoadSpec(request.request_id, key, tenant, hashes[b - 1],
-                                                               identity, b * bs, num_computed_tokens, geometry,
+                                                               identity, b * bs, num_computed_tokens, end, geometry,
                                                                source, hashes=hashes[:b])
-                    return b * bs - num_computed_tokens, False
+                    return end - num_computed_tokens, False
         except Exception as error:  # the store down or failing: a miss, vLLM prefills
             logger.warning("store %s unavailable for request %s (%s: %s); vLLM prefills", self._family.store_url,
                            request.request_id, type(error).__name__, error)
@@ -203,6 +248,8 @@ class KVHandoffConnector(KVConnectorBase_V1):
                 self._emit_load(meta, load, blocks)
                 if load.source is not None:  # mapped rows: never saved as this model's own
                     continue
+            if new.req_id in self._unsaved:
+                continue
             if not hashes or any((tenant, digest) in self._mapped for digest in hashes):
                 continue  # nothing full to save, or vLLM's prefix cache serves mapped rows to this request
             key = entry_key(tenant, self._ids.own, hashes[-1])
@@ -236,7 +283,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
     def _emit_load(self, meta: KVHandoffMetadata, load: LoadSpec, blocks: list[int]) -> None:
         """Send ``load`` to the worker with the request's blocks for its positions; remember mapped prefixes."""
         bs = self._block_size
-        load.block_ids = blocks[load.start // bs: load.tokens // bs]
+        load.block_ids = blocks[load.start // bs: -(-load.end // bs)]
         meta.loads.append(load)
         if load.source is not None:
             for digest in load.hashes:
@@ -255,6 +302,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         for table in (self._loads, self._tracking, self._tenants):
             table.pop(request.request_id, None)
+        self._unsaved.discard(request.request_id)
         return False, None
 
     # ------------------------------------------------------------------ worker side
@@ -283,25 +331,32 @@ class KVHandoffConnector(KVConnectorBase_V1):
             return
         layers = self._attention_layers(forward_context)
         for load in meta.loads:
+            seconds = {}
             try:
-                rows = decode_entry(self._store.get(load.key),
-                                    Expected(load.identity, load.tenant, load.prefix, load.tokens, load.geometry))
-                if load.source is not None:
-                    rows = self._mapped_rows(load.source, rows)
-                rows = rows[:, :, load.start: load.tokens]
+                with _timed(seconds, "store"):
+                    rows = decode_entry(self._store.get(load.key),
+                                        Expected(load.identity, load.tenant, load.prefix, load.tokens, load.geometry))
+                with _timed(seconds, "map"):
+                    if load.source is not None:
+                        rows = self._mapped_rows(load.source, rows)
+                rows = rows[:, :, load.start: load.end]
                 if rows.shape[0] != len(layers):
                     raise EntryRefused(f"rows of {rows.shape[0]} layers for a model of {len(layers)}")
-                slots = block_slots(load.block_ids, self._block_size)[: load.tokens - load.start]
-                for index, (_, layer) in enumerate(layers):
-                    write_rows(layer.kv_cache, rows[index, 0], rows[index, 1], slots, layer.isa)
+                with _timed(seconds, "write"):
+                    slots = block_slots(load.block_ids, self._block_size)[: load.end - load.start]
+                    for index, (_, layer) in enumerate(layers):
+                        write_rows(layer.kv_cache, rows[index, 0], rows[index, 1], slots, layer.isa)
             except Exception as error:
                 logger.warning("could not load %s for request %s (%s: %s): its blocks are reported as load errors",
                                load.key, load.req_id, type(error).__name__, error)
                 self._invalid.update(load.block_ids)
                 continue
             what = "own K/V" if load.source is None else f"K/V of {load.source!r} mapped to {self._family.model!r}"
-            logger.info("loaded %d tokens (positions %d..%d) for request %s: %s, tenant %r", load.tokens - load.start,
-                        load.start, load.tokens - 1, load.req_id, what, load.tenant)
+            if load.end < load.tokens:
+                what += f", its latest {load.tokens - load.end} positions recomputed by vLLM"
+            logger.info("loaded %d tokens (positions %d..%d) for request %s: %s, tenant %r (%s)",
+                        load.end - load.start, load.start, load.end - 1, load.req_id, what, load.tenant,
+                        ", ".join(f"{step} {took:.3f} s" for step, took in seconds.items()))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous, in start_load_kv
@@ -328,6 +383,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
                 logger.warning("request %s: K/V of %d of %d layers seen, not saved", spec.req_id, len(names),
                                len(self._layer_names))
                 continue
+            began = time.perf_counter()
             rows = torch.stack([torch.stack(parts[name]) for name in names])
             _, identity, _ = spec.key.rsplit(":", 2)
             try:
@@ -337,7 +393,8 @@ class KVHandoffConnector(KVConnectorBase_V1):
                 logger.warning("store unavailable, request %s not saved (%s: %s)", spec.req_id,
                                type(error).__name__, error)
                 continue
-            logger.info("saved %d tokens of own K/V for request %s under %s", spec.tokens, spec.req_id, spec.key)
+            logger.info("saved %d tokens of own K/V for request %s under %s (%.3f s)", spec.tokens, spec.req_id,
+                        spec.key, time.perf_counter() - began)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid = self._invalid, set()

@@ -7,7 +7,15 @@ Configured by the connector's ``kv_connector_extra_config`` (the same family par
      "model": "small",                                # this instance's model, by its family name
      "mappers": {"small->large": "/mappers/small-to-large", "large->small": "/mappers/large-to-small"},
      "tenant": "default",                             # a request without a tenant (optional)
-     "ttl_s": null}                                   # entries' lifetime (optional; capacity is the server's LRU)
+     "ttl_s": null,                                   # entries' lifetime (optional; capacity is the server's LRU)
+     "recompute": null}                               # one recompute policy for every pair, e.g. "recent:10%"
+                                                      # (optional; also "min_retention" / "min_speedup")
+
+Each incoming pair's recompute policy is resolved as `kvhandoff serve` resolves it (`runtime.switch.pair
+.served_recompute`): the named one, else the one recorded with the pair's mapper (chosen again under min_retention /
+min_speedup), else the default — under what vLLM can do (`VLLM_CAPABILITIES`): vLLM computes a contiguous run of
+positions after those a connector loads, so a switch recomputes the mapped prefix's latest positions (rule
+``recent``); a recorded policy of another rule gives way to the default, said in the log.
 
 Identities come from the mapper manifests' fingerprints, so every instance names a model alike: this instance's
 model (loaded once with transformers from vLLM's model path) is checked against each manifest that names it
@@ -25,7 +33,14 @@ import torch
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.geometry import model_fingerprint
+from kvhandoff.runtime.policy import RecomputePolicy, budget_count
+from kvhandoff.runtime.seam import Capabilities
+from kvhandoff.runtime.switch.pair import ServedRecompute, SwitchSettings, served_recompute
 from kvhandoff.vllm.store import model_identity
+
+#: what a switch inside vLLM can do: recompute only the latest positions of a loaded prefix (vLLM computes every
+#: position after the last one a connector loads, and none before it)
+VLLM_CAPABILITIES = Capabilities(engine="vLLM", recompute_rules=("recent",))
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,7 @@ class FamilyConfig:
     mappers: dict[tuple[str, str], str] = field(default_factory=dict)
     tenant: str = "default"
     ttl_s: int | None = None
+    switch: SwitchSettings = field(default_factory=SwitchSettings)
 
     @classmethod
     def from_extra(cls, extra: dict) -> FamilyConfig:
@@ -47,8 +63,10 @@ class FamilyConfig:
                 raise ConfigError(f"mapper pair {pair!r}: name it 'SOURCE->TARGET'")
             mappers[(source.strip(), target.strip())] = str(folder)
         ttl = extra.get("ttl_s")
+        switch = SwitchSettings(recompute=extra.get("recompute"), min_retention=extra.get("min_retention"),
+                                min_speedup=extra.get("min_speedup"), guard=False)
         return cls(str(extra["store_url"]), str(extra["model"]), mappers, str(extra.get("tenant") or "default"),
-                   int(ttl) if ttl else None)
+                   int(ttl) if ttl else None, switch)
 
     @property
     def incoming(self) -> dict[str, str]:
@@ -62,6 +80,11 @@ class FamilyIdentities:
     others: dict[str, str]                # {other model: identity} (those with a mapper into this one)
     geometry: tuple[int, int, int]        # this model's (layers, kv_heads, head_dim)
     sources: dict[str, tuple[int, int, int]]  # {other model: its (layers, kv_heads, head_dim)}
+    recompute: dict[str, ServedRecompute] = field(default_factory=dict)  # {other model: its switch's recompute}
+
+    def recompute_policy(self, source: str) -> RecomputePolicy:
+        """The recompute policy of a switch from ``source`` into this model."""
+        return self.recompute[source].policy
 
 
 def _geometry(fingerprint: dict) -> tuple[int, int, int]:
@@ -76,7 +99,7 @@ def resolve_identities(config: FamilyConfig, model_path: str, dtype: torch.dtype
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     own_fp = model_fingerprint(model)
     recorded = None
-    others, sources = {}, {}
+    others, sources, recompute = {}, {}, {}
     for (source, target), folder in config.mappers.items():
         if config.model not in (source, target):
             continue
@@ -88,6 +111,16 @@ def resolve_identities(config: FamilyConfig, model_path: str, dtype: torch.dtype
         if target == config.model:
             others[source] = model_identity(manifest.source_fingerprint)
             sources[source] = _geometry(manifest.source_fingerprint)
+            recompute[source] = served_recompute(config.switch, manifest.recompute, f"{source} → {target}",
+                                                 VLLM_CAPABILITIES)
     del model
     own = model_identity(recorded or own_fp)
-    return FamilyIdentities(own, others, _geometry(own_fp), sources)
+    return FamilyIdentities(own, others, _geometry(own_fp), sources, recompute)
+
+
+def mapped_load_end(start: int, stored: int, recompute: RecomputePolicy) -> int:
+    """Where a mapped load of positions ``start``..``stored``-1 ends: before the latest positions ``recompute`` (a
+    ``recent`` policy, its budget a share of the mapped positions) leaves to vLLM."""
+    if not recompute.active:
+        return stored
+    return stored - budget_count(recompute.budget, stored - start)

@@ -8,20 +8,28 @@ SHA-256 of the payload), then the payload: the rows as one contiguous tensor (K 
 RoPE). `decode_entry` refuses an entry that does not say exactly what its key promised (`EntryRefused`, with the
 reason): a truncated or corrupt entry, another model's, another tenant's, another prefix's.
 
-Capacity is the server's: run it with ``maxmemory`` and an LRU policy (``allkeys-lru``), as the tests do.
+Capacity is the server's: run it with ``maxmemory`` and an LRU policy (``allkeys-lru``), as `local_store` does.
 The client (`KVStore`) imports ``redis`` when built, so this module imports without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import shutil
+import socket
 import struct
+import subprocess
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import quote
 
 import torch
 
+from kvhandoff.errors import ConfigError
 from kvhandoff.files import sha256_json
 from kvhandoff.model.geometry import PAIRING_KEYS
 
@@ -173,3 +181,52 @@ class KVStore:
 
     def delete(self, key: str) -> None:
         self._client.delete(key)
+
+
+def store_server() -> str:
+    """The path of a Valkey (else Redis) server program, or a ConfigError naming the fix."""
+    found = shutil.which("valkey-server") or shutil.which("redis-server")
+    if found is None:
+        raise ConfigError("no valkey-server or redis-server on PATH: run `bash scripts/setup.sh` (it installs one), "
+                          "or `apt-get install valkey-server` (Debian), or point store_url at a running one")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_store(folder: Path, max_memory: str = "1gb", timeout_s: float = 20.0) -> Iterator[str]:
+    """A Valkey/Redis server on a free loopback port for the life of the block, its files in ``folder``, nothing
+    persisted, the least recently used entries evicted past ``max_memory``; yields its URL."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [store_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--maxmemory", max_memory, "--maxmemory-policy", "allkeys-lru", "--dir", str(folder)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _answers_ping(port):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise ConfigError(f"{store_server()} did not start on 127.0.0.1:{port} within {timeout_s:g} s")
+            time.sleep(0.1)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _answers_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as connection:
+            connection.sendall(b"PING\r\n")
+            return connection.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False

@@ -42,6 +42,7 @@ from kvhandoff.workflow.pair_mappers import on_source_device
 from kvhandoff_lab.bench import DEFAULT_LENGTHS, bench_mapper, bench_table, run_bench
 from kvhandoff_lab.engine_bench import DEFAULT_ENGINE_LENGTHS
 from kvhandoff_lab.fitbench import describe_fit_cost, run_fit_bench
+from kvhandoff_lab.vllm_bench import DEFAULT_VLLM_LENGTHS
 
 
 def bench(
@@ -227,4 +228,54 @@ def eval_llama_cpp(
         for model in twins.values():
             model.close()
     typer.echo(json.dumps(result["summary"], indent=2))
+    typer.echo(f"wrote {out}")
+
+
+def bench_vllm(
+    source: Source = DEFAULT_SOURCE,
+    target: Target = DEFAULT_TARGET,
+    lengths: Annotated[tuple, typer.Option(parser=positive_ints, metavar="LIST", help="comma-separated history "
+                                                                                      "lengths (multiples of 128)")]
+    = ",".join(map(str, DEFAULT_VLLM_LENGTHS)),
+    directions: Directions = "both",
+    new_turn: Annotated[int, typer.Option(parser=positive_int, help="tokens of the new turn the target reads after "
+                                                                    "the history")] = 32,
+    decode_tokens: Annotated[int, typer.Option(parser=positive_int, help="greedy tokens streamed after the first, "
+                                                                         "timed as decode")] = 32,
+    work: Annotated[Path, typer.Option(help="folder for the vLLM servers' and the store's files")]
+    = Path("runs/bench_vllm"),
+    out: Annotated[Path, typer.Option(help="the result (JSON, rewritten after every row)")]
+    = Path("runs/bench_vllm.json"),
+) -> None:
+    """A switch between two vLLM instances (each model its own server process, the kvhandoff connector in both, the
+    K/V through a Valkey/Redis store): time to first token against the target instance's own prefill of the same
+    prompt, for the whole history mapped and for the pair's policy in vLLM, where the time goes, decode after."""
+    import gc
+
+    from kvhandoff.model.loading import model_dir
+    from kvhandoff.runtime.switch.pair import SwitchSettings, served_recompute
+    from kvhandoff.vllm.family import VLLM_CAPABILITIES
+    from kvhandoff_lab.bench import model_flops
+    from kvhandoff_lab.engine_bench import context_ids
+    from kvhandoff_lab.vllm_bench import Direction, run_vllm_bench, vllm_python, vllm_table
+
+    vllm_python()  # refused before the models load when the vLLM environment is missing
+    pair = load_named_pair(source, target, progress=True)
+    wanted = {"both": [(source, target), (target, source)], "up": [(source, target)],
+              "down": [(target, source)]}[directions]
+    flops = {source: model_flops(pair.source), target: model_flops(pair.target)}
+    folders = {spec: Path(spec) if Path(spec).is_dir() else model_dir(spec) for spec in (source, target)}
+    mapper_folders, plan = {}, []
+    for names in wanted:
+        mapper, folder, _ = obtain_mapper(pair if names == (source, target) else pair.reversed(), progress=True,
+                                          both_directions=True)
+        mapper_folders[names] = folder
+        served = served_recompute(SwitchSettings(), mapper.manifest.recompute, " → ".join(names), VLLM_CAPABILITIES)
+        plan.append(Direction(names[0], names[1], flops[names[1]], mapper.flops_per_token(), served.policy.spec))
+    ids = context_ids(pair.tokenizer, max(lengths) + new_turn)[0].tolist()
+    history, turn = ids[: max(lengths)], ids[max(lengths):]
+    del pair, mapper
+    gc.collect()
+    result = run_vllm_bench(folders, mapper_folders, plan, history, turn, lengths, work, out, decode_tokens)
+    typer.echo("\n".join(vllm_table(result)))
     typer.echo(f"wrote {out}")

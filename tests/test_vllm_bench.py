@@ -1,0 +1,57 @@
+"""`kvhandoff-lab bench-vllm` without vLLM: the switch's FLOP bound, the load steps read from a connector's log, the
+table, and the refusal when the vLLM environment is missing (the run itself needs the real pair: RESULTS.md)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvhandoff.errors import ConfigError
+from kvhandoff_lab.bench import continuation_flops, prefill_flops
+from kvhandoff_lab.vllm_bench import VllmServer, _load_steps, switch_flops, vllm_python, vllm_table
+
+TARGET = {"body_parameters": 1_000_000, "layers": 4, "q_width": 256, "lm_head": 500_000}
+
+
+def test_the_flop_bound_is_the_prefill_over_the_map_and_what_vllm_computes():
+    whole = switch_flops(TARGET, 10_000, 1024, 1024)
+    assert whole == 10_000 * 1024 + continuation_flops(TARGET, 1024, 0)
+    tail = switch_flops(TARGET, 10_000, 1024, 896)  # the latest 128 positions recomputed
+    assert tail > whole
+    assert prefill_flops(TARGET, 1024) / whole > prefill_flops(TARGET, 1024) / tail > 1
+    assert switch_flops(TARGET, 10_000, 1024, 0) == continuation_flops(TARGET, 0, 1024) == prefill_flops(TARGET, 1024)
+
+
+def test_load_steps_are_read_for_the_tenant_asked(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text(
+        "INFO kvhandoff.vllm[1]: loaded 256 tokens (positions 0..255) for request a: K/V of 'small' mapped to "
+        "'large', tenant 'other' (store 0.010 s, map 0.200 s, write 0.030 s)\n"
+        "INFO kvhandoff.vllm[1]: loaded 192 tokens (positions 0..191) for request b: K/V of 'small' mapped to "
+        "'large', its latest 64 positions recomputed by vLLM, tenant 'mine' (store 0.020 s, map 0.100 s, "
+        "write 0.005 s)\n")
+    server = VllmServer("large", "http://127.0.0.1:1", log, None)
+    assert _load_steps(server, "mine") == {"loaded_tokens": 192, "store": 0.02, "map": 0.1, "write": 0.005}
+    assert _load_steps(server, "absent") == {}
+
+
+def test_the_table_has_a_row_per_measurement():
+    row = {"direction": "a->b", "tokens": 1056, "recompute": "recent:5%", "own_ttft_s": 4.0, "switch_ttft_s": 0.5,
+           "speedup": 8.0, "flop_bound": 10.0, "share_of_bound": 0.8, "steps_s": {"store": 0.1, "map": 0.2},
+           "vllm_forward_s": 0.2, "own_decode_tok_s": 9.5, "switch_decode_tok_s": None}
+    lines = vllm_table({"rows": [row]})
+    assert len(lines) == 3 and "| a->b | 1056 | recent:5% | 4.00 s | 0.50 s | 8.0× | 10.0× | 0.80 |" in lines[2]
+    assert "0.10 / 0.20 / 0.00 / 0.20 s | 9.5 / – |" in lines[2]
+
+
+def test_a_missing_vllm_environment_is_refused_naming_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVHANDOFF_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
+    with pytest.raises(ConfigError, match="setup.sh"):
+        vllm_python()
+    result = subprocess.run([sys.executable, "-m", "kvhandoff_lab.cli", "bench-vllm", "--lengths", "128"],
+                            capture_output=True, text=True,
+                            env={**os.environ, "KVHANDOFF_VLLM_PYTHON": str(tmp_path / "python")})
+    assert result.returncode != 0 and "setup.sh" in result.stdout + result.stderr
