@@ -1,4 +1,6 @@
 import json
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from kvhandoff_lab.cli import app as lab_app
 from conftest import BYTE_MODEL, ByteTokenizer, chat_tokenizer, pair_guards, save_tiny_pair, tiny_model
 
 #: the product's commands (`kvhandoff`); every other command is the lab's (`kvhandoff-lab`)
-PRODUCT_COMMANDS = ("prepare", "fit", "refine", "demo", "serve", "guard-calibrate")
+PRODUCT_COMMANDS = ("prepare", "fit", "refine", "demo", "serve", "guard-calibrate", "vllm-config")
 
 
 def invoke(args, **kwargs):
@@ -28,6 +30,29 @@ def invoke(args, **kwargs):
 def pair(tmp_path, monkeypatch):
     monkeypatch.setenv("KVHANDOFF_HOME", str(tmp_path / "home"))
     return save_tiny_pair(tmp_path)
+
+
+def test_vllm_config_prints_a_server_per_model_with_the_connector(pair, tmp_path):
+    small, large = pair
+    for source, target, folder in ((small, large, "up"), (large, small, "down")):
+        fitted = invoke(["fit", "--source", source, "--target", target, "--out", str(tmp_path / folder), "--top-k",
+                         "1", "--sequences", "3", "--seq-len", "48"])
+        assert fitted.exit_code == 0, fitted.output
+    result = invoke(["vllm-config", "--models", f"small={small},large={large}", "--mapper",
+                     f"small:large={tmp_path / 'up'}", "--mapper", f"large:small={tmp_path / 'down'}", "--store-url",
+                     "redis://10.0.0.5:6379/0", "--recompute", "recent:10%", "--port", "9001"])
+    assert result.exit_code == 0, result.output
+    commands = [line for line in result.output.splitlines() if "vllm.entrypoints.openai.api_server" in line]
+    assert len(commands) == 2
+    for command, name, port in zip(commands, ("small", "large"), (9001, 9002), strict=True):
+        args = shlex.split(command)
+        extra = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        assert extra == {"store_url": "redis://10.0.0.5:6379/0", "model": name, "recompute": "recent:10%",
+                         "mappers": {"small->large": str(tmp_path / "up"), "large->small": str(tmp_path / "down")}}
+        assert args[args.index("--port") + 1] == str(port) and args[args.index("--served-model-name") + 1] == name
+        assert args[args.index("--model") + 1] == str(Path(small if name == "small" else large).resolve())
+    refused = invoke(["vllm-config", "--recompute", "sinks:10%"])
+    assert refused.exit_code != 0 and "a vLLM target recomputes by the rules recent" in refused.output
 
 
 def test_fit_writes_a_loadable_mapper(pair, tmp_path):

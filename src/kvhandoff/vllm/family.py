@@ -8,8 +8,10 @@ Configured by the connector's ``kv_connector_extra_config`` (the same family par
      "mappers": {"small->large": "/mappers/small-to-large", "large->small": "/mappers/large-to-small"},
      "tenant": "default",                             # a request without a tenant (optional)
      "ttl_s": null,                                   # entries' lifetime (optional; capacity is the server's LRU)
-     "recompute": null}                               # one recompute policy for every pair, e.g. "recent:10%"
+     "recompute": null,                               # one recompute policy for every pair, e.g. "recent:10%"
                                                       # (optional; also "min_retention" / "min_speedup")
+     "map_dtype": null}                               # the map's dtype: "float32" or "bfloat16" (optional;
+                                                      # default: the instance's model dtype)
 
 Each incoming pair's recompute policy is resolved as `kvhandoff serve` resolves it (`runtime.switch.pair
 .served_recompute`): the named one, else the one recorded with the pair's mapper (chosen again under min_retention /
@@ -41,6 +43,8 @@ from kvhandoff.vllm.store import model_identity
 #: what a switch inside vLLM can do: recompute only the latest positions of a loaded prefix (vLLM computes every
 #: position after the last one a connector loads, and none before it)
 VLLM_CAPABILITIES = Capabilities(engine="vLLM", recompute_rules=("recent",))
+#: the dtypes a connector maps in (``map_dtype``)
+MAP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class FamilyConfig:
     tenant: str = "default"
     ttl_s: int | None = None
     switch: SwitchSettings = field(default_factory=SwitchSettings)
+    map_dtype: torch.dtype | None = None
 
     @classmethod
     def from_extra(cls, extra: dict) -> FamilyConfig:
@@ -65,8 +70,12 @@ class FamilyConfig:
         ttl = extra.get("ttl_s")
         switch = SwitchSettings(recompute=extra.get("recompute"), min_retention=extra.get("min_retention"),
                                 min_speedup=extra.get("min_speedup"), guard=False)
+        map_dtype = extra.get("map_dtype")
+        if map_dtype is not None and map_dtype not in MAP_DTYPES:
+            raise ConfigError(f"map_dtype must be one of {', '.join(MAP_DTYPES)} (or null: the instance's dtype), got "
+                              f"{map_dtype!r}")
         return cls(str(extra["store_url"]), str(extra["model"]), mappers, str(extra.get("tenant") or "default"),
-                   int(ttl) if ttl else None, switch)
+                   int(ttl) if ttl else None, switch, MAP_DTYPES.get(map_dtype))
 
     @property
     def incoming(self) -> dict[str, str]:

@@ -255,9 +255,10 @@ def bench_vllm(
     from kvhandoff.model.loading import model_dir
     from kvhandoff.runtime.switch.pair import SwitchSettings, served_recompute
     from kvhandoff.vllm.family import VLLM_CAPABILITIES
+    from kvhandoff.vllm.launch import vllm_python
     from kvhandoff_lab.bench import model_flops
     from kvhandoff_lab.engine_bench import context_ids
-    from kvhandoff_lab.vllm_bench import Direction, run_vllm_bench, vllm_python, vllm_table
+    from kvhandoff_lab.vllm_bench import Direction, run_vllm_bench, vllm_table
 
     vllm_python()  # refused before the models load when the vLLM environment is missing
     pair = load_named_pair(source, target, progress=True)

@@ -1,0 +1,66 @@
+"""`vllm-config`: the commands that serve a family as vLLM instances, one OpenAI server per model, the kvhandoff
+connector in each (`kvhandoff.vllm`), the K/V through a Valkey/Redis store."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvhandoff.cli.options import DEFAULT_SOURCE, DEFAULT_TARGET, RecomputeOption, non_negative_int, option_errors
+from kvhandoff.cli.serve import Mappers, Models, family_specs
+from kvhandoff.errors import ConfigError
+from kvhandoff.model.loading import model_dir, registry_names
+from kvhandoff.serving.family import load_family
+from kvhandoff.vllm.family import VLLM_CAPABILITIES, FamilyConfig
+from kvhandoff.vllm.launch import CPU_ENV, server_command, vllm_python
+
+
+def model_folder(spec: str) -> Path:
+    """The folder vLLM loads for ``spec``: a local model folder, or a registry model's converted one."""
+    if Path(spec).is_dir():
+        return Path(spec).resolve()
+    if spec in registry_names():
+        return model_dir(spec)
+    raise ConfigError(f"{spec!r}: vLLM needs a model folder; give a local folder or a registry name "
+                      f"({', '.join(registry_names())})")
+
+
+def vllm_config(
+    models: Models = "",
+    mapper: Mappers = None,
+    store_url: Annotated[str, typer.Option(help="the Valkey/Redis server every instance reaches")]
+    = "redis://127.0.0.1:6379/0",
+    recompute: RecomputeOption = None,
+    host: Annotated[str, typer.Option(help="address the servers listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(parser=non_negative_int, help="the first model's port; the next ones follow")]
+    = 8001,
+    dtype: Annotated[str, typer.Option(help="vLLM's dtype (bfloat16 runs on AMX on CPU)")] = "bfloat16",
+) -> None:
+    """Print the commands that serve a family as vLLM instances with the kvhandoff connector: a switch between them
+    is a cache hit in another model's format. The pair's mappers are found (or fitted) as `serve` finds them."""
+    if recompute is not None and not VLLM_CAPABILITIES.serves(recompute):
+        raise typer.BadParameter(VLLM_CAPABILITIES.refusal(recompute), param_hint="--recompute")
+    specs, mapper_dirs = family_specs(models, mapper)
+    specs = specs or {DEFAULT_SOURCE: DEFAULT_SOURCE, DEFAULT_TARGET: DEFAULT_TARGET}
+    folders = {name: model_folder(spec) for name, spec in specs.items()}  # before the models load
+    _, mappers = load_family(specs, mapper_dirs, progress=True)
+    names = list(specs)
+    connector = {"store_url": store_url, "mappers": {f"{a}->{b}": str(m.folder) for (a, b), m in mappers.items()}}
+    if recompute is not None:
+        connector["recompute"] = recompute.spec
+    with option_errors("--store-url", "--recompute"):
+        FamilyConfig.from_extra({**connector, "model": names[0]})  # the config every instance checks, checked here
+    try:
+        python = vllm_python()
+    except ConfigError:
+        python = Path("python")  # the vLLM environment is elsewhere: its python runs the printed commands
+    typer.echo(f"# the store (Valkey or Redis; capacity and LRU bound it), reached at {store_url}:")
+    typer.echo("valkey-server --port 6379 --save '' --appendonly no --maxmemory 4gb --maxmemory-policy allkeys-lru")
+    environment = " ".join(f"{key}={value}" for key, value in CPU_ENV.items())
+    for index, name in enumerate(names):
+        command = server_command(python, name, folders[name], port + index, {**connector, "model": name}, host, dtype)
+        typer.echo(f"# {name} (on CPU, with its own core: VLLM_CPU_OMP_THREADS_BIND={index}):")
+        typer.echo(f"{environment} VLLM_CPU_OMP_THREADS_BIND={index} {shlex.join(command)}")
