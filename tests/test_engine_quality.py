@@ -11,7 +11,7 @@ from kvhandoff.serving.decoding import end_ids
 pytest.importorskip("llama_cpp")
 
 from _llama_support import llama_model
-from kvhandoff_lab.engine_quality import run_engine_quality
+from kvhandoff_lab.engine_quality import RemoteAnswers, run_engine_quality
 
 #: a window that holds a CoQA history written byte by byte
 LONG_CONTEXT = 8192
@@ -49,3 +49,28 @@ def test_a_task_that_scores_choices_is_refused():
 
     with pytest.raises(ConfigError, match="generative task"):
         run_engine_quality({}, {}, tiny_family()[0]["small"][1], [], task="boolq_long")
+
+
+class ReferenceAnswers(RemoteAnswers):
+    """A remote engine that answers every item with its first reference answer alone and nothing after a switch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def answers(self, item, source, target, max_new_tokens, stop):
+        self.calls.append((source, target, max_new_tokens))
+        return {"target": item.answers[0], "switch": ""}
+
+
+def test_a_remote_engine_answers_each_item_itself_beside_a_local_one():
+    family, mappers = tiny_family(LONG_CONTEXT)
+    models = {name: model for name, (model, _) in family.items()}
+    tokenizer = family["small"][1]
+    remote = ReferenceAnswers()
+    result = run_engine_quality({"remote": remote, "transformers": models}, mappers, tokenizer,
+                                end_ids(models["large"], tokenizer), task="coqa_gen", limit=2, histories=1,
+                                directions=[("small", "large")])
+    summary = result["summary"]["small → large"]
+    assert summary["items"] == 2 and remote.calls == [("small", "large", remote.calls[0][2])] * 2
+    assert summary["remote"]["target"] == 1.0 and summary["remote"]["switch"] == 0.0
+    assert summary["remote_minus_transformers"]["switch"]["mean"] <= 0

@@ -3,16 +3,19 @@ table, and the refusal when the vLLM environment is missing (the run itself need
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.vllm.launch import vllm_python
 from kvhandoff_lab.bench import continuation_flops, prefill_flops
-from kvhandoff_lab.vllm_bench import VllmServer, _load_steps, switch_flops, vllm_table
+from kvhandoff_lab.vllm_bench import VllmAnswers, VllmServer, _load_steps, switch_flops, vllm_table
 
 TARGET = {"body_parameters": 1_000_000, "layers": 4, "q_width": 256, "lm_head": 500_000}
 
@@ -56,3 +59,26 @@ def test_a_missing_vllm_environment_is_refused_naming_the_fix(monkeypatch, tmp_p
                             capture_output=True, text=True,
                             env={**os.environ, "KVHANDOFF_VLLM_PYTHON": str(tmp_path / "python")})
     assert result.returncode != 0 and "setup.sh" in result.stdout + result.stderr
+
+
+def test_vllm_answers_read_the_history_on_the_source_then_switch_under_one_fresh_tenant():
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent.append((request.url.port, body))
+        text = "x" if body["max_tokens"] == 1 else " Paris.\nQ: next"
+        return httpx.Response(200, json={"choices": [{"text": text}]})
+
+    servers = {"a": VllmServer("a", "http://127.0.0.1:1001", None, None),
+               "b": VllmServer("b", "http://127.0.0.1:1002", None, None)}
+    answers = VllmAnswers(servers, recompute="none", client=httpx.Client(transport=httpx.MockTransport(handler)))
+    item = SimpleNamespace(history=SimpleNamespace(ids=(1, 2, 3), key="h1"), extension=(4,), question=(5, 6))
+    assert answers.answers(item, "a", "b", 24, ["\nQ:"]) == {"target": " Paris.", "switch": " Paris."}
+    (own_port, own), (source_port, read), (target_port, switched) = sent
+    assert own_port == target_port == 1002 and source_port == 1001
+    assert own["prompt"] == switched["prompt"] == [1, 2, 3, 4, 5, 6] and read["prompt"] == [1, 2, 3, 4]
+    assert own["cache_salt"] == "own-h1" and own["kv_transfer_params"] == {"save": False}
+    assert read["cache_salt"] == switched["cache_salt"] and read["cache_salt"].startswith("switch-")
+    assert switched["kv_transfer_params"] == {"recompute": "none"} and switched["stop"] == ["\nQ:"]
+    assert read["max_tokens"] == 1 and switched["temperature"] == 0

@@ -33,6 +33,14 @@ from kvhandoff_lab.evaluation.tasks import cut_at_stop
 
 logger = logging.getLogger(__name__)
 
+
+class RemoteAnswers:
+    """An engine behind servers (e.g. `kvhandoff_lab.vllm_bench.VllmAnswers`): it answers an item itself under each
+    of `CONDITIONS`, the target's greedy answer as text cut at the task's stop strings."""
+
+    def answers(self, item, source: str, target: str, max_new_tokens: int, stop) -> dict[str, str]:
+        raise NotImplementedError
+
 ENGINE_QUALITY_FORMAT = "kvhandoff-engine-quality/1"
 CONDITIONS = ("target", "switch")
 
@@ -60,8 +68,9 @@ def run_engine_quality(engines: dict, mappers: dict, tokenizer, end_ids: Sequenc
                        limit: int = 40, histories: int = 8, directions: Sequence[tuple[str, str]] | None = None,
                        recompute: RecomputePolicy | None = None, out: Path | None = None,
                        time_budget_s: float | None = None) -> dict:
-    """engines: engine name → {model name → model} (the same models, e.g. transformers and their llama.cpp twins);
-    mappers: (source, target) → `Mapper`. Items of the report pool; see the module docstring."""
+    """engines: engine name → {model name → model} (the same models, e.g. transformers and their llama.cpp twins), or
+    an engine behind servers (`RemoteAnswers`: its own answers per condition); mappers: (source, target) → `Mapper`.
+    Items of the report pool; see the module docstring."""
     switch_task = get_switch_task(task)
     if not switch_task.family:
         raise ConfigError(f"{task} scores choices; the engines' answers are compared on a generative task "
@@ -91,10 +100,15 @@ def run_engine_quality(engines: dict, mappers: dict, tokenizer, end_ids: Sequenc
                     continue
                 if time_budget_s is not None and time.perf_counter() - started > time_budget_s:
                     break
-                bases = _history_sessions(models, mappers, source, target, todo[0].history, plan)
+                bases = None if isinstance(models, RemoteAnswers) else \
+                    _history_sessions(models, mappers, source, target, todo[0].history, plan)
                 for item in todo:
-                    done[item.id] = _item_record(bases, item, source, target, tokenizer, switch_task,
-                                                 max_new_tokens, end_ids)
+                    if bases is None:
+                        outputs = models.answers(item, source, target, max_new_tokens, switch_task.stop)
+                    else:
+                        outputs = _item_outputs(bases, item, source, target, tokenizer, switch_task, max_new_tokens,
+                                                end_ids)
+                    done[item.id] = _scored(item, switch_task, outputs)
                     if out is not None:
                         atomic_write_json(out, {**result, "summary": summarize_quality(result)})
     result["summary"] = summarize_quality(result)
@@ -113,15 +127,23 @@ def _history_sessions(models: dict, mappers: dict, source: str, target: str, his
     return {"target": alone, "switch": switching}
 
 
-def _item_record(bases: dict, item, source: str, target: str, tokenizer, switch_task, max_new_tokens: int,
-                 end_ids) -> dict:
-    """One item's answers and scores under each condition (each on a fork of its history's session)."""
-    record: dict = {"answers": list(item.answers)}
+def _item_outputs(bases: dict, item, source: str, target: str, tokenizer, switch_task, max_new_tokens: int,
+                  end_ids) -> dict[str, str]:
+    """One item's answer under each condition (each on a fork of its history's session)."""
+    outputs = {}
     for condition, base in bases.items():
         session = base.fork()
         if item.extension:
             session.read(target if condition == "target" else source, item.extension)
-        output = _answer(session, target, item.question, tokenizer, max_new_tokens, switch_task.stop, end_ids)
+        outputs[condition] = _answer(session, target, item.question, tokenizer, max_new_tokens, switch_task.stop,
+                                     end_ids)
+    return outputs
+
+
+def _scored(item, switch_task, outputs: dict[str, str]) -> dict:
+    """One item's record: its reference answers, and each condition's answer with its score."""
+    record: dict = {"answers": list(item.answers)}
+    for condition, output in outputs.items():
         record[condition] = {"output": output,
                              "score": item_score(switch_task, {"output": output, "answers": list(item.answers)})}
     return record

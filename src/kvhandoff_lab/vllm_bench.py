@@ -39,6 +39,8 @@ from kvhandoff.runtime.policy import parse as parse_recompute
 from kvhandoff.vllm.launch import CPU_ENV, server_command, vllm_python
 from kvhandoff.vllm.store import local_store
 from kvhandoff_lab.bench import continuation_flops, prefill_flops
+from kvhandoff_lab.engine_quality import RemoteAnswers
+from kvhandoff_lab.evaluation.tasks import cut_at_stop
 
 logger = logging.getLogger(__name__)
 
@@ -248,3 +250,39 @@ def vllm_table(result: dict) -> list[str]:
                      f"{row['switch_ttft_s']:.2f} s | {row['speedup']:.1f}× | {row['flop_bound']:.1f}× | "
                      f"{row['share_of_bound']:.2f} | {where} / {row['vllm_forward_s']:.2f} s | {decode} |")
     return lines
+
+
+class VllmAnswers(RemoteAnswers):
+    """The switch benchmark's items answered by two vLLM servers (`engine_quality.run_engine_quality`'s remote
+    engine): "target", the target server reads the item's history, passage and question itself (under a tenant of
+    its history, so the history's own K/V serve the history's next items); "switch", the source server reads the
+    history and passage under a fresh tenant (its K/V to the store), then the target server reads the whole prompt
+    under that tenant: the source's rows of the full blocks load mapped, under ``recompute`` (None: the pair's
+    policy), and vLLM computes the rest. Greedy, cut at the task's stop strings."""
+
+    def __init__(self, servers: dict[str, VllmServer], recompute: str | None = None,
+                 client: httpx.Client | None = None):
+        self.servers = servers
+        self.recompute = recompute
+        self._client = client or httpx.Client(timeout=600)
+
+    def _generate(self, model: str, prompt: list[int], tenant: str, max_tokens: int, stop=None, **transfer) -> str:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "cache_salt": tenant}
+        if stop:
+            body["stop"] = list(stop)
+        if transfer:
+            body["kv_transfer_params"] = transfer
+        response = self._client.post(self.servers[model].url + "/v1/completions", json=body)
+        if response.status_code != 200:
+            raise ConfigError(f"vLLM serving {model} answered {response.status_code}: {response.text[:500]}")
+        return response.json()["choices"][0]["text"]
+
+    def answers(self, item, source: str, target: str, max_new_tokens: int, stop) -> dict[str, str]:
+        read = [*item.history.ids, *(item.extension or ())]
+        prompt = [*read, *item.question]
+        own = self._generate(target, prompt, f"own-{item.history.key}", max_new_tokens, stop, save=False)
+        tenant = f"switch-{uuid.uuid4().hex}"
+        self._generate(source, read, tenant, 1)
+        transfer = {"recompute": self.recompute} if self.recompute else {}
+        switched = self._generate(target, prompt, tenant, max_new_tokens, stop, **transfer)
+        return {"target": cut_at_stop(own, stop)[0], "switch": cut_at_stop(switched, stop)[0]}

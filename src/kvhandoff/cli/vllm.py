@@ -12,20 +12,9 @@ import typer
 from kvhandoff.cli.options import DEFAULT_SOURCE, DEFAULT_TARGET, RecomputeOption, non_negative_int, option_errors
 from kvhandoff.cli.serve import Mappers, Models, family_specs
 from kvhandoff.errors import ConfigError
-from kvhandoff.model.loading import model_dir, registry_names
 from kvhandoff.serving.family import load_family
 from kvhandoff.vllm.family import VLLM_CAPABILITIES, FamilyConfig
-from kvhandoff.vllm.launch import CPU_ENV, server_command, vllm_python
-
-
-def model_folder(spec: str) -> Path:
-    """The folder vLLM loads for ``spec``: a local model folder, or a registry model's converted one."""
-    if Path(spec).is_dir():
-        return Path(spec).resolve()
-    if spec in registry_names():
-        return model_dir(spec)
-    raise ConfigError(f"{spec!r}: vLLM needs a model folder; give a local folder or a registry name "
-                      f"({', '.join(registry_names())})")
+from kvhandoff.vllm.launch import CPU_ENV, model_folder, server_command, vllm_python
 
 
 def vllm_config(

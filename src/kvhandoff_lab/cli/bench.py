@@ -252,10 +252,9 @@ def bench_vllm(
     prompt, for the whole history mapped and for the pair's policy in vLLM, where the time goes, decode after."""
     import gc
 
-    from kvhandoff.model.loading import model_dir
     from kvhandoff.runtime.switch.pair import SwitchSettings, served_recompute
     from kvhandoff.vllm.family import VLLM_CAPABILITIES
-    from kvhandoff.vllm.launch import vllm_python
+    from kvhandoff.vllm.launch import model_folder, vllm_python
     from kvhandoff_lab.bench import model_flops
     from kvhandoff_lab.engine_bench import context_ids
     from kvhandoff_lab.vllm_bench import Direction, run_vllm_bench, vllm_table
@@ -265,7 +264,7 @@ def bench_vllm(
     wanted = {"both": [(source, target), (target, source)], "up": [(source, target)],
               "down": [(target, source)]}[directions]
     flops = {source: model_flops(pair.source), target: model_flops(pair.target)}
-    folders = {spec: Path(spec) if Path(spec).is_dir() else model_dir(spec) for spec in (source, target)}
+    folders = {spec: model_folder(spec) for spec in (source, target)}
     mapper_folders, plan = {}, []
     for names in wanted:
         mapper, folder, _ = obtain_mapper(pair if names == (source, target) else pair.reversed(), progress=True,
@@ -279,4 +278,57 @@ def bench_vllm(
     gc.collect()
     result = run_vllm_bench(folders, mapper_folders, plan, history, turn, lengths, work, out, decode_tokens)
     typer.echo("\n".join(vllm_table(result)))
+    typer.echo(f"wrote {out}")
+
+
+def eval_vllm(
+    source: Source = DEFAULT_SOURCE,
+    target: Target = DEFAULT_TARGET,
+    task: Annotated[str, typer.Option(help="a generative task of the switch benchmark (coqa_gen, nq_open, "
+                                           "gsm8k_cot)")] = "coqa_gen",
+    limit: Annotated[int, typer.Option(parser=positive_int, help="items per direction (report pool)")] = 80,
+    histories: Annotated[int, typer.Option(parser=positive_int, help="histories the items share")] = 8,
+    directions: Directions = "up",
+    recompute: Recompute = None,
+    budget: Annotated[float | None, typer.Option(parser=positive_float, help="start no new item after this many "
+                                                                             "seconds (rerun to continue)")] = None,
+    work: Annotated[Path, typer.Option(help="folder for the vLLM servers' and the store's files")]
+    = Path("runs/eval_vllm"),
+    out: Annotated[Path, typer.Option(help="the result (JSON, rewritten after every item; a rerun continues)")]
+    = Path("runs/eval_vllm.json"),
+) -> None:
+    """A switch's answers between two vLLM instances (the kvhandoff connector in both) against the same switch in
+    transformers, on the switch benchmark's generative items: target alone and switch, per engine and direction,
+    with paired intervals. Both engines recompute by --recompute, else by the policy the pair serves in vLLM."""
+    from kvhandoff.runtime.switch.pair import SwitchSettings, served_recompute
+    from kvhandoff.serving.decoding import end_ids
+    from kvhandoff.vllm.family import VLLM_CAPABILITIES
+    from kvhandoff.vllm.launch import model_folder, vllm_python
+    from kvhandoff.vllm.store import local_store
+    from kvhandoff_lab.engine_quality import run_engine_quality
+    from kvhandoff_lab.vllm_bench import VllmAnswers, vllm_servers
+
+    vllm_python()  # refused before the models load when the vLLM environment is missing
+    if recompute is not None and not VLLM_CAPABILITIES.serves(recompute):
+        raise typer.BadParameter(VLLM_CAPABILITIES.refusal(recompute), param_hint="--recompute")
+    pair, wanted, mappers = _pair_directions(source, target, directions)
+    policies = {served_recompute(SwitchSettings(recompute=recompute), mapper.manifest.recompute, " → ".join(names),
+                                 VLLM_CAPABILITIES).policy for names, mapper in mappers.items()}
+    if len(policies) != 1:
+        specs = ", ".join(sorted(policy.spec for policy in policies))
+        raise typer.BadParameter(f"the directions are served under different policies ({specs}); give one",
+                                 param_hint="--recompute")
+    (policy,) = policies
+    folders = {spec: model_folder(spec) for spec in (source, target)}
+    names = {source: source, target: target}
+    work.mkdir(parents=True, exist_ok=True)
+    connector = {"mappers": {f"{a}->{b}": str(mapper.folder) for (a, b), mapper in mappers.items()},
+                 "recompute": policy.spec}
+    with local_store(work, max_memory="8gb") as store_url, \
+            vllm_servers(folders, {**connector, "store_url": store_url}, work, max_model_len=8192) as servers:
+        engines = {"vLLM": VllmAnswers(servers), "transformers": {names[source]: pair.source,
+                                                                 names[target]: pair.target}}
+        result = run_engine_quality(engines, mappers, pair.tokenizer, end_ids(pair.target, pair.tokenizer), task,
+                                    limit, histories, wanted, policy, out, budget)
+    typer.echo(json.dumps(result["summary"], indent=2))
     typer.echo(f"wrote {out}")
