@@ -36,7 +36,7 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
 from kvhandoff.runtime.policy import budget_count
 from kvhandoff.runtime.policy import parse as parse_recompute
-from kvhandoff.vllm.launch import CPU_ENV, server_command, vllm_python
+from kvhandoff.vllm.launch import CPU_ENV, free_port, server_command, stop_process, vllm_python
 from kvhandoff.vllm.store import local_store
 from kvhandoff_lab.bench import continuation_flops, prefill_flops
 from kvhandoff_lab.engine_quality import RemoteAnswers
@@ -59,23 +59,6 @@ class VllmServer:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def _wait_healthy(server: VllmServer, deadline: float) -> None:
@@ -101,7 +84,7 @@ def vllm_servers(folders: dict[str, Path], connector: dict, work: Path, max_mode
     servers: dict[str, VllmServer] = {}
     try:
         for core, (name, folder) in enumerate(folders.items()):
-            port = _free_port()
+            port = free_port()
             command = server_command(vllm_python(), name, folder, port, {**connector, "model": name}, dtype=dtype,
                                      max_model_len=max_model_len)
             command += ["--max-num-seqs", "4", *extra]
@@ -117,7 +100,7 @@ def vllm_servers(folders: dict[str, Path], connector: dict, work: Path, max_mode
         yield servers
     finally:
         for server in servers.values():
-            _stop(server.process)
+            stop_process(server.process)
 
 
 def _complete(server: VllmServer, prompt: list[int], tenant: str, max_tokens: int, **transfer) -> dict:

@@ -1,6 +1,7 @@
 """How a family model's vLLM instance starts with the kvhandoff connector: the connector's transfer config
 (`transfer_config`), its OpenAI server's command line (`server_command`), the interpreter of the vLLM environment
-(`vllm_python`) and the settings vLLM's CPU build runs under on a small machine (`CPU_ENV`). Nothing here imports
+(`vllm_python`), the settings vLLM's CPU build runs under on a small machine (`CPU_ENV`), and the two helpers of
+local server processes (`free_port`, `stop_process`). Nothing here imports
 vLLM: front ends build the commands (`kvhandoff vllm-config`, the lab's bench), vLLM's environment runs them.
 """
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 from pathlib import Path
 
 from kvhandoff.errors import ConfigError
@@ -58,3 +61,20 @@ def server_command(python: Path | str, name: str, folder: Path | str, port: int,
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
     return command
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (a server started next binds it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Ask ``process`` to end (SIGTERM), and kill it past ``timeout_s``."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -32,6 +32,7 @@ import torch
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import sha256_json
 from kvhandoff.model.geometry import PAIRING_KEYS
+from kvhandoff.vllm.launch import free_port, stop_process
 
 MAGIC = b"KVHOFF01"
 FORMAT = 1
@@ -192,17 +193,11 @@ def store_server() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
 def local_store(folder: Path, max_memory: str = "1gb", timeout_s: float = 20.0) -> Iterator[str]:
     """A Valkey/Redis server on a free loopback port for the life of the block, its files in ``folder``, nothing
     persisted, the least recently used entries evicted past ``max_memory``; yields its URL."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [store_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--maxmemory", max_memory, "--maxmemory-policy", "allkeys-lru", "--dir", str(folder)],
@@ -215,12 +210,7 @@ def local_store(folder: Path, max_memory: str = "1gb", timeout_s: float = 20.0) 
             time.sleep(0.1)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 10.0)
 
 
 def _answers_ping(port: int) -> bool:

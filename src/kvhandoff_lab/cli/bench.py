@@ -141,6 +141,15 @@ EngineThreads = Annotated[int | None, typer.Option(parser=positive_int, help=(
     "CPU threads of torch and llama.cpp (default: each library's choice)"))]
 
 
+#: the engine comparisons' items (`eval-llama-cpp`, `eval-vllm`)
+GenerativeTask = Annotated[str, typer.Option(help="a generative task of the switch benchmark (coqa_gen, nq_open, "
+                                                  "gsm8k_cot)")]
+ItemLimit = Annotated[int, typer.Option(parser=positive_int, help="items per direction (report pool)")]
+Histories = Annotated[int, typer.Option(parser=positive_int, help="histories the items share")]
+ItemBudget = Annotated[float | None, typer.Option(parser=positive_float, help="start no new item after this many "
+                                                                              "seconds (rerun to continue)")]
+
+
 def _pair_directions(source: str, target: str, directions: str):
     """(the pair in transformers, the directions asked for as (source, target) names, each one's default mapper)."""
     pair = load_named_pair(source, target, progress=True)
@@ -196,15 +205,13 @@ def bench_llama_cpp(
 def eval_llama_cpp(
     source: Source = DEFAULT_SOURCE,
     target: Target = DEFAULT_TARGET,
-    task: Annotated[str, typer.Option(help="a generative task of the switch benchmark (coqa_gen, nq_open, "
-                                           "gsm8k_cot)")] = "coqa_gen",
-    limit: Annotated[int, typer.Option(parser=positive_int, help="items per direction (report pool)")] = 40,
-    histories: Annotated[int, typer.Option(parser=positive_int, help="histories the items share")] = 8,
+    task: GenerativeTask = "coqa_gen",
+    limit: ItemLimit = 40,
+    histories: Histories = 8,
     directions: Directions = "both",
     recompute: Recompute = None,
     threads: EngineThreads = None,
-    budget: Annotated[float | None, typer.Option(parser=positive_float, help="start no new item after this many "
-                                                                             "seconds (rerun to continue)")] = None,
+    budget: ItemBudget = None,
     out: Annotated[Path, typer.Option(help="the result (JSON, rewritten after every item; a rerun continues)")]
     = Path("runs/eval_llama_cpp.json"),
 ) -> None:
@@ -284,14 +291,12 @@ def bench_vllm(
 def eval_vllm(
     source: Source = DEFAULT_SOURCE,
     target: Target = DEFAULT_TARGET,
-    task: Annotated[str, typer.Option(help="a generative task of the switch benchmark (coqa_gen, nq_open, "
-                                           "gsm8k_cot)")] = "coqa_gen",
-    limit: Annotated[int, typer.Option(parser=positive_int, help="items per direction (report pool)")] = 80,
-    histories: Annotated[int, typer.Option(parser=positive_int, help="histories the items share")] = 8,
+    task: GenerativeTask = "coqa_gen",
+    limit: ItemLimit = 80,
+    histories: Histories = 8,
     directions: Directions = "up",
     recompute: Recompute = None,
-    budget: Annotated[float | None, typer.Option(parser=positive_float, help="start no new item after this many "
-                                                                             "seconds (rerun to continue)")] = None,
+    budget: ItemBudget = None,
     work: Annotated[Path, typer.Option(help="folder for the vLLM servers' and the store's files")]
     = Path("runs/eval_vllm"),
     out: Annotated[Path, typer.Option(help="the result (JSON, rewritten after every item; a rerun continues)")]
