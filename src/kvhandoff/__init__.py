@@ -6,6 +6,7 @@ from kvhandoff.fit.pipeline import fit_mapper
 from kvhandoff.mapper.mapper import Mapper
 from kvhandoff.model.cache import prefill
 from kvhandoff.runtime.handoff import MappedCache, catch_up, handoff_cache, handoff_generate, map_for_target
+from kvhandoff.runtime.offset import reuse_run
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.runtime.prefix_store import PrefixStore
@@ -29,5 +30,6 @@ __all__ = [
     "handoff_generate",
     "map_for_target",
     "prefill",
+    "reuse_run",
 ]
 __version__ = "0.1.0"

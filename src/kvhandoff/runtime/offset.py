@@ -1,0 +1,86 @@
+"""Reuse at another offset: the rows a cache holds for a run of tokens, placed where the run sits in another prompt
+(after another beginning: other instructions, another tool list), and what the target recomputes there.
+
+Keys carry their positions (RoPE): `reposition_keys` strips the old rotation and applies the new one, exact for every
+rope type `kvhandoff.model.rope` supports up to float rounding; values carry none. The run's rows were computed
+attending to the old beginning, so they deviate from what the new beginning gives: `reuse_run` builds the target's
+cache of [new beginning ‖ run] as a `MappedCache` whose pending positions are the new beginning (an exact prefix,
+copied from the plan's prefix store when it holds it) and the run positions the plan's recompute policy picks —
+the rows that deviate most (`deviation`, CacheBlend), the run's first tokens (`sinks`, EPIC), the latest ones
+(`recent`), or a mix — recomputed in the target's next forward with the tokens after the run. The run's rows may be
+the target's own or mapped from another model of the family; either way they are approximate until recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvhandoff.errors import ConfigError
+from kvhandoff.model.cache import cache_of
+from kvhandoff.model.rope import apply_rope, rope_frequencies, strip_rope
+from kvhandoff.runtime.handoff import MappedCache, check_context
+from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
+from kvhandoff.runtime.policy import SelectionInfo
+from kvhandoff.runtime.seam import CacheFactory, as_kv_cache, new_cache
+
+
+def reposition_keys(keys: torch.Tensor, old_start: int, new_start: int, config) -> torch.Tensor:
+    """Keys [batch, kv_heads, tokens, head_dim] rotated for positions old_start… moved to new_start… (the model
+    ``config``'s RoPE: stripped at the old positions, applied at the new ones, in float32; the keys' dtype kept)."""
+    if old_start < 0 or new_start < 0:
+        raise ConfigError(f"positions start at 0 or later, got old_start {old_start}, new_start {new_start}")
+    tokens = keys.shape[-2]
+    if old_start == new_start or tokens == 0:
+        return keys
+    old = torch.arange(old_start, old_start + tokens, device=keys.device)
+    new = torch.arange(new_start, new_start + tokens, device=keys.device)
+    # frequencies for the contexts the rows live in (they differ only for length-dependent rope types)
+    old_freq, old_scaling = rope_frequencies(config, seq_len=old_start + tokens)
+    new_freq, new_scaling = rope_frequencies(config, seq_len=new_start + tokens)
+    content = strip_rope(keys.float(), old, old_freq.to(keys.device), old_scaling)
+    return apply_rope(content, new, new_freq.to(keys.device), new_scaling).to(keys.dtype)
+
+
+def repositioned(rows, old_start: int, new_start: int, config):
+    """A `DynamicCache` of ``rows`` (a cache of one run: every layer's keys and values) with the keys moved from
+    positions old_start… to new_start…; values as they are."""
+    layers = as_kv_cache(rows).export().layers
+    return cache_of((reposition_keys(layer.keys, old_start, new_start, config), layer.values) for layer in layers)
+
+
+def reuse_run(target_model, beginning_ids: torch.Tensor, run_ids: torch.Tensor, run_rows, old_start: int,
+              plan: HandoffPlan | None = None, selection_info: SelectionInfo | None = None, *,
+              cache_factory: CacheFactory = new_cache) -> MappedCache:
+    """The target's cache of ``beginning_ids`` [batch, B] then ``run_ids`` [batch, R], the run's rows taken from
+    ``run_rows`` (a cache of the R run tokens, keys rotated for positions old_start…, e.g. exported from a cached
+    conversation where the run followed another beginning) and moved to positions B…; pending (recomputed in the
+    target's next forward, `MappedCache.read`): the beginning (exact prefix; the plan's store copies it in when it
+    holds it) and the run positions the plan's recompute policy picks. ``plan``'s exact_prefix is ignored: the
+    beginning is the exact prefix. A policy that ranks by attention reads it from ``selection_info`` (e.g. the
+    target's own attention over the old context). Refused: ids that are not [batch, tokens], rows of another length
+    or batch, a context past the target's window."""
+    plan = plan or DEFAULT_PLAN
+    for name, ids in (("beginning_ids", beginning_ids), ("run_ids", run_ids)):
+        if ids.dim() != 2:
+            raise ConfigError(f"{name} must be [batch, tokens], got {tuple(ids.shape)}")
+    if beginning_ids.shape[0] != run_ids.shape[0] or run_ids.shape[1] == 0:
+        raise ConfigError(f"a run of at least one token after a beginning of the same batch, got run "
+                          f"{tuple(run_ids.shape)} after {tuple(beginning_ids.shape)}")
+    rows = repositioned(run_rows, old_start, beginning_ids.shape[1], target_model.config)
+    keys = rows.layers[0].keys
+    if keys.shape[0] != run_ids.shape[0] or keys.shape[-2] != run_ids.shape[1]:
+        raise ConfigError(f"run_rows hold {keys.shape[-2]} positions of a batch of {keys.shape[0]}; run_ids are "
+                          f"{tuple(run_ids.shape)}")
+    input_ids = torch.cat([beginning_ids, run_ids], dim=1)
+    check_context(input_ids.shape[1], target_model)
+    cache = cache_factory(target_model)
+    if cache.length:
+        raise ConfigError(f"the cache factory made a cache of {cache.length} positions; a reused run's starts empty")
+    begin = beginning_ids.shape[1]
+    if begin:  # placeholders the exact prefix's recompute (or the store's copy) overwrites
+        cache.append(cache_of((torch.zeros_like(layer.keys[..., :1, :]).expand(-1, -1, begin, -1).contiguous(),
+                               torch.zeros_like(layer.values[..., :1, :]).expand(-1, -1, begin, -1).contiguous())
+                              for layer in rows.layers))
+    cache.append(rows)
+    return MappedCache.from_mapped(cache, target_model, input_ids.to(cache.device), None,
+                                   HandoffPlan(begin, plan.recompute, plan.prefix_store), selection_info)

@@ -1,0 +1,104 @@
+"""Reuse at another offset (`kvhandoff.runtime.offset`): keys moved to new positions exactly for every rope type, a
+run reused after another beginning with every row recomputed equals the re-prefill, less recompute does not, the
+beginning is an exact prefix the store can serve, bad inputs are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvhandoff.errors import ConfigError
+from kvhandoff.model.cache import cache_of
+from kvhandoff.runtime.offset import reposition_keys, repositioned, reuse_run
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.prefix_store import PrefixStore
+
+from conftest import LLAMA31_ROPE, tiny_model
+
+ROPE_CASES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    "llama3": LLAMA31_ROPE,
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+}
+OLD_BEGINNING = list(range(10, 47))        # 37 tokens of other instructions
+NEW_BEGINNING = list(range(60, 72))        # 12 tokens (the tiny models have 128 token ids)
+RUN = [(7 * i + 3) % 120 + 1 for i in range(40)]
+NEW_TURN = [5, 9, 33, 2]
+
+
+def _prefill(model, ids: list[int]):
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), use_cache=True)
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_first_layer_keys_moved_to_the_new_offset_are_the_models_own_there(family, case):
+    # layer 0's keys depend on the token and its position alone: moved, they must be what the model computes there
+    model = tiny_model(family, head_dim=32, rope_parameters=dict(ROPE_CASES[case]), max_position_embeddings=256)
+    old = _prefill(model, OLD_BEGINNING + RUN).past_key_values.layers[0].keys[:, :, len(OLD_BEGINNING):]
+    new = _prefill(model, NEW_BEGINNING + RUN).past_key_values.layers[0].keys[:, :, len(NEW_BEGINNING):]
+    moved = reposition_keys(old, len(OLD_BEGINNING), len(NEW_BEGINNING), model.config)
+    assert torch.allclose(moved, new, atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(old, new, atol=1e-3)  # the offset matters: the test can fail
+    back = reposition_keys(moved, len(NEW_BEGINNING), len(OLD_BEGINNING), model.config)
+    assert torch.allclose(back, old, atol=2e-5, rtol=1e-4)
+
+
+def test_a_run_reused_with_every_row_recomputed_equals_the_re_prefill():
+    model = tiny_model("qwen2", layers=3)
+    old_rows = _prefill(model, OLD_BEGINNING + RUN).past_key_values
+    run_rows = [(layer.keys[:, :, len(OLD_BEGINNING):], layer.values[:, :, len(OLD_BEGINNING):])
+                for layer in old_rows.layers]
+    rows = cache_of(run_rows)
+    reference = _prefill(model, NEW_BEGINNING + RUN + NEW_TURN)
+    expected = reference.logits[:, -1]
+
+    def reused_logits(spec: str) -> torch.Tensor:
+        mapped = reuse_run(model, torch.tensor([NEW_BEGINNING]), torch.tensor([RUN]), rows, len(OLD_BEGINNING),
+                           HandoffPlan.of(recompute=spec))
+        assert mapped.pending.shape[1] == len(NEW_BEGINNING) + round(float(spec.split(":")[1][:-1]) / 100 * len(RUN))
+        with torch.inference_mode():
+            logits = mapped.read(model, torch.tensor([NEW_TURN]))[:, -1]
+        assert mapped.cache.length == len(NEW_BEGINNING) + len(RUN) + len(NEW_TURN)
+        return logits, mapped.cache
+
+    everything, cache = reused_logits("recent:100%")
+    assert torch.allclose(everything, expected, atol=1e-4)
+    own = reference.past_key_values
+    for layer, (mine, theirs) in enumerate(zip(cache.export().layers, own.layers, strict=True)):
+        assert torch.allclose(mine.keys, theirs.keys, atol=1e-4), layer
+        assert torch.allclose(mine.values, theirs.values, atol=1e-4), layer
+    nothing, _ = reused_logits("recent:0%")
+    assert not torch.allclose(nothing, expected, atol=1e-4)  # the old beginning's traces are in the run's rows
+    half, _ = reused_logits("sinks:50%")
+    assert (half - expected).abs().max() < (nothing - expected).abs().max()
+
+
+def test_a_stored_beginning_is_copied_in_not_recomputed():
+    model = tiny_model("qwen2")
+    rows = repositioned(_prefill(model, RUN).past_key_values, 0, 0, model.config)
+    store = PrefixStore()
+    beginning = torch.tensor([NEW_BEGINNING])
+    store.remember(model, beginning, _prefill(model, NEW_BEGINNING).past_key_values)
+    mapped = reuse_run(model, beginning, torch.tensor([RUN]), rows, 0,
+                       HandoffPlan.of(recompute="none", prefix_store=store))
+    assert mapped.pending.shape[1] == 0  # the store held the beginning; nothing else recomputed
+    stored = _prefill(model, NEW_BEGINNING).past_key_values.layers[0].keys
+    assert torch.allclose(mapped.cache.export().layers[0].keys[:, :, : len(NEW_BEGINNING)], stored, atol=1e-6)
+
+
+def test_bad_inputs_are_refused():
+    model = tiny_model("qwen2")
+    rows = _prefill(model, RUN).past_key_values
+    with pytest.raises(ConfigError, match="run_rows hold 40 positions"):
+        reuse_run(model, torch.tensor([NEW_BEGINNING]), torch.tensor([RUN[:-1]]), rows, 0)
+    with pytest.raises(ConfigError, match="must be \\[batch, tokens\\]"):
+        reuse_run(model, torch.tensor(NEW_BEGINNING), torch.tensor([RUN]), rows, 0)
+    with pytest.raises(ConfigError, match="'turn_attention' needs the source"):
+        reuse_run(model, torch.tensor([NEW_BEGINNING]), torch.tensor([RUN]), rows, 0,
+                  HandoffPlan.of(recompute="turn_attention:10%"))
+    with pytest.raises(ConfigError, match="positions start at 0"):
+        reposition_keys(rows.layers[0].keys, -1, 3, model.config)
