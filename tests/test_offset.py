@@ -73,8 +73,9 @@ def test_a_run_reused_with_every_row_recomputed_equals_the_re_prefill():
         assert torch.allclose(mine.values, theirs.values, atol=1e-4), layer
     nothing, _ = reused_logits("recent:0%")
     assert not torch.allclose(nothing, expected, atol=1e-4)  # the old beginning's traces are in the run's rows
-    half, _ = reused_logits("sinks:50%")
-    assert (half - expected).abs().max() < (nothing - expected).abs().max()
+    for spec in ("sinks:50%", "blend:50%"):
+        half, _ = reused_logits(spec)
+        assert (half - expected).abs().max() < (nothing - expected).abs().max(), spec
 
 
 def test_a_stored_beginning_is_copied_in_not_recomputed():

@@ -15,6 +15,7 @@ from kvhandoff.runtime.policy import (
     DEFAULT_RECOMPUTE,
     RECOMPUTE_BUDGETS,
     RULES,
+    Blend,
     Deviation,
     LeadingLayers,
     Mix,
@@ -26,7 +27,9 @@ from kvhandoff.runtime.policy import (
     SourceAttention,
     TargetTurnAttention,
     TurnAttention,
+    blend_scores,
     budget_count,
+    parse,
     policy_for,
     turn_marker_ids,
 )
@@ -57,7 +60,7 @@ def test_budget_rounding():
 
 def test_one_registry_names_every_rule_class():
     assert tuple(RULES) == ("none", "sinks", "recent", "deviation", "source_attention", "mix", "layers",
-                            "turn_attention", "target_turn_attention")
+                            "turn_attention", "target_turn_attention", "blend")
     assert all(kind.rule == name and issubclass(kind, RecomputePolicy) for name, kind in RULES.items())
     assert policy_for("recent", 0.2) == Recent(0.2) and policy_for("none") == NoRecompute()
     assert policy_for("source_attention", 0.1, window=8) == SourceAttention(0.1, source_window=8)
@@ -115,6 +118,20 @@ def test_deviation_finds_the_positions_whose_mapped_kv_were_corrupted(exact):
         cache.layers[0].keys[row, :, positions] += 3.0
         cache.layers[0].values[row, :, positions[:2]] *= -2.0
     assert Deviation(0.1).positions(target, cache, ids).tolist() == corrupt
+
+
+def test_blend_finds_the_positions_whose_context_dependent_rows_deviate(exact):
+    # layer 1's rows depend on the context: a corrupted position there is found, one corrupted at layer 0 alone not
+    source, target, mapper = exact
+    ids = ids_of(batch=2, tokens=40)
+    cache = handoff_cache(source, target, mapper, ids, HandoffPlan(exact_prefix=0))
+    assert blend_scores(target, cache, ids).max() < 1e-6  # the exact pair's mapped rows are the target's own
+    corrupt = [[5, 17, 33, 38], [1, 2, 20, 21]]
+    for row, positions in enumerate(corrupt):
+        cache.layers[1].keys[row, :, positions] += 3.0
+        cache.layers[0].keys[row, :, [10, 11]] += 9.0
+    assert Blend(0.1).positions(target, cache, ids).tolist() == corrupt
+    assert parse("blend:10%") == Blend(0.1) and "blend" in policy.RULES
 
 
 def test_mix_shares_the_budget_between_rules_without_overlap(exact):

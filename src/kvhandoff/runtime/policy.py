@@ -1,10 +1,10 @@
 """The selective-recompute policy of a handoff (CacheBlend, arXiv 2405.16444; EPIC, arXiv 2410.15332): which mapped
 positions the target recomputes itself.
 
-One small frozen class per rule (`NoRecompute`, `Sinks`, `Recent`, `Deviation`, `SourceAttention`, `TurnAttention`,
-`TargetTurnAttention`, `Mix`), each ranking the candidate positions its own way; a policy at a budget takes the first
-`budget_count` of its ranking (`RecomputePolicy.positions`); the attention rules may rank whole blocks of positions
-(`block_scores`).
+One small frozen class per rule (`NoRecompute`, `Sinks`, `Recent`, `Deviation`, `Blend`, `SourceAttention`,
+`TurnAttention`, `TargetTurnAttention`, `Mix`), each ranking the candidate positions its own way; a policy at a
+budget takes the first `budget_count` of its ranking (`RecomputePolicy.positions`); the attention rules may rank whole
+blocks of positions (`block_scores`).
 `LeadingLayers` recomputes whole layers instead (DroidSpeak, arXiv 2411.02820): the target's first layers at every
 mapped position (`RecomputePolicy.leading_layers`). `RULES` names the classes; `parse` reads a spec such as
 "recent:5%" — at the edges only (a command-line option, a server's settings, a stored result), so everything below
@@ -22,7 +22,7 @@ import torch
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.geometry import decoder_layers
 from kvhandoff.model.rope import apply_rope, rope_frequencies
-from kvhandoff.runtime.recompute import source_attention_scores, turn_attention_scores
+from kvhandoff.runtime.recompute import leading_layer_rows, source_attention_scores, turn_attention_scores
 
 #: the budgets (fractions of the mapped history) a retention-vs-speed sweep measures
 RECOMPUTE_BUDGETS: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -267,17 +267,35 @@ def layer0_kv(target_model, input_ids: torch.Tensor):
     return keys, values
 
 
-def deviation_scores(target_model, cache, input_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, T]: how far each position's cached layer-0 K and V are from the target's own, each squared error
-    relative to the mean squared norm of the target's own (K and V weigh equally)."""
-    cached_keys, cached_values = cache.layers[0].keys, cache.layers[0].values
-    own_keys, own_values = layer0_kv(target_model, input_ids.to(cached_keys.device))
+def _relative_deviation(own_rows, cached_rows) -> torch.Tensor:
+    """[batch, T]: each position's squared error of cached (K, V) against own (K, V), relative to the mean squared
+    norm of the own (K and V weigh equally)."""
     scores = 0
-    for own, cached in ((own_keys, cached_keys), (own_values, cached_values)):
+    for own, cached in zip(own_rows, cached_rows, strict=True):
         own = own.float()
         error = (cached.float() - own).pow(2).sum(dim=(1, 3))
         scores = scores + error / own.pow(2).sum(dim=(1, 3)).mean(dim=1, keepdim=True).clamp_min(1e-12)
     return scores
+
+
+def deviation_scores(target_model, cache, input_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, T]: how far each position's cached layer-0 K and V are from the target's own (`_relative_deviation`)."""
+    cached = cache.layers[0]
+    own = layer0_kv(target_model, input_ids.to(cached.keys.device))
+    return _relative_deviation(own, (cached.keys, cached.values))
+
+
+#: the layer whose K/V rule "blend" compares: the first whose rows depend on the context (layer 0's depend on each
+#: token and its position alone)
+BLEND_LAYER = 1
+
+
+def blend_scores(target_model, cache, input_ids: torch.Tensor, layer: int = BLEND_LAYER) -> torch.Tensor:
+    """[batch, T]: how far each position's cached K and V at ``layer`` are from the target's own there, the layers
+    below computed over the whole context (CacheBlend's selection; costs about (layer + 1) / L of a prefill)."""
+    cached = cache.layers[layer]
+    own = leading_layer_rows(target_model, input_ids.to(cached.keys.device), layer + 1).layers[layer]
+    return _relative_deviation((own.keys, own.values), (cached.keys, cached.values))
 
 
 @dataclass(frozen=True)
@@ -288,6 +306,18 @@ class Deviation(RecomputePolicy):
 
     def rank(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
         return _by_score(deviation_scores(target_model, cache, input_ids).to(input_ids.device), info.start)
+
+
+@dataclass(frozen=True)
+class Blend(RecomputePolicy):
+    """The positions whose cached K/V deviate most from the target's own at its first context-dependent layer, the
+    layers below computed over the whole context (`blend_scores`; CacheBlend): what a changed context changed most,
+    e.g. a run reused after another beginning (`kvhandoff.runtime.offset`)."""
+
+    rule: ClassVar[str] = "blend"
+
+    def rank(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo) -> torch.Tensor:
+        return _by_score(blend_scores(target_model, cache, input_ids).to(input_ids.device), info.start)
 
 
 @dataclass(frozen=True)
@@ -493,7 +523,7 @@ class LeadingLayers(RecomputePolicy):
 #: the recompute rules by name: the one registry `parse` and `policy_for` read
 RULES: dict[str, type[RecomputePolicy]] = {
     policy.rule: policy for policy in (NoRecompute, Sinks, Recent, Deviation, SourceAttention, Mix, LeadingLayers,
-                                       TurnAttention, TargetTurnAttention)
+                                       TurnAttention, TargetTurnAttention, Blend)
 }
 #: the rules a "mix" may share its budget between: those that rank positions
 _MIXABLE = tuple(name for name, kind in RULES.items()
