@@ -1,17 +1,20 @@
 """Reuse at another offset (`kvhandoff.runtime.offset`): keys moved to new positions exactly for every rope type, a
 run reused after another beginning with every row recomputed equals the re-prefill, less recompute does not, the
-beginning is an exact prefix the store can serve, bad inputs are refused."""
+beginning is an exact prefix the store can serve, another model's run found by `RunIndex` behind other
+instructions is reused as the target would read it, bad inputs are refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from _runtime_support import exact_pair
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import cache_of
 from kvhandoff.runtime.offset import reposition_keys, repositioned, reuse_run
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.prefix_store import PrefixStore
+from kvhandoff.runtime.runs import RunIndex
 
 from conftest import LLAMA31_ROPE, tiny_model
 
@@ -103,3 +106,29 @@ def test_bad_inputs_are_refused():
                   HandoffPlan.of(recompute="turn_attention:10%"))
     with pytest.raises(ConfigError, match="positions start at 0"):
         reposition_keys(rows.layers[0].keys, -1, 3, model.config)
+
+
+def test_another_models_run_found_behind_other_instructions_is_reused_as_the_target_would_read_it():
+    # the agent handoff end to end on the exactly related pair: the small model's conversation (clerk instructions,
+    # then the history) is indexed; the large model's prompt (analyst instructions, the same history, a new turn)
+    # finds the history there; its rows, mapped, are reused, every row recomputed: the large model's own read
+    source, target, mapper = exact_pair()
+    clerk, analyst = [1, *range(20, 50), 2], [1, *range(60, 70), 2]
+    history = [1, *RUN, 2, 1, *RUN[::-1], 2]
+    held = clerk + history
+    runs = RunIndex([1], probe=8, min_length=32)
+    runs.add("clerk", held)
+    prompt = analyst + history + NEW_TURN
+    match = runs.find(prompt)
+    assert (match.prompt_start, match.held_start, match.length) == (len(analyst), len(clerk), len(history))
+    source_rows = _prefill(source, held).past_key_values
+    mapped = mapper.transfer(source_rows, dtype=torch.float32)
+    run_rows = cache_of((layer.keys[:, :, match.held_start: match.held_start + match.length],
+                         layer.values[:, :, match.held_start: match.held_start + match.length])
+                        for layer in mapped.layers)
+    start, end = match.prompt_start, match.prompt_start + match.length
+    reused = reuse_run(target, torch.tensor([prompt[:start]]), torch.tensor([prompt[start:end]]), run_rows,
+                       match.held_start, HandoffPlan.of(recompute="recent:100%"))
+    with torch.inference_mode():
+        logits = reused.read(target, torch.tensor([prompt[end:]]))[:, -1]
+    assert torch.allclose(logits, _prefill(target, prompt).logits[:, -1], atol=1e-4)

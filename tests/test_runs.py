@@ -1,0 +1,77 @@
+"""`RunIndex`: a conversation's history found behind other instructions, the longest run chosen, never across tenants,
+never a plain prefix, forgotten when removed, bad settings refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhandoff.errors import ConfigError
+from kvhandoff.runtime.runs import RunIndex, RunMatch
+
+OPEN = 1  # the token that opens a message (<|im_start|>)
+
+
+def message(words: list[int]) -> list[int]:
+    return [OPEN, *words, 2]
+
+
+CLERK = message(list(range(100, 130)))                     # the clerk agent's instructions
+ANALYST = message(list(range(200, 212)))                   # the analyst's, shorter
+HISTORY = message(list(range(300, 380))) + message(list(range(400, 450)))  # the conversation so far
+TURN = message([7, 8, 9])
+
+
+def index(**settings) -> RunIndex:
+    return RunIndex([OPEN], **{"probe": 8, "min_length": 32, **settings})
+
+
+def test_the_history_behind_other_instructions_is_found_where_it_sits():
+    runs = index()
+    runs.add("clerk-conversation", CLERK + HISTORY)
+    prompt = ANALYST + HISTORY + TURN
+    match = runs.find(prompt)
+    assert match == RunMatch("clerk-conversation", len(ANALYST), len(CLERK), len(HISTORY))
+    assert match.shift == len(ANALYST) - len(CLERK)
+    assert prompt[match.prompt_start: match.prompt_start + match.length] == HISTORY
+
+
+def test_the_longest_run_wins_and_short_ones_are_not_reported():
+    runs = index()
+    runs.add("part", CLERK + HISTORY[:60])
+    runs.add("whole", CLERK + HISTORY)
+    assert runs.find(ANALYST + HISTORY + TURN).key == "whole"
+    runs.remove("whole")
+    assert runs.find(ANALYST + HISTORY + TURN).length == 60
+    runs.add("tiny", CLERK + HISTORY[:20])
+    runs.remove("part")
+    assert runs.find(ANALYST + HISTORY + TURN) is None  # 20 tokens: under min_length
+    assert len(runs) == 1
+
+
+def test_a_plain_prefix_is_left_to_the_prefix_cache_but_the_same_offset_after_another_beginning_is_found():
+    runs = index()
+    runs.add("same", CLERK + HISTORY)
+    assert runs.find(CLERK + HISTORY + TURN) is None
+    other = message(list(range(500, 530)))  # instructions of the clerk's length: the history at the same offset
+    match = runs.find(other + HISTORY + TURN)
+    assert match is not None and match.shift == 0 and match.length == len(HISTORY)
+
+
+def test_a_run_is_never_found_in_another_tenants_conversation():
+    runs = index()
+    runs.add("theirs", CLERK + HISTORY, tenant="tenant-a")
+    assert runs.find(ANALYST + HISTORY + TURN, tenant="tenant-b") is None
+    assert runs.find(ANALYST + HISTORY + TURN, tenant="tenant-a").key == "theirs"
+    runs.add("theirs", ANALYST, tenant="tenant-a")  # replaced: the old anchors are gone
+    assert runs.find(ANALYST + HISTORY + TURN, tenant="tenant-a") is None
+
+
+@pytest.mark.parametrize(("settings", "message_part"), [
+    ({"anchor_ids": []}, "token ids that open a message"),
+    ({"probe": 0}, "probe"),
+    ({"probe": 16, "min_length": 8}, "at least its probe"),
+])
+def test_bad_settings_are_refused(settings, message_part):
+    anchors = settings.pop("anchor_ids", [OPEN])
+    with pytest.raises(ConfigError, match=message_part):
+        RunIndex(anchors, **settings)
