@@ -11,6 +11,7 @@ from kvhandoff import FitConfig, HandoffPlan, handoff_cache, prefill
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.manifest import MapperManifest
 from kvhandoff.runtime import policy
+from kvhandoff.runtime.deviation import blend_scores
 from kvhandoff.runtime.policy import (
     DEFAULT_RECOMPUTE,
     RECOMPUTE_BUDGETS,
@@ -27,7 +28,6 @@ from kvhandoff.runtime.policy import (
     SourceAttention,
     TargetTurnAttention,
     TurnAttention,
-    blend_scores,
     budget_count,
     parse,
     policy_for,

@@ -8,7 +8,8 @@ from _runtime_support import exact_pair, ids_of, inexact_pair, max_kv_diff
 from kvhandoff import FitConfig, HandoffPlan, SwitchingSession, catch_up, fit_mapper, handoff_cache, prefill
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import cache_of, cache_view
-from kvhandoff.runtime.policy import SelectionInfo, SourceAttention, TargetTurnAttention, TurnAttention, layer0_kv
+from kvhandoff.runtime.deviation import layer0_kv
+from kvhandoff.runtime.policy import SelectionInfo, SourceAttention, TargetTurnAttention, TurnAttention
 from kvhandoff.runtime.recompute import (
     attention_from_queries,
     leading_layer_rows,

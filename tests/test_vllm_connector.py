@@ -19,6 +19,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +28,14 @@ from tests._serving_support import EXACT_FIT
 from kvhandoff.errors import ConfigError
 from kvhandoff.fit.pipeline import fit_mapper
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, parse
-from kvhandoff.vllm.family import VLLM_CAPABILITIES, FamilyConfig, mapped_load_end, resolve_identities
+from kvhandoff.vllm.family import (
+    VLLM_CAPABILITIES,
+    FamilyConfig,
+    mapped_load_end,
+    request_recompute,
+    resolve_identities,
+    tenant_of,
+)
 from kvhandoff.vllm.store import (
     EntryRefused,
     Expected,
@@ -101,6 +109,19 @@ def test_a_switch_in_vllm_recomputes_the_latest_mapped_positions_only():
         torch.bfloat16
     with pytest.raises(ConfigError, match="map_dtype must be one of float32, bfloat16"):
         FamilyConfig.from_extra({"store_url": "u", "model": "m", "map_dtype": "fp8"})
+
+
+def test_a_requests_tenant_and_recompute_come_from_its_transfer_params(caplog):
+    pair = parse("recent:5%")
+    plain = SimpleNamespace(request_id="r1", kv_transfer_params=None, cache_salt=None)
+    assert tenant_of(plain, "default") == "default" and request_recompute(plain, pair) == pair
+    salted = SimpleNamespace(request_id="r2", kv_transfer_params={"recompute": "none"}, cache_salt="salt")
+    assert tenant_of(salted, "default") == "salt" and request_recompute(salted, pair) == parse("none")
+    named = SimpleNamespace(request_id="r3", kv_transfer_params={"tenant": "t", "recompute": "sinks:10%"},
+                            cache_salt="salt")
+    with caplog.at_level("WARNING", logger="kvhandoff.vllm"):
+        assert tenant_of(named, "default") == "t" and request_recompute(named, pair) == pair
+    assert "request r3: kv_transfer_params recompute refused" in caplog.text and "recent:5%" in caplog.text
 
 
 def test_each_incoming_pair_gets_the_policy_vllm_can_serve(tmp_path):

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 
 import torch
@@ -108,6 +109,25 @@ def _fit_llama_cpp(config: ServeConfig, models) -> ServeConfig:
     return config
 
 
+def _announce(hosted: Iterable[HostedModel], policies: Iterable[PairPolicy], guard: bool) -> None:
+    """Say at start-up which models' generation configs give the defaults of requests that leave fields out, and what
+    each pair's switches do: its recompute policy, then its guard (a pair without a guard, or whose record was
+    measured under other settings, at WARNING)."""
+    for model in hosted:
+        if model.generation_defaults:
+            logger.info("%s: a request that leaves them out gets its generation config's %s (--generation-config "
+                        "vllm: the server's own defaults)", model.name, model.generation_defaults)
+    policies = list(policies)
+    for policy in policies:
+        logger.info("%s", policy.describe()[0])
+    if not guard:
+        logger.info("the quality guard is off (--guard off): every switch is served mapped")
+        return
+    for policy in policies:
+        level = logging.WARNING if not policy.guard.active or policy.guard.note else logging.INFO
+        logger.log(level, "%s", policy.describe()[1])
+
+
 class Engine:
     """Serves a model family: ``models`` name → (model, tokenizer) (one tokenizer's ids), ``mappers`` (from, to) →
     `Mapper` for every ordered pair of names, under ``config``'s limits. Use from one asyncio event loop.
@@ -155,32 +175,12 @@ class Engine:
         self.plan = config.switch.plan(self.prefix_store)  # every session's handoffs, each pair's recompute its own
         self.policies: dict[tuple[str, str], PairPolicy] = pair_policies(
             config.switch, self._mappers, self.prefix_store, lambda name: capabilities_of(models[name][0]))
-        self._announce_defaults()
-        self._announce_policies()
+        _announce(self._models.values(), self.policies.values(), config.switch.guard)
         self._running: set[Generation] = set()  # admitted and not finished
         self.draining = False  # shutting down: no new request is admitted
         self.sessions = SessionTable(config, self._new_session, self.metrics, self._refuse_if_draining)
         self.metrics.track(lambda: len(self.sessions), self.cache_bytes)
         self.metrics.track_prefix_cache(self.prefix_cache.tree.stats)
-
-    def _announce_defaults(self) -> None:
-        """Say at start-up which models' generation configs give the defaults of requests that leave fields out."""
-        for hosted in self._models.values():
-            if hosted.generation_defaults:
-                logger.info("%s: a request that leaves them out gets its generation config's %s (--generation-config "
-                            "vllm: the server's own defaults)", hosted.name, hosted.generation_defaults)
-
-    def _announce_policies(self) -> None:
-        """Say at start-up what each pair's switches do: its recompute policy, then its guard (a pair without a
-        guard, or whose record was measured under other settings, at WARNING)."""
-        for policy in self.policies.values():
-            logger.info("%s", policy.describe()[0])
-        if not self.config.switch.guard:
-            logger.info("the quality guard is off (--guard off): every switch is served mapped")
-            return
-        for policy in self.policies.values():
-            level = logging.WARNING if not policy.guard.active or policy.guard.note else logging.INFO
-            logger.log(level, "%s", policy.describe()[1])
 
     # -- state ----------------------------------------------------------------------------------------------------
     def model_names(self) -> list[str]:

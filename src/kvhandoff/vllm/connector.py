@@ -51,12 +51,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.forward_context import get_forward_context
 
-from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.mapper import Mapper
-from kvhandoff.model.cache import cache_of
-from kvhandoff.runtime import policy
-from kvhandoff.runtime.policy import RecomputePolicy
-from kvhandoff.vllm.family import VLLM_CAPABILITIES, FamilyConfig, mapped_load_end, resolve_identities
+from kvhandoff.vllm.family import (
+    FamilyConfig,
+    mapped_load_end,
+    mapped_rows,
+    request_recompute,
+    resolve_identities,
+    tenant_of,
+)
 from kvhandoff.vllm.layout import block_slots, read_blocks, write_rows
 from kvhandoff.vllm.store import EntryRefused, Expected, KVStore, decode_entry, encode_entry, entry_key, prefix_hashes
 
@@ -91,6 +94,21 @@ def _setup_logging() -> None:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
+
+
+def _remember(memory: OrderedDict, item) -> None:
+    """Remember ``item`` as the most recent, forgetting the oldest past `_MAPPED_MEMORY`."""
+    memory[item] = None
+    memory.move_to_end(item)
+    while len(memory) > _MAPPED_MEMORY:
+        memory.popitem(last=False)
+
+
+def _attention_layers(forward_context: ForwardContext) -> list[tuple[str, Any]]:
+    """The forward's attention layers that hold a paged cache, by layer index."""
+    layers = [(name, layer) for name, layer in forward_context.no_compile_layers.items()
+              if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)]
+    return sorted(layers, key=lambda item: _layer_index(item[0]))
 
 
 def _layer_index(name: str) -> int:
@@ -165,31 +183,10 @@ class KVHandoffConnector(KVConnectorBase_V1):
                         str(self._map_dtype).removeprefix("torch."))
 
     # ------------------------------------------------------------------ scheduler side
-    def _tenant_of(self, request: Request) -> str:
-        params = getattr(request, "kv_transfer_params", None) or {}
-        return str(params.get("tenant") or getattr(request, "cache_salt", None) or self._family.tenant)
-
-    def _recompute_of(self, request: Request, source: str) -> RecomputePolicy:
-        """The recompute policy of ``request``'s switch from ``source``: ``kv_transfer_params["recompute"]`` (a spec
-        vLLM can serve) if given, else the pair's."""
-        params = getattr(request, "kv_transfer_params", None) or {}
-        pair = self._ids.recompute_policy(source)
-        if params.get("recompute") is None:
-            return pair
-        try:
-            asked = policy.parse(str(params["recompute"]))
-            if not VLLM_CAPABILITIES.serves(asked):
-                raise ConfigError(VLLM_CAPABILITIES.refusal(asked))
-        except ConfigError as refusal:
-            logger.warning("request %s: kv_transfer_params recompute refused (%s); served under the pair's %s",
-                           request.request_id, refusal, pair.spec)
-            return pair
-        return asked
-
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = list(request.prompt_token_ids or [])
         bs = self._block_size
-        tenant = self._tenant_of(request)
+        tenant = tenant_of(request, self._family.tenant)
         self._tenants[request.request_id] = tenant
         if (getattr(request, "kv_transfer_params", None) or {}).get("save") is False:
             self._unsaved.add(request.request_id)
@@ -217,7 +214,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
                                        "own" if source is None else f"from {source}", refusal)
                         continue
                     end = b * bs if source is None else mapped_load_end(
-                        num_computed_tokens, b * bs, self._recompute_of(request, source))
+                        num_computed_tokens, b * bs, request_recompute(request, self._ids.recompute_policy(source)))
                     if end <= num_computed_tokens:
                         break  # the policy recomputes all of it: a shorter prefix would load less still
                     self._loads[request.request_id] = LoadSpec(request.request_id, key, tenant, hashes[b - 1],
@@ -232,12 +229,6 @@ class KVHandoffConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         if num_external_tokens == 0:
             self._loads.pop(request.request_id, None)
-
-    def _remember(self, memory: OrderedDict, item) -> None:
-        memory[item] = None
-        memory.move_to_end(item)
-        while len(memory) > _MAPPED_MEMORY:
-            memory.popitem(last=False)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVHandoffMetadata()
@@ -261,7 +252,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
                 continue
             try:
                 if self._store.exists([key])[0]:
-                    self._remember(self._saved, key)
+                    _remember(self._saved, key)
                     continue
             except Exception as error:
                 logger.warning("store unavailable, request %s not saved (%s)", new.req_id, error)
@@ -291,7 +282,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
         meta.loads.append(load)
         if load.source is not None:
             for digest in load.hashes:
-                self._remember(self._mapped, (load.tenant, digest))
+                _remember(self._mapped, (load.tenant, digest))
 
     def _maybe_save(self, meta: KVHandoffMetadata, req_id: str, computed: int, scheduler_output) -> None:
         """Save the tracked request's full blocks in the step that completes them (chunked prefill included)."""
@@ -301,7 +292,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
         del self._tracking[req_id]
         spec.block_ids = spec.block_ids[: spec.tokens // self._block_size]
         meta.saves.append(spec)
-        self._remember(self._saved, spec.key)
+        _remember(self._saved, spec.key)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         for table in (self._loads, self._tracking, self._tenants):
@@ -313,28 +304,11 @@ class KVHandoffConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._layer_names = sorted(kv_caches, key=_layer_index)
 
-    @staticmethod
-    def _attention_layers(forward_context: ForwardContext) -> list[tuple[str, Any]]:
-        layers = [(name, layer) for name, layer in forward_context.no_compile_layers.items()
-                  if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)]
-        return sorted(layers, key=lambda item: _layer_index(item[0]))
-
-    def _mapped_rows(self, source: str, rows: torch.Tensor) -> torch.Tensor:
-        """Another model's rows [Ls, 2, T, Hs, Ds] mapped into this model's [Lt, 2, T, Ht, Dt] (in the map's dtype;
-        RoPE stripped and applied in float32)."""
-        mapper = self._mappers[source]
-        cache = cache_of((rows[layer, 0].float().transpose(0, 1).unsqueeze(0).contiguous(),
-                          rows[layer, 1].float().transpose(0, 1).unsqueeze(0).contiguous())
-                         for layer in range(rows.shape[0]))
-        mapped = mapper.transfer(cache, dtype=self._map_dtype)
-        return torch.stack([torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)])
-                            for layer in mapped.layers])
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVHandoffMetadata) or not meta.loads:
             return
-        layers = self._attention_layers(forward_context)
+        layers = _attention_layers(forward_context)
         for load in meta.loads:
             seconds = {}
             try:
@@ -343,7 +317,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
                                         Expected(load.identity, load.tenant, load.prefix, load.tokens, load.geometry))
                 with _timed(seconds, "map"):
                     if load.source is not None:
-                        rows = self._mapped_rows(load.source, rows)
+                        rows = mapped_rows(self._mappers[load.source], rows, self._map_dtype)
                 rows = rows[:, :, load.start: load.end]
                 if rows.shape[0] != len(layers):
                     raise EntryRefused(f"rows of {rows.shape[0]} layers for a model of {len(layers)}")

@@ -28,17 +28,22 @@ fingerprint.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.model.cache import cache_of
 from kvhandoff.model.geometry import model_fingerprint
+from kvhandoff.runtime import policy
 from kvhandoff.runtime.policy import RecomputePolicy, budget_count
 from kvhandoff.runtime.seam import Capabilities
 from kvhandoff.runtime.switch.pair import ServedRecompute, SwitchSettings, served_recompute
 from kvhandoff.vllm.store import model_identity
+
+logger = logging.getLogger("kvhandoff.vllm")
 
 #: what a switch inside vLLM can do: recompute only the latest positions of a loaded prefix (vLLM computes every
 #: position after the last one a connector loads, and none before it)
@@ -133,3 +138,37 @@ def mapped_load_end(start: int, stored: int, recompute: RecomputePolicy) -> int:
     if not recompute.active:
         return stored
     return stored - budget_count(recompute.budget, stored - start)
+
+
+def tenant_of(request, default: str) -> str:
+    """A vLLM request's tenant: ``kv_transfer_params["tenant"]``, else its ``cache_salt``, else ``default``."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    return str(params.get("tenant") or getattr(request, "cache_salt", None) or default)
+
+
+def request_recompute(request, pair: RecomputePolicy) -> RecomputePolicy:
+    """The recompute policy of a vLLM request's switch: ``kv_transfer_params["recompute"]`` (a spec vLLM can serve)
+    if given, else the pair's ``pair``; a spec refused is logged and the pair's serves."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    if params.get("recompute") is None:
+        return pair
+    try:
+        asked = policy.parse(str(params["recompute"]))
+        if not VLLM_CAPABILITIES.serves(asked):
+            raise ConfigError(VLLM_CAPABILITIES.refusal(asked))
+    except ConfigError as refusal:
+        logger.warning("request %s: kv_transfer_params recompute refused (%s); served under the pair's %s",
+                       getattr(request, "request_id", "?"), refusal, pair.spec)
+        return pair
+    return asked
+
+
+def mapped_rows(mapper: Mapper, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Another model's stored rows [Ls, 2, T, Hs, Ds] mapped into this model's [Lt, 2, T, Ht, Dt] in ``dtype`` (RoPE
+    stripped and applied in float32)."""
+    cache = cache_of((rows[layer, 0].float().transpose(0, 1).unsqueeze(0).contiguous(),
+                      rows[layer, 1].float().transpose(0, 1).unsqueeze(0).contiguous())
+                     for layer in range(rows.shape[0]))
+    mapped = mapper.transfer(cache, dtype=dtype)
+    return torch.stack([torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)])
+                        for layer in mapped.layers])
