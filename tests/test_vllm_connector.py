@@ -185,8 +185,8 @@ class Engine:
         time.sleep(0.3)  # the engine core's and worker's log lines of this request
         return answer, "".join(self.lines[start:])
 
-    def generate(self, tenant: str, **extra) -> tuple[dict, str]:
-        return self.ask(op="generate", prompt=PROMPT, tenant=tenant, max_tokens=TOKENS, **extra)
+    def generate(self, tenant: str, prompt: list[int] = PROMPT, **extra) -> tuple[dict, str]:
+        return self.ask(op="generate", prompt=prompt, tenant=tenant, max_tokens=TOKENS, **extra)
 
     def close(self) -> None:
         if self._process.poll() is None:
@@ -257,21 +257,29 @@ def test_vllm_connector_round_trip_switch_and_refusals(tmp_path, store):
         assert own_large["cached"] == 0 and "loaded" not in out and "saved" not in out, out
         assert large.ask(op="keys", pattern="kvhandoff:ref:*")[0]["keys"] == []  # "save": false
 
+        # the large model earlier read another prompt of tenant t with the same opening: its own K/V of the first 4
+        # positions (the mapper's exact prefix) are stored with its block
+        _, out = large.generate("t", prompt=PROMPT[:4] + [(5 * i + 1) % 256 for i in range(200)])
+        assert "saved 128 tokens of own K/V" in out, out
+
         # (b) a switch: the large model's engine loads the small model's K/V mapped but for the latest quarter, which
-        # vLLM recomputes (recent:25% of 256 mapped positions), and answers as its own run
+        # vLLM recomputes (recent:25% of 256 mapped positions), its opening's own rows in place of the mapped ones,
+        # and answers as its own run
         assert "recompute for small → large: recent:25% (--recompute, for every pair)" in "".join(large.lines)
         switched, out = large.generate("t")
         assert switched["cached"] == 192, out
         assert "loaded 192 tokens (positions 0..191)" in out, out
-        assert "K/V of 'small' mapped to 'large', its latest 64 positions recomputed by vLLM" in out, out
+        assert ("K/V of 'small' mapped to 'large', its first 4 positions the model's own, its latest 64 positions "
+                "recomputed by vLLM") in out, out
         _same(switched, own_large)
         keys = large.ask(op="keys", pattern="kvhandoff:t:*")[0]["keys"]
-        assert len(keys) == 1, keys  # the small model's entry only: mapped rows are never saved as the large's own
+        prompt_prefix = prefix_hashes(PROMPT, BLOCK)[-1]
+        (entry,) = [key for key in keys if key.endswith(prompt_prefix)]  # mapped rows are never saved as the large's
+        _, _, identity, prefix = entry.split(":")
+        assert sum(key.split(":")[2] == identity for key in keys) == 2, keys  # the small model's block and opening
 
         # a request's own recompute policy (kv_transfer_params): none, the whole prefix mapped; one vLLM cannot serve
         # is refused with a log line and the pair's serves
-        (entry,) = keys
-        _, _, identity, prefix = entry.split(":")
         for tenant, asked, cached in (("n", "none", 256), ("s", "sinks:10%", 192)):
             large.ask(op="copy", src=entry, dst=entry_key(tenant, identity, prefix), tenant=tenant, damage=None)
             answer, out = large.generate(tenant, kv_transfer_params={"recompute": asked})
@@ -308,6 +316,8 @@ def test_vllm_connector_round_trip_switch_and_refusals(tmp_path, store):
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is absent (made by `bash scripts/setup.sh`)")
 @pytest.mark.timeout(600)
+# LiteLLM's own typed dicts, as pydantic sees them: noise of the installed packages
+@pytest.mark.filterwarnings("ignore:.*using the `ReadOnly` qualifier:UserWarning")
 def test_a_litellm_router_alternating_two_vllm_servers_gets_each_switch_as_a_cache_hit(tmp_path, store):
     """The exactly related pair behind two vLLM OpenAI servers (`kvhandoff-lab bench-vllm`'s launcher), a LiteLLM
     Router with one deployment per server, unmodified: a conversation that moves small → large → small. The large

@@ -61,7 +61,16 @@ from kvhandoff.vllm.family import (
     tenant_of,
 )
 from kvhandoff.vllm.layout import block_slots, read_blocks, write_rows
-from kvhandoff.vllm.store import EntryRefused, Expected, KVStore, decode_entry, encode_entry, entry_key, prefix_hashes
+from kvhandoff.vllm.store import (
+    EntryRefused,
+    Expected,
+    KVStore,
+    decode_entry,
+    encode_entry,
+    entry_key,
+    opening_prefix,
+    prefix_hashes,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -130,6 +139,7 @@ class LoadSpec:
     source: str | None = None         # another family model whose rows are mapped; None: this model's own
     block_ids: list[int] = field(default_factory=list)  # the request's blocks for positions start..tokens-1
     hashes: list[str] = field(default_factory=list)     # the hashes of the loaded prefix's full blocks
+    opening: Expected | None = None   # this model's own opening entry, put over the mapped rows of its positions
 
 
 @dataclass
@@ -140,12 +150,39 @@ class SaveSpec:
     prefix: str
     tokens: int
     block_ids: list[int] = field(default_factory=list)
+    opening: tuple[str, int] | None = None  # also save the first positions' rows: (opening prefix, positions)
 
 
 @dataclass
 class KVHandoffMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+
+
+def _stored_opening(store: KVStore, ids, prompt: list[int], tenant: str, start: int) -> Expected | None:
+    """What the model's opening entry of ``prompt`` must hold (``ids``: its `FamilyIdentities`), when the store has
+    one and a load from ``start`` covers its positions; None otherwise."""
+    size = ids.opening
+    if not size or start >= size or len(prompt) <= size:
+        return None
+    prefix = opening_prefix(prompt[:size])
+    found = store.exists([entry_key(tenant, ids.own, prefix)])[0]
+    return Expected(ids.own, tenant, prefix, size, ids.geometry) if found else None
+
+
+def _put_opening(store: KVStore, load: LoadSpec, rows: torch.Tensor) -> None:
+    """Put the model's own rows of the load's opening over the mapped ``rows`` (a refused entry: the mapped stay)."""
+    if load.opening is None:
+        return
+    expected = load.opening
+    try:
+        own = decode_entry(store.get(entry_key(expected.tenant, expected.identity, expected.prefix)), expected)
+    except Exception as error:
+        logger.warning("opening %s for request %s not used (%s: %s); its positions stay mapped", expected.prefix,
+                       load.req_id, type(error).__name__, error)
+        load.opening = None
+        return
+    rows[:, :, : expected.tokens] = own.to(rows.dtype)
 
 
 class KVHandoffConnector(KVConnectorBase_V1):
@@ -217,9 +254,11 @@ class KVHandoffConnector(KVConnectorBase_V1):
                         num_computed_tokens, b * bs, request_recompute(request, self._ids.recompute_policy(source)))
                     if end <= num_computed_tokens:
                         break  # the policy recomputes all of it: a shorter prefix would load less still
-                    self._loads[request.request_id] = LoadSpec(request.request_id, key, tenant, hashes[b - 1],
-                                                               identity, b * bs, num_computed_tokens, end, geometry,
-                                                               source, hashes=hashes[:b])
+                    self._loads[request.request_id] = LoadSpec(
+                        request.request_id, key, tenant, hashes[b - 1], identity, b * bs, num_computed_tokens, end,
+                        geometry, source, hashes=hashes[:b],
+                        opening=None if source is None else _stored_opening(self._store, self._ids, prompt, tenant,
+                                                                            num_computed_tokens))
                     return end - num_computed_tokens, False
         except Exception as error:  # the store down or failing: a miss, vLLM prefills
             logger.warning("store %s unavailable for request %s (%s: %s); vLLM prefills", self._family.store_url,
@@ -257,7 +296,10 @@ class KVHandoffConnector(KVConnectorBase_V1):
             except Exception as error:
                 logger.warning("store unavailable, request %s not saved (%s)", new.req_id, error)
                 continue
-            self._tracking[new.req_id] = SaveSpec(new.req_id, key, tenant, hashes[-1], len(hashes) * bs, blocks)
+            size = self._ids.opening
+            opening = (opening_prefix(prompt[:size]), size) if size and len(prompt) > size else None
+            self._tracking[new.req_id] = SaveSpec(new.req_id, key, tenant, hashes[-1], len(hashes) * bs, blocks,
+                                                  opening)
             self._maybe_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
@@ -318,6 +360,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
                 with _timed(seconds, "map"):
                     if load.source is not None:
                         rows = mapped_rows(self._mappers[load.source], rows, self._map_dtype)
+                        _put_opening(self._store, load, rows)
                 rows = rows[:, :, load.start: load.end]
                 if rows.shape[0] != len(layers):
                     raise EntryRefused(f"rows of {rows.shape[0]} layers for a model of {len(layers)}")
@@ -331,6 +374,8 @@ class KVHandoffConnector(KVConnectorBase_V1):
                 self._invalid.update(load.block_ids)
                 continue
             what = "own K/V" if load.source is None else f"K/V of {load.source!r} mapped to {self._family.model!r}"
+            if load.opening is not None:
+                what += f", its first {load.opening.tokens} positions the model's own"
             if load.end < load.tokens:
                 what += f", its latest {load.tokens - load.end} positions recomputed by vLLM"
             logger.info("loaded %d tokens (positions %d..%d) for request %s: %s, tenant %r (%s)",
@@ -368,6 +413,11 @@ class KVHandoffConnector(KVConnectorBase_V1):
             try:
                 self._store.put(spec.key, encode_entry(rows, identity=identity, model_name=self._family.model,
                                                        tenant=spec.tenant, prefix=spec.prefix))
+                if spec.opening is not None:
+                    prefix, size = spec.opening
+                    self._store.put(entry_key(spec.tenant, identity, prefix),
+                                    encode_entry(rows[:, :, :size].contiguous(), identity=identity,
+                                                 model_name=self._family.model, tenant=spec.tenant, prefix=prefix))
             except Exception as error:
                 logger.warning("store unavailable, request %s not saved (%s: %s)", spec.req_id,
                                type(error).__name__, error)

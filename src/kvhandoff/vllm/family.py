@@ -10,14 +10,18 @@ Configured by the connector's ``kv_connector_extra_config`` (the same family par
      "ttl_s": null,                                   # entries' lifetime (optional; capacity is the server's LRU)
      "recompute": null,                               # one recompute policy for every pair, e.g. "recent:10%"
                                                       # (optional; also "min_retention" / "min_speedup")
-     "map_dtype": null}                               # the map's dtype: "float32" or "bfloat16" (optional;
+     "map_dtype": null,                               # the map's dtype: "float32" or "bfloat16" (optional;
                                                       # default: the instance's model dtype)
+     "exact_prefix": null}                            # the leading positions a switch takes from the target's
+                                                      # own K/V (optional; default: each mapper's setting)
 
 Each incoming pair's recompute policy is resolved as `kvhandoff serve` resolves it (`runtime.switch.pair
 .served_recompute`): the named one, else the one recorded with the pair's mapper (chosen again under min_retention /
 min_speedup), else the default — under what vLLM can do (`VLLM_CAPABILITIES`): vLLM computes a contiguous run of
 positions after those a connector loads, so a switch recomputes the mapped prefix's latest positions (rule
-``recent``); a recorded policy of another rule gives way to the default, said in the log.
+``recent``); a recorded policy of another rule gives way to the default, said in the log. The exact prefix (the
+attention sinks a switch takes from the target's own K/V) comes from the model's opening entries: every save of its
+own K/V also stores its first positions', and a mapped load puts them in place of the mapped ones.
 
 Identities come from the mapper manifests' fingerprints, so every instance names a model alike: this instance's
 model (loaded once with transformers from vLLM's model path) is checked against each manifest that names it
@@ -73,8 +77,9 @@ class FamilyConfig:
                 raise ConfigError(f"mapper pair {pair!r}: name it 'SOURCE->TARGET'")
             mappers[(source.strip(), target.strip())] = str(folder)
         ttl = extra.get("ttl_s")
-        switch = SwitchSettings(recompute=extra.get("recompute"), min_retention=extra.get("min_retention"),
-                                min_speedup=extra.get("min_speedup"), guard=False)
+        switch = SwitchSettings(exact_prefix=extra.get("exact_prefix"), recompute=extra.get("recompute"),
+                                min_retention=extra.get("min_retention"), min_speedup=extra.get("min_speedup"),
+                                guard=False)
         map_dtype = extra.get("map_dtype")
         if map_dtype is not None and map_dtype not in MAP_DTYPES:
             raise ConfigError(f"map_dtype must be one of {', '.join(MAP_DTYPES)} (or null: the instance's dtype), got "
@@ -95,6 +100,7 @@ class FamilyIdentities:
     geometry: tuple[int, int, int]        # this model's (layers, kv_heads, head_dim)
     sources: dict[str, tuple[int, int, int]]  # {other model: its (layers, kv_heads, head_dim)}
     recompute: dict[str, ServedRecompute] = field(default_factory=dict)  # {other model: its switch's recompute}
+    opening: int = 0  # this model's exact prefix: the positions a mapped load takes from its own K/V when stored
 
     def recompute_policy(self, source: str) -> RecomputePolicy:
         """The recompute policy of a switch from ``source`` into this model."""
@@ -113,7 +119,7 @@ def resolve_identities(config: FamilyConfig, model_path: str, dtype: torch.dtype
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     own_fp = model_fingerprint(model)
     recorded = None
-    others, sources, recompute = {}, {}, {}
+    others, sources, recompute, opening = {}, {}, {}, 0
     for (source, target), folder in config.mappers.items():
         if config.model not in (source, target):
             continue
@@ -127,9 +133,11 @@ def resolve_identities(config: FamilyConfig, model_path: str, dtype: torch.dtype
             sources[source] = _geometry(manifest.source_fingerprint)
             recompute[source] = served_recompute(config.switch, manifest.recompute, f"{source} → {target}",
                                                  VLLM_CAPABILITIES)
+            exact = manifest.exact_prefix if config.switch.exact_prefix is None else config.switch.exact_prefix
+            opening = max(opening, exact)
     del model
     own = model_identity(recorded or own_fp)
-    return FamilyIdentities(own, others, _geometry(own_fp), sources, recompute)
+    return FamilyIdentities(own, others, _geometry(own_fp), sources, recompute, opening)
 
 
 def mapped_load_end(start: int, stored: int, recompute: RecomputePolicy) -> int:

@@ -65,6 +65,12 @@ def prefix_hashes(token_ids: list[int], block_size: int, blocks: int | None = No
     return hashes
 
 
+def opening_prefix(token_ids: list[int]) -> str:
+    """The prefix name of an opening entry: a model's own K/V of a prompt's first tokens (its exact prefix), what a
+    mapped load puts in place of the mapped ones there."""
+    return f"opening{len(token_ids)}-{prefix_hashes(token_ids, len(token_ids))[0]}"
+
+
 def entry_key(tenant: str, identity: str, prefix: str) -> str:
     return f"{KEY_PREFIX}:{quote(tenant, safe='')}:{identity}:{prefix}"
 
