@@ -8,13 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.row_ops import RowOps
 
-if TYPE_CHECKING:
-    from kvhandoff.serving.prefix_tree import PrefixHandle
+
+@dataclass(eq=False)
+class PrefixHandle:
+    """A path of one namespace's tree (from its root to a node) that `PrefixTree.lock` pins against eviction: what
+    `match` and `insert` return. ``length``: the positions of the tokens asked about that the model holds."""
+
+    namespace: str
+    length: int
+    node: Any = field(repr=False)
+    owner: object = field(repr=False)
+    locks: int = field(default=0, repr=False)
+
 
 #: what `choose_reuse` decides for a request (`Reuse.kind`)
 REUSE_KINDS = ("own", "handoff", "miss")

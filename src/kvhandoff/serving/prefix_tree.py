@@ -29,13 +29,13 @@ import itertools
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvhandoff.errors import ConfigError, KVHandoffError
-from kvhandoff.serving.prefix_reuse import Hold, PrefixMatch, choose_reuse
+from kvhandoff.serving.prefix_reuse import Hold, PrefixHandle, PrefixMatch, choose_reuse
 from kvhandoff.serving.prefix_tree_stats import TreeCounts, TreeStats
 from kvhandoff.serving.row_ops import SEAM_ROWS, RowOps
 from kvhandoff.serving.tenants import DEFAULT_NAMESPACE, namespace_of
@@ -99,18 +99,6 @@ class _Segment:
     rows: Any
     positions: int
     nbytes: int
-
-
-@dataclass(eq=False)
-class PrefixHandle:
-    """A path of one namespace's tree (from its root to a node) that `PrefixTree.lock` pins against eviction: what
-    `match` and `insert` return. ``length``: the positions of the tokens asked about that the model holds."""
-
-    namespace: str
-    length: int
-    node: Any = field(repr=False)
-    owner: object = field(repr=False)
-    locks: int = field(default=0, repr=False)
 
 
 # -- the tree ----------------------------------------------------------------------------------------------------------
