@@ -82,3 +82,11 @@ def test_vllm_answers_read_the_history_on_the_source_then_switch_under_one_fresh
     assert read["cache_salt"] == switched["cache_salt"] and read["cache_salt"].startswith("switch-")
     assert switched["kv_transfer_params"] == {"recompute": "none"} and switched["stop"] == ["\nQ:"]
     assert read["max_tokens"] == 1 and switched["temperature"] == 0
+
+
+def test_eval_vllm_refuses_a_policy_vllm_cannot_serve_before_any_model_loads():
+    result = subprocess.run([sys.executable, "-m", "kvhandoff_lab.cli", "eval-vllm", "--recompute", "sinks:10%"],
+                            capture_output=True, text=True, env={**os.environ, "KVHANDOFF_VLLM_PYTHON": sys.executable},
+                            timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "a vLLM target recomputes by the rules recent" in result.stdout + result.stderr
