@@ -21,6 +21,7 @@ from transformers import GenerationConfig
 from _serving_support import AGENT_CONTEXT, GatedModel, chat_ids, reference_answer, running, tiny_family, wait_for
 from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.app import create_app
+from kvhandoff.serving.decoding import GenerationDefaults
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.middleware import field_path
 from kvhandoff.serving.settings import ServeConfig
@@ -119,7 +120,8 @@ def test_a_request_that_leaves_sampling_out_gets_the_models_generation_config():
                                                 extra_body={"top_k": 0}).choices[0].message.content
                  for seed in range(6)}
         assert len(given) > 1  # a field the request gives wins over the config
-        assert server.engine.generation_defaults("large") == {} and server.engine.generation_defaults("nope") == {}
+        assert server.engine.generation_defaults("large") == server.engine.generation_defaults("nope") == \
+            GenerationDefaults()
     with running(family, mappers, generation_config="vllm") as server:
         client = client_of(server)
         answers = {client.chat.completions.create(model="small", messages=messages, seed=seed,

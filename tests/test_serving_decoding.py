@@ -11,6 +11,7 @@ from transformers import GenerationConfig
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.decoding import (
+    GenerationDefaults,
     Sampler,
     SamplingParams,
     apply_logit_bias,
@@ -50,12 +51,12 @@ def test_end_ids_join_the_tokenizer_and_the_generation_config():
 
 def test_generation_config_defaults_are_the_sampling_fields_it_sets():
     model = tiny_model("qwen2", vocab_size=300)
-    assert generation_config_defaults(model) == {}  # the fields a fresh config leaves at transformers' defaults
+    assert generation_config_defaults(model) == GenerationDefaults()  # a fresh config: transformers' defaults
     model.generation_config = GenerationConfig(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05,
                                                max_new_tokens=64, eos_token_id=5, do_sample=True)
-    assert generation_config_defaults(model) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
-                                                 "repetition_penalty": 1.05, "max_tokens": 64}
-    assert generation_config_defaults(object()) == {}  # a backend without a generation config
+    assert generation_config_defaults(model) == GenerationDefaults(
+        {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}, max_tokens=64)
+    assert generation_config_defaults(object()) == GenerationDefaults()  # a backend without a generation config
     model.generation_config = GenerationConfig(temperature=5.0, do_sample=True)
     with pytest.raises(ConfigError, match=r"generation config of tiny: .*temperature.*--generation-config vllm"):
         generation_config_defaults(model, "tiny")

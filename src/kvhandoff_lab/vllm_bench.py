@@ -34,8 +34,8 @@ import httpx
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.files import atomic_write_json
-from kvhandoff.runtime.policy import budget_count
 from kvhandoff.runtime.policy import parse as parse_recompute
+from kvhandoff.vllm.family import mapped_load_end
 from kvhandoff.vllm.launch import CPU_ENV, free_port, server_command, stop_process, vllm_python
 from kvhandoff.vllm.store import local_store
 from kvhandoff_lab.bench import continuation_flops, prefill_flops
@@ -172,8 +172,7 @@ def bench_direction(direction: Direction, servers: dict[str, VllmServer], histor
         tenant = f"switch-{uuid.uuid4().hex}"
         _complete(source, history, tenant, 1)  # the source reads the history; its K/V go to the store
         switched = _complete(target, prompt, tenant, decode_tokens, recompute=recompute)
-        mapped = len(history) // block * block
-        loaded = mapped - (budget_count(parse_recompute(recompute).budget, mapped) if recompute != "none" else 0)
+        loaded = mapped_load_end(0, len(history) // block * block, parse_recompute(recompute))
         bound = prefill_flops(direction.target_flops, len(prompt)) / switch_flops(
             direction.target_flops, direction.mapper_flops, len(prompt), loaded)
         steps = _load_steps(target, tenant)

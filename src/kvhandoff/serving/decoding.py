@@ -4,6 +4,7 @@ temperature and top-p from a seeded generator), the end-of-text ids, and stop st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,26 +42,37 @@ GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetitio
                             "frequency_penalty")
 
 
-def generation_config_defaults(model, name: str = "the model") -> dict:
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a request that leaves them out gets: ``sampling``, `SamplingParams` fields by name, and ``max_tokens``
+    (None: the server's own limit)."""
+
+    sampling: dict = dataclasses.field(default_factory=dict)
+    max_tokens: int | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.sampling) or self.max_tokens is not None
+
+
+def generation_config_defaults(model, name: str = "the model") -> GenerationDefaults:
     """The sampling settings and answer limit ``model``'s generation config sets, as vLLM serves them under its
     ``--generation-config auto``: the `GENERATION_CONFIG_FIELDS` and ``max_new_tokens`` (as ``max_tokens``) that the
     config gives other than transformers' defaults. Checked here, once: a value a request could not carry is refused
     (ConfigError naming the model and the fix)."""
     config = getattr(model, "generation_config", None)
     if config is None or not callable(getattr(config, "to_diff_dict", None)):
-        return {}
+        return GenerationDefaults()
     given = config.to_diff_dict()
-    defaults = {key: given[key] for key in GENERATION_CONFIG_FIELDS if given.get(key) is not None}
-    if given.get("max_new_tokens") is not None:
-        defaults["max_tokens"] = given["max_new_tokens"]
+    sampling = {key: given[key] for key in GENERATION_CONFIG_FIELDS if given.get(key) is not None}
+    max_tokens = given.get("max_new_tokens")
     try:
-        SamplingParams(**{key: value for key, value in defaults.items() if key != "max_tokens"})
-        if "max_tokens" in defaults:
-            _integer("max_new_tokens", defaults["max_tokens"], 1)
+        SamplingParams(**sampling)
+        if max_tokens is not None:
+            _integer("max_new_tokens", max_tokens, 1)
     except ConfigError as exc:
         raise ConfigError(f"the generation config of {name}: {exc}; fix its generation_config.json, or serve the "
                           "server's own defaults (--generation-config vllm)") from exc
-    return defaults
+    return GenerationDefaults(sampling, max_tokens)
 
 
 def make_generator(seed: int | None) -> torch.Generator:

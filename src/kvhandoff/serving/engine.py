@@ -41,7 +41,7 @@ from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.runtime.switch.pair import PairPolicy, pair_policies
 from kvhandoff.runtime.switch.turn import TURN_MODES, TurnCancelled, serve_turn
 from kvhandoff.serving.answers import answers, echo
-from kvhandoff.serving.decoding import end_ids, generation_config_defaults
+from kvhandoff.serving.decoding import GenerationDefaults, end_ids, generation_config_defaults
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.prefix_cache import PrefixCache
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE
@@ -114,9 +114,11 @@ def _announce(hosted: Iterable[HostedModel], policies: Iterable[PairPolicy], gua
     each pair's switches do: its recompute policy, then its guard (a pair without a guard, or whose record was
     measured under other settings, at WARNING)."""
     for model in hosted:
-        if model.generation_defaults:
-            logger.info("%s: a request that leaves them out gets its generation config's %s (--generation-config "
-                        "vllm: the server's own defaults)", model.name, model.generation_defaults)
+        defaults = model.generation_defaults
+        if defaults:
+            logger.info("%s: a request that leaves them out gets its generation config's sampling %s and max_tokens %s "
+                        "(--generation-config vllm: the server's own defaults)", model.name, defaults.sampling,
+                        defaults.max_tokens or "as the server's")
     policies = list(policies)
     for policy in policies:
         logger.info("%s", policy.describe()[0])
@@ -165,7 +167,8 @@ class Engine:
             name: HostedModel(name, model, tokenizer, end_ids(model, tokenizer), model.config.vocab_size,
                               ModelWorker(name, config.max_queue, functools.partial(self._step, name),
                                           config.max_batch),
-                              generation_config_defaults(model, name) if config.generation_config == "auto" else {})
+                              generation_config_defaults(model, name) if config.generation_config == "auto"
+                              else GenerationDefaults())
             for name, (model, tokenizer) in models.items()
         }
         self.chat_template = family_template(models)
@@ -202,11 +205,11 @@ class Engine:
                                f"{', '.join(self._models)}", param="model", code="model_not_found")
         return hosted
 
-    def generation_defaults(self, name: str) -> dict:
+    def generation_defaults(self, name: str) -> GenerationDefaults:
         """The sampling fields and answer limit a request to model ``name`` gets when it leaves them out
-        (`decoding.generation_config_defaults`; {} for a name not hosted, refused later)."""
+        (`decoding.generation_config_defaults`; none for a name not hosted, refused later)."""
         hosted = self._models.get(name)
-        return {} if hosted is None else dict(hosted.generation_defaults)
+        return GenerationDefaults() if hosted is None else hosted.generation_defaults
 
     def mapper_id(self, source: str, target: str) -> str:
         """The identity of the mapper from ``source`` to ``target``: its manifest's checksum."""
@@ -271,7 +274,7 @@ class Engine:
                                f"{request.handoff_mode!r}", param="kv_handoff.mode")
         limit = request.max_tokens
         if limit is None:
-            limit = hosted.generation_defaults.get("max_tokens", self.config.default_max_tokens)
+            limit = hosted.generation_defaults.max_tokens or self.config.default_max_tokens
         refuse_large_logprobs(request, min(limit, self.max_context))  # before any work
         prompt, constraints = await asyncio.to_thread(request_inputs, hosted, request, self.chat_template,
                                                      self.max_context)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Mapping
 
 from fastapi import Request
 
 from kvhandoff.errors import ConfigError
-from kvhandoff.serving.decoding import GENERATION_CONFIG_FIELDS, SamplingParams
+from kvhandoff.serving.decoding import GenerationDefaults, SamplingParams
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.grammar import GrammarSpec, JsonObject, JsonSchema, ToolCalls
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE, namespace_of
@@ -115,12 +114,11 @@ def tokenize_request(engine: Engine, body: TokenizeRequest) -> list[int]:
                     body.add_special_tokens)
 
 
-def sampling_of(body: SamplingRequest, defaults: Mapping | None = None) -> SamplingParams:
+def sampling_of(body: SamplingRequest, defaults: GenerationDefaults | None = None) -> SamplingParams:
     """The request's sampling settings: the fields it gives, else ``defaults``' (the model's generation config's,
     `Engine.generation_defaults`), else `SamplingParams`' own."""
-    given = {key: value for key, value in (defaults or {}).items() if key in GENERATION_CONFIG_FIELDS}
     with refused_as(None):
-        return SamplingParams(**{**given, **body.sampling_fields()})
+        return SamplingParams(**{**(defaults.sampling if defaults else {}), **body.sampling_fields()})
 
 
 def grammar_of(body: ChatCompletionRequest, tools: ToolSettings | None) -> GrammarSpec | None:
@@ -145,7 +143,7 @@ def grammar_of(body: ChatCompletionRequest, tools: ToolSettings | None) -> Gramm
 
 
 def chat_request(body: ChatCompletionRequest, session_id: str | None, namespace: str = DEFAULT_NAMESPACE,
-                 defaults: Mapping | None = None) -> tuple[GenerationRequest, ToolSettings]:
+                 defaults: GenerationDefaults | None = None) -> tuple[GenerationRequest, ToolSettings]:
     with refused_as(None):
         tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     template_tools = tools.template_tools()
@@ -159,7 +157,7 @@ def chat_request(body: ChatCompletionRequest, session_id: str | None, namespace:
 
 
 def completion_request(body: CompletionRequest, session_id: str | None, namespace: str = DEFAULT_NAMESPACE,
-                       defaults: Mapping | None = None) -> GenerationRequest:
+                       defaults: GenerationDefaults | None = None) -> GenerationRequest:
     prompt = body.prompt if isinstance(body.prompt, str) else tuple(body.prompt)
     return GenerationRequest(
         model=body.model, prompt=prompt, max_tokens=body.answer_limit(), sampling=sampling_of(body, defaults),

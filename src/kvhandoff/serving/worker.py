@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff.serving.decoding import GenerationDefaults
 from kvhandoff.serving.requests import RequestError
 
 logger = logging.getLogger(__name__)
@@ -143,4 +144,4 @@ class HostedModel:
     stop_ids: frozenset[int]
     vocab_size: int
     worker: ModelWorker
-    generation_defaults: dict = field(default_factory=dict)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)

@@ -198,7 +198,6 @@ class KVHandoffConnector(KVConnectorBase_V1):
             self._loads: dict[str, LoadSpec] = {}
             self._tracking: dict[str, SaveSpec] = {}
             self._tenants: dict[str, str] = {}
-            self._own_load: dict[str, int] = {}
             self._unsaved: set[str] = set()  # requests whose kv_transfer_params say "save": false
             self._mapped: OrderedDict[tuple[str, str], None] = OrderedDict()
             self._saved: OrderedDict[str, None] = OrderedDict()

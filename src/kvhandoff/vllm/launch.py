@@ -1,8 +1,8 @@
 """How a family model's vLLM instance starts with the kvhandoff connector: the connector's transfer config
 (`transfer_config`), its OpenAI server's command line (`server_command`), the interpreter of the vLLM environment
 (`vllm_python`), the settings vLLM's CPU build runs under on a small machine (`CPU_ENV`), and the two helpers of
-local server processes (`free_port`, `stop_process`). Nothing here imports
-vLLM: front ends build the commands (`kvhandoff vllm-config`, the lab's bench), vLLM's environment runs them.
+local server processes (`free_port`, `stop_process`). Nothing here imports vLLM: front ends build the commands
+(`kvhandoff vllm-config`, the lab's bench), vLLM's environment runs them.
 """
 
 from __future__ import annotations

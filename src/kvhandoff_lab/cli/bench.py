@@ -325,14 +325,12 @@ def eval_vllm(
                                  param_hint="--recompute")
     (policy,) = policies
     folders = {spec: model_folder(spec) for spec in (source, target)}
-    names = {source: source, target: target}
     work.mkdir(parents=True, exist_ok=True)
     connector = {"mappers": {f"{a}->{b}": str(mapper.folder) for (a, b), mapper in mappers.items()},
                  "recompute": policy.spec}
     with local_store(work, max_memory="8gb") as store_url, \
             vllm_servers(folders, {**connector, "store_url": store_url}, work, max_model_len=8192) as servers:
-        engines = {"vLLM": VllmAnswers(servers), "transformers": {names[source]: pair.source,
-                                                                 names[target]: pair.target}}
+        engines = {"vLLM": VllmAnswers(servers), "transformers": {source: pair.source, target: pair.target}}
         result = run_engine_quality(engines, mappers, pair.tokenizer, end_ids(pair.target, pair.tokenizer), task,
                                     limit, histories, wanted, policy, out, budget)
     typer.echo(json.dumps(result["summary"], indent=2))
