@@ -200,13 +200,15 @@ def tiny_tokenizer():
 
 def chat_tokenizer():
     """`tiny_tokenizer` as a chat model's GGUF conversion has it: EOS is the turn end <|im_end|>, and the document
-    end <|endoftext|> is another special token."""
+    end <|endoftext|> and the turn start <|im_start|> (where a run reused at another offset may start) are other
+    special tokens."""
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
     chat = Qwen2Tokenizer(vocab=dict(tiny_tokenizer().get_vocab()), merges=[("h", "e")], eos_token="<|im_end|>",
                           unk_token=None, pad_token="<|endoftext|>")
-    chat.add_special_tokens({"additional_special_tokens": [AddedToken("<|endoftext|>", special=True)]})
+    chat.add_special_tokens({"additional_special_tokens": [AddedToken("<|endoftext|>", special=True),
+                                                            AddedToken("<|im_start|>", special=True)]})
     return chat
 
 

@@ -37,15 +37,26 @@ def test_the_history_behind_other_instructions_is_found_where_it_sits():
 
 def test_the_longest_run_wins_and_short_ones_are_not_reported():
     runs = index()
-    runs.add("part", CLERK + HISTORY[:60])
+    runs.add("part", CLERK + HISTORY[:60] + [9] * 40)  # the first 60 tokens of the history, then another turn
     runs.add("whole", CLERK + HISTORY)
     assert runs.find(ANALYST + HISTORY + TURN).key == "whole"
     runs.remove("whole")
     assert runs.find(ANALYST + HISTORY + TURN).length == 60
-    runs.add("tiny", CLERK + HISTORY[:20])
+    runs.add("tiny", ANALYST + HISTORY[:20])
     runs.remove("part")
-    assert runs.find(ANALYST + HISTORY + TURN) is None  # 20 tokens: under min_length
+    assert runs.find(CLERK + HISTORY + TURN) is None  # 20 tokens: under min_length
     assert len(runs) == 1
+
+
+def test_a_conversation_that_grows_is_held_once_and_the_oldest_go_past_the_bound():
+    runs = index(max_held=2)
+    runs.add("turn-1", CLERK + HISTORY[:60])
+    runs.add("turn-2", CLERK + HISTORY)  # extends turn 1: turn 1 is forgotten
+    assert len(runs) == 1 and runs.held("turn-1") is None and list(runs.held("turn-2")) == CLERK + HISTORY
+    runs.add("other", message(list(range(600, 700))))
+    runs.add("third", message(list(range(700, 800))))  # past max_held: the least recently added goes
+    assert len(runs) == 2 and runs.held("turn-2") is None
+    assert runs.find(ANALYST + HISTORY + TURN) is None
 
 
 def test_a_plain_prefix_is_left_to_the_prefix_cache_but_the_same_offset_after_another_beginning_is_found():
@@ -68,6 +79,7 @@ def test_a_run_is_never_found_in_another_tenants_conversation():
 
 @pytest.mark.parametrize(("settings", "message_part"), [
     ({"anchor_ids": []}, "token ids that open a message"),
+    ({"max_held": 0}, "max_held"),
     ({"probe": 0}, "probe"),
     ({"probe": 16, "min_length": 8}, "at least its probe"),
 ])

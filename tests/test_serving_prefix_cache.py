@@ -258,3 +258,89 @@ def test_a_model_going_on_over_a_mapped_cache_says_how_much_of_it_is_approximate
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": TURNS[1]}]
         assert handoff["status"] == "none"
         assert handoff["approximate_tokens"] == cached(usage) > 0  # all of it mapped, or read on top of mapped rows
+
+
+# -- reuse at another offset ---------------------------------------------------------------------------------------
+CLERK = "You are the front-desk clerk. Look orders up and hand hard questions to the analyst."
+ANALYST = "You are the analyst: answer exactly."
+HISTORY = [{"role": "user", "content": "My order 1234 arrived late and the box was open."},
+           {"role": "assistant", "content": "Sorry to hear that! Order 1234 shipped on May 2 by ground."},
+           {"role": "user", "content": "Can I get a refund for the shipping?"}]
+NEW_TURN = {"role": "user", "content": "Analyst: is a refund due?"}
+
+
+def agent_prompts():
+    """(the clerk's conversation, the analyst's prompt: other instructions, the same history, a new turn)."""
+    return ([{"role": "system", "content": CLERK}, *HISTORY],
+            [{"role": "system", "content": ANALYST}, *HISTORY, NEW_TURN])
+
+
+def offset_cache(recompute: str = "recent:100%") -> PrefixCache:
+    from kvhandoff.runtime.runs import RunIndex
+
+    return PrefixCache(runs=RunIndex([259], probe=8, min_length=32),
+                       offset_plan=lambda namespace: HandoffPlan.of(recompute=recompute))
+
+
+def test_another_agents_history_is_reused_behind_other_instructions_and_kept_as_mapped_rows():
+    cache, tokenizer = offset_cache(), tiny_family()[0]["small"][1]
+    clerk, analyst = (chat_ids(tokenizer, messages) for messages in agent_prompts())
+    first = new_session()
+    out = cache.checkout("t", clerk, "small", first)
+    first.read_logprobs("small", clerk)
+    cache.checkin(out, first, SimpleNamespace(status="none", source=None, cached_tokens=0, reuse="none"))
+    cache.release(out)
+
+    second = new_session()
+    out = cache.checkout("t", analyst, "large", second)
+    run = out.offset
+    assert run is not None and run.source == "small" and run.length >= 32 and out.length == run.known == 0
+    assert second.owner == "large" and second.tokens == analyst[:run.beginning + run.length]
+    logprobs = second.read_logprobs("large", analyst[len(second.tokens):])  # every reused row recomputed
+    alone = second.models["large"](input_ids=torch.tensor([analyst])).logits[0, -1].log_softmax(-1)
+    torch.testing.assert_close(logprobs[-1], alone, atol=1e-4, rtol=0)
+    cache.checkin(out, second, SimpleNamespace(status="applied", source="small", cached_tokens=run.length,
+                                               reuse="offset"))
+    cache.release(out)
+    large = cache.tree.match("t", analyst, "large").own
+    assert (large.length, large.exact, large.sources) == (len(analyst), run.beginning, ("small",))
+    assert cache.tree.stats().locked == 0
+    # another tenant finds nothing; an exact-only checkout never reuses at another offset
+    assert cache.checkout("u", analyst, "large", new_session()).offset is None
+    exact = cache.checkout("t", analyst[:-1] + [analyst[-1]], "small", new_session(), exact_only=True)
+    assert exact.offset is None
+    cache.release(exact)
+
+
+def test_a_run_whose_rows_were_evicted_is_forgotten():
+    cache, tokenizer = offset_cache(), tiny_family()[0]["small"][1]
+    clerk, analyst = (chat_ids(tokenizer, messages) for messages in agent_prompts())
+    first = new_session()
+    out = cache.checkout("t", clerk, "small", first)
+    first.read_logprobs("small", clerk)
+    cache.checkin(out, first, SimpleNamespace(status="none", source=None, cached_tokens=0, reuse="none"))
+    cache.release(out)
+    assert len(cache.runs) == 1
+    cache.tree.evict(0)
+    out = cache.checkout("t", analyst, "large", new_session())
+    assert out.offset is None and len(cache.runs) == 0
+    cache.release(out)
+
+
+def test_the_analyst_after_a_clerk_handoff_is_served_from_the_clerks_history():
+    """Over a real server: the analyst (other instructions, on the other model) gets the clerk's history from the
+    cache at its new offset — said in kv_handoff, the X-KV-Reuse header and the metrics — and with every reused row
+    recomputed answers as the large model reading the whole prompt; an exact-mode request never gets it."""
+    clerk, analyst = agent_prompts()
+    with running(offset_recompute="recent:100%") as server:
+        ask(server, "small", clerk, user="exact-user")
+        exact = ask(server, "large", analyst, user="exact-user", kv_handoff={"mode": "exact"})
+        assert exact[1]["reuse"] != "offset" and exact[1]["approximate_tokens"] == 0
+        ask(server, "small", clerk)
+        text, handoff, usage, headers = ask(server, "large", analyst)
+        assert headers["X-KV-Reuse"] == "offset" and handoff["reuse"] == "offset"
+        assert handoff["status"] == "applied" and handoff["from"] == "small"
+        assert handoff["approximate_tokens"] == cached(usage) >= 64
+        assert text == expected("large", analyst)
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        assert 'kvhandoff_prefill_tokens_avoided_total{kind="offset"}' in metrics

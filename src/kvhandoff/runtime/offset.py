@@ -18,9 +18,10 @@ import torch
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import cache_of
 from kvhandoff.model.rope import apply_rope, rope_frequencies, strip_rope
+from kvhandoff.runtime import policy
 from kvhandoff.runtime.handoff import MappedCache, check_context
 from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
-from kvhandoff.runtime.policy import SelectionInfo
+from kvhandoff.runtime.policy import RecomputePolicy, SelectionInfo
 from kvhandoff.runtime.seam import CacheFactory, as_kv_cache, new_cache
 
 
@@ -48,17 +49,41 @@ def repositioned(rows, old_start: int, new_start: int, config):
     return cache_of((reposition_keys(layer.keys, old_start, new_start, config), layer.values) for layer in layers)
 
 
+#: what the target recomputes of a run reused at another offset when nothing else is named (chosen on dev items:
+#: docs/RESULTS.md, "Reuse at another offset")
+DEFAULT_OFFSET_RECOMPUTE = policy.parse("recent:10%")
+
+
+def check_offset_policy(recompute: RecomputePolicy) -> RecomputePolicy:
+    """``recompute`` when it can pick the positions of a run reused at another offset, else ConfigError: a policy
+    ranking by the source's attention has no source read of the new context to rank by."""
+    if recompute.needs_source_attention or recompute.ranks_by_source_turn_read:
+        raise ConfigError(f"recompute policy {recompute.spec!r} ranks by the source's attention, which a run reused "
+                          "at another offset does not have: name one that ranks by the target alone (e.g. "
+                          "'blend:15%', 'deviation:10%', 'sinks:10%', 'recent:10%')", field="offset_recompute")
+    return recompute
+
+
+def mapped_run(mapper, source_rows, old_start: int, dtype: torch.dtype | None = None):
+    """``source_rows`` (the source's cache of a run at positions old_start…) in the target's format at the same
+    positions (`Mapper.transfer`), ready for `reuse_run`."""
+    tokens = as_kv_cache(source_rows).export().layers[0].keys.shape[-2]
+    positions = torch.arange(old_start, old_start + tokens)
+    return mapper.transfer(source_rows, positions.to(mapper.device), dtype=dtype)
+
+
 def reuse_run(target_model, beginning_ids: torch.Tensor, run_ids: torch.Tensor, run_rows, old_start: int,
               plan: HandoffPlan | None = None, selection_info: SelectionInfo | None = None, *,
-              cache_factory: CacheFactory = new_cache) -> MappedCache:
+              cache_factory: CacheFactory = new_cache, beginning_rows=None) -> MappedCache:
     """The target's cache of ``beginning_ids`` [batch, B] then ``run_ids`` [batch, R], the run's rows taken from
     ``run_rows`` (a cache of the R run tokens, keys rotated for positions old_start…, e.g. exported from a cached
     conversation where the run followed another beginning) and moved to positions B…; pending (recomputed in the
     target's next forward, `MappedCache.read`): the beginning (exact prefix; the plan's store copies it in when it
     holds it) and the run positions the plan's recompute policy picks. ``plan``'s exact_prefix is ignored: the
     beginning is the exact prefix. A policy that ranks by attention reads it from ``selection_info`` (e.g. the
-    target's own attention over the old context). Refused: ids that are not [batch, tokens], rows of another length
-    or batch, a context past the target's window."""
+    target's own attention over the old context). ``beginning_rows``: the target's own exact rows of the beginning's
+    first positions (e.g. a prefix cache's), copied in and not recomputed. Refused: ids that are not [batch,
+    tokens], rows of another length or batch, a context past the target's window."""
     plan = plan or DEFAULT_PLAN
     for name, ids in (("beginning_ids", beginning_ids), ("run_ids", run_ids)):
         if ids.dim() != 2:
@@ -82,5 +107,15 @@ def reuse_run(target_model, beginning_ids: torch.Tensor, run_ids: torch.Tensor, 
                                torch.zeros_like(layer.values[..., :1, :]).expand(-1, -1, begin, -1).contiguous())
                               for layer in rows.layers))
     cache.append(rows)
-    return MappedCache.from_mapped(cache, target_model, input_ids.to(cache.device), None,
-                                   HandoffPlan(begin, plan.recompute, plan.prefix_store), selection_info)
+    known = 0
+    if beginning_rows is not None:
+        known = as_kv_cache(beginning_rows).length
+        if known > begin:
+            raise ConfigError(f"beginning_rows hold {known} positions; the beginning has {begin}")
+        if known:
+            cache.write(0, beginning_rows)
+    mapped = MappedCache.from_mapped(cache, target_model, input_ids.to(cache.device), None,
+                                     HandoffPlan(begin, plan.recompute, plan.prefix_store), selection_info)
+    if known and mapped.pending.numel():  # every row's first columns are the exact prefix 0..begin-1, sorted
+        mapped.pending = mapped.pending[:, mapped.pending[0] >= known]
+    return mapped

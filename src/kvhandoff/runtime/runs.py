@@ -10,6 +10,8 @@ least ``min_length`` tokens: `RunMatch`. `kvhandoff.runtime.offset.reuse_run` th
 
 from __future__ import annotations
 
+from array import array
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +22,12 @@ from kvhandoff.errors import ConfigError
 DEFAULT_PROBE = 16
 #: the shortest run worth reusing (a shorter one saves less than its recompute and bookkeeping cost)
 DEFAULT_MIN_RUN = 64
+#: held sequences kept over all tenants (the least recently added forgotten past it)
+DEFAULT_MAX_HELD = 1024
+
+
+def _ids(tokens: Sequence[int]) -> array:
+    return array("q", (int(token) for token in tokens))
 
 
 @dataclass(frozen=True)
@@ -39,17 +47,21 @@ class RunMatch:
 
 class RunIndex:
     """The anchors of held token sequences by tenant (see the module docstring). ``anchor_ids``: the token ids that
-    open a message; ``probe``: tokens from an anchor that key it; ``min_length``: the shortest run `find` returns."""
+    open a message; ``probe``: tokens from an anchor that key it; ``min_length``: the shortest run `find` returns;
+    ``max_held``: the sequences kept over all tenants (the least recently added forgotten first). A sequence added
+    makes those it extends (held by the same tenant) redundant: they are forgotten."""
 
-    def __init__(self, anchor_ids: Iterable[int], probe: int = DEFAULT_PROBE, min_length: int = DEFAULT_MIN_RUN):
+    def __init__(self, anchor_ids: Iterable[int], probe: int = DEFAULT_PROBE, min_length: int = DEFAULT_MIN_RUN,
+                 max_held: int = DEFAULT_MAX_HELD):
         self.anchor_ids = frozenset(int(token) for token in anchor_ids)
         if not self.anchor_ids:
             raise ConfigError("a run index needs the token ids that open a message (e.g. <|im_start|>'s)")
         self.probe = require_positive("run index probe", probe)
         self.min_length = require_positive("run index min_length", min_length)
+        self.max_held = require_positive("run index max_held", max_held)
         if self.min_length < self.probe:
             raise ConfigError(f"run index min_length ({min_length}) must be at least its probe ({probe})")
-        self._held: dict[tuple[str, Hashable], tuple[int, ...]] = {}
+        self._held: OrderedDict[tuple[str, Hashable], array] = OrderedDict()
         self._anchors: dict[tuple[str, tuple[int, ...]], dict[Hashable, list[int]]] = {}
 
     def __len__(self) -> int:
@@ -60,13 +72,28 @@ class RunIndex:
             if token in self.anchor_ids and position + self.probe <= len(tokens):
                 yield position, tuple(tokens[position: position + self.probe])
 
+    def held(self, key: Hashable, tenant: str = "default") -> Sequence[int] | None:
+        """The token ids held under ``key`` in ``tenant`` (None: none)."""
+        return self._held.get((tenant, key))
+
     def add(self, key: Hashable, tokens: Sequence[int], tenant: str = "default") -> None:
-        """Hold ``tokens`` under ``key`` in ``tenant`` (replacing what the key held)."""
+        """Hold ``tokens`` under ``key`` in ``tenant`` (replacing what the key held; forgetting the sequences of the
+        tenant that ``tokens`` extends, and the least recently added past ``max_held``)."""
         self.remove(key, tenant)
-        held = tuple(int(token) for token in tokens)
+        held = _ids(tokens)
+        anchors = list(self._anchor_keys(held))
+        if anchors:  # a sequence this one extends shares its first anchor at the same position
+            first, probe = anchors[0]
+            for other, positions in list(self._anchors.get((tenant, probe), {}).items()):
+                previous = self._held[tenant, other]
+                if first in positions and len(previous) <= len(held) and held[:len(previous)] == previous:
+                    self.remove(other, tenant)
         self._held[tenant, key] = held
-        for position, probe in self._anchor_keys(held):
+        for position, probe in anchors:
             self._anchors.setdefault((tenant, probe), {}).setdefault(key, []).append(position)
+        while len(self._held) > self.max_held:
+            (old_tenant, old_key), _ = next(iter(self._held.items()))
+            self.remove(old_key, old_tenant)
 
     def remove(self, key: Hashable, tenant: str = "default") -> None:
         """Forget ``key`` in ``tenant`` (nothing if it is not held)."""
@@ -83,7 +110,7 @@ class RunIndex:
     def find(self, prompt: Sequence[int], tenant: str = "default") -> RunMatch | None:
         """The longest run of ``prompt`` that a sequence of ``tenant`` holds from one of its anchors after another
         beginning, at least ``min_length`` tokens (ties: the earliest in the prompt); None when there is none."""
-        prompt = tuple(int(token) for token in prompt)
+        prompt = _ids(prompt)
         best: RunMatch | None = None
         for start, probe in self._anchor_keys(prompt):
             for key, positions in self._anchors.get((tenant, probe), {}).items():

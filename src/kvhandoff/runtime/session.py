@@ -5,18 +5,38 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.handoff import MappedCache, check_context
+from kvhandoff.runtime.offset import reuse_run
 from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
 from kvhandoff.runtime.policy import SelectionInfo
 from kvhandoff.runtime.seam import CacheFactory, new_cache
 from kvhandoff.runtime.session_caches import SessionCaches
 from kvhandoff.runtime.session_handover import HANDOVERS, Handover, check_settings, hand_over, pair_mapper
 
-__all__ = ["HANDOVERS", "SwitchingSession", "read_together"]
+__all__ = ["HANDOVERS", "ReusedRun", "SwitchingSession", "read_together"]
+
+
+@dataclass(frozen=True)
+class ReusedRun:
+    """A conversation started from a run of tokens held at another offset (`SwitchingSession.reuse`): ``server``'s
+    cache of the new ``beginning`` positions, then ``length`` positions of the run whose rows came from ``source``'s
+    cache (``server`` itself: its own rows, moved), recomputed by ``recompute`` with the next read (``mapped``)."""
+
+    server: str
+    source: str
+    beginning: int
+    length: int
+    mapped: MappedCache
+
+    @property
+    def pending(self) -> bool:
+        """Whether the recompute still waits for the next read."""
+        return bool(self.mapped.pending.numel())
 
 
 def _listed(items, refusal: str) -> list:
@@ -94,6 +114,7 @@ class SwitchingSession:
         self.owner: str | None = None  # the model that read the conversation last
         self._caches = SessionCaches()  # each model's cache of the conversation, and its own length
         self._handover: Handover | None = None  # the last handover, while it can be taken back
+        self.reused: ReusedRun | None = None  # the run this conversation started from at another offset, if any
 
     def plan_for(self, source: str, target: str) -> HandoffPlan:
         """The plan of a handover from ``source`` to ``target``: the pair's own (``pair_plans``), else the session's."""
@@ -135,7 +156,8 @@ class SwitchingSession:
         self._caches.cut_held((owner, server), len(self.tokens))
         if owner is None or server == owner:
             self.owner = server
-            return None
+            reused = self.reused
+            return reused.mapped if reused is not None and reused.pending and reused.server == server else None
         mapper = pair_mapper(self.mappers, owner, server)
         info = SelectionInfo(turn_starts=tuple(p for p in self._turn_starts if p < len(self.tokens)),
                              new_turn=tuple(upcoming), source_turn_read=source_turn_read)
@@ -206,6 +228,8 @@ class SwitchingSession:
         self.tokens = self.tokens[:length]
         if self._handover is not None and length < self._handover.at:
             self._handover = None
+        if self.reused is not None and length < self.reused.beginning + self.reused.length:
+            self.reused = None  # its rows are cut: what the run held is gone
         self._caches.cut_all(length)
         self.owner = self.owner if length else None
 
@@ -273,7 +297,7 @@ class SwitchingSession:
         model = self.models[server]
         self._caches.restart(server, start, self.cache_factory, model)
         logits = self._caches.read(server, model, torch.tensor([self.tokens[start:]], device=model.device))
-        self.owner, self._handover = server, None
+        self.owner, self._handover, self.reused = server, None, None
         return logits[0, -1].float().log_softmax(-1)
 
     def restore(self, tokens, caches, owner: str) -> None:
@@ -286,6 +310,34 @@ class SwitchingSession:
         self._caches = SessionCaches.restored(caches, len(tokens), owner, self.require_model)
         self.tokens, self.owner, self._handover = tokens, owner, None
 
+    @torch.inference_mode()
+    def reuse(self, server: str, beginning, run, run_rows, old_start: int, source: str | None = None,
+              plan: HandoffPlan | None = None, beginning_rows=None) -> ReusedRun:
+        """Start this new session from a run of tokens another conversation holds at another offset: ``server``'s
+        cache of ``beginning`` then ``run`` (token ids), the run's rows taken from ``run_rows`` (in ``server``'s
+        format, keys rotated for positions ``old_start``…: its own rows of the other conversation, or another
+        model's mapped, `offset.mapped_run`), moved to their new positions (`offset.reuse_run`). ``source``: the
+        model the rows came from (None: ``server``). The beginning and the positions ``plan``'s recompute policy
+        picks (None: the session's plan) are recomputed with the next read on ``server``, which owns the
+        conversation; until then `reused` says what is pending; ``beginning_rows``: ``server``'s own exact rows of
+        the beginning's first positions, copied in instead. Every reused row is approximate: ``server``'s own length
+        stays 0."""
+        if self.tokens or self._caches:
+            raise ConfigError("reuse needs a new session (this one already holds a conversation)")
+        self.require_model(server)
+        source = server if source is None else source
+        self.require_model(source)
+        beginning, run = [int(t) for t in beginning], _listed(run, "reuse needs a run of at least one token")
+        model = self.models[server]
+        mapped = reuse_run(model, torch.tensor([beginning], dtype=torch.long), torch.tensor([run]), run_rows,
+                           old_start, plan or self.plan, cache_factory=self.cache_factory,
+                           beginning_rows=beginning_rows)
+        self._caches.start(server, mapped.cache)
+        self.tokens, self.owner, self._handover = beginning + [int(t) for t in run], server, None
+        self._turn_starts = [0, len(beginning)] if beginning else [0]
+        self.reused = ReusedRun(server, source, len(beginning), len(run), mapped)
+        return self.reused
+
     def export(self, server: str, start: int = 0, end: int | None = None):
         """``server``'s cached rows of positions ``start``..``end`` − 1 (`KVCache.export`; None: to its end)."""
         self.require_model(server)
@@ -296,6 +348,9 @@ class SwitchingSession:
         fork reads, generates or hands over leaves this session as it was (e.g. to try a switch another way)."""
         twin = copy.copy(self)
         twin.tokens, twin._turn_starts, twin._caches = list(self.tokens), list(self._turn_starts), self._caches.copy()
+        if self.reused is not None:  # the twin's recompute runs on its own copy of the cache
+            reused = self.reused
+            twin.reused = replace(reused, mapped=replace(reused.mapped, cache=twin._caches[reused.server]))
         return twin
 
     def cache_bytes(self) -> int:

@@ -36,6 +36,7 @@ import torch
 from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.llama_cpp.backend import LlamaCppModel
 from kvhandoff.runtime.prefix_store import PrefixStore
+from kvhandoff.runtime.runs import RunIndex
 from kvhandoff.runtime.seam import capabilities_of
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.runtime.switch.pair import PairPolicy, pair_policies
@@ -45,7 +46,7 @@ from kvhandoff.serving.decoding import GenerationDefaults, end_ids, generation_c
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.prefix_cache import PrefixCache
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE
-from kvhandoff.serving.prompts import family_template, request_inputs, too_long
+from kvhandoff.serving.prompts import MESSAGE_OPENERS, family_template, message_anchor_ids, request_inputs, too_long
 from kvhandoff.serving.requests import Generation, GenerationRequest, RequestError, refuse_large_logprobs
 from kvhandoff.serving.sessions import SessionState, SessionTable
 from kvhandoff.serving.settings import ServeConfig
@@ -53,33 +54,6 @@ from kvhandoff.serving.tools import tool_parser
 from kvhandoff.serving.worker import HostedModel, ModelWorker, Read
 
 logger = logging.getLogger(__name__)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _window(model) -> int:
@@ -107,6 +81,20 @@ def _fit_llama_cpp(config: ServeConfig, models) -> ServeConfig:
                        config.max_sessions)
         config = replace(config, max_sessions=room)
     return config
+
+
+def _run_index(config: ServeConfig, models) -> RunIndex | None:
+    """The index of runs reused at another offset, anchored at the tokens that open a chat message; None when the
+    settings turn it off or the family's tokenizer has no such token (said in the log)."""
+    if not config.switch.offset_reuse:
+        return None
+    tokenizer = next(iter(models.values()))[1]
+    anchors = message_anchor_ids(tokenizer)
+    if not anchors:
+        logger.info("no reuse at another offset: the tokenizer has none of %s to anchor runs at",
+                    ", ".join(MESSAGE_OPENERS))
+        return None
+    return RunIndex(anchors)
 
 
 def _announce(hosted: Iterable[HostedModel], policies: Iterable[PairPolicy], guard: bool) -> None:
@@ -173,8 +161,11 @@ class Engine:
         }
         self.chat_template = family_template(models)
         self.tool_parser = tool_parser(config.tool_parser)  # reads tool calls out of every answer
-        self.prefix_cache = PrefixCache()  # the conversations that name no session, found by their tokens
         self.prefix_store = PrefixStore()  # the conversations' openings, per tenant: a switch copies its exact prefix
+        # the conversations that name no session, found by their tokens (and their runs at another offset)
+        self.prefix_cache = PrefixCache(runs=_run_index(config, models),
+                                        offset_plan=lambda namespace: config.switch.offset_plan(
+                                            self.prefix_store.within(namespace)))
         self.plan = config.switch.plan(self.prefix_store)  # every session's handoffs, each pair's recompute its own
         self.policies: dict[tuple[str, str], PairPolicy] = pair_policies(
             config.switch, self._mappers, self.prefix_store, lambda name: capabilities_of(models[name][0]))
@@ -345,7 +336,8 @@ class Engine:
                 raise RequestError("cancelled", "the client went away before the request was served")
             if state.id is None:
                 checkout = self.prefix_cache.checkout(request.namespace, prompt, hosted.name, session,
-                                                      exact_only=request.handoff_mode == "exact")
+                                                      exact_only=request.handoff_mode == "exact",
+                                                      offset=request.handoff_mode == "auto")
             try:
                 report, logprobs = yield from serve_turn(session, hosted.name, prompt, self.policies,
                                                          request.handoff_mode, self.config.prefill_chunk,

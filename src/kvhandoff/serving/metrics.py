@@ -16,10 +16,11 @@ class ServingMetrics:
     kvhandoff_handoffs_total{from,to,status}: switches of model (status applied | escalated | fallback, or reprefill:
     the request asked to re-prefill instead of mapping); kvhandoff_mapped_tokens_total{from,to}: cached positions mapped
     between models; kvhandoff_prefill_tokens_avoided_total{kind}: prompt tokens served from a cache instead of prefilled
-    (kind own | mapped); kvhandoff_time_to_first_token_seconds{status}: request arrival to the first token's
-    distribution (status applied | escalated | fallback | reprefill | none); kvhandoff_live_sessions,
-    kvhandoff_cache_bytes: gauges read at scrape time; kvhandoff_evictions_total{reason}: sessions dropped (memory | ttl
-    | sessions); kvhandoff_guard_fallbacks_total{from,to}; kvhandoff_guard_escalations_total{from,to};
+    (kind own | mapped | offset: a run of the history reused at another offset);
+    kvhandoff_time_to_first_token_seconds{status}: request arrival to the first token's distribution (status applied |
+    escalated | fallback | reprefill | none); kvhandoff_live_sessions, kvhandoff_cache_bytes: gauges read at scrape
+    time; kvhandoff_evictions_total{reason}: sessions dropped (memory | ttl | sessions);
+    kvhandoff_guard_fallbacks_total{from,to}; kvhandoff_guard_escalations_total{from,to};
     kvhandoff_requests_total{endpoint,outcome}; kvhandoff_cancelled_total: generations cancelled by a client that went
     away.
 
@@ -79,6 +80,9 @@ class ServingMetrics:
         if status == "escalated":
             self.guard_escalations.labels(source, target).inc()
         cached = report["cached_tokens"]
+        if report.get("reuse") == "offset":
+            self.prefill_avoided.labels(kind="offset").inc(cached)
+            return
         mapped = report["mapped_tokens"] if status in ("applied", "escalated") else 0
         if mapped:
             self.prefill_avoided.labels(kind="mapped").inc(mapped)

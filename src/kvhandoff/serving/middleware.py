@@ -71,6 +71,9 @@ def documented(*statuses: int) -> dict:
 ANSWER_HEADERS = {
     "X-KV-Handoff": {"description": "what happened to the conversation's cache", "required": True,
                      "schema": {"enum": ["applied", "escalated", "fallback", "reprefill", "none"]}},
+    "X-KV-Reuse": {"description": "how the cached positions were found: the prompt's prefix, or its history at "
+                                  "another offset", "required": True,
+                   "schema": {"enum": ["prefix", "offset", "none"]}},
     "x-vsr-kv-transfer-status": {"description": "the same in the router vocabulary", "required": True,
                                  "schema": {"enum": ["applied", "fallback_reprefill", "unsupported"]}},
     "x-vsr-kv-mapper-id": {"description": "the mapper that ran (its manifest checksum)", "schema": {"type": "string"}},

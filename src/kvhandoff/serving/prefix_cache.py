@@ -12,23 +12,49 @@ mapped, the rows it computed on top of those as derived.
 
 With ``exact_only`` (`kv_handoff.mode` "exact") only the asked model's own exact rows are checked out: nothing
 mapped serves the request, and nothing is handed over.
+
+Reuse at another offset: with a `RunIndex`, every conversation kept is indexed in its tenant, and a prompt whose
+history another conversation holds after another beginning (another agent's instructions) is served from that run
+when it saves more than the prefix: the rows of the model holding it (the asked model's own exact ones, else another
+model's that may be handed over, mapped) are moved behind the prompt's beginning (`SwitchingSession.reuse`), the
+asked model's own exact rows of the beginning's start copied in, the rest of the beginning and the offset plan's
+picks recomputed with the prompt's read. Never with ``exact_only``. Checked in as: the beginning exact, the run
+mapped from the model whose rows it was, the rest derived from it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvhandoff.runtime.offset import mapped_run
+from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.runs import RunIndex, RunMatch
 from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff.serving.prefix_reuse import PrefixMatch, Reuse
 from kvhandoff.serving.prefix_tree import EXACT, PrefixHandle, PrefixTree, choose_reuse, derived_from, mapped_from
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class OffsetRun:
+    """Where a run reused at another offset sits in a request's prompt: after ``beginning`` positions (the first
+    ``known`` of them the asked model's own rows), ``length`` positions whose rows came from ``source``."""
+
+    beginning: int
+    length: int
+    source: str
+    known: int = 0
+
+
+@dataclass(frozen=True)
 class Checkout:
     """A request's share of the tree: its namespace, the pinned path, and what the asked model's cache started with:
-    its positions, its own exact ones among them, and the model its mapped or derived ones came from."""
+    its positions, its own exact ones among them, and the model its mapped or derived ones came from; ``offset``: the
+    run reused at another offset it started from instead (None: a prefix)."""
 
     namespace: str
     handle: PrefixHandle
@@ -36,16 +62,22 @@ class Checkout:
     length: int = 0
     exact: int = 0
     source: str | None = None
+    offset: OffsetRun | None = None
 
 
 class PrefixCache:
-    """The server's caches of conversations by token prefix (one `PrefixTree`, every namespace)."""
+    """The server's caches of conversations by token prefix (one `PrefixTree`, every namespace); with ``runs`` (a
+    `RunIndex`) and ``offset_plan`` (a namespace's `HandoffPlan` of runs reused at another offset), the runs too."""
 
-    def __init__(self, tree: PrefixTree | None = None) -> None:
+    def __init__(self, tree: PrefixTree | None = None, runs: RunIndex | None = None,
+                 offset_plan: Callable[[str], HandoffPlan] | None = None) -> None:
         self.tree = tree or PrefixTree()
+        self.runs = runs if offset_plan is not None else None
+        self.offset_plan = offset_plan
+        self._keys = itertools.count()  # the run index's key of each conversation kept
 
     def checkout(self, namespace: str, prompt: list[int], model: str, session: SwitchingSession,
-                 exact_only: bool = False) -> Checkout:
+                 exact_only: bool = False, offset: bool = True) -> Checkout:
         """Fill the new ``session`` with what serves ``prompt`` in ``namespace`` (all but its last token, which the
         model reads for its logits): ``model``'s longest prefix and, when another model may hand over more, that
         model's rows as the previous owner. The matched path stays pinned until `release`. Call on the model's
@@ -53,6 +85,9 @@ class PrefixCache:
         match = self.tree.match(namespace, prompt, model, exact_only, lock=True)
         try:
             reuse = choose_reuse(match, limit=len(prompt) - 1)
+            run = self._reuse_offset(namespace, prompt, session, match, reuse) if offset and not exact_only else None
+            if run is not None:
+                return Checkout(namespace, match.handle, model, run.known, run.known, run.source, run)
             own = match.own
             caches, owner = {}, model
             if reuse.own:
@@ -70,6 +105,37 @@ class PrefixCache:
             raise
         return Checkout(namespace, match.handle, model, reuse.own, min(own.exact, reuse.own),
                         own.sources[-1] if own.sources and reuse.own > own.exact else None)
+
+    def _reuse_offset(self, namespace: str, prompt: list[int], session: SwitchingSession, match: PrefixMatch,
+                      reuse: Reuse) -> OffsetRun | None:
+        """Start ``session`` from the longest run of ``prompt`` a conversation of ``namespace`` holds at another
+        offset, when there is one longer than what ``reuse`` (the prefix's) serves; None otherwise."""
+        if self.runs is None:
+            return None
+        run = self.runs.find(prompt[:-1], namespace)  # the last token is read for its logits
+        if run is None or run.length <= reuse.reused:
+            return None
+        model = match.model
+        held = self.runs.held(run.key, namespace)
+        found = self.tree.match(namespace, held[:run.held_start + run.length], model, lock=True, count=False)
+        try:
+            source, length = _run_holder(found, run, session)
+            if length < self.runs.min_length or length <= reuse.reused:
+                if length == 0:  # the tree no longer holds its rows (evicted): forget it
+                    self.runs.remove(run.key, namespace)
+                return None
+            rows = found.rows(source, run.held_start, run.held_start + length)
+        finally:
+            self.tree.unlock(found.handle)
+        if source != model:
+            rows = mapped_run(session.mappers[source, model], rows, run.held_start,
+                              dtype=rows.layers[0].keys.dtype)
+        known = min(match.own.exact, run.prompt_start)
+        end = run.prompt_start + length
+        session.reuse(model, prompt[:run.prompt_start], prompt[run.prompt_start:end], rows, run.held_start, source,
+                      self.offset_plan(namespace), self._restored(session, match, model, known) if known else None)
+        logger.debug("%s: %d positions reused at another offset (%+d) from %s", model, length, run.shift, source)
+        return OffsetRun(run.prompt_start, length, source, known)
 
     @staticmethod
     def _restored(session: SwitchingSession, match, model: str, length: int):
@@ -93,6 +159,20 @@ class PrefixCache:
         own = session.own_length(name)
         tokens = session.tokens[:length]
         namespace = checkout.namespace
+        if self.runs is not None and length:
+            self.runs.add(next(self._keys), tokens, namespace)
+        offset = checkout.offset
+        if offset is not None and report.reuse == "offset":  # the beginning exact, the run mapped, the rest derived
+            begin, end = offset.beginning, offset.beginning + offset.length
+            if begin > offset.known:
+                self.tree.insert(namespace, tokens[:begin], name, session.export(name, offset.known, begin), EXACT,
+                                 start=offset.known)
+            self.tree.insert(namespace, tokens[:end], name, session.export(name, begin, end),
+                             mapped_from(offset.source), start=begin)
+            if length > end:
+                self.tree.insert(namespace, tokens, name, session.export(name, end, length),
+                                 derived_from(offset.source), start=end)
+            return
         if own > checkout.exact:
             self.tree.insert(namespace, tokens[:own], name, session.export(name, checkout.exact, own), EXACT,
                              start=checkout.exact)
@@ -112,3 +192,18 @@ class PrefixCache:
     def release(self, checkout: Checkout) -> None:
         """Unpin the request's path (it may be evicted again)."""
         self.tree.unlock(checkout.handle)
+
+
+def _run_holder(found: PrefixMatch, run: RunMatch, session: SwitchingSession) -> tuple[str, int]:
+    """The model whose rows of ``run`` (at its held position) serve the asked model, and how many of the run's
+    positions they cover: the asked model's own exact rows, else another model's that may be handed over and that a
+    mapper of ``session`` maps (the longest; the asked model's on a tie); ("", 0) when none holds any."""
+    start, end = run.held_start, run.held_start + run.length
+    model = found.model
+    best = (model, max(0, min(found.own.exact, end) - start))
+    for name, hold in found.holds.items():
+        if name != model and (name, model) in session.mappers:
+            covered = max(0, min(hold.transferable(start), hold.length, end) - start)
+            if covered > best[1]:
+                best = (name, covered)
+    return best if best[1] else ("", 0)

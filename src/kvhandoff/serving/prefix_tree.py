@@ -142,10 +142,11 @@ class PrefixTree:
 
     # -- lookup ---------------------------------------------------------------------------------------------------
     def match(self, namespace: str, tokens, model: str, exact_only: bool = False, *,
-              lock: bool = False) -> PrefixMatch:
+              lock: bool = False, count: bool = True) -> PrefixMatch:
         """The longest prefix of ``tokens`` that ``model`` holds (its own rows only, with ``exact_only``; else its
         own then mapped ones), and what every other model holds; with ``lock`` the matched path is pinned in the
-        same step (`unlock` its handle when the request ends)."""
+        same step (`unlock` its handle when the request ends). ``count``: a request's lookup, counted in `stats`
+        (False: a lookup of held rows, e.g. a run reused at another offset)."""
         namespace, model, tokens = _name(namespace, "namespace"), _name(model, "model"), _token_ids(tokens)
         with self._lock:
             self._clock += 1
@@ -160,7 +161,8 @@ class PrefixTree:
             handle = PrefixHandle(namespace, own.length, node, self)
             if lock:
                 self._pin(handle)
-            self._counts.count_match(model, own, holds, len(tokens))
+            if count:
+                self._counts.count_match(model, own, holds, len(tokens))
         return PrefixMatch(namespace, model, len(tokens), exact_only, holds, handle)
 
     # -- insert ---------------------------------------------------------------------------------------------------

@@ -33,6 +33,17 @@ LENGTH_CHUNK_CHARS = 1 << 16
 CHUNK_CUT_TOKENS = 8
 
 
+#: the special tokens that open a chat message in the templates of the families served (ChatML, Llama 3, Gemma)
+MESSAGE_OPENERS = ("<|im_start|>", "<|start_header_id|>", "<start_of_turn>")
+
+
+def message_anchor_ids(tokenizer) -> tuple[int, ...]:
+    """The ids of ``tokenizer``'s special tokens that open a chat message (`MESSAGE_OPENERS`; none: an empty
+    tuple): where a run of a conversation reused at another offset may start."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    return tuple(added[token] for token in MESSAGE_OPENERS if token in added)
+
+
 def surely_longer(tokenizer, text: str, limit: int, add_special_tokens: bool = True) -> bool:
     """Whether ``text`` is surely more than ``limit`` tokens: counted a chunk at a time (`LENGTH_CHUNK_CHARS`,
     each cut allowed `CHUNK_CUT_TOKENS`), stopping once past the limit, so an over-long text is refused without

@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 #: response header saying what happened to the cache: applied | escalated | fallback | reprefill | none
 HANDOFF_HEADER = "X-KV-Handoff"
+#: response header saying how the cached positions were found: prefix | offset | none
+REUSE_HEADER = "X-KV-Reuse"
 #: the router vocabulary (vLLM semantic-router): whether a KV transfer served the request, the mapper that did it
 #: (its manifest checksum); the conversation cache it went into is `parse.CACHE_ID_HEADER`
 TRANSFER_STATUS_HEADER = "x-vsr-kv-transfer-status"
@@ -64,7 +66,7 @@ def handoff_info(generation: Generation) -> HandoffInfo:
     guard = GuardInfo(**report.guard) if report.guard else None
     return HandoffInfo(status=report.status, from_=report.source, to=report.target, mapped_tokens=report.mapped_tokens,
                        read_tokens=report.read_tokens, approximate_tokens=report.approximate_tokens, guard=guard,
-                       milliseconds=report.milliseconds)
+                       milliseconds=report.milliseconds, reuse=report.reuse)
 
 
 def usage_of(generation: Generation) -> Usage:
@@ -97,7 +99,8 @@ def headers_of(engine: Engine, request: GenerationRequest, generation: Generatio
     """What happened to the cache, in kvhandoff's header and the router vocabulary's (the cache id the router named,
     ``router_cache``, else the session's own), and the session."""
     report = generation.report
-    headers = {HANDOFF_HEADER: report.status, TRANSFER_STATUS_HEADER: TRANSFER_STATUS[report.status]}
+    headers = {HANDOFF_HEADER: report.status, TRANSFER_STATUS_HEADER: TRANSFER_STATUS[report.status],
+               REUSE_HEADER: report.reuse}
     if report.source is not None and report.status != "reprefill":  # a mapper ran
         headers[MAPPER_ID_HEADER] = engine.mapper_id(report.source, report.target)
     if router_cache or generation.cache_id is not None:

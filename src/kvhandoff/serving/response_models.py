@@ -23,8 +23,10 @@ class HandoffInfo(BaseModel):
     rejected it, the model re-prefilled), "reprefill" (another model served last and the request asked for
     ``kv_handoff.mode`` "reprefill" or "exact": nothing was mapped, the model re-prefilled), "none" (no switch: the
     model's own cache or a prefill). approximate_tokens: the prompt positions served from cached K/V that are not the
-    model's own exact ones (mapped at this or an earlier switch, or read on top of mapped ones); 0 when everything
-    cached was its own.
+    model's own exact ones (mapped at this or an earlier switch, read on top of mapped ones, or reused at another
+    offset); 0 when everything cached was its own. reuse: how the cached positions were found (also header
+    X-KV-Reuse): "prefix" (the conversation's start), "offset" (its history, held by another conversation after
+    another beginning such as another agent's instructions, moved to its new positions), "none" (nothing cached).
     """
 
     status: Literal["applied", "escalated", "fallback", "reprefill", "none"]
@@ -35,6 +37,7 @@ class HandoffInfo(BaseModel):
     approximate_tokens: int = 0
     guard: GuardInfo | None = None
     milliseconds: float
+    reuse: Literal["prefix", "offset", "none"] = "none"
 
 
 class PromptTokensDetails(BaseModel):

@@ -4,6 +4,7 @@ next to the models' own forwards."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -333,5 +334,43 @@ def eval_vllm(
         engines = {"vLLM": VllmAnswers(servers), "transformers": {source: pair.source, target: pair.target}}
         result = run_engine_quality(engines, mappers, pair.tokenizer, end_ids(pair.target, pair.tokenizer), task,
                                     limit, histories, wanted, policy, out, budget)
+    typer.echo(json.dumps(result["summary"], indent=2))
+    typer.echo(f"wrote {out}")
+
+
+def eval_offset(
+    source: Source = DEFAULT_SOURCE,
+    target: Target = DEFAULT_TARGET,
+    task: GenerativeTask = "coqa_gen",
+    limit: ItemLimit = 80,
+    histories: Histories = 8,
+    directions: Directions = "up",
+    same_model: Annotated[bool, typer.Option(help="also each direction's target handing to itself (a changed "
+                                                  "system prompt)")] = True,
+    policies: Annotated[str, typer.Option(help="comma-separated recompute policies tried (each a condition)")]
+    = "none,blend:15%",
+    pool: Annotated[str, typer.Option(parser=one_of(("dev", "report")), help="the items' pool (choose on dev, "
+                                                                            "report on report)")] = "report",
+    threads: EngineThreads = None,
+    budget: ItemBudget = None,
+    out: Annotated[Path, typer.Option(help="the result (JSON, rewritten after every item; a rerun continues)")]
+    = Path("runs/eval_offset.json"),
+) -> None:
+    """The switch benchmark with the history behind other instructions: the run reused at its new offset under each
+    recompute policy against the target reading everything again, per direction, with paired intervals."""
+    from kvhandoff.runtime import policy as recompute_policy
+    from kvhandoff.serving.decoding import end_ids
+    from kvhandoff_lab.offset_quality import run_offset_quality
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    with option_errors("--policies"):
+        tried = [recompute_policy.parse(spec) for spec in re.split(r",(?![^()]*\))", policies)]
+    pair, wanted, mappers = _pair_directions(source, target, directions)
+    if same_model:
+        wanted += [(b, b) for _, b in wanted if (b, b) not in wanted]
+    models = {source: pair.source, target: pair.target}
+    result = run_offset_quality(models, mappers, pair.tokenizer, end_ids(pair.target, pair.tokenizer), tried,
+                                wanted, task, limit, histories, pool, out, budget)
     typer.echo(json.dumps(result["summary"], indent=2))
     typer.echo(f"wrote {out}")

@@ -25,6 +25,7 @@ from kvhandoff.config import require_positive
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.manifest import RECORD_HINT, GuardCalibration, RecomputeChoice
 from kvhandoff.runtime import policy
+from kvhandoff.runtime.offset import DEFAULT_OFFSET_RECOMPUTE, check_offset_policy
 from kvhandoff.runtime.plan import HandoffPlan, recorded_policy, recorded_recompute
 from kvhandoff.runtime.policy import DEFAULT_RECOMPUTE, RecomputePolicy
 from kvhandoff.runtime.prefix_store import PrefixStore
@@ -59,7 +60,9 @@ class SwitchSettings:
     one each pair uses the guard recorded with its mapper, unless guard_signal or guard_window differ from the record's
     (then that pair has no guard, said at start-up). guard_action: what a flagged switch does, a `Fallback` or an
     `Escalate` (or its spec, "fallback", "escalate:recent:35%"), stored parsed; None: each recorded guard's action,
-    else a fallback.
+    else a fallback. offset_reuse: reuse a run of the history another conversation holds after another beginning
+    (`kvhandoff.runtime.offset`); offset_recompute: what the target recomputes of such a run, a policy ranking by the
+    target alone (None: `DEFAULT_OFFSET_RECOMPUTE`), stored parsed.
     """
 
     exact_prefix: int | None = None
@@ -71,6 +74,8 @@ class SwitchSettings:
     guard_threshold: float | None = None
     guard_window: int | None = None
     guard_action: GuardAction | str | None = None
+    offset_reuse: bool = True
+    offset_recompute: RecomputePolicy | str | None = None
 
     def __post_init__(self) -> None:
         if self.exact_prefix is not None:
@@ -98,6 +103,10 @@ class SwitchSettings:
             require_positive("guard_window", self.guard_window)
         if self.guard_action is not None:
             object.__setattr__(self, "guard_action", parse_guard_action(self.guard_action))
+        if not isinstance(self.offset_reuse, bool):
+            raise ConfigError(f"offset_reuse must be True or False, got {self.offset_reuse!r}")
+        offset = DEFAULT_OFFSET_RECOMPUTE if self.offset_recompute is None else policy.parse(self.offset_recompute)
+        object.__setattr__(self, "offset_recompute", check_offset_policy(offset))
 
     @property
     def rechooses_recompute(self) -> bool:
@@ -113,9 +122,14 @@ class SwitchSettings:
         """The handoffs' plan of a pair without a policy of its own, the exact prefixes kept in ``prefix_store``."""
         return HandoffPlan(self.exact_prefix, self.served_recompute, prefix_store)
 
+    def offset_plan(self, prefix_store: PrefixStore | None = None) -> HandoffPlan:
+        """The plan of a run reused at another offset (`SwitchingSession.reuse`): ``offset_recompute``, the new
+        beginning's exact prefix kept in ``prefix_store``."""
+        return HandoffPlan(None, self.offset_recompute, prefix_store)
+
     def to_dict(self) -> dict:
         """The settings as plain values (policies as their specs)."""
-        return {**dataclasses.asdict(self),
+        return {**dataclasses.asdict(self), "offset_recompute": self.offset_recompute.spec,
                 "recompute": None if self.recompute is None else self.recompute.spec,
                 "guard_action": None if self.guard_action is None else self.guard_action.spec}
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhandoff.errors import KVHandoffError
+from kvhandoff.errors import ConfigError, KVHandoffError
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.runtime.switch.guard import Escalate, guard_score
@@ -26,6 +26,9 @@ from kvhandoff.runtime.switch.pair import PairPolicy
 #: how a turn may be served at a switch: "auto" (mapped, under the pair's guard), "reprefill" (the receiving model
 #: reads the whole conversation again), "exact" (it re-reads what it does not hold exactly; its own earlier turns stay)
 TURN_MODES = ("auto", "reprefill", "exact")
+#: how a turn's cached positions were found: "prefix" (the conversation's own start), "offset" (a run another
+#: conversation holds after another beginning, `SwitchingSession.reuse`), "none" (nothing cached: a prefill)
+REUSE_KINDS = ("prefix", "offset", "none")
 
 
 class TurnCancelled(KVHandoffError):
@@ -38,7 +41,7 @@ class TurnReport:
     (mapped), "escalated" (mapped again with a larger budget), "fallback" (the guard sent it to a re-prefill) or
     "reprefill" (asked for); from ``source`` to ``target``; the positions mapped, read and served from a cache; the
     guard's report (`GuardPolicy.report`); the time it took; the positions served from a cache that are not the
-    model's own (mapped rows)."""
+    model's own (mapped rows); ``reuse``: how the cached positions were found (`REUSE_KINDS`)."""
 
     status: str
     source: str | None
@@ -50,12 +53,13 @@ class TurnReport:
     guard: dict | None
     milliseconds: float
     approximate_tokens: int = 0
+    reuse: str = "none"
 
     def to_dict(self) -> dict:
         return {"status": self.status, "from": self.source, "to": self.target, "mapped_tokens": self.mapped_tokens,
                 "read_tokens": self.read_tokens, "cached_tokens": self.cached_tokens,
                 "approximate_tokens": self.approximate_tokens, "prompt_tokens": self.prompt_tokens,
-                "guard": self.guard, "milliseconds": self.milliseconds}
+                "guard": self.guard, "milliseconds": self.milliseconds, "reuse": self.reuse}
 
 
 def common_prefix(first, second) -> int:
@@ -83,6 +87,12 @@ def serve_turn(session: SwitchingSession, server: str, prompt: Sequence[int],
     meanwhile stops it there (`TurnCancelled`). Re-prefills are read in one forward."""
     started = time.perf_counter()
     prompt = list(prompt)
+    reused = session.reused
+    if reused is not None and reused.pending and reused.server == server:
+        if mode != "auto":  # approximate rows serve only "auto": the whole prompt is read instead
+            session.truncate(0)
+        else:
+            return (yield from _serve_reused(session, server, prompt, policies, chunk, cancelled, started))
     common = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
     session.truncate(common)
     new = prompt[common:]
@@ -126,7 +136,37 @@ def serve_turn(session: SwitchingSession, server: str, prompt: Sequence[int],
         logprobs = yield from read_chunked(session, server, new, chunk, 1, cancelled)
     approximate = max(0, kept - own_before) if status in ("applied", "escalated", "none") else 0
     report = TurnReport(status, source, server, mapped, len(prompt) - kept, kept, len(prompt), guard,
-                        round((time.perf_counter() - started) * 1000, 3), approximate)
+                        round((time.perf_counter() - started) * 1000, 3), approximate, "prefix" if kept else "none")
+    return report, logprobs[-1]
+
+
+def _serve_reused(session: SwitchingSession, server: str, prompt: list[int],
+                  policies: Mapping[tuple[str, str], PairPolicy], chunk: int, cancelled, started: float) -> Steps:
+    """`serve_turn` of a session started from a run at another offset (`SwitchingSession.reuse`): the model reads
+    the rest of the prompt, recomputing the new beginning and the policy's picks in the first chunk's forward. A run
+    mapped from another model is a switch ("applied") under that pair's guard when its signal needs no reference
+    pass (the previous model never read this conversation); a rejected one is read whole again ("fallback")."""
+    reused = session.reused
+    held = reused.beginning + reused.length
+    if common_prefix(session.tokens, prompt) < held or len(prompt) <= held:
+        raise ConfigError(f"a reused run ends at position {held}: the prompt must hold the session's tokens and at "
+                          "least one more")
+    switched = reused.source != server
+    policy = policies[reused.source, server].guard if switched else None
+    guarded = policy is not None and policy.active and not policy.needs_reference
+    new = prompt[held:]
+    keep = policy.window if guarded else 1
+    logprobs = yield from read_chunked(session, server, new, chunk, keep, cancelled)
+    status, guard, kept = ("applied" if switched else "none"), None, reused.length
+    if guarded:
+        score = guard_score(policy.signal, logprobs, None, new, reused.length / held)
+        guard = policy.report(score)
+        if policy.rejects(score):
+            status, kept = "fallback", 0
+            logprobs = session.reprefill(server)[None]
+    report = TurnReport(status, reused.source if switched else None, server, reused.length if switched else 0,
+                        len(prompt) - kept, kept, len(prompt), guard, round((time.perf_counter() - started) * 1000, 3),
+                        kept, "offset" if kept else "none")
     return report, logprobs[-1]
 
 
