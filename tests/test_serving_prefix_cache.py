@@ -306,10 +306,18 @@ def test_another_agents_history_is_reused_behind_other_instructions_and_kept_as_
     assert (large.length, large.exact, large.sources) == (len(analyst), run.beginning, ("small",))
     assert cache.tree.stats().locked == 0
     # another tenant finds nothing; an exact-only checkout never reuses at another offset
-    assert cache.checkout("u", analyst, "large", new_session()).offset is None
-    exact = cache.checkout("t", analyst[:-1] + [analyst[-1]], "small", new_session(), exact_only=True)
-    assert exact.offset is None
-    cache.release(exact)
+    auditor = chat_ids(tokenizer, [{"role": "system", "content": "You audit."}, *HISTORY, NEW_TURN])
+    for namespace, exact_only in (("u", False), ("t", True)):
+        out = cache.checkout(namespace, auditor, "large", new_session(), exact_only=exact_only)
+        assert out.offset is None
+        cache.release(out)
+    third = new_session()  # large's own exact rows of the beginning's start are copied in, the rest recomputed
+    out = cache.checkout("t", auditor, "large", third)
+    assert out.offset is not None and 0 < out.offset.known == out.exact < out.offset.beginning
+    logprobs = third.read_logprobs("large", auditor[len(third.tokens):])
+    alone = third.models["large"](input_ids=torch.tensor([auditor])).logits[0, -1].log_softmax(-1)
+    torch.testing.assert_close(logprobs[-1], alone, atol=1e-4, rtol=0)
+    cache.release(out)
 
 
 def test_a_run_whose_rows_were_evicted_is_forgotten():

@@ -26,8 +26,7 @@ from kvhandoff.files import atomic_write_json
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff.runtime.session import SwitchingSession
-from kvhandoff_lab.evaluation.metrics import paired_bootstrap
-from kvhandoff_lab.evaluation.switch import turn_items
+from kvhandoff_lab.evaluation.switch import paired_difference, turn_items
 from kvhandoff_lab.evaluation.switchtasks import DEFAULT_MAX_NEW_TOKENS, get_switch_task, item_score
 from kvhandoff_lab.evaluation.tasks import cut_at_stop
 
@@ -176,5 +175,5 @@ def summarize_quality(result: dict) -> dict:
 
 
 def _difference(a: np.ndarray, b: np.ndarray) -> dict:
-    low, high = paired_bootstrap({"a": a, "b": b}, lambda s: float(s["a"].mean() - s["b"].mean()))
-    return {"mean": float(a.mean() - b.mean()), "ci95": [low, high]}
+    difference = paired_difference(a, b)
+    return {"mean": difference["value"], "ci95": difference["ci"]}

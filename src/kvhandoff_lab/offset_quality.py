@@ -33,8 +33,7 @@ from kvhandoff.runtime.offset import check_offset_policy, mapped_run
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff.runtime.session import SwitchingSession
-from kvhandoff_lab.engine_quality import _difference
-from kvhandoff_lab.evaluation.switch import turn_items
+from kvhandoff_lab.evaluation.switch import paired_difference, turn_items
 from kvhandoff_lab.evaluation.switchtasks import DEFAULT_MAX_NEW_TOKENS, get_switch_task, item_score
 from kvhandoff_lab.evaluation.tasks import cut_at_stop
 
@@ -173,6 +172,6 @@ def summarize_offset(result: dict) -> dict:
             entry[condition] = {"score": float(scores.mean()), "first_token_s": float(np.mean(
                 [records[i][condition]["first_token_s"] for i in ids]))}
             if condition != REREAD:
-                entry[condition]["minus_reread"] = _difference(scores, reread)
+                entry[condition]["minus_reread"] = paired_difference(scores, reread)
         summary[direction] = entry
     return summary

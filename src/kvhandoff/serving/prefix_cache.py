@@ -133,7 +133,7 @@ class PrefixCache:
         known = min(match.own.exact, run.prompt_start)
         end = run.prompt_start + length
         session.reuse(model, prompt[:run.prompt_start], prompt[run.prompt_start:end], rows, run.held_start, source,
-                      self.offset_plan(namespace), self._restored(session, match, model, known) if known else None)
+                      self.offset_plan(namespace), match.rows(model, 0, known) if known else None)
         logger.debug("%s: %d positions reused at another offset (%+d) from %s", model, length, run.shift, source)
         return OffsetRun(run.prompt_start, length, source, known)
 
@@ -196,11 +196,12 @@ class PrefixCache:
 
 def _run_holder(found: PrefixMatch, run: RunMatch, session: SwitchingSession) -> tuple[str, int]:
     """The model whose rows of ``run`` (at its held position) serve the asked model, and how many of the run's
-    positions they cover: the asked model's own exact rows, else another model's that may be handed over and that a
-    mapper of ``session`` maps (the longest; the asked model's on a tie); ("", 0) when none holds any."""
+    positions they cover: the asked model's own (whatever their provenance: what already serves it), else another
+    model's that may be handed over and that a mapper of ``session`` maps (the longest; the asked model's on a tie);
+    ("", 0) when none holds any."""
     start, end = run.held_start, run.held_start + run.length
     model = found.model
-    best = (model, max(0, min(found.own.exact, end) - start))
+    best = (model, max(0, min(found.own.length, end) - start))
     for name, hold in found.holds.items():
         if name != model and (name, model) in session.mappers:
             covered = max(0, min(hold.transferable(start), hold.length, end) - start)
