@@ -14,7 +14,7 @@ from kvhandoff.runtime.handoff import MappedCache, check_context
 from kvhandoff.runtime.offset import reuse_run
 from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
 from kvhandoff.runtime.policy import SelectionInfo
-from kvhandoff.runtime.seam import CacheFactory, new_cache
+from kvhandoff.runtime.seam import CacheFactory, as_kv_cache, new_cache
 from kvhandoff.runtime.session_caches import SessionCaches
 from kvhandoff.runtime.session_handover import HANDOVERS, Handover, check_settings, hand_over, pair_mapper
 
@@ -25,13 +25,15 @@ __all__ = ["HANDOVERS", "ReusedRun", "SwitchingSession", "read_together"]
 class ReusedRun:
     """A conversation started from a run of tokens held at another offset (`SwitchingSession.reuse`): ``server``'s
     cache of the new ``beginning`` positions, then ``length`` positions of the run whose rows came from ``source``'s
-    cache (``server`` itself: its own rows, moved), recomputed by ``recompute`` with the next read (``mapped``)."""
+    cache (``server`` itself: its own rows, moved), recomputed by the plan's policy with the next read
+    (``mapped``); the first ``known`` positions of the beginning were ``server``'s own rows, copied in."""
 
     server: str
     source: str
     beginning: int
     length: int
     mapped: MappedCache
+    known: int = 0
 
     @property
     def pending(self) -> bool:
@@ -335,7 +337,8 @@ class SwitchingSession:
         self._caches.start(server, mapped.cache)
         self.tokens, self.owner, self._handover = beginning + [int(t) for t in run], server, None
         self._turn_starts = [0, len(beginning)] if beginning else [0]
-        self.reused = ReusedRun(server, source, len(beginning), len(run), mapped)
+        known = 0 if beginning_rows is None else as_kv_cache(beginning_rows).length
+        self.reused = ReusedRun(server, source, len(beginning), len(run), mapped, known)
         return self.reused
 
     def export(self, server: str, start: int = 0, end: int | None = None):

@@ -80,8 +80,10 @@ class ServingMetrics:
         if status == "escalated":
             self.guard_escalations.labels(source, target).inc()
         cached = report["cached_tokens"]
-        if report.get("reuse") == "offset":
-            self.prefill_avoided.labels(kind="offset").inc(cached)
+        if report.get("reuse") == "offset":  # the run reused, and the model's own rows of the beginning
+            self.prefill_avoided.labels(kind="offset").inc(report["approximate_tokens"])
+            if cached > report["approximate_tokens"]:
+                self.prefill_avoided.labels(kind="own").inc(cached - report["approximate_tokens"])
             return
         mapped = report["mapped_tokens"] if status in ("applied", "escalated") else 0
         if mapped:

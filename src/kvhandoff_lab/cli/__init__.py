@@ -1,6 +1,6 @@
 """`kvhandoff-lab` command line: tune, eval, eval-render, eval-switch, bench, bench-fit, bench-llama-cpp,
 eval-llama-cpp, bench-vllm, eval-vllm, analyze, bench-serve, load-test, load-hostile, bench-concurrency, guard-eval,
-bench-agent.
+bench-agent, bench-handoff, eval-offset.
 
 The lab's measurements of the product: one module per command group, sharing the product's option parsers
 (`kvhandoff.cli.options`) and its one-line failure reports (`kvhandoff.cli.group`).
@@ -32,6 +32,7 @@ app.command("load-hostile")(measure.load_hostile)
 app.command("bench-concurrency")(measure.bench_concurrency)
 app.command("guard-eval")(measure.guard_eval)
 app.command("bench-agent")(measure.bench_agent)
+app.command("bench-handoff")(measure.bench_handoff)
 
 
 def main() -> None:

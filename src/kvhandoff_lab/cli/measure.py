@@ -302,3 +302,31 @@ def bench_agent(
     if errors:
         typer.echo(f"{errors} episode(s) stopped on a failed request (see the steps' error in {out})", err=True)
         raise typer.Exit(1)
+
+
+def bench_handoff(
+    models: Models = "",
+    mapper: Mappers = None,
+    problems: Annotated[int, typer.Option(parser=positive_int, help="CoQA conversations (held-out split)")] = 30,
+    offset_recompute: Annotated[RecomputePolicy | None, typer.Option(parser=recompute_policy, metavar="RULE:BUDGET",
+                                                                      help="what the analyst recomputes of a run "
+                                                                           "reused at another offset (default: the "
+                                                                           "server's)")] = None,
+    time_budget: Annotated[float | None, typer.Option("--time-budget", parser=positive_float, help=(
+        "seconds; no problem starts after it (rerun with the same --out to continue)"))] = None,
+    out: Annotated[Path, typer.Option(help="the results (JSON; problems already in it are skipped)")]
+    = Path("runs/agent_handoff.json"),
+) -> None:
+    """An OpenAI Agents SDK handoff through the server: a clerk on the small model looks a document up and hands off
+    to an analyst on the large model with other instructions; the analyst's prompt share served from a cache, time
+    to first bytes and answer F1, with the history found at another offset and with prefixes only."""
+    from kvhandoff_lab.serving.agent_handoff import handoff_problems, run_handoff_bench
+
+    with option_errors("--offset-recompute"):
+        config = ServeConfig(switch=SwitchSettings(offset_recompute=offset_recompute), log_level="warning")
+    chosen = handoff_problems(problems)
+    family = load_family(*family_specs(models, mapper), progress=True)
+    result = run_handoff_bench(*family, config, chosen, out=out, time_budget_s=time_budget,
+                               settings={"offset_recompute": config.switch.offset_recompute.spec})
+    typer.echo(json.dumps(result["summary"], indent=2))
+    typer.echo(f"wrote {out}")

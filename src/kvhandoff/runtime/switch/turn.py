@@ -157,7 +157,7 @@ def _serve_reused(session: SwitchingSession, server: str, prompt: list[int],
     new = prompt[held:]
     keep = policy.window if guarded else 1
     logprobs = yield from read_chunked(session, server, new, chunk, keep, cancelled)
-    status, guard, kept = ("applied" if switched else "none"), None, reused.length
+    status, guard, kept = ("applied" if switched else "none"), None, reused.known + reused.length
     if guarded:
         score = guard_score(policy.signal, logprobs, None, new, reused.length / held)
         guard = policy.report(score)
@@ -166,7 +166,7 @@ def _serve_reused(session: SwitchingSession, server: str, prompt: list[int],
             logprobs = session.reprefill(server)[None]
     report = TurnReport(status, reused.source if switched else None, server, reused.length if switched else 0,
                         len(prompt) - kept, kept, len(prompt), guard, round((time.perf_counter() - started) * 1000, 3),
-                        kept, "offset" if kept else "none")
+                        reused.length if kept else 0, "offset" if kept else "none")
     return report, logprobs[-1]
 
 
