@@ -352,3 +352,9 @@ def test_the_analyst_after_a_clerk_handoff_is_served_from_the_clerks_history():
         assert text == expected("large", analyst)
         metrics = httpx.get(server.url + "/metrics", timeout=30).text
         assert 'kvhandoff_prefill_tokens_avoided_total{kind="offset"}' in metrics
+        health = httpx.get(server.url + "/health", timeout=30).json()["offset_reuse"]
+        assert health == {"recompute": "recent:100%", "conversations": 4}  # two tenants, two agents each
+    with running(offset_reuse=False) as server:
+        ask(server, "small", clerk)
+        assert ask(server, "large", analyst)[1]["reuse"] != "offset"
+        assert httpx.get(server.url + "/health", timeout=30).json()["offset_reuse"] is None

@@ -20,8 +20,11 @@ from kvhandoff.cli.options import (
     option_errors,
     positive_float,
     positive_int,
+    recompute_policy,
 )
 from kvhandoff.runtime.llama_cpp.backend import LlamaCppSettings
+from kvhandoff.runtime.offset import DEFAULT_OFFSET_RECOMPUTE
+from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff.runtime.switch.guard import GUARD_SIGNALS
 from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.family import (
@@ -113,6 +116,13 @@ def serve(
     min_retention: Annotated[float | None, typer.Option(parser=non_negative_float, help=(
         "with the recorded trade-off (as --min-speedup): the mean retention the chosen point should keep; default: "
         "the record's"))] = None,
+    offset_reuse: Annotated[bool, typer.Option(help=(
+        "serve a prompt whose history another conversation holds after other instructions (another agent's) from "
+        "that history, moved to its new positions"))] = SwitchSettings.offset_reuse,
+    offset_recompute: Annotated[RecomputePolicy | None, typer.Option(
+        parser=recompute_policy, metavar="RULE:BUDGET", help=(
+            f"what a model recomputes of history reused at another offset: a rule ranking by the target alone "
+            f"(default {DEFAULT_OFFSET_RECOMPUTE.spec})"))] = None,
     api_key: Annotated[list[str] | None, typer.Option(envvar="KVHANDOFF_API_KEY", help=(
         "require 'Authorization: Bearer KEY' on every request; repeatable, each key a tenant whose caches no other "
         "key reaches (env KVHANDOFF_API_KEY: keys separated by spaces)"))] = None,
@@ -140,10 +150,11 @@ def serve(
 ) -> None:
     """Serve a model family behind an OpenAI-compatible API; a conversation that switches models is handed over."""
     with option_errors("--host", "--port", "--guard-threshold", "--max-context", "--api-key", "--recompute",
-                       "--min-speedup", "--min-retention"):
+                       "--min-speedup", "--min-retention", "--offset-recompute"):
         switch = SwitchSettings(recompute=recompute, min_speedup=min_speedup, min_retention=min_retention,
                                 guard=guard == "on", guard_signal=guard_signal, guard_threshold=guard_threshold,
-                                guard_action=guard_action)
+                                guard_action=guard_action, offset_reuse=offset_reuse,
+                                offset_recompute=offset_recompute)
         config = ServeConfig(host=host, port=port, switch=switch,
                              max_sessions=max_sessions, session_ttl_s=session_ttl,
                              cache_memory_bytes=cache_memory, max_context=max_context,

@@ -51,7 +51,7 @@ def repositioned(rows, old_start: int, new_start: int, config):
 
 #: what the target recomputes of a run reused at another offset when nothing else is named (chosen on dev items:
 #: docs/RESULTS.md, "Reuse at another offset")
-DEFAULT_OFFSET_RECOMPUTE = policy.parse("recent:10%")
+DEFAULT_OFFSET_RECOMPUTE = policy.parse("blend:10%")
 
 
 def check_offset_policy(recompute: RecomputePolicy) -> RecomputePolicy:
@@ -60,7 +60,7 @@ def check_offset_policy(recompute: RecomputePolicy) -> RecomputePolicy:
     if recompute.needs_source_attention or recompute.ranks_by_source_turn_read:
         raise ConfigError(f"recompute policy {recompute.spec!r} ranks by the source's attention, which a run reused "
                           "at another offset does not have: name one that ranks by the target alone (e.g. "
-                          "'blend:15%', 'deviation:10%', 'sinks:10%', 'recent:10%')", field="offset_recompute")
+                          "'blend:10%', 'deviation:10%', 'sinks:10%', 'recent:10%')", field="offset_recompute")
     return recompute
 
 

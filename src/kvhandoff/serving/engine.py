@@ -224,7 +224,8 @@ class Engine:
         (their client went away) that have not stopped yet; per ordered pair ("from → to") its quality guard
         (`GuardPolicy.to_dict`: source "recorded" | "configured" | "none", signal, threshold) and its recompute
         policy (`ServedRecompute.to_dict`: policy, source "configured" | "recorded" | "default"); the prefix store's
-        and the prefix cache's figures (`prefix_tree_stats.TreeStats`)."""
+        and the prefix cache's figures (`prefix_tree_stats.TreeStats`); reuse at another offset (None: off): its
+        recompute policy and the conversations indexed."""
         return {"status": "draining" if self.draining else "ok", "models": {name: {"queued": hosted.worker.queued()}
                                            for name, hosted in self._models.items()},
                 "guard": {policy.name: policy.guard.to_dict() for policy in self.policies.values()},
@@ -233,6 +234,9 @@ class Engine:
                 "prefix_store": {"openings": len(self.prefix_store), "bytes": self.prefix_store.bytes(),
                                  "hits": self.prefix_store.hits, "misses": self.prefix_store.misses},
                 "prefix_cache": self.prefix_cache.tree.stats().to_dict(),
+                "offset_reuse": None if self.prefix_cache.runs is None else {
+                    "recompute": self.config.switch.offset_recompute.spec,
+                    "conversations": len(self.prefix_cache.runs)},
                 "cancelling": sum(g.cancelled.is_set() for g in self._running)}
 
     def close(self) -> None:

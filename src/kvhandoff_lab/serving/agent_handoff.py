@@ -7,7 +7,8 @@ desk, unmodified SDK code (`Agent`, `Runner`, `OpenAIChatCompletionsModel` on an
 server): a clerk on the small model looks the case up with a function tool (forced; the SDK stops at the tool's
 result, so the story is the tool's output in the history), then, at the member's question, hands off with the SDK's
 own ``transfer_to_analyst`` (forced) to an analyst on the large model, with other instructions and no tools, who
-answers from the history the SDK hands over.
+answers from the history the SDK hands over (its input filter leaves out the transfer's own call and output, so the
+question is the last message).
 
 Conditions, each in a tenant of its own (the request's ``user``), problems in the same order: "offset" — the server
 as it serves (``kv_handoff.mode`` "auto": the analyst's history found at another offset); "prefix" — the same
@@ -55,11 +56,28 @@ CLERK_TOKENS = 96  # a forced call without arguments fits, even byte by byte
 ANSWER_TOKENS = 24
 
 
-def handoff_problems(count: int, split: str = "heldout") -> list:
-    """The first ``count`` CoQA conversations of ``split`` (stories the guard was never calibrated on)."""
+#: the longest story a problem looks up, in characters (a few hundred tokens, as a looked-up record is)
+MAX_STORY_CHARS = 2500
+
+
+def handoff_problems(count: int, split: str = "heldout", max_chars: int = MAX_STORY_CHARS) -> list:
+    """The first ``count`` CoQA conversations of ``split`` (stories the guard was never calibrated on) whose story
+    has at most ``max_chars`` characters."""
     places = coqa_places()
     conversations = sorted(load_coqa_conversations(min_turns=1, num_turns=1), key=lambda c: c.id)
-    return [c for c in conversations if split_of(places[c.id]) == split][:count]
+    return [c for c in conversations if split_of(places[c.id]) == split and len(c.story) <= max_chars][:count]
+
+
+def without_transfer(data):
+    """A handoff input filter (the SDK's `Handoff.input_filter`): the history as it is, less the handoff's own call
+    and output, so the receiving agent reads the member's question last."""
+    from agents.items import HandoffCallItem, HandoffOutputItem
+
+    def kept(items):
+        return None if items is None else tuple(item for item in items
+                                                if not isinstance(item, HandoffCallItem | HandoffOutputItem))
+
+    return data.clone(new_items=kept(data.new_items), input_items=kept(data.input_items))
 
 
 class _Recorder(httpx.AsyncBaseTransport):
@@ -125,7 +143,15 @@ def _read_events(body: bytes, record: dict) -> None:
 async def _episode(url: str, small: str, large: str, problem, mode: str, tenant: str) -> dict:
     """One problem under one condition with the Agents SDK: the clerk's lookup, then its handoff and the analyst's
     answer; the analyst's request as the recorder saw it, the answer and its F1."""
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        handoff,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
@@ -143,7 +169,8 @@ async def _episode(url: str, small: str, large: str, problem, mode: str, tenant:
                     model=OpenAIChatCompletionsModel(large, client),
                     model_settings=ModelSettings(temperature=0, max_tokens=ANSWER_TOKENS, include_usage=True,
                                                  extra_body=extra))
-    clerk = Agent(name="Clerk", instructions=CLERK_INSTRUCTIONS, tools=[lookup_case], handoffs=[analyst],
+    clerk = Agent(name="Clerk", instructions=CLERK_INSTRUCTIONS, tools=[lookup_case],
+                  handoffs=[handoff(analyst, input_filter=without_transfer)],
                   model=OpenAIChatCompletionsModel(small, client), tool_use_behavior="stop_on_first_tool",
                   model_settings=ModelSettings(temperature=0, max_tokens=CLERK_TOKENS, tool_choice="lookup_case",
                                                include_usage=True, extra_body=extra))
