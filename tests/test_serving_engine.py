@@ -596,3 +596,33 @@ def test_a_llama_cpp_family_serves_a_point_chosen_from_the_recorded_tradeoff_it_
     assert engine.policies["small", "large"].recompute.policy == DEFAULT_RECOMPUTE
     assert engine.policies["small", "large"].plan.recompute == DEFAULT_RECOMPUTE
     assert "chosen from the trade-off recorded for small → large (turn_attention:20%) ranks positions" in caplog.text
+
+
+def test_a_named_session_whose_instructions_changed_keeps_its_history_at_the_new_offset():
+    """An agent handoff inside one named session: the large model's prompt opens with other instructions; the
+    history the small model read is reused at its new offset (mapped), every row recomputed, and answers as the
+    large model reading it all; the same with offset reuse off reads it all."""
+    family, mappers = tiny_family()
+    model, tokenizer = family["large"]
+    history = (("user", "My order 1234 came late and the box was open, what now?"),
+               ("assistant", "Sorry! Order 1234 shipped May 2 by ground."), ("user", "Refund the shipping?"))
+    clerk, analyst = (("system", "You are the clerk; hand hard cases on."), *history), \
+        (("system", "Analyst: answer exactly."), *history)
+
+    async def main(offset_reuse: bool):
+        settings = SwitchSettings(guard=False, offset_reuse=offset_reuse, offset_recompute="recent:100%")
+        engine = Engine(family, mappers, ServeConfig(switch=settings))
+        try:
+            await ask(engine, "small", messages=clerk, session="s", max_tokens=4)
+            text, report, _ = await ask(engine, "large", messages=analyst, session="s", max_tokens=8)
+            ids = chat_ids(tokenizer, [{"role": r, "content": c} for r, c in analyst])
+            assert text == reference_answer(model, tokenizer, ids, 8)
+            return report
+        finally:
+            engine.close()
+
+    reused = asyncio.run(main(True))
+    assert (reused.reuse, reused.status, reused.source) == ("offset", "applied", "small")
+    assert reused.approximate_tokens >= 64 and reused.cached_tokens >= reused.approximate_tokens
+    plain = asyncio.run(main(False))
+    assert plain.reuse != "offset" and plain.cached_tokens < reused.cached_tokens

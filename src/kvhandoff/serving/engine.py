@@ -36,6 +36,7 @@ import torch
 from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.llama_cpp.backend import LlamaCppModel
 from kvhandoff.runtime.prefix_store import PrefixStore
+from kvhandoff.runtime.rebase import rebase
 from kvhandoff.runtime.runs import RunIndex
 from kvhandoff.runtime.seam import capabilities_of
 from kvhandoff.runtime.session import SwitchingSession
@@ -163,9 +164,10 @@ class Engine:
         self.tool_parser = tool_parser(config.tool_parser)  # reads tool calls out of every answer
         self.prefix_store = PrefixStore()  # the conversations' openings, per tenant: a switch copies its exact prefix
         # the conversations that name no session, found by their tokens (and their runs at another offset)
-        self.prefix_cache = PrefixCache(runs=_run_index(config, models),
-                                        offset_plan=lambda namespace: config.switch.offset_plan(
-                                            self.prefix_store.within(namespace)))
+        runs = _run_index(config, models)  # a run reused at another offset keeps its beginning in the tenant's store
+        self.prefix_cache = PrefixCache(runs=runs, offset_plan=lambda namespace: config.switch.offset_plan(
+            self.prefix_store.within(namespace)))
+        self.anchor_ids = None if runs is None else runs.anchor_ids  # where a named session's runs may start
         self.plan = config.switch.plan(self.prefix_store)  # every session's handoffs, each pair's recompute its own
         self.policies: dict[tuple[str, str], PairPolicy] = pair_policies(
             config.switch, self._mappers, self.prefix_store, lambda name: capabilities_of(models[name][0]))
@@ -226,18 +228,13 @@ class Engine:
         policy (`ServedRecompute.to_dict`: policy, source "configured" | "recorded" | "default"); the prefix store's
         and the prefix cache's figures (`prefix_tree_stats.TreeStats`); reuse at another offset (None: off): its
         recompute policy and the conversations indexed."""
-        return {"status": "draining" if self.draining else "ok", "models": {name: {"queued": hosted.worker.queued()}
-                                           for name, hosted in self._models.items()},
+        return {**self.liveness(), "sessions": len(self.sessions), "cache_bytes": self.cache_bytes(),
                 "guard": {policy.name: policy.guard.to_dict() for policy in self.policies.values()},
                 "recompute": {policy.name: policy.recompute.to_dict() for policy in self.policies.values()},
-                "sessions": len(self.sessions), "cache_bytes": self.cache_bytes(), "running": len(self._running),
                 "prefix_store": {"openings": len(self.prefix_store), "bytes": self.prefix_store.bytes(),
                                  "hits": self.prefix_store.hits, "misses": self.prefix_store.misses},
                 "prefix_cache": self.prefix_cache.tree.stats().to_dict(),
-                "offset_reuse": None if self.prefix_cache.runs is None else {
-                    "recompute": self.config.switch.offset_recompute.spec,
-                    "conversations": len(self.prefix_cache.runs)},
-                "cancelling": sum(g.cancelled.is_set() for g in self._running)}
+                "offset_reuse": self.prefix_cache.offset_status()}
 
     def close(self) -> None:
         """Stop the workers; requests still running end with a shutting-down error."""
@@ -342,6 +339,8 @@ class Engine:
                 checkout = self.prefix_cache.checkout(request.namespace, prompt, hosted.name, session,
                                                       exact_only=request.handoff_mode == "exact",
                                                       offset=request.handoff_mode == "auto")
+            elif self.anchor_ids is not None and request.handoff_mode == "auto":  # a beginning that changed
+                rebase(session, hosted.name, prompt, self.anchor_ids, self.prefix_cache.offset_plan(request.namespace))
             try:
                 report, logprobs = yield from serve_turn(session, hosted.name, prompt, self.policies,
                                                          request.handoff_mode, self.config.prefill_chunk,

@@ -34,7 +34,15 @@ from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.runs import RunIndex, RunMatch
 from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff.serving.prefix_reuse import PrefixMatch, Reuse
-from kvhandoff.serving.prefix_tree import EXACT, PrefixHandle, PrefixTree, choose_reuse, derived_from, mapped_from
+from kvhandoff.serving.prefix_tree import (
+    DEFAULT_NAMESPACE,
+    EXACT,
+    PrefixHandle,
+    PrefixTree,
+    choose_reuse,
+    derived_from,
+    mapped_from,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +83,12 @@ class PrefixCache:
         self.runs = runs if offset_plan is not None else None
         self.offset_plan = offset_plan
         self._keys = itertools.count()  # the run index's key of each conversation kept
+
+    def offset_status(self) -> dict | None:
+        """What reuse at another offset does (None: off): its recompute policy and the conversations indexed."""
+        if self.runs is None:
+            return None
+        return {"recompute": self.offset_plan(DEFAULT_NAMESPACE).recompute.spec, "conversations": len(self.runs)}
 
     def checkout(self, namespace: str, prompt: list[int], model: str, session: SwitchingSession,
                  exact_only: bool = False, offset: bool = True) -> Checkout:

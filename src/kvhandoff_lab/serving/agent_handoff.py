@@ -4,11 +4,11 @@ as well as when it reads the history itself.
 
 Each problem is a CoQA conversation's first question (the held-out split, `coqa.split_of`) asked of a two-agent
 desk, unmodified SDK code (`Agent`, `Runner`, `OpenAIChatCompletionsModel` on an `AsyncOpenAI` pointed at the
-server): a clerk on the small model looks the case up with a function tool (forced; the SDK stops at the tool's
-result, so the story is the tool's output in the history), then, at the member's question, hands off with the SDK's
-own ``transfer_to_analyst`` (forced) to an analyst on the large model, with other instructions and no tools, who
-answers from the history the SDK hands over (its input filter leaves out the transfer's own call and output, so the
-question is the last message).
+server): a clerk on the small model looks the case up with a function tool (forced, one call; the SDK stops at the
+tool's result, so the story is the tool's output in the history), then, at the member's question, hands off with
+the SDK's own ``transfer_to_analyst`` (forced, one call) to an analyst on the large model, with other instructions
+and no tools, who answers from the history the SDK hands over (its input filter leaves out the transfer's own call
+and output, so the question is the last message).
 
 Conditions, each in a tenant of its own (the request's ``user``), problems in the same order: "offset" — the server
 as it serves (``kv_handoff.mode`` "auto": the analyst's history found at another offset); "prefix" — the same
@@ -173,12 +173,12 @@ async def _episode(url: str, small: str, large: str, problem, mode: str, tenant:
                   handoffs=[handoff(analyst, input_filter=without_transfer)],
                   model=OpenAIChatCompletionsModel(small, client), tool_use_behavior="stop_on_first_tool",
                   model_settings=ModelSettings(temperature=0, max_tokens=CLERK_TOKENS, tool_choice="lookup_case",
-                                               include_usage=True, extra_body=extra))
+                                               parallel_tool_calls=False, include_usage=True, extra_body=extra))
     try:
         looked_up = await Runner.run(clerk, f"Hello, this is member {problem.id[:6]}. Please open my case.")
         handing = clerk.clone(tool_use_behavior="run_llm_again", model_settings=ModelSettings(
-            temperature=0, max_tokens=CLERK_TOKENS, tool_choice="transfer_to_analyst", include_usage=True,
-            extra_body=extra))
+            temperature=0, max_tokens=CLERK_TOKENS, tool_choice="transfer_to_analyst", parallel_tool_calls=False,
+            include_usage=True, extra_body=extra))
         question = {"role": "user", "content": problem.turns[0].question}
         streamed = Runner.run_streamed(handing, [*looked_up.to_input_list(), question])
         async for _ in streamed.stream_events():
