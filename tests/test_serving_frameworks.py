@@ -3,7 +3,8 @@
 sent back, structured output, streaming with the handoff headers), LiteLLM (a plain completion, a forced tool call,
 session pinning, a router of two deployments, an over-long prompt as `ContextWindowExceededError`) and the official
 `openai` client: a session pinned with `x-litellm-session-id` across small → large → small (the router vocabulary's
-headers) and the README's agent loop (a tool call and its result handed over to the large model).
+headers) and the README's agent loop (a tool call and its result handed over to the large model); LangGraph: two
+agents with their own instructions on one message state, the history reused at its new offset.
 
 The tiny models are random, so their free text is garbage: only what is valid by construction is checked — a
 forced tool call (tool_choice required or named) and json_schema output follow their grammars, and the schemas'
@@ -107,8 +108,8 @@ def chat_model(server, model="small", **settings) -> ChatOpenAI:
 def handoff_headers(headers) -> dict[str, str | None]:
     """kvhandoff's and the router vocabulary's headers of a response (None: absent), from any headers mapping."""
     lower = {key.lower(): value for key, value in dict(headers).items()}
-    return {name: lower.get(name) for name in ("x-kv-handoff", "x-vsr-kv-transfer-status", "x-vsr-kv-mapper-id",
-                                               "x-vsr-kv-cache-id")}
+    return {name: lower.get(name) for name in ("x-kv-handoff", "x-kv-reuse", "x-vsr-kv-transfer-status",
+                                               "x-vsr-kv-mapper-id", "x-vsr-kv-cache-id")}
 
 
 # -- LangChain -----------------------------------------------------------------------------------------------------
@@ -320,3 +321,29 @@ def test_openai_client_agent_turns_hand_over_with_tool_calls_and_results(server)
     handoff = answer.model_extra["kv_handoff"]
     assert handoff["from"] == "small" and handoff["mapped_tokens"] == answer.usage.prompt_tokens_details.cached_tokens
     assert handoff["mapped_tokens"] > reply.usage.prompt_tokens  # the first prompt and the call the small model wrote
+
+
+# -- LangGraph -----------------------------------------------------------------------------------------------------
+def test_langgraph_hand_over_between_agents_with_their_own_instructions_reuses_the_history(server):
+    """A LangGraph graph of two agents on one message state, each with its own system prompt: the clerk on the small
+    model answers, then the analyst on the large model reads the same history behind other instructions — found at
+    its new offset (X-KV-Reuse: offset), mapped from the clerk's model."""
+    from langchain_core.messages import SystemMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    clerk = chat_model(server, "small", max_tokens=8)
+    analyst = chat_model(server, "large", max_tokens=8, include_response_headers=True)
+    graph = StateGraph(MessagesState)
+    graph.add_node("clerk", lambda state: {"messages": [clerk.invoke(
+        [SystemMessage("You are the clerk. Look the order up, then pass it on."), *state["messages"]])]})
+    graph.add_node("analyst", lambda state: {"messages": [analyst.invoke(
+        [SystemMessage("Analyst: decide."), *state["messages"]])]})
+    graph.add_edge(START, "clerk")
+    graph.add_edge("clerk", "analyst")
+    graph.add_edge("analyst", END)
+    history = [HumanMessage("My order 5678 arrived damaged: the lid was cracked and two cups were broken."),
+               AIMessage("I am sorry! Order 5678 shipped on June 3 with standard shipping, insured."),
+               HumanMessage("Can you refund the broken cups?")]
+    result = graph.compile().invoke({"messages": history})
+    headers = handoff_headers(result["messages"][-1].response_metadata["headers"])
+    assert headers["x-kv-reuse"] == "offset" and headers["x-kv-handoff"] == "applied"
