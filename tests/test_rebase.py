@@ -14,7 +14,7 @@ from kvhandoff.runtime.session import SwitchingSession
 OPEN = 1
 CLERK, ANALYST = [OPEN, *range(20, 50), 2], [OPEN, *range(60, 66), 2]
 HISTORY = [OPEN, *range(70, 110), 2, OPEN, *range(126, 106, -1), 2]  # the tiny models have 128 token ids
-TURN = [OPEN, 7, 8, 9, 2]
+TURN = [OPEN, *range(3, 12), 2]  # a new turn longer than a generation prompt
 EVERY_ROW = HandoffPlan.of(recompute="recent:100%")
 
 

@@ -3,7 +3,8 @@ offset: `rebase` finds the longest run of the new prompt that the session alread
 (`runs.RunIndex` over the session's own tokens) and, when it is longer than what the prompt shares with the session
 as a prefix, starts the session again from that run (`SwitchingSession.reuse`): the rows of the model holding it
 (the serving model's own, else the last model's, mapped) moved behind the new beginning, the serving model's own
-exact rows of the beginning's start kept, the rest recomputed with the prompt's read.
+exact rows of the beginning's start kept, the rest recomputed with the prompt's read, and the prompt's new turn
+(its last message) read by the serving model itself, as at any switch.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def rebase(session: SwitchingSession, server: str, prompt: Sequence[int], anchor
         return None
     runs = RunIndex(anchor_ids, min_length=min_length)
     runs.add(_HELD, tokens)
-    run = runs.find(prompt[:-1])  # the last token is read for its logits
+    run = runs.find(prompt[:runs.new_turn_start(prompt)])  # the new turn is read by the model itself
     shared = common_prefix(tokens, prompt)
     if run is None or run.length <= shared:
         return None

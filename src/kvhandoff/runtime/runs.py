@@ -5,7 +5,8 @@ behind other instructions (another agent's system prompt, another tool list), wh
 the positions of the tokens that open a chat message (the caller's anchor ids, e.g. ``<|im_start|>``), keyed by the
 first ``probe`` tokens from there. `RunIndex.find` returns the longest run of a prompt that a held sequence of the
 same tenant also holds from an anchor, after a beginning that differs (a plain prefix is the prefix cache's), at
-least ``min_length`` tokens: `RunMatch`. `kvhandoff.runtime.offset.reuse_run` then reuses the held rows of that run.
+least ``min_length`` tokens: `RunMatch`; callers look before the prompt's new turn (`RunIndex.new_turn_start`), which
+the model reads itself. `kvhandoff.runtime.offset.reuse_run` then reuses the held rows of that run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ DEFAULT_PROBE = 16
 DEFAULT_MIN_RUN = 64
 #: held sequences kept over all tenants (the least recently added forgotten past it)
 DEFAULT_MAX_HELD = 1024
+#: a prompt's last message opener this close to its end opens the generation prompt (the answer's role header)
+GENERATION_PROMPT_TOKENS = 8
 
 
 def _ids(tokens: Sequence[int]) -> array:
@@ -106,6 +109,15 @@ class RunIndex:
                 entries.pop(key, None)
                 if not entries:
                     del self._anchors[tenant, probe]
+
+    def new_turn_start(self, prompt: Sequence[int]) -> int:
+        """Where ``prompt``'s new turn begins: the opener of its last message (a generation prompt's skipped), which
+        the model reads itself, as at any switch — a run reused is looked for before it; without an anchor, the
+        prompt's last token."""
+        anchors = [position for position, token in enumerate(prompt) if token in self.anchor_ids]
+        if anchors and len(prompt) - anchors[-1] <= GENERATION_PROMPT_TOKENS:
+            anchors.pop()
+        return anchors[-1] if anchors else max(0, len(prompt) - 1)
 
     def find(self, prompt: Sequence[int], tenant: str = "default") -> RunMatch | None:
         """The longest run of ``prompt`` that a sequence of ``tenant`` holds from one of its anchors after another

@@ -126,7 +126,7 @@ class PrefixCache:
         offset, when there is one longer than what ``reuse`` (the prefix's) serves; None otherwise."""
         if self.runs is None:
             return None
-        run = self.runs.find(prompt[:-1], namespace)  # the last token is read for its logits
+        run = self.runs.find(prompt[:self.runs.new_turn_start(prompt)], namespace)  # the new turn is read
         if run is None or run.length <= reuse.reused:
             return None
         model = match.model
