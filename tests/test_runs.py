@@ -92,7 +92,7 @@ def test_bad_settings_are_refused(settings, message_part):
 def test_the_new_turn_starts_at_the_last_message_not_at_the_generation_prompt():
     runs = index()
     generation_prompt = [OPEN, 5, 6]  # "<|im_start|>assistant\n"
-    question = message(list(range(20)))
+    question = message(list(range(30, 50)))
     assert runs.new_turn_start(CLERK + HISTORY + question) == len(CLERK + HISTORY)
     assert runs.new_turn_start(CLERK + HISTORY + question + generation_prompt) == len(CLERK + HISTORY)
     assert runs.new_turn_start([5, 6, 7]) == 2  # no anchor: the last token
