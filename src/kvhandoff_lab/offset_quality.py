@@ -13,7 +13,8 @@ agent's, of another length), the same run, then the question, answered by the ta
 
 A direction whose source is its target is the same-model case (a changed system prompt). Scored by the task's
 metric, with paired bootstrap intervals of each policy against the re-read; the time to the answer's first token
-(the question's read, with the reuse's map and recompute) per condition. Histories are taken one at a time, each in
+per condition: the re-read's reads (its instructions and the history read once per history, their time counted for
+each item), or the reuse's map, recompute and the question's read. Histories are taken one at a time, each in
 every direction; the result is rewritten after every item and a rerun with the same file continues.
 """
 
@@ -87,10 +88,13 @@ def run_offset_quality(models: dict, mappers: dict, tokenizer, end_ids: Sequence
                 continue
             held = SwitchingSession(models, {})
             held.read(source, source_ids + list(todo[0].history.ids))
+            reread, begin = SwitchingSession(models, {}), time.perf_counter()
+            reread.read(target, target_ids + list(todo[0].history.ids))
+            reread_history_s = time.perf_counter() - begin
             for item in todo:
-                done[item.id] = _item_record(models, mappers.get((source, target)), held, item, source, target,
-                                             source_ids, target_ids, policies, tokenizer, switch_task,
-                                             max_new_tokens, end_ids)
+                done[item.id] = _item_record(models, mappers.get((source, target)), (held, reread, reread_history_s),
+                                             item, source, target, source_ids, target_ids, policies, tokenizer,
+                                             switch_task, max_new_tokens, end_ids)
                 if out is not None:
                     atomic_write_json(out, {**result, "summary": summarize_offset(result)})
     result["summary"] = summarize_offset(result)
@@ -99,9 +103,12 @@ def run_offset_quality(models: dict, mappers: dict, tokenizer, end_ids: Sequence
     return result
 
 
-def _item_record(models, mapper, held: SwitchingSession, item, source: str, target: str, source_ids, target_ids,
-                 policies, tokenizer, switch_task, max_new_tokens: int, end_ids) -> dict:
-    """One item's answer, score and first-token seconds under every condition."""
+def _item_record(models, mapper, bases, item, source: str, target: str, source_ids, target_ids, policies,
+                 tokenizer, switch_task, max_new_tokens: int, end_ids) -> dict:
+    """One item's answer, score and first-token seconds under every condition. ``bases``: the history group's held
+    conversation (the source's read of its instructions and the history), the target's read of its own
+    instructions and the history, and the seconds that read took (part of every re-read's time)."""
+    held, reread_base, reread_history_s = bases
     run = list(item.history.ids) + list(item.extension)
     conversation = held.fork()
     if item.extension:
@@ -113,10 +120,12 @@ def _item_record(models, mapper, held: SwitchingSession, item, source: str, targ
                                 end_ids, begin)
         return {"output": output, "first_token_s": round(first, 4)}
 
-    # the re-read: the target reads its instructions, the run and the question itself
-    begin = time.perf_counter()
-    reread = SwitchingSession(models, {})
-    reread.read(target, target_ids + run)
+    # the re-read: the target reads its instructions, the run and the question itself (its instructions and the
+    # history once per group, the same computation in two forwards: that read's time counts for every item)
+    begin = time.perf_counter() - reread_history_s
+    reread = reread_base.fork()
+    if item.extension:
+        reread.read(target, list(item.extension))
     record[REREAD] = answer(reread, begin)
     begin = time.perf_counter()
     rows = conversation.export(source, len(source_ids), len(source_ids) + len(run))
