@@ -282,14 +282,19 @@ def offset_cache(recompute: str = "recent:100%") -> PrefixCache:
                        offset_plan=lambda namespace: HandoffPlan.of(recompute=recompute))
 
 
+def keep_clerk_conversation(cache: PrefixCache, clerk: list[int]) -> None:
+    """The small model reads the clerk's prompt in tenant "t", kept by ``cache`` as a request's would be."""
+    session = new_session()
+    out = cache.checkout("t", clerk, "small", session)
+    session.read_logprobs("small", clerk)
+    cache.checkin(out, session, SimpleNamespace(status="none", source=None, cached_tokens=0, reuse="none"))
+    cache.release(out)
+
+
 def test_another_agents_history_is_reused_behind_other_instructions_and_kept_as_mapped_rows():
     cache, tokenizer = offset_cache(), tiny_family()[0]["small"][1]
     clerk, analyst = (chat_ids(tokenizer, messages) for messages in agent_prompts())
-    first = new_session()
-    out = cache.checkout("t", clerk, "small", first)
-    first.read_logprobs("small", clerk)
-    cache.checkin(out, first, SimpleNamespace(status="none", source=None, cached_tokens=0, reuse="none"))
-    cache.release(out)
+    keep_clerk_conversation(cache, clerk)
 
     second = new_session()
     out = cache.checkout("t", analyst, "large", second)
@@ -323,11 +328,7 @@ def test_another_agents_history_is_reused_behind_other_instructions_and_kept_as_
 def test_a_run_whose_rows_were_evicted_is_forgotten():
     cache, tokenizer = offset_cache(), tiny_family()[0]["small"][1]
     clerk, analyst = (chat_ids(tokenizer, messages) for messages in agent_prompts())
-    first = new_session()
-    out = cache.checkout("t", clerk, "small", first)
-    first.read_logprobs("small", clerk)
-    cache.checkin(out, first, SimpleNamespace(status="none", source=None, cached_tokens=0, reuse="none"))
-    cache.release(out)
+    keep_clerk_conversation(cache, clerk)
     assert len(cache.runs) == 1
     cache.tree.evict(0)
     out = cache.checkout("t", analyst, "large", new_session())

@@ -44,10 +44,13 @@ ENGINE_QUALITY_FORMAT = "kvhandoff-engine-quality/1"
 CONDITIONS = ("target", "switch")
 
 
-def _answer(session: SwitchingSession, server: str, question, tokenizer, max_new_tokens: int, stop, end_ids) -> str:
+def greedy_answer(session: SwitchingSession, server: str, question, tokenizer, max_new_tokens: int, stop,
+                  end_ids) -> tuple[str, float]:
     """``server`` reads ``question`` (switching to it) and answers greedily, one `SwitchingSession.read` a token, up to
-    an end id or the first stop string."""
+    an end id or the first stop string; the answer and the seconds to its first token's distribution."""
+    begin = time.perf_counter()
     logprobs = session.read(server, list(question))
+    first = time.perf_counter() - begin
     generated: list[int] = []
     text = ""
     for step in range(max_new_tokens):
@@ -57,10 +60,10 @@ def _answer(session: SwitchingSession, server: str, question, tokenizer, max_new
         generated.append(token)
         text, stopped = cut_at_stop(tokenizer.decode(generated, skip_special_tokens=True), stop)
         if stopped:
-            return text
+            break
         if step + 1 < max_new_tokens:
             logprobs = session.read(server, [token])
-    return text
+    return text, first
 
 
 def run_engine_quality(engines: dict, mappers: dict, tokenizer, end_ids: Sequence[int], task: str = "coqa_gen",
@@ -134,8 +137,8 @@ def _item_outputs(bases: dict, item, source: str, target: str, tokenizer, switch
         session = base.fork()
         if item.extension:
             session.read(target if condition == "target" else source, item.extension)
-        outputs[condition] = _answer(session, target, item.question, tokenizer, max_new_tokens, switch_task.stop,
-                                     end_ids)
+        outputs[condition], _ = greedy_answer(session, target, item.question, tokenizer, max_new_tokens,
+                                              switch_task.stop, end_ids)
     return outputs
 
 

@@ -34,9 +34,9 @@ from kvhandoff.runtime.offset import check_offset_policy, mapped_run
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff.runtime.session import SwitchingSession
+from kvhandoff_lab.engine_quality import greedy_answer
 from kvhandoff_lab.evaluation.switch import paired_difference, turn_items
 from kvhandoff_lab.evaluation.switchtasks import DEFAULT_MAX_NEW_TOKENS, get_switch_task, item_score
-from kvhandoff_lab.evaluation.tasks import cut_at_stop
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +116,10 @@ def _item_record(models, mapper, bases, item, source: str, target: str, source_i
     record: dict = {"answers": list(item.answers), "run_tokens": len(run)}
 
     def answer(session: SwitchingSession, begin: float) -> dict:
-        output, first = _answer(session, target, item.question, tokenizer, max_new_tokens, switch_task.stop,
-                                end_ids, begin)
-        return {"output": output, "first_token_s": round(first, 4)}
+        prepared = time.perf_counter() - begin  # the re-read's history read, or the reuse's map and placing
+        output, first = greedy_answer(session, target, item.question, tokenizer, max_new_tokens, switch_task.stop,
+                                      end_ids)
+        return {"output": output, "first_token_s": round(prepared + first, 4)}
 
     # the re-read: the target reads its instructions, the run and the question itself (its instructions and the
     # history once per group, the same computation in two forwards: that read's time counts for every item)
@@ -141,26 +142,6 @@ def _item_record(models, mapper, bases, item, source: str, target: str, source_i
         entry = record[condition]
         entry["score"] = item_score(switch_task, {"output": entry["output"], "answers": list(item.answers)})
     return record
-
-
-def _answer(session: SwitchingSession, server: str, question, tokenizer, max_new_tokens: int, stop, end_ids,
-            begin: float) -> tuple[str, float]:
-    """``server`` reads ``question`` and answers greedily, one read a token, up to an end id or a stop string; the
-    answer and the seconds from ``begin`` to its first token's distribution."""
-    logprobs = session.read(server, list(question))
-    first = time.perf_counter() - begin
-    generated: list[int] = []
-    text = ""
-    for step in range(max_new_tokens):
-        token = int(logprobs.argmax())
-        if token in end_ids:
-            break
-        generated.append(token)
-        text, stopped = cut_at_stop(tokenizer.decode(generated, skip_special_tokens=True), stop)
-        if stopped or step + 1 == max_new_tokens:
-            break
-        logprobs = session.read(server, [token])
-    return text, first
 
 
 def summarize_offset(result: dict) -> dict:

@@ -30,12 +30,12 @@ def rebase(session: SwitchingSession, server: str, prompt: Sequence[int], anchor
     under ``plan`` (the offset plan); None (the session as it was) when no run of at least ``min_length`` tokens,
     longer than the prefix ``prompt`` shares with the session, is held by a model that may serve it."""
     tokens, prompt = list(session.tokens), [int(token) for token in prompt]
-    if not tokens or len(prompt) < 2:
+    shared = common_prefix(tokens, prompt)
+    if shared == len(tokens) or len(prompt) < 2:  # the conversation goes on: no held run is longer than the prefix
         return None
     runs = RunIndex(anchor_ids, min_length=min_length)
     runs.add(_HELD, tokens)
     run = runs.find(prompt[:runs.new_turn_start(prompt)])  # the new turn is read by the model itself
-    shared = common_prefix(tokens, prompt)
     if run is None or run.length <= shared:
         return None
     end = run.held_start + run.length
