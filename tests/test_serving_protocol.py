@@ -149,4 +149,4 @@ def test_handoff_info_is_written_with_openai_style_names():
     info = HandoffInfo(status="applied", from_="small", to="large", mapped_tokens=3, read_tokens=2,
                        milliseconds=1.5)
     assert dump(info) == {"status": "applied", "from": "small", "to": "large", "mapped_tokens": 3, "read_tokens": 2,
-                          "approximate_tokens": 0, "guard": None, "milliseconds": 1.5}
+                          "approximate_tokens": 0, "guard": None, "milliseconds": 1.5, "reuse": "none"}

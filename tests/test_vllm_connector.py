@@ -334,7 +334,7 @@ def test_a_litellm_router_alternating_two_vllm_servers_gets_each_switch_as_a_cac
     template.write_text(DEFAULT_CHAT_TEMPLATE)
     folders = {"small": small_path, "large": large_path}
     history = ("Tell me about the old lighthouse keeper who lived by the sea and kept a logbook of every ship "
-               "that passed, every storm that came, and every light he saw on the water at night. ") * 2
+               "that passed, every storm that came, and every light he saw on the water at night. ") * 3
     with vllm_servers(folders, {"store_url": store, "mappers": mappers}, tmp_path, max_model_len=1024,
                       dtype="float32", extra=("--chat-template", str(template))) as servers:
         router = litellm.Router(model_list=[
