@@ -132,3 +132,22 @@ def test_another_models_run_found_behind_other_instructions_is_reused_as_the_tar
     with torch.inference_mode():
         logits = reused.read(target, torch.tensor([prompt[end:]]))[:, -1]
     assert torch.allclose(logits, _prefill(target, prompt).logits[:, -1], atol=1e-4)
+
+
+def test_a_reused_run_healed_before_its_first_read_becomes_the_prefill():
+    # the pending recompute (the beginning) is done first, then every reused row is read again on the model's own
+    from kvhandoff.runtime.session import SwitchingSession
+
+    model = tiny_model("qwen2", layers=3)
+    old = _prefill(model, OLD_BEGINNING + RUN).past_key_values
+    rows = cache_of((layer.keys[:, :, len(OLD_BEGINNING):], layer.values[:, :, len(OLD_BEGINNING):])
+                    for layer in old.layers)
+    session = SwitchingSession({"m": model}, {}, plan=HandoffPlan.of(recompute="none"))
+    reused = session.reuse("m", NEW_BEGINNING, RUN, rows, len(OLD_BEGINNING))
+    assert reused.pending and session.own_length("m") == 0
+    assert session.heal(limit=30) == 30 and not reused.pending
+    assert session.heal() == len(NEW_BEGINNING) + len(RUN) - 30
+    with torch.inference_mode():
+        got = session.read("m", NEW_TURN)
+    expected = _prefill(model, NEW_BEGINNING + RUN + NEW_TURN).logits[0, -1].float().log_softmax(-1)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

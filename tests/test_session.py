@@ -285,3 +285,40 @@ def test_real_pair_handover_taken_back_and_made_again_recomputing_all():
         own = large(input_ids=torch.tensor([story + question])).logits[0, -1:].float().log_softmax(-1)
     torch.testing.assert_close(again, own, atol=2e-3, rtol=0)
     assert not torch.allclose(mapped, own, atol=2e-3)  # the first handover served an approximation
+
+
+def test_healing_reads_the_approximate_rows_again_in_chunks_until_the_cache_is_a_prefill(trio):
+    """heal: the positions past a model's own length are read again on its own rows, ``limit`` at a time, in order;
+    the rows after a chunk stay as they were until their turn, and the healed cache is what a prefill holds."""
+    a, b, _, forward = trio
+    back = fit_mapper(b, a, random_batches(2, tokens=32), FitConfig(), progress=False)
+    session = SwitchingSession({"a": a, "b": b}, {("a", "b"): forward, ("b", "a"): back},
+                               plan=HandoffPlan(2, Recent(0.25)))
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    session.read("a", ids[:16])
+    session.read("b", ids[16:24])
+    session.read("a", ids[24:30])  # a: 16 own, 8 mapped, 6 read on top of them
+    assert (session.own_length("a"), session.cached_length("a")) == (16, 30)
+    tail = [layer.keys[:, :, 20:].clone() for layer in session.cache("a").layers]
+    assert session.heal("a", limit=4) == 4
+    assert (session.own_length("a"), session.cached_length("a")) == (20, 30)
+    for layer, kept in zip(session.cache("a").layers, tail, strict=True):
+        assert torch.equal(layer.keys[:, :, 20:], kept)  # not healed yet: as it was
+    with pytest.raises(ConfigError, match="no handover to take back"):
+        session.undo_handover()  # a healed handover is final
+    assert session.heal() == 10 and session.heal() == 0  # the owner, a, heals the rest; then nothing is left
+    full = a(input_ids=torch.tensor([ids[:30]]), use_cache=True)
+    for layer, prefilled in zip(session.cache("a").layers, full.past_key_values.layers, strict=True):
+        torch.testing.assert_close(layer.keys, prefilled.keys, atol=1e-4, rtol=0)
+        torch.testing.assert_close(layer.values, prefilled.values, atol=1e-4, rtol=0)
+    got = session.read("a", ids[30:32])
+    whole = a(input_ids=torch.tensor([ids[:32]])).logits[0, -1].float().log_softmax(-1)
+    torch.testing.assert_close(got, whole, atol=1e-4, rtol=0)
+    assert session.heal("b") == session.cached_length("b") == 24  # b held no position of its own
+    assert session.own_length("b") == 24
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="heal limit"):
+            session.heal("a", limit=bad)
+    with pytest.raises(ConfigError, match="unknown model"):
+        session.heal("z")
+    assert SwitchingSession({"a": a}, {}).heal() == 0  # no conversation yet

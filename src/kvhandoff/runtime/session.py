@@ -341,6 +341,31 @@ class SwitchingSession:
         self.reused = ReusedRun(server, source, len(beginning), len(run), mapped, known)
         return self.reused
 
+    @torch.inference_mode()
+    def heal(self, server: str | None = None, limit: int | None = None) -> int:
+        """``server`` (None: the owner) recomputes its approximate rows exactly: the positions of its cache past its
+        `own_length` (mapped for it, or computed on top of mapped ones) are read again on its own rows, in order, at
+        most ``limit`` of them (None: all; a caller heals in chunks between other work). They become its own, as a
+        prefill would hold them; the positions after them stay as they were. A recompute still pending for it is done
+        first, and the last handover to it can no longer be taken back. Returns the positions healed (0: its cache
+        is all its own, or it holds none)."""
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ConfigError(f"heal limit must be a positive integer or None, got {limit!r}")
+        server = self.owner if server is None else server
+        if server is None:
+            return 0
+        self.require_model(server)
+        if server not in self._caches or self.own_length(server) >= self.cached_length(server):
+            return 0
+        model = self.models[server]
+        self.rollback(server)  # what a caller decoded past the conversation is not the conversation's
+        reused = self.reused
+        if reused is not None and reused.pending and reused.server == server:
+            reused.mapped.settle(model)
+        if self._handover is not None and self._handover.target == server:
+            self._handover = None
+        return self._caches.heal(server, model, self.tokens, limit)
+
     def export(self, server: str, start: int = 0, end: int | None = None):
         """``server``'s cached rows of positions ``start``..``end`` − 1 (`KVCache.export`; None: to its end)."""
         self.require_model(server)

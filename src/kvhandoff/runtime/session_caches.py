@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from kvhandoff.errors import ConfigError
+from kvhandoff.model.cache import cache_copy
 from kvhandoff.runtime.handoff import MappedCache
 from kvhandoff.runtime.recompute import read_turn
 from kvhandoff.runtime.seam import CacheFactory, KVCache
@@ -93,6 +94,23 @@ class SessionCaches:
         (exact) when everything before them was."""
         if self._own.get(name, 0) >= before:
             self._own[name] = self._caches[name].length
+
+    def heal(self, name: str, model, tokens: Sequence[int], limit: int | None = None) -> int:
+        """``name``'s ``model`` reads again, on its own rows, the positions of its cache past its own length
+        (``tokens``: the conversation's), at most ``limit`` of them (None: all): they become its own, exactly what a
+        prefill would hold, and the positions after them stay as they were. Returns the positions healed."""
+        cache = self._caches[name]
+        own, length = self.own_length(name), cache.length
+        end = length if limit is None else min(length, own + limit)
+        if end <= own:
+            return 0
+        rest = cache_copy(cache.export(end, length)) if end < length else None  # kept while the cache is cut
+        cache.truncate(own)
+        cache.read(model, torch.tensor([list(tokens[own:end])], device=cache.device), 1)
+        if rest is not None:
+            cache.append(rest)
+        self._own[name] = end
+        return end - own
 
     def read(self, name: str, model, ids: torch.Tensor, keep: int = 1,
              mapped: MappedCache | None = None) -> torch.Tensor:
