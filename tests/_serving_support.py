@@ -17,7 +17,7 @@ from kvhandoff.runtime.switch.pair import SwitchSettings
 from kvhandoff.serving.chat import DEFAULT_CHAT_TEMPLATE
 from kvhandoff.serving.engine import Engine
 from kvhandoff.serving.server import serve_in_thread
-from kvhandoff.serving.settings import ServeConfig
+from kvhandoff.serving.settings import HealSettings, ServeConfig
 
 from conftest import chat_tokenizer, exactly_related, random_batches, tiny_model
 
@@ -55,13 +55,13 @@ def with_record(mapper, **records):
 @contextlib.contextmanager
 def running(models=None, mappers=None, **settings):
     """A server of the tiny family (or the given models/mappers) on a free 127.0.0.1 port; yields it (`.url`,
-    `.engine`); shut down afterwards. ``settings``: `ServeConfig`'s and `SwitchSettings`' fields (the guard off
-    unless given)."""
+    `.engine`); shut down afterwards. ``settings``: `ServeConfig`'s and `SwitchSettings`' fields (the guard and
+    healing off unless given: a test of what a switch leaves sees it before idle time heals it)."""
     if models is None:
         models, mappers = tiny_family()
     switch_fields = {item.name for item in dataclasses.fields(SwitchSettings)}
     switch = SwitchSettings(**{"guard": False, **{k: v for k, v in settings.items() if k in switch_fields}})
-    served = {k: v for k, v in settings.items() if k not in switch_fields}
+    served = {"heal": HealSettings(0), **{k: v for k, v in settings.items() if k not in switch_fields}}
     engine = Engine(models, mappers, ServeConfig(**served, switch=switch))
     server = serve_in_thread(engine)
     try:

@@ -35,7 +35,7 @@ from kvhandoff.serving.family import (
     served_names,
 )
 from kvhandoff.serving.server import run_server
-from kvhandoff.serving.settings import GENERATION_CONFIG_SOURCES, ServeConfig
+from kvhandoff.serving.settings import GENERATION_CONFIG_SOURCES, HealSettings, ServeConfig
 from kvhandoff.serving.tools import TOOL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -123,6 +123,11 @@ def serve(
         parser=recompute_policy, metavar="RULE:BUDGET", help=(
             f"what a model recomputes of history reused at another offset: a rule ranking by the target alone "
             f"(default {DEFAULT_OFFSET_RECOMPUTE.spec})"))] = None,
+    heal_budget: Annotated[int, typer.Option(parser=non_negative_int, help=(
+        "positions a model reads again on its own in idle time after each request, of that request's "
+        "conversation: its rows mapped at a switch become its own (0: no healing)"))] = HealSettings.budget,
+    heal_chunk: Annotated[int, typer.Option(parser=positive_int, help=(
+        "positions healed in one forward (a new request waits for one chunk at most)"))] = HealSettings.chunk,
     api_key: Annotated[list[str] | None, typer.Option(envvar="KVHANDOFF_API_KEY", help=(
         "require 'Authorization: Bearer KEY' on every request; repeatable, each key a tenant whose caches no other "
         "key reaches (env KVHANDOFF_API_KEY: keys separated by spaces)"))] = None,
@@ -150,7 +155,7 @@ def serve(
 ) -> None:
     """Serve a model family behind an OpenAI-compatible API; a conversation that switches models is handed over."""
     with option_errors("--host", "--port", "--guard-threshold", "--max-context", "--api-key", "--recompute",
-                       "--min-speedup", "--min-retention", "--offset-recompute"):
+                       "--min-speedup", "--min-retention", "--offset-recompute", "--heal-budget", "--heal-chunk"):
         switch = SwitchSettings(recompute=recompute, min_speedup=min_speedup, min_retention=min_retention,
                                 guard=guard == "on", guard_signal=guard_signal, guard_threshold=guard_threshold,
                                 guard_action=guard_action, offset_reuse=offset_reuse,
@@ -162,7 +167,7 @@ def serve(
                              prefill_chunk=prefill_chunk,
                              api_key=tuple(api_key) if api_key else None, open_probes=open_probes,
                              tool_parser=tool_call_parser, generation_config=generation_config,
-                             log_level=log_level)
+                             heal=HealSettings(heal_budget, heal_chunk), log_level=log_level)
     specs, mapper_dirs = family_specs(models, mapper, served_model_name)
     llama_cpp, ggufs = None, None
     if engine == "llama.cpp":

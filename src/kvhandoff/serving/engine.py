@@ -44,6 +44,7 @@ from kvhandoff.runtime.switch.pair import PairPolicy, pair_policies
 from kvhandoff.runtime.switch.turn import TURN_MODES, TurnCancelled, serve_turn
 from kvhandoff.serving.answers import answers, echo
 from kvhandoff.serving.decoding import GenerationDefaults, end_ids, generation_config_defaults
+from kvhandoff.serving.healing import Healer
 from kvhandoff.serving.metrics import ServingMetrics
 from kvhandoff.serving.prefix_cache import PrefixCache
 from kvhandoff.serving.prefix_tree import DEFAULT_NAMESPACE
@@ -175,6 +176,7 @@ class Engine:
         self._running: set[Generation] = set()  # admitted and not finished
         self.draining = False  # shutting down: no new request is admitted
         self.sessions = SessionTable(config, self._new_session, self.metrics, self._refuse_if_draining)
+        self.healer = Healer(config.heal, self.metrics, self.prefix_cache, self.sessions, self._new_session)
         self.metrics.track(lambda: len(self.sessions), self.cache_bytes)
         self.metrics.track_prefix_cache(self.prefix_cache.tree.stats)
 
@@ -227,14 +229,15 @@ class Engine:
         (`GuardPolicy.to_dict`: source "recorded" | "configured" | "none", signal, threshold) and its recompute
         policy (`ServedRecompute.to_dict`: policy, source "configured" | "recorded" | "default"); the prefix store's
         and the prefix cache's figures (`prefix_tree_stats.TreeStats`); reuse at another offset (None: off): its
-        recompute policy and the conversations indexed."""
+        recompute policy and the conversations indexed; healing (`healing.Healer.status`): its budget and chunk, and
+        per model the conversations waiting to be healed."""
         return {**self.liveness(), "sessions": len(self.sessions), "cache_bytes": self.cache_bytes(),
                 "guard": {policy.name: policy.guard.to_dict() for policy in self.policies.values()},
                 "recompute": {policy.name: policy.recompute.to_dict() for policy in self.policies.values()},
                 "prefix_store": {"openings": len(self.prefix_store), "bytes": self.prefix_store.bytes(),
                                  "hits": self.prefix_store.hits, "misses": self.prefix_store.misses},
                 "prefix_cache": self.prefix_cache.tree.stats().to_dict(),
-                "offset_reuse": self.prefix_cache.offset_status()}
+                "offset_reuse": self.prefix_cache.offset_status(), "healing": self.healer.status(self._models)}
 
     def close(self) -> None:
         """Stop the workers; requests still running end with a shutting-down error."""
@@ -313,16 +316,20 @@ class Engine:
                                 pair_plans={pair: replace(policy.plan, prefix_store=store)
                                             for pair, policy in self.policies.items()})
 
-    def _finish(self, state: SessionState, generation: Generation) -> None:
-        """A request of ``state`` ended (event loop): release its session and keep the cache memory in bounds (the
+    def _finish(self, state: SessionState, generation: Generation, hosted: HostedModel | None = None,
+                kept: tuple[str, list[int]] | None = None) -> None:
+        """A request of ``state`` ended (event loop): release its session, keep the cache memory in bounds (the
         prefix cache's least recently used leaves first, then idle sessions, then the openings store's least
-        recently used openings)."""
+        recently used openings) and have ``hosted``, the model that served it, heal its conversation (``kept``: the
+        namespace and tokens the prefix cache kept of it)."""
         self._running.discard(generation)
         self.sessions.release(state)
         limit = self.config.cache_memory_bytes
         self.prefix_cache.tree.evict(max(0, limit - self.sessions.bytes() - self.prefix_store.bytes()))
         self.sessions.trim(self.cache_bytes(), limit)
         self.prefix_store.trim(max(0, limit - self.sessions.bytes() - self.prefix_cache.tree.total_bytes()))
+        if hosted is not None and not self.draining:
+            self.healer.after(state, hosted, *(kept or ("", [])))
 
     # -- compute (the model's worker thread) ----------------------------------------------------------------------
     def _step(self, server: str, reads: list[Read]) -> torch.Tensor:
@@ -331,7 +338,7 @@ class Engine:
 
     def _run(self, state, hosted, prompt, max_new, request, generation, arrival, constraints):
         """A request's job on its model's worker (a generator: see `ModelWorker`)."""
-        session, checkout = state.session, None
+        session, checkout, kept = state.session, None, None
         try:
             if generation.cancelled.is_set():
                 raise RequestError("cancelled", "the client went away before the request was served")
@@ -355,6 +362,7 @@ class Engine:
                                self.metrics)
             if checkout is not None:  # before the answer ends: the client's next turn finds it
                 self.prefix_cache.checkin(checkout, session, report)
+                kept = (request.namespace, session.tokens[:session.cached_length(hosted.name)])
             generation.post("end")
         except Exception as exc:
             if isinstance(exc, RequestError) and exc.kind == "cancelled":  # before its first token: the session whole
@@ -371,4 +379,4 @@ class Engine:
                 except Exception:
                     logger.exception("prefix cache: a request's path could not be released")
             state.bytes = session.cache_bytes() if state.id is not None else 0
-            generation.call_soon(functools.partial(self._finish, state, generation))
+            generation.call_soon(functools.partial(self._finish, state, generation, hosted, kept))

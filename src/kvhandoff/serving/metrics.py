@@ -22,7 +22,8 @@ class ServingMetrics:
     time; kvhandoff_evictions_total{reason}: sessions dropped (memory | ttl | sessions);
     kvhandoff_guard_fallbacks_total{from,to}; kvhandoff_guard_escalations_total{from,to};
     kvhandoff_requests_total{endpoint,outcome}; kvhandoff_cancelled_total: generations cancelled by a client that went
-    away.
+    away; kvhandoff_healed_positions_total{model} and kvhandoff_heal_seconds_total{model}: approximate rows a model
+    read again on its own in idle time (`healing`), and the seconds it took.
 
     The prefix cache (`track_prefix_cache`), per model, read at scrape time: kvhandoff_prefix_cache_bytes,
     kvhandoff_prefix_cache_nodes; kvhandoff_prefix_cache_hits_total{model,kind} (kind own | mapped: the model's
@@ -55,6 +56,9 @@ class ServingMetrics:
         self.requests = Counter("kvhandoff_requests", "Requests answered", ["endpoint", "outcome"], registry=r)
         self.cancelled = Counter("kvhandoff_cancelled", "Generations cancelled by a client that went away",
                                  registry=r)
+        self.healed = Counter("kvhandoff_healed_positions", "Approximate cached positions a model read again on its "
+                              "own in idle time", ["model"], registry=r)
+        self.heal_seconds = Counter("kvhandoff_heal_seconds", "Seconds models spent healing", ["model"], registry=r)
 
     def track(self, sessions, cache_bytes) -> None:
         """Read the live-session count and the cache bytes from these callables at every scrape."""
@@ -90,6 +94,11 @@ class ServingMetrics:
             self.prefill_avoided.labels(kind="mapped").inc(mapped)
         if cached - mapped > 0:
             self.prefill_avoided.labels(kind="own").inc(cached - mapped)
+
+    def record_heal(self, model: str, positions: int, seconds: float) -> None:
+        """``model`` healed ``positions`` in ``seconds``."""
+        self.healed.labels(model=model).inc(positions)
+        self.heal_seconds.labels(model=model).inc(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of the Prometheus text exposition."""

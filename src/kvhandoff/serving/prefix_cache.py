@@ -203,6 +203,25 @@ class PrefixCache:
             self.tree.insert(namespace, tokens, name, session.export(name, start, length), derived_from(source),
                              start=start)
 
+    def heal(self, namespace: str, tokens: list[int], model: str, session: SwitchingSession, limit: int) -> int:
+        """``model`` heals its rows of ``tokens`` in ``namespace`` (a conversation kept here): the positions past its
+        own exact ones (mapped or derived), at most ``limit`` of them, read again on a copy of its exact rows in the
+        new ``session`` (`SwitchingSession.heal`) and kept as exact, replacing them. Returns the positions healed (0:
+        nothing left, or the rows were evicted). Call on the model's worker thread."""
+        match = self.tree.match(namespace, tokens, model, lock=True, count=False)
+        try:
+            own = match.own
+            end = min(own.length, own.exact + limit)
+            if end <= own.exact:
+                return 0
+            session.restore(tokens[:end], {model: (self._restored(session, match, model, end), own.exact)}, model)
+            healed = session.heal(model)
+            self.tree.insert(namespace, tokens[:end], model, session.export(model, own.exact, end), EXACT,
+                             start=own.exact)
+            return healed
+        finally:
+            self.tree.unlock(match.handle)
+
     def release(self, checkout: Checkout) -> None:
         """Unpin the request's path (it may be evicted again)."""
         self.tree.unlock(checkout.handle)

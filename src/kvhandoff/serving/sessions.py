@@ -111,6 +111,10 @@ class SessionTable:
         state.pending -= 1
         state.last_used = time.monotonic()
         state.lock.release()
+        self.wake()
+
+    def wake(self) -> None:
+        """A session may have become free: the requests waiting for a slot try again."""
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)

@@ -16,6 +16,27 @@ GENERATION_CONFIG_SOURCES = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
+class HealSettings:
+    """How the server heals: ``budget``, the most positions a model heals after each request it served (of that
+    request's conversation; 0: no healing); ``chunk``, the positions read in one forward (how long a new request may
+    wait for the worker)."""
+
+    budget: int = 4096
+    chunk: int = 256
+
+    def __post_init__(self) -> None:
+        require_positive("heal budget", self.budget, minimum=0)
+        require_positive("heal chunk", self.chunk)
+
+    @property
+    def active(self) -> bool:
+        return self.budget > 0
+
+    def to_dict(self) -> dict:
+        return {"budget": self.budget, "chunk": self.chunk}
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """The kvhandoff server (`kvhandoff.serving`): where it listens, its limits, its tenants and its switches.
 
@@ -43,6 +64,7 @@ class ServeConfig:
     generation_config: where a request that leaves sampling fields or max_tokens out gets them, as vLLM's flag of that
     name: "auto", each model's generation config (the fields it sets, `decoding.generation_config_defaults`), then the
     server's own defaults; "vllm": the server's own defaults only (temperature 1, top-p 1, default_max_tokens, ...).
+    heal: how a model heals the conversations it served in its idle time (`HealSettings`, `healing`).
     """
 
     host: str = "127.0.0.1"
@@ -65,6 +87,7 @@ class ServeConfig:
     handover: str = "incremental"
     generation_config: str = "auto"
     switch: SwitchSettings = field(default_factory=SwitchSettings)
+    heal: HealSettings = field(default_factory=HealSettings)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -97,6 +120,8 @@ class ServeConfig:
         if not isinstance(self.switch, SwitchSettings):
             raise ConfigError(f"serve switch must be a SwitchSettings (kvhandoff.runtime.switch.pair), got "
                               f"{self.switch!r}")
+        if not isinstance(self.heal, HealSettings):
+            raise ConfigError(f"serve heal must be a HealSettings (kvhandoff.serving.settings), got {self.heal!r}")
         if isinstance(self.switch.guard_action, Escalate) and self.handover != "incremental":
             raise ConfigError("serve guard_action 'escalate' needs handover 'incremental' (under 'all' the previous "
                               "model's cache is given away at the switch, so the handover cannot be made again)")
@@ -107,5 +132,5 @@ class ServeConfig:
         """The settings as plain values, the switch's among them (`SwitchSettings.to_dict`; the API key never
         written)."""
         keys = f"{len(self.api_key)} set" if self.api_key else None
-        plain = {item.name: getattr(self, item.name) for item in fields(self) if item.name != "switch"}
-        return {**plain, **self.switch.to_dict(), "api_key": keys}
+        plain = {item.name: getattr(self, item.name) for item in fields(self) if item.name not in ("switch", "heal")}
+        return {**plain, **self.switch.to_dict(), "heal": self.heal.to_dict(), "api_key": keys}

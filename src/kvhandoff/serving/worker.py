@@ -19,6 +19,18 @@ from kvhandoff.serving.requests import RequestError
 
 logger = logging.getLogger(__name__)
 
+#: what `submit_idle` puts in the queue to wake a worker waiting for work
+_WAKE = object()
+
+
+def _end(job) -> None:
+    """``job.close()`` where it has one (its cleanup runs); errors in it are ignored."""
+    close = getattr(job, "close", None)
+    if callable(close):
+        with contextlib.suppress(Exception):
+            close()
+
+
 @dataclass(frozen=True)
 class Read:
     """A running request's next decode step: ``session`` reads ``token`` on the worker's model (what a request's
@@ -41,12 +53,19 @@ class ModelWorker:
     time, so only a request whose own step fails gets the error. Jobs report their own errors; a job that fails
     past them is logged, and the worker goes on. `close` ends the jobs it holds (each generator closed: its cleanup
     runs).
+
+    Idle work (`submit_idle`: a cache's healing) runs only while the worker has nothing else to do: one piece (up to
+    the job's next yield) at a time, the queue looked at again before the next, so a new request waits for at most
+    one piece. At most ``max_idle`` idle jobs are held; past it the oldest is ended (closed) to make room.
     """
 
-    def __init__(self, name: str, max_queue: int, step=None, max_batch: int = 16) -> None:
+    def __init__(self, name: str, max_queue: int, step=None, max_batch: int = 16, max_idle: int = 64) -> None:
         self.name = name
         self.max_queue, self.max_batch, self._step = max_queue, max_batch, step
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._idle: collections.deque = collections.deque()  # idle jobs, oldest first (appended from any thread)
+        self._idle_piece = False  # a piece of an idle job is running (the job is out of the deque meanwhile)
+        self.max_idle = max_idle
         self.steps = 0  # decode forwards run
         self.batched_reads = 0  # decode steps they served
         self._thread = threading.Thread(target=self._loop, name=f"kvhandoff-{name}", daemon=True)
@@ -62,6 +81,20 @@ class ModelWorker:
     def queued(self) -> int:
         return self._jobs.qsize()
 
+    def submit_idle(self, job) -> None:
+        """Hold ``job`` to run while the worker is idle (safe from any thread): an iterator, each ``next`` one piece
+        of its work, ended early by its ``close`` (a generator's cleanup; called whether it started or not); past
+        ``max_idle`` held, the oldest is ended."""
+        self._idle.append(job)
+        while len(self._idle) > self.max_idle:
+            _end(self._idle.popleft())
+        with contextlib.suppress(queue.Full):  # a full queue: the worker is busy and looks at the idle jobs later
+            self._jobs.put_nowait(_WAKE)
+
+    def idle_jobs(self) -> int:
+        """Idle jobs held, the one running a piece among them."""
+        return len(self._idle) + self._idle_piece
+
     @torch.inference_mode()
     def _loop(self) -> None:
         preparing: collections.deque = collections.deque()  # jobs not started, or between two prompt chunks
@@ -69,18 +102,23 @@ class ModelWorker:
         while True:
             while len(preparing) + len(decoding) < self.max_batch:
                 try:
-                    job = self._jobs.get() if not (preparing or decoding) else self._jobs.get_nowait()
+                    busy = preparing or decoding or self._idle
+                    job = self._jobs.get_nowait() if busy else self._jobs.get()
                 except queue.Empty:
                     break
                 if job is None:
                     for running in [*preparing, *(running for running, _ in decoding)]:
                         if inspect.isgenerator(running):
-                            with contextlib.suppress(Exception):
-                                running.close()
+                            _end(running)
+                    while self._idle:
+                        _end(self._idle.popleft())
                     return
-                preparing.append(job)
+                if job is not _WAKE:
+                    preparing.append(job)
             if preparing:
                 self._resume(preparing.popleft(), None, preparing, decoding)
+            elif not decoding and self._idle:
+                self._resume_idle()
             if decoding:
                 batch, decoding[:] = list(decoding), []
                 for (running, _), outcome in zip(batch, self._decode_step([read for _, read in batch]), strict=True):
@@ -108,6 +146,25 @@ class ModelWorker:
             except Exception as exc:
                 outcomes.append(exc)
         return outcomes
+
+    def _resume_idle(self) -> None:
+        """One piece of the oldest idle job; held again (last) when it yields, dropped when it ends or fails."""
+        self._idle_piece = True
+        try:
+            job = self._idle.popleft()
+        except IndexError:
+            self._idle_piece = False
+            return
+        try:
+            next(job)
+            self._idle.append(job)
+        except StopIteration:
+            pass
+        except Exception:
+            logger.exception("idle work failed")
+            _end(job)
+        finally:
+            self._idle_piece = False
 
     @staticmethod
     def _resume(job, value, preparing, decoding) -> None:

@@ -1,6 +1,6 @@
 """`kvhandoff-lab` command line: tune, eval, eval-render, eval-switch, bench, bench-fit, bench-llama-cpp,
 eval-llama-cpp, bench-vllm, eval-vllm, analyze, bench-serve, load-test, load-hostile, bench-concurrency, guard-eval,
-bench-agent, bench-handoff, eval-offset.
+bench-agent, bench-handoff, eval-offset, eval-heal.
 
 The lab's measurements of the product: one module per command group, sharing the product's option parsers
 (`kvhandoff.cli.options`) and its one-line failure reports (`kvhandoff.cli.group`).
@@ -25,6 +25,7 @@ app.command("eval-llama-cpp")(bench.eval_llama_cpp)
 app.command("bench-vllm")(bench.bench_vllm)
 app.command("eval-vllm")(bench.eval_vllm)
 app.command("eval-offset")(bench.eval_offset)
+app.command("eval-heal")(bench.eval_heal)
 app.command()(analyze.analyze)
 app.command("bench-serve")(measure.bench_serve)
 app.command("load-test")(measure.load_test)

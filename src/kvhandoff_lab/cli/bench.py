@@ -374,3 +374,47 @@ def eval_offset(
                                 wanted, task, limit, histories, pool, out, budget)
     typer.echo(json.dumps(result["summary"], indent=2))
     typer.echo(f"wrote {out}")
+
+
+def eval_heal(
+    source: Source = DEFAULT_SOURCE,
+    target: Target = DEFAULT_TARGET,
+    conversations: Annotated[int, typer.Option(parser=positive_int, help="CoQA conversations of the report pool")]
+    = 40,
+    turns: Annotated[int, typer.Option(parser=positive_int, help="turns of each conversation (those with fewer "
+                                                                 "are skipped)")] = 10,
+    every: Annotated[int, typer.Option(parser=positive_int, help="turns each model answers before the switch")]
+    = 2,
+    recompute: Recompute = None,
+    threads: EngineThreads = None,
+    budget: ItemBudget = None,
+    out: Annotated[Path, typer.Option(help="the result (JSON, rewritten after every conversation; a rerun "
+                                           "continues)")] = Path("runs/eval_heal.json"),
+) -> None:
+    """Multi-turn CoQA with a switch every --every turns, under each direction's served recompute policy: the
+    answers with the history mapped, with it mapped and healed between the turns, and each model on its own cache,
+    per turn, with paired intervals and the healing's time."""
+    import random
+
+    from kvhandoff.runtime.prefix_store import PrefixStore
+    from kvhandoff.runtime.switch.pair import SwitchSettings, pair_policies
+    from kvhandoff.serving.decoding import end_ids
+    from kvhandoff_lab.evaluation.multiturn import load_coqa_conversations
+    from kvhandoff_lab.evaluation.tasks import pool_of
+    from kvhandoff_lab.heal_quality import run_heal_quality
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    pair, _, mappers = _pair_directions(source, target, "both")
+    policies = pair_policies(SwitchSettings(recompute=recompute), mappers, PrefixStore())
+    chosen = [c for c in load_coqa_conversations(min_turns=turns, num_turns=turns)
+              if pool_of("coqa", c.id) == "report"]
+    random.Random("heal/coqa/report").shuffle(chosen)
+    result = run_heal_quality({source: pair.source, target: pair.target}, mappers,
+                              {names: policy.plan for names, policy in policies.items()}, pair.tokenizer,
+                              end_ids(pair.target, pair.tokenizer), chosen[:conversations], every, out=out,
+                              time_budget_s=budget,
+                              settings={"recompute": {policy.name: policy.recompute.policy.spec
+                                                      for policy in policies.values()}, "turns": turns})
+    typer.echo(json.dumps(result["summary"], indent=2))
+    typer.echo(f"wrote {out}")
