@@ -55,7 +55,7 @@ def switched(server, headers=None) -> tuple[list[dict], dict]:
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": TURNS[1]}]
     answer, handoff, _ = ask(server, "large", messages, headers)
     assert handoff["status"] == "applied" and handoff["approximate_tokens"] > 0
-    return messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": TURNS[2]}], handoff
+    return [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": TURNS[2]}], handoff
 
 
 @pytest.mark.parametrize("headers", [{}, {"X-Session-ID": "healing"}], ids=["by tokens", "named"])
@@ -86,7 +86,7 @@ def test_after_a_switch_idle_time_heals_the_conversation_and_the_next_turn_runs_
 
 def test_the_budget_bounds_what_one_request_heals_and_zero_heals_nothing():
     with running(heal=HealSettings(24, 8)) as server:
-        _, handoff = switched(server, {"X-Session-ID": "bounded"})
+        switched(server, {"X-Session-ID": "bounded"})
         healed(server)
         assert metric(server, "kvhandoff_healed_positions_total", "large") == 24
         session = server.engine.sessions.state(DEFAULT_NAMESPACE, "bounded").session
