@@ -132,6 +132,23 @@ def test_a_conversation_switches_in_llama_cpp_and_answers_as_the_target_alone(pa
     assert session.cached_length("large") == len(history + turn) + len(answer)
 
 
+def test_a_llama_cpp_cache_heals_in_chunks_into_its_own_prefill(pair):
+    _, _, mapper, small, large = pair
+    session = SwitchingSession({"small": small, "large": large}, {("small", "large"): mapper},
+                               cache_factory=lambda model: model.new_cache())
+    history, turn = ids_of(tokens=40, seed=7)[0].tolist(), ids_of(tokens=6, seed=8)[0].tolist()
+    session.read("small", history)
+    session.read("large", turn)
+    assert session.own_length("large") == 0
+    assert session.heal("large", limit=16) == 16 and session.own_length("large") == 16
+    assert session.heal("large") == len(history + turn) - 16
+    assert session.own_length("large") == session.cached_length("large") == len(history + turn)
+    prefilled, _ = _prefilled(large, torch.tensor([history + turn]))
+    for mine, own in zip(session.export("large").layers, prefilled.export().layers, strict=True):
+        torch.testing.assert_close(mine.keys, own.keys, atol=1e-3, rtol=0)
+        torch.testing.assert_close(mine.values, own.values, atol=1e-3, rtol=0)
+
+
 def test_a_refused_import_leaves_the_cache_as_it_was(pair):
     _, _, _, small, large = pair
     cache, _ = _prefilled(small, ids_of(tokens=10))
