@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -24,8 +23,6 @@ from kvhandoff.serving.prefix_cache import PrefixCache
 from kvhandoff.serving.sessions import SessionState, SessionTable
 from kvhandoff.serving.settings import HealSettings
 from kvhandoff.serving.worker import HostedModel
-
-logger = logging.getLogger(__name__)
 
 
 class _Lent:
