@@ -13,7 +13,6 @@ rewritten after every item and a rerun with the same file continues where it sto
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff_lab.evaluation.switch import paired_difference, turn_items
 from kvhandoff_lab.evaluation.switchtasks import DEFAULT_MAX_NEW_TOKENS, get_switch_task, item_score
 from kvhandoff_lab.evaluation.tasks import cut_at_stop
+from kvhandoff_lab.resume import stored_part
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +83,8 @@ def run_engine_quality(engines: dict, mappers: dict, tokenizer, end_ids: Sequenc
     directions = list(directions or mappers)
     result = {"format": ENGINE_QUALITY_FORMAT, "task": task, "items": len(items), "histories": histories,
               "recompute": plan.recompute.spec, "directions": [" → ".join(d) for d in directions],
-              "engines": list(engines), "records": {}}
-    if out is not None and out.exists():
-        stored = json.loads(out.read_text())
-        if {key: stored.get(key) for key in ("format", "task", "recompute", "histories")} == \
-                {key: result[key] for key in ("format", "task", "recompute", "histories")}:
-            result["records"] = stored.get("records", {})
+              "engines": list(engines)}
+    result["records"] = stored_part(out, {key: result[key] for key in ("format", "task", "recompute", "histories")})
     started = time.perf_counter()
     groups: dict[str, list] = {}
     for item in items:

@@ -21,7 +21,6 @@ at a time; the result is rewritten after each and a rerun with the same file con
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -38,6 +37,7 @@ from kvhandoff_lab.evaluation.metrics import max_f1, token_f1
 from kvhandoff_lab.evaluation.multiturn import STOP, Conversation, first_segment, next_segment
 from kvhandoff_lab.evaluation.scoring import encode
 from kvhandoff_lab.evaluation.switch import paired_difference
+from kvhandoff_lab.resume import stored_part
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +109,8 @@ def run_heal_quality(models: Mapping, mappers: Mapping, pair_plans: Mapping[tupl
     if len(names) != 2:
         raise ConfigError(f"the healing benchmark switches between two models, got {len(names)}")
     result = {"format": HEAL_FORMAT, "models": names, "every": every, "max_new_tokens": max_new_tokens,
-              **dict(settings or {}), "records": {}}
-    identity = {key: value for key, value in result.items() if key != "records"}
-    if out is not None and out.exists():
-        stored = json.loads(out.read_text())
-        if all(stored.get(key) == value for key, value in identity.items()):
-            result["records"] = stored.get("records", {})
+              **dict(settings or {})}
+    result["records"] = stored_part(out, dict(result))
     started = time.perf_counter()
     for index, conversation in enumerate(conversations):
         if conversation.id in result["records"]:

@@ -20,7 +20,6 @@ every direction; the result is rewritten after every item and a rerun with the s
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -37,6 +36,7 @@ from kvhandoff.runtime.session import SwitchingSession
 from kvhandoff_lab.engine_quality import greedy_answer
 from kvhandoff_lab.evaluation.switch import paired_difference, turn_items
 from kvhandoff_lab.evaluation.switchtasks import DEFAULT_MAX_NEW_TOKENS, get_switch_task, item_score
+from kvhandoff_lab.resume import stored_part
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +71,7 @@ def run_offset_quality(models: dict, mappers: dict, tokenizer, end_ids: Sequence
                 "conditions": [REREAD, *(policy.spec for policy in policies)],
                 "directions": [" → ".join(d) for d in directions],
                 "instructions": {"source": len(source_ids), "target": len(target_ids)}}
-    result = {**settings, "items": len(items), "records": {}}
-    if out is not None and out.exists():
-        stored = json.loads(out.read_text())
-        if all(stored.get(key) == value for key, value in settings.items()):
-            result["records"] = stored.get("records", {})
+    result = {**settings, "items": len(items), "records": stored_part(out, settings)}
     started = time.perf_counter()
     groups: dict[str, list] = {}
     for item in items:

@@ -41,6 +41,7 @@ from kvhandoff.serving.server import serve_in_thread
 from kvhandoff.serving.settings import ServeConfig
 from kvhandoff_lab.evaluation.metrics import paired_bootstrap, token_f1
 from kvhandoff_lab.evaluation.switch import paired_difference
+from kvhandoff_lab.resume import stored_part
 
 logger = logging.getLogger(__name__)
 
@@ -204,11 +205,7 @@ def run_agent_handoff(url: str, small: str, large: str, problems: list, out: Pat
     """Every problem under every condition against the server at ``url`` (see the module docstring)."""
     settings = {"format": HANDOFF_FORMAT, "small": small, "large": large, "conditions": CONDITIONS,
                 **(settings or {})}
-    result = {"settings": settings, "problems": {}}
-    if out is not None and out.exists():
-        stored = json.loads(out.read_text())
-        if stored.get("settings") == settings:
-            result["problems"] = stored.get("problems", {})
+    result = {"settings": settings, "problems": stored_part(out, {"settings": settings}, "problems")}
     started, served = time.perf_counter(), 0
     for problem in problems:
         if problem.id in result["problems"]:
