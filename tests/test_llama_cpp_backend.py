@@ -120,10 +120,16 @@ def test_a_handoff_through_llama_cpp_reproduces_the_target(pair):
                        cache_factory=lambda model: model.new_cache())
 
 
-def test_a_conversation_switches_in_llama_cpp_and_answers_as_the_target_alone(pair):
+def _switching(pair) -> SwitchingSession:
+    """A conversation of the llama.cpp pair that switches small → large."""
     _, _, mapper, small, large = pair
-    session = SwitchingSession({"small": small, "large": large}, {("small", "large"): mapper},
-                               cache_factory=lambda model: model.new_cache())
+    return SwitchingSession({"small": small, "large": large}, {("small", "large"): mapper},
+                            cache_factory=lambda model: model.new_cache())
+
+
+def test_a_conversation_switches_in_llama_cpp_and_answers_as_the_target_alone(pair):
+    large = pair[4]
+    session = _switching(pair)
     history, turn = ids_of(tokens=40, seed=5)[0].tolist(), ids_of(tokens=6, seed=6)[0].tolist()
     session.read("small", history)
     answer = session.generate("large", turn, max_new_tokens=8)
@@ -133,9 +139,8 @@ def test_a_conversation_switches_in_llama_cpp_and_answers_as_the_target_alone(pa
 
 
 def test_a_llama_cpp_cache_heals_in_chunks_into_its_own_prefill(pair):
-    _, _, mapper, small, large = pair
-    session = SwitchingSession({"small": small, "large": large}, {("small", "large"): mapper},
-                               cache_factory=lambda model: model.new_cache())
+    large = pair[4]
+    session = _switching(pair)
     history, turn = ids_of(tokens=40, seed=7)[0].tolist(), ids_of(tokens=6, seed=8)[0].tolist()
     session.read("small", history)
     session.read("large", turn)

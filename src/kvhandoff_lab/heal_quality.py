@@ -71,9 +71,11 @@ def run_conversation(conversation: Conversation, servers: Sequence[str], models:
     if condition not in CONDITIONS:
         raise ConfigError(f"condition must be one of {', '.join(CONDITIONS)}, got {condition!r}")
     turns = segments(conversation, tokenizer)
-    own = {name: SwitchingSession({name: model}, {}) for name, model in models.items()}
-    read_up_to = dict.fromkeys(models, 0)  # "own": the turns each model has read
-    shared = SwitchingSession(models, mappers, "incremental", pair_plans=pair_plans)
+    if condition == "own":  # a session per model, and the turns each has read
+        own = {name: SwitchingSession({name: model}, {}) for name, model in models.items()}
+        read_up_to = dict.fromkeys(models, 0)
+    else:
+        shared = SwitchingSession(models, mappers, "incremental", pair_plans=pair_plans)
     records = []
     for index, (server, ids) in enumerate(zip(servers, turns, strict=True)):
         if condition == "own":

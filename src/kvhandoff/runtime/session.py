@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvhandoff.config import require_positive
 from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.handoff import MappedCache, check_context
 from kvhandoff.runtime.offset import reuse_run
@@ -349,8 +350,8 @@ class SwitchingSession:
         prefill would hold them; the positions after them stay as they were. A recompute still pending for it is done
         first, and the last handover to it can no longer be taken back. Returns the positions healed (0: its cache
         is all its own, or it holds none)."""
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ConfigError(f"heal limit must be a positive integer or None, got {limit!r}")
+        if limit is not None:
+            require_positive("heal limit", limit)
         server = self.owner if server is None else server
         if server is None:
             return 0

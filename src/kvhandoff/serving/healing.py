@@ -71,14 +71,14 @@ class Healer:
     def after(self, state: SessionState, hosted: HostedModel, namespace: str, tokens: list[int]) -> None:
         """A request of ``state`` served by ``hosted`` ended (event loop): heal its conversation (a prefix-cache
         request's: ``tokens`` in ``namespace``, as kept) when the model holds approximate rows of it."""
-        if not self.settings.active:
-            return
+        session = state.session
+        if not self.settings.active or session.own_length(hosted.name) >= session.cached_length(hosted.name):
+            return  # nothing approximate to heal
         if state.id is None:
             if tokens:
                 hosted.worker.submit_idle(self._heal_kept(hosted.name, namespace, tokens))
             return
-        session = state.session
-        if state.idle() and session.own_length(hosted.name) < session.cached_length(hosted.name):
+        if state.idle():
             self._lending[hosted.name] = self._lending.get(hosted.name, 0) + 1
             asyncio.get_running_loop().create_task(self._lend(state, hosted))
 
