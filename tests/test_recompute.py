@@ -310,7 +310,7 @@ def test_turn_attention_ranks_by_the_sources_read_the_caller_made(exact, monkeyp
     """SelectionInfo.source_turn_read: turn_attention without lookahead picks by it without reading the turn again
     (the same picks as reading it); a lookahead or the target's own read reads the turn themselves; a read that does
     not cover the conversation is refused."""
-    from kvhandoff.runtime import policy as policy_module
+    from kvhandoff.runtime.seam import TransformersCache
 
     source, target, _ = exact
     ids = ids_of(batch=1, tokens=44)
@@ -322,9 +322,9 @@ def test_turn_attention_ranks_by_the_sources_read_the_caller_made(exact, monkeyp
     expected = TurnAttention(4 / 36).positions(target, cache, history, SelectionInfo(new_turn=new_turn), source,
                                                source_cache)
     reads = []
-    real = policy_module.turn_attention_scores
-    monkeypatch.setattr(policy_module, "turn_attention_scores",
-                        lambda model, *rest: reads.append(model) or real(model, *rest))
+    real = TransformersCache.read_turn
+    monkeypatch.setattr(TransformersCache, "read_turn",
+                        lambda cache, model, *rest: reads.append(model) or real(cache, model, *rest))
     shared = SelectionInfo(new_turn=new_turn, source_turn_read=scores)
     assert torch.equal(TurnAttention(4 / 36).positions(target, cache, history, shared, source, source_cache),
                        expected)
@@ -389,13 +389,13 @@ def test_target_turn_attention_ranks_by_the_targets_read_of_the_new_turn_on_the_
 
 
 def test_a_session_hands_the_new_turn_to_a_policy_that_reads_it(inexact, monkeypatch):
-    from kvhandoff.runtime import policy as policy_module
+    from kvhandoff.runtime.seam import TransformersCache
 
     source, target, mapper = inexact
     seen = []
-    real = policy_module.turn_attention_scores
-    monkeypatch.setattr(policy_module, "turn_attention_scores", lambda model, cache, turn, *rest:
-                        seen.append(turn[0].tolist()) or real(model, cache, turn, *rest))
+    real = TransformersCache.read_turn
+    monkeypatch.setattr(TransformersCache, "read_turn", lambda cache, model, turn, *rest:
+                        seen.append(turn[0].tolist()) or real(cache, model, turn, *rest))
     session = SwitchingSession({"small": source, "large": target}, {("small", "large"): mapper},
                                plan=HandoffPlan.of(0, "turn_attention:20%"))
     first, turn = ids_of(tokens=20, seed=1)[0].tolist(), ids_of(tokens=6, seed=2)[0].tolist()

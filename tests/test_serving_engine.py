@@ -526,7 +526,8 @@ def llama_cpp_family(tmp_path_factory):
         model.close()
 
 
-def test_a_llama_cpp_family_serves_a_switching_conversation_as_the_target_alone(llama_cpp_family):
+@pytest.mark.parametrize("recompute", ["recent:10%", "turn_attention:10%"])
+def test_a_llama_cpp_family_serves_a_switching_conversation_as_the_target_alone(llama_cpp_family, recompute):
     import openai
 
     from _serving_support import running
@@ -534,7 +535,7 @@ def test_a_llama_cpp_family_serves_a_switching_conversation_as_the_target_alone(
     served, mappers = llama_cpp_family
     family, _ = tiny_family()
     messages = [{"role": "user", "content": "Tell me a story about a cat."}]
-    with running(served, mappers, recompute="recent:10%") as server:
+    with running(served, mappers, recompute=recompute) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for turn, name in enumerate(("small", "large", "small")):
             raw = client.chat.completions.with_raw_response.create(
@@ -565,19 +566,34 @@ def test_a_llama_cpp_family_serves_a_pair_whose_recorded_rule_it_cannot_rank_by_
     from kvhandoff.mapper.manifest import RecomputeChoice
 
     served, mappers = llama_cpp_family
-    recorded = RecomputeChoice("turn_attention:5%", "fastest_at_min_retention", 0.97, "generative", ("coqa_gen",),
-                               "dev", 12, 0.98, 2048, 8.2)
+    recorded = RecomputeChoice("source_attention:5%", "fastest_at_min_retention", 0.97, "generative",
+                               ("coqa_gen",), "dev", 12, 0.98, 2048, 8.2)
     marked = {**mappers, ("small", "large"): with_record(mappers["small", "large"], recompute=recorded)}
     caplog.set_level(logging.WARNING, logger="kvhandoff.serving.engine")
     engine = Engine(served, marked, ServeConfig(max_batch=4, max_sessions=8, switch=SwitchSettings(guard=False)))
     assert engine.policies["small", "large"].recompute.policy == DEFAULT_RECOMPUTE
     assert engine.policies["small", "large"].plan.recompute == DEFAULT_RECOMPUTE
-    assert "recorded for small → large (turn_attention:5%) ranks positions with a transformers model" in caplog.text
-    assert "does not serve the one recorded with its mapper, turn_attention:5%" in \
+    assert "recorded for small → large (source_attention:5%) ranks positions with a transformers model" in caplog.text
+    assert "does not serve the one recorded with its mapper, source_attention:5%" in \
         engine.policies["small", "large"].recompute.describe("small", "large")
-    assert engine.policies["small", "large"].recompute.to_dict()["recorded"]["spec"] == "turn_attention:5%"
-    with pytest.raises(ConfigError, match=r"turn_attention:5%.*none, sinks, recent"):
-        Engine(served, marked, ServeConfig(switch=SwitchSettings(recompute="turn_attention:5%", guard=False)))
+    assert engine.policies["small", "large"].recompute.to_dict()["recorded"]["spec"] == "source_attention:5%"
+    with pytest.raises(ConfigError, match=r"source_attention:5%.*none, sinks, recent, turn_attention"):
+        Engine(served, marked, ServeConfig(switch=SwitchSettings(recompute="source_attention:5%", guard=False)))
+
+
+def test_a_llama_cpp_family_serves_the_recorded_turn_attention_rule(llama_cpp_family):
+    """llama.cpp reads a turn's attention (its callback shows the queries): the recorded rule is served as it is."""
+    from _serving_support import with_record
+    from kvhandoff.mapper.manifest import RecomputeChoice
+    from kvhandoff.runtime.policy import TurnAttention
+
+    served, mappers = llama_cpp_family
+    recorded = RecomputeChoice("turn_attention:10%", "fastest_at_min_retention", 0.97, "generative", ("coqa_gen",),
+                               "dev", 12, 0.98, 2048, 8.2)
+    marked = {pair: with_record(mapper, recompute=recorded) for pair, mapper in mappers.items()}
+    engine = Engine(served, marked, ServeConfig(max_batch=4, max_sessions=8, switch=SwitchSettings(guard=False)))
+    assert engine.policies["small", "large"].plan.recompute == TurnAttention(0.1)
+    assert engine.policies["large", "small"].recompute.policy == TurnAttention(0.1)
 
 
 def test_a_llama_cpp_family_serves_a_point_chosen_from_the_recorded_tradeoff_it_cannot_rank_by_under_the_default(
@@ -586,8 +602,8 @@ def test_a_llama_cpp_family_serves_a_point_chosen_from_the_recorded_tradeoff_it_
     from kvhandoff.mapper.manifest import RecomputeChoice, TradeoffPoint
 
     served, mappers = llama_cpp_family
-    points = (TradeoffPoint("turn_attention:10%", 0.95, 8.8), TradeoffPoint("turn_attention:20%", 0.97, 3.5))
-    recorded = RecomputeChoice("turn_attention:10%", "fastest_at_min_retention", 0.97, "generative", ("coqa_gen",),
+    points = (TradeoffPoint("deviation:10%", 0.95, 8.8), TradeoffPoint("deviation:20%", 0.97, 3.5))
+    recorded = RecomputeChoice("deviation:10%", "fastest_at_min_retention", 0.97, "generative", ("coqa_gen",),
                                "dev", 24, 0.95, 2048, 8.8, 5.0, points)
     marked = {pair: with_record(mapper, recompute=recorded) for pair, mapper in mappers.items()}
     caplog.set_level(logging.WARNING, logger="kvhandoff.serving.engine")
@@ -595,7 +611,7 @@ def test_a_llama_cpp_family_serves_a_point_chosen_from_the_recorded_tradeoff_it_
                                                 switch=SwitchSettings(guard=False, min_speedup=3.0)))
     assert engine.policies["small", "large"].recompute.policy == DEFAULT_RECOMPUTE
     assert engine.policies["small", "large"].plan.recompute == DEFAULT_RECOMPUTE
-    assert "chosen from the trade-off recorded for small → large (turn_attention:20%) ranks positions" in caplog.text
+    assert "chosen from the trade-off recorded for small → large (deviation:20%) ranks positions" in caplog.text
 
 
 def test_a_named_session_whose_instructions_changed_keeps_its_history_at_the_new_offset():

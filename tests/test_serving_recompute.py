@@ -103,12 +103,12 @@ def test_a_switch_runs_under_the_pairs_policy_and_health_shows_it(monkeypatch):
 
 
 def test_a_policy_that_reads_the_new_turn_gets_all_of_it_when_the_prompt_is_read_in_chunks(monkeypatch):
-    from kvhandoff.runtime import policy as policy_module
+    from kvhandoff.runtime.seam import TransformersCache
 
     seen = []
-    real = policy_module.turn_attention_scores
-    monkeypatch.setattr(policy_module, "turn_attention_scores",
-                        lambda model, cache, turn, *rest: seen.append(turn.shape[1]) or real(model, cache, turn, *rest))
+    real = TransformersCache.read_turn
+    monkeypatch.setattr(TransformersCache, "read_turn",
+                        lambda cache, model, turn, *rest: seen.append(turn.shape[1]) or real(cache, model, turn, *rest))
     with running(recompute="turn_attention:20%", prefill_chunk=8) as server:
         messages = [{"role": "user", "content": "tell me a story about a cat and a dog"}]
         headers = {"X-Session-ID": "chunks"}

@@ -207,7 +207,7 @@ def test_the_owners_preview_of_a_turn_leaves_its_cache_and_serves_the_handover(t
     with attention (by default when the handover's policy ranks by it), the attention a turn_attention handover
     ranks by, which read_logprobs takes instead of reading the turn again (the same answer); nothing to preview is
     refused."""
-    from kvhandoff.runtime import policy as policy_module
+    from kvhandoff.runtime.seam import TransformersCache
 
     a, b, _, mapper = trio
     ids = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(6)).tolist()
@@ -230,8 +230,8 @@ def test_the_owners_preview_of_a_turn_leaves_its_cache_and_serves_the_handover(t
     torch.testing.assert_close(recent, logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(logprobs, plain.read_logprobs("a", ids[24:], keep=2), atol=1e-5, rtol=0)
     reads = []
-    real = policy_module.turn_attention_scores
-    monkeypatch.setattr(policy_module, "turn_attention_scores", lambda *args: reads.append(1) or real(*args))
+    real = TransformersCache.read_turn
+    monkeypatch.setattr(TransformersCache, "read_turn", lambda *args: reads.append(1) or real(*args))
     served = session.read_logprobs("b", ids[24:], keep=2, source_turn_read=attention)
     assert reads == []  # ranked by the preview's attention: the turn was not read again
     fresh = SwitchingSession({"a": a, "b": b}, {("a", "b"): mapper}, plan=plan)

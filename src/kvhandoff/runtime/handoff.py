@@ -197,8 +197,7 @@ def _pending_positions(cache: KVCache, target_model, input_ids: torch.Tensor, ow
     policy = plan.recompute
     if policy.active and own < total:
         info = replace(selection_info or SelectionInfo(), start=own)
-        picked = policy.positions(target_model, cache.export(), input_ids, info, source_model,
-                                  None if source is None else source.export())
+        picked = policy.positions(target_model, cache.export(), input_ids, info, source_model, source)
         positions = torch.cat([positions, picked.to(cache.device)], dim=1)
     return positions
 
@@ -296,7 +295,7 @@ def catch_up(target_cache, source_cache, mapper: Mapper, source_model=None, targ
     input_ids = input_ids.to(target.device)
     _recompute_leading_layers(target, target_model, input_ids, have, plan)
     info = replace(selection_info or SelectionInfo(), start=have)
-    picked = policy.positions(target_model, target.export(), input_ids, info, source_model, source.export())
+    picked = policy.positions(target_model, target.export(), input_ids, info, source_model, source)
     return MappedCache(target, input_ids, picked.to(target.device))
 
 

@@ -21,7 +21,8 @@ import torch
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.deviation import blend_scores, deviation_scores
-from kvhandoff.runtime.recompute import source_attention_scores, turn_attention_scores
+from kvhandoff.runtime.recompute import source_attention_scores
+from kvhandoff.runtime.seam import KVCache, TransformersCache, as_kv_cache
 
 #: the budgets (fractions of the mapped history) a retention-vs-speed sweep measures
 RECOMPUTE_BUDGETS: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -177,7 +178,7 @@ class RecomputePolicy:
         """The positions [batch, n] (each row sorted; n = `budget_count` of the T − start candidates) this policy
         picks on ``cache`` (the target's mapped rows of ``input_ids`` [batch, T], as the cache seam exports them),
         recomputing nothing. Without ``info.source_attention`` a policy that needs it reads it from
-        ``source_model`` and ``source_cache`` (`source_attention_scores`)."""
+        ``source_model`` and ``source_cache`` (`source_attention_scores`; a `KVCache` or a `transformers` cache)."""
         info = info or SelectionInfo()
         if not self.active:
             return _empty(input_ids.shape[0], input_ids.device)
@@ -191,7 +192,7 @@ class RecomputePolicy:
             if source_model is None or source_cache is None:
                 raise ConfigError(f"recompute rule {self.rule!r} needs the source's attention: the source model and "
                                   "its cache (or SelectionInfo.source_attention, from source_attention_scores)")
-            scores = source_attention_scores(source_model, source_cache, input_ids, self.window)
+            scores = source_attention_scores(source_model, _rows(source_cache), input_ids, self.window)
             info = replace(info, source_attention=scores)
         return self._pick(target_model, cache, input_ids, info, count)
 
@@ -200,6 +201,11 @@ class RecomputePolicy:
 
 
 # -- the rules -------------------------------------------------------------------------------------------------------
+
+
+def _rows(cache):
+    """A cache's rows as a `transformers` cache (a `KVCache` exports them; a `transformers` cache is one)."""
+    return cache.export() if isinstance(cache, KVCache) else cache
 
 
 @dataclass(frozen=True)
@@ -308,9 +314,10 @@ class SourceAttention(RecomputePolicy):
 @dataclass(frozen=True)
 class TurnAttention(SourceAttention):
     """The positions the source attends to most while it reads the new turn (``info.new_turn``) on its cache
-    (`turn_attention_scores`): what the turn the target reads next is about. Without a new turn, the source's last
-    ``window`` queries of the history rank them (as `SourceAttention`). ``lookahead`` > 0: the source also answers
-    that many tokens greedily after the turn, and its answer's attention counts too (`turn_attention_scores`)."""
+    (`KVCache.read_turn`, in the source's engine): what the turn the target reads next is about. Without a new
+    turn, the source's last ``window`` queries of the history rank them (as `SourceAttention`; a `transformers`
+    source only). ``lookahead`` > 0: the source also answers that many tokens greedily after the turn, and its
+    answer's attention counts too."""
 
     lookahead: int = 0
     rule: ClassVar[str] = "turn_attention"
@@ -339,17 +346,21 @@ class TurnAttention(SourceAttention):
         return self.active and self.lookahead == 0 and self._reads_with_source
 
     def _reader(self, target_model, cache, input_ids: torch.Tensor, source_model, source_cache):
-        """The model that reads the new turn and the cache it reads it on: the source, on its own cache."""
+        """The model that reads the new turn and the cache it reads it on (behind the cache seam): the source, on
+        its own cache."""
         if source_model is None or source_cache is None:
             raise ConfigError(f"recompute rule {self.rule!r} needs the source model and its cache (the source "
                               "reads the new turn on it)")
-        if source_cache.get_seq_length() != input_ids.shape[1]:
-            raise ConfigError(f"the source cache holds {source_cache.get_seq_length()} positions, input_ids "
+        source_cache = as_kv_cache(source_cache)
+        if source_cache.length != input_ids.shape[1]:
+            raise ConfigError(f"the source cache holds {source_cache.length} positions, input_ids "
                               f"{input_ids.shape[1]}")
         return source_model, source_cache
 
     def positions(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
                   source_model=None, source_cache=None) -> torch.Tensor:
+        """As `RecomputePolicy.positions`; the turn is read on ``source_cache`` (``cache`` for
+        `TargetTurnAttention`) in its own engine (`KVCache.read_turn`)."""
         info = info or SelectionInfo()
         if self.active and info.source_attention is None:
             model, read_on = self._reader(target_model, cache, input_ids, source_model, source_cache)
@@ -361,9 +372,13 @@ class TurnAttention(SourceAttention):
                                       "every position of the conversation")
             elif info.new_turn:
                 turn = torch.tensor([list(info.new_turn)] * input_ids.shape[0], device=input_ids.device)
-                scores = turn_attention_scores(model, read_on, turn, self.lookahead)
+                scores = read_on.read_turn(model, turn, 1, self.lookahead).scores
+            elif isinstance(read_on, TransformersCache):
+                scores = source_attention_scores(model, _rows(read_on), input_ids, self.window)
             else:
-                scores = source_attention_scores(model, read_on, input_ids, self.window)
+                raise ConfigError(f"recompute rule {self.rule!r} without a new turn ranks by the last queries of "
+                                  f"the history, which a {type(read_on).__name__} does not read: give the new turn "
+                                  "(SelectionInfo.new_turn; a SwitchingSession passes the turn it reads)")
             info = replace(info, source_attention=scores)
         return super().positions(target_model, cache, input_ids, info, source_model, source_cache)
 
@@ -371,7 +386,7 @@ class TurnAttention(SourceAttention):
 @dataclass(frozen=True)
 class TargetTurnAttention(TurnAttention):
     """The positions the target attends to most while it reads the new turn on the cache it was handed (mapped),
-    before any recompute (`turn_attention_scores` with the target): what the turn needs, as the model that answers
+    before any recompute (`KVCache.read_turn` with the target): what the turn needs, as the model that answers
     it reads it. ``lookahead``: the target also answers that many tokens on the mapped cache. Without a new turn,
     the target's last ``window`` queries of the history, read again on the mapped cache, rank the positions."""
 
@@ -381,7 +396,7 @@ class TargetTurnAttention(TurnAttention):
     def _reader(self, target_model, cache, input_ids: torch.Tensor, source_model, source_cache):
         if target_model is None or cache is None:
             raise ConfigError(f"recompute rule {self.rule!r} needs the target model and the mapped cache")
-        return target_model, cache
+        return target_model, as_kv_cache(cache)
 
 
 @dataclass(frozen=True)

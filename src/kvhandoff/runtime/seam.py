@@ -27,7 +27,13 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from kvhandoff.model.cache import cache_copy, cache_of, cache_view, model_device, rollback
-from kvhandoff.runtime.recompute import recompute_and_read, recompute_positions, takes_custom_mask
+from kvhandoff.runtime.recompute import (
+    TurnRead,
+    read_turn,
+    recompute_and_read,
+    recompute_positions,
+    takes_custom_mask,
+)
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,14 @@ class KVCache(ABC):
              pending: Pending | None = None) -> torch.Tensor:
         """``model`` reads ``new_ids`` [batch, N] on top of the cache (which grows by N), recomputing the ``pending``
         positions in the same forward; the logits of the last ``logits_to_keep`` new tokens [batch, keep, vocab]."""
+
+    def read_turn(self, model, new_ids: torch.Tensor, keep: int = 1, lookahead: int = 0) -> TurnRead:
+        """``model`` reads ``new_ids`` [batch, N] on top of this cache and forgets them (the cache is left as it
+        was): the attention it paid each cached position and the log-probs after the last ``keep`` tokens; with
+        ``lookahead``, its greedy answer's attention too (`recompute.read_turn`, what ranks positions for
+        `turn_attention`). This default reads on the exported rows with a `transformers` model; an engine that
+        runs its models otherwise overrides it."""
+        return read_turn(model, self.export(), new_ids, keep, lookahead)
 
     @classmethod
     def read_batch(cls, model, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:

@@ -10,7 +10,6 @@ import torch
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import cache_copy
 from kvhandoff.runtime.handoff import MappedCache
-from kvhandoff.runtime.recompute import read_turn
 from kvhandoff.runtime.seam import CacheFactory, KVCache
 
 
@@ -141,11 +140,11 @@ class SessionCaches:
                 attention: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``name``'s ``model`` reads ``ids`` on its cache and forgets them (the cache is left as it was): float32
         log-probs of the last ``keep`` [keep, vocab] and, with ``attention``, the attention it paid each cached
-        position [1, T] (`recompute.read_turn`, on the cache its engine exports), else None."""
+        position [1, T] (`KVCache.read_turn`, in the cache's engine), else None."""
         kv = self._caches[name]
         turn = torch.tensor([ids], device=kv.device)
         if attention:
-            read = read_turn(model, kv.export(), turn, keep)
+            read = kv.read_turn(model, turn, keep)
             return read.logprobs[0], read.scores
         length = kv.length
         logits = kv.read(model, turn, keep)

@@ -26,10 +26,13 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicCache
 
-from kvhandoff.errors import ConfigError, KVHandoffError
+from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.llama_cpp import INSTALL_HINT, LLAMA_CPP_PYTHON_VERSION
 from kvhandoff.runtime.llama_cpp import state as seq_state
+from kvhandoff.runtime.llama_cpp.attention import TurnReader
+from kvhandoff.runtime.llama_cpp.context import LlamaContext, LlamaCppError, context_params
 from kvhandoff.runtime.llama_cpp.state import GGML_TYPE_NAMES, CacheLayout, StateFormatError
+from kvhandoff.runtime.recompute import TurnRead
 from kvhandoff.runtime.seam import Capabilities, KVCache, Pending, rows_of
 
 logger = logging.getLogger(__name__)
@@ -38,12 +41,9 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3")
 
 
-#: what a llama.cpp model can do at a switch: the recompute rules that pick positions without the model's layers
-LLAMA_CPP_CAPABILITIES = Capabilities("llama.cpp", ("none", "sinks", "recent"))
-
-
-class LlamaCppError(KVHandoffError):
-    """llama.cpp refused a call (the call and the fix are named)."""
+#: what a llama.cpp model can do at a switch: the recompute rules that pick positions without the model's layers,
+#: and `turn_attention` (the turn read in a context whose callback shows the queries: `attention.TurnReader`)
+LLAMA_CPP_CAPABILITIES = Capabilities("llama.cpp", ("none", "sinks", "recent", "turn_attention"))
 
 
 def llama_library():
@@ -102,8 +102,10 @@ class LlamaCppModel:
     (its geometry and context window: what `check_context` reads), `kvhandoff_fingerprint` the fingerprint of the
     transformers model the mapper was fitted on for these weights (what `verify_mapper` checks), and
     `new_cache` the `CacheFactory` of its conversations (`seam.new_cache` calls it). `close` frees the context and
-    the weights. Recompute policies that rank positions by the target's own forward (deviation, source_attention,
-    mix) need a transformers model: `kvhandoff_capabilities` names the ones it serves."""
+    the weights. Recompute policies that rank positions by the target's own forward (deviation, blend,
+    target_turn_attention, mix) or record the source's prefill (source_attention) need a transformers model;
+    `turn_attention` reads the new turn in a context of its own (`read_turn`). `kvhandoff_capabilities` names the
+    rules it serves."""
 
     kvhandoff_capabilities = LLAMA_CPP_CAPABILITIES
     device = torch.device("cpu")
@@ -120,7 +122,7 @@ class LlamaCppModel:
             raise ConfigError(f"no GGUF file at {self.gguf}: pass the path of the model's .gguf")
         self._lib = llama_library()
         self._lock = threading.RLock()
-        self._model = self._ctx = self._memory = self._batch = None
+        self._model = self._ctx = self._memory = self._context = self._reader = None
         self._dropped: list[int] = []  # sequences of caches let go while another thread held the lock
         self._load()
         self._free_seqs = list(range(self.settings.sequences - 1, -1, -1))
@@ -141,26 +143,16 @@ class LlamaCppModel:
             raise ConfigError(f"{self.gguf.name} is a {architecture!r} model; the llama.cpp engine maps the caches of "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)} models, whose cached keys llama.cpp rotates as "
                               "transformers does")
-        context = lib.llama_context_default_params()
-        context.n_ctx = settings.context
-        context.n_batch = context.n_ubatch = settings.batch
-        context.n_seq_max = settings.sequences
-        context.kv_unified = True
-        kind = GGML_TYPE_NAMES[settings.cache_type]
-        context.type_k = context.type_v = kind
-        context.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn
-                                   else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        context.no_perf = True
-        if settings.threads is not None:
-            context.n_threads = context.n_threads_batch = settings.threads
-        self._ctx = lib.llama_init_from_model(self._model, context)
-        if not self._ctx:
-            self.close()
-            raise LlamaCppError(f"llama.cpp could not make a context of {settings.context} cells for {self.gguf.name}: "
-                                "lower the context (memory)")
-        self._memory = lib.llama_get_memory(self._ctx)
-        self._batch = lib.llama_batch_init(settings.batch, 0, 1)
         self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
+        kind = GGML_TYPE_NAMES[settings.cache_type]
+        try:
+            self._context = LlamaContext(lib, self._model, context_params(lib, settings, settings.context,
+                                                                          settings.sequences, kind),
+                                         settings.batch, self.vocab_size)
+        except LlamaCppError:
+            self.close()
+            raise
+        self._ctx, self._memory = self._context.ctx, self._context.memory
         geometry = (self.config.num_hidden_layers, self.config.num_key_value_heads,
                     getattr(self.config, "head_dim", None)
                     or self.config.hidden_size // self.config.num_attention_heads)
@@ -183,15 +175,12 @@ class LlamaCppModel:
     def close(self) -> None:
         """Free the context, the batch and the weights (caches of this model are unusable after)."""
         with self._lock:
-            lib = self._lib
-            if self._batch is not None:
-                lib.llama_batch_free(self._batch)
-                self._batch = None
-            if self._ctx:
-                lib.llama_free(self._ctx)
-                self._ctx = self._memory = None
+            for context in (self._reader, self._context):
+                if context is not None:
+                    context.free()
+            self._reader = self._context = self._ctx = self._memory = None
             if self._model:
-                lib.llama_model_free(self._model)
+                self._lib.llama_model_free(self._model)
                 self._model = None
 
     def __repr__(self) -> str:
@@ -280,45 +269,32 @@ class LlamaCppModel:
                                 f"the context of {self.settings.context} cells has no room for them; raise "
                                 "LlamaCppSettings.context")
 
-    def _decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
-                keep: Sequence[int] = ()) -> torch.Tensor:
-        """Decode ``tokens`` at ``positions`` in ``seqs`` (one each), in calls of at most `batch` tokens; the
-        logits [len(keep), vocab] after the tokens at indices ``keep``."""
-        lib, batch, size = self._lib, self._batch, self.settings.batch
-        wanted = set(keep)
-        rows: dict[int, torch.Tensor] = {}
+    def read_turn(self, seq: int, length: int, tokens: Sequence[int], keep: int,
+                  lookahead: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``seq`` (its first ``length`` positions) reads ``tokens`` in the reading context and answers
+        ``lookahead`` more greedily: the attention [1, length] paid each cached position, the log-probs [keep,
+        vocab] after the last ``keep`` tokens (`attention.TurnReader.read`)."""
         with self._lock:
             self._live()
-            for begin in range(0, len(tokens), size):
-                end = min(begin + size, len(tokens))
-                for slot, index in enumerate(range(begin, end)):
-                    batch.token[slot] = int(tokens[index])
-                    batch.pos[slot] = int(positions[index])
-                    batch.n_seq_id[slot] = 1
-                    batch.seq_id[slot][0] = int(seqs[index])
-                    batch.logits[slot] = index in wanted
-                batch.n_tokens = end - begin
-                status = lib.llama_decode(self._ctx, batch)
-                if status != 0:  # what earlier calls of this decode added goes too: each sequence as it was
-                    for seq, first in _first_positions(seqs, positions).items():
-                        lib.llama_memory_seq_rm(self._memory, seq, first, -1)
-                    raise LlamaCppError(f"llama.cpp's decode failed (status {status})"
-                                        + (": no room in the KV cache, raise LlamaCppSettings.context"
-                                           if status == 1 else ""))
-                for slot, index in enumerate(range(begin, end)):
-                    if index in wanted:
-                        pointer = lib.llama_get_logits_ith(self._ctx, slot)
-                        rows[index] = torch.frombuffer(
-                            bytearray(ctypes.string_at(pointer, 4 * self.vocab_size)), dtype=torch.float32)
-        return torch.stack([rows[index] for index in keep]) if keep else torch.empty(0, self.vocab_size)
+            state, keys = None, []
+            if length:
+                state = self.state_bytes(seq)
+                parsed = seq_state.parse(state, self.layout)
+                if not torch.equal(parsed.positions, torch.arange(length)):
+                    raise StateFormatError(f"sequence {seq} does not hold positions 0..{length - 1} exactly")
+                keys = [layer_keys for layer_keys, _ in seq_state.to_rows(parsed, self.layout)]
+            if self._reader is None:
+                self._reader = TurnReader(self._lib, self._model, self.settings, self.layout,
+                                          self._lib.llama_model_n_head(self._model), self.vocab_size)
+            return self._reader.read(state, keys, tokens, keep, lookahead, self.layout.head_dim ** -0.5)
 
-
-def _first_positions(seqs: Sequence[int], positions: Sequence[int]) -> dict[int, int]:
-    """Each sequence's first position among a decode's tokens."""
-    first: dict[int, int] = {}
-    for seq, position in zip(seqs, positions, strict=True):
-        first[int(seq)] = min(first.get(int(seq), int(position)), int(position))
-    return first
+    def _decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+                keep: Sequence[int] = ()) -> torch.Tensor:
+        """Decode ``tokens`` at ``positions`` in ``seqs`` (one each) in the conversations' context: the logits
+        [len(keep), vocab] after the tokens at indices ``keep`` (`LlamaContext.decode`)."""
+        with self._lock:
+            self._live()
+            return self._context.decode(tokens, positions, seqs, keep)
 
 
 def llama_cpp_twin(model, gguf: str | Path, settings: LlamaCppSettings | None = None,
@@ -495,6 +471,21 @@ class LlamaCppCache(KVCache):
                                range(count - keep, count))
         self._length += count
         return logits[None]
+
+    def read_turn(self, model, new_ids: torch.Tensor, keep: int = 1, lookahead: int = 0) -> TurnRead:
+        """`KVCache.read_turn` in llama.cpp: the turn is read on a copy of this sequence's cells in the model's
+        reading context (`attention.TurnReader`), whose callback shows each layer's queries and keys; this
+        sequence is left as it was."""
+        model = self._own_model(model)
+        if new_ids.dim() != 2 or new_ids.shape[0] != 1 or not new_ids.shape[1]:
+            raise ConfigError(f"a llama.cpp cache reads new ids [1, N ≥ 1], got {tuple(new_ids.shape)}")
+        tokens = new_ids[0].tolist()
+        if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= len(tokens):
+            raise ConfigError(f"keep must be an integer in 1..{len(tokens)} (the turn's tokens), got {keep!r}")
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+            raise ConfigError(f"lookahead must be a non-negative integer, got {lookahead!r}")
+        scores, logprobs = model.read_turn(self.seq, self._length, tokens, keep, lookahead)
+        return TurnRead(scores, logprobs[None])
 
     @classmethod
     def read_batch(cls, model, caches: Sequence[KVCache], tokens: Sequence[int]) -> torch.Tensor:
