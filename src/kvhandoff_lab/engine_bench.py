@@ -8,8 +8,8 @@ handoff starts from a cache the source has). Then, interleaved, per repeat:
 
 - handoff (llama.cpp): the source's sequence state read out of its context ("state_read", `state_bytes`) and parsed
   ("parse"); the mapper's transfer ("map"); the rows written into a fresh sequence of the target's context
-  ("import"); the positions the plan has the target recompute chosen ("select") and recomputed, with the new turn
-  read on top, to its logits ("target_forward");
+  ("import"); the positions the plan has the target recompute chosen ("select": for `turn_attention`, the source's
+  read of the new turn) and recomputed, with the new turn read on top, to its logits ("target_forward");
 - re-prefill (llama.cpp): the target's own read of all T tokens in a fresh sequence;
 - with ``transformers``: the same handoff and re-prefill in the transformers engine (float32).
 
@@ -42,7 +42,7 @@ from kvhandoff.runtime.llama_cpp import LLAMA_CPP_PYTHON_VERSION
 from kvhandoff.runtime.llama_cpp.backend import LlamaCppModel, LlamaCppSettings, llama_cpp_twin
 from kvhandoff.runtime.llama_cpp.state import parse, to_rows
 from kvhandoff.runtime.plan import HandoffPlan
-from kvhandoff.runtime.policy import RecomputePolicy
+from kvhandoff.runtime.policy import RecomputePolicy, SelectionInfo
 from kvhandoff.runtime.seam import TransformersCache, rows_of
 from kvhandoff_lab.bench import mapper_flops_per_token, model_flops, recomputed_tokens, row_flops, summarize
 
@@ -80,12 +80,17 @@ def _llama_handoff(source: LlamaCppModel, target: LlamaCppModel, mapper: Mapper,
     cache = target.new_cache()
     cache.append(mapped_rows)
     t4 = time.perf_counter()
-    mapped = MappedCache.from_mapped(cache, target, history, mapper, plan)
+    mapped = MappedCache.from_mapped(cache, target, history, mapper, plan, _turn_info(turn), source, source_cache)
     t5 = time.perf_counter()
     logits = mapped.read(target, turn)[0, -1]
     t6 = time.perf_counter()
     return cache, logits, {"state_read": t1 - t0, "parse": t2 - t1, "map": t3 - t2, "import": t4 - t3,
                            "select": t5 - t4, "target_forward": t6 - t5}
+
+
+def _turn_info(turn: torch.Tensor) -> SelectionInfo:
+    """What a recompute policy that reads the new turn (`turn_attention`) is given: the turn's ids."""
+    return SelectionInfo(new_turn=tuple(turn[0].tolist()))
 
 
 def _decode_rate(cache, model, first_logits: torch.Tensor, steps: int) -> float:
@@ -134,7 +139,8 @@ def bench_direction(names: tuple[str, str], models: dict, llama: dict, mapper: M
         if transformers:
             tf_target = models[target_name]
             started = time.perf_counter()
-            tf_mapped = map_for_target(models[source_name], tf_target, mapper, history, plan, tf_source_cache)
+            tf_mapped = map_for_target(models[source_name], tf_target, mapper, history, plan, tf_source_cache,
+                                       _turn_info(ids[:, -new_turn:]))
             tf_logits = tf_mapped.read(tf_target, ids[:, -new_turn:])[0, -1]
             timings.setdefault("transformers_handoff", []).append(time.perf_counter() - started)
             started = time.perf_counter()
