@@ -526,16 +526,26 @@ def llama_cpp_family(tmp_path_factory):
         model.close()
 
 
-@pytest.mark.parametrize("recompute", ["recent:10%", "turn_attention:10%"])
-def test_a_llama_cpp_family_serves_a_switching_conversation_as_the_target_alone(llama_cpp_family, recompute):
+@pytest.mark.parametrize("settings", [{"recompute": "recent:10%"}, {"recompute": "turn_attention:10%"},
+                                      {"recompute": "turn_attention:10%", "guard": True,
+                                       "guard_signal": "entropy_gain", "guard_threshold": 1e9}],
+                         ids=["recent", "turn_attention", "turn_attention_guarded"])
+def test_a_llama_cpp_family_serves_a_switching_conversation_as_the_target_alone(llama_cpp_family, settings,
+                                                                                monkeypatch):
+    """Under each rule llama.cpp serves; turn_attention reads each switch's turn once in llama.cpp (a guard's
+    preview of the turn serving the ranking too)."""
     import openai
 
     from _serving_support import running
+    from kvhandoff.runtime.llama_cpp.backend import LlamaCppCache
 
+    reads = []
+    real_read = LlamaCppCache.read_turn
+    monkeypatch.setattr(LlamaCppCache, "read_turn", lambda *args: reads.append(1) or real_read(*args))
     served, mappers = llama_cpp_family
     family, _ = tiny_family()
     messages = [{"role": "user", "content": "Tell me a story about a cat."}]
-    with running(served, mappers, recompute=recompute) as server:
+    with running(served, mappers, **settings) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for turn, name in enumerate(("small", "large", "small")):
             raw = client.chat.completions.with_raw_response.create(
@@ -549,6 +559,7 @@ def test_a_llama_cpp_family_serves_a_switching_conversation_as_the_target_alone(
                          {"role": "user", "content": f"And turn {turn + 2}?"}]
         echoed = client.completions.create(model="large", prompt="abc", max_tokens=1, echo=True, logprobs=1)
         assert echoed.choices[0].logprobs.tokens[:3] == ["a", "b", "c"]
+    assert len(reads) == (2 if settings["recompute"].startswith("turn_attention") else 0)
 
 
 def test_a_llama_cpp_family_refuses_a_recompute_rule_it_cannot_rank_by(llama_cpp_family):
