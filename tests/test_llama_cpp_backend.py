@@ -10,7 +10,6 @@ from _runtime_support import exact_pair, ids_of, max_kv_diff
 from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.handoff import map_for_target
 from kvhandoff.runtime.plan import HandoffPlan
-from kvhandoff.runtime.policy import SelectionInfo, TurnAttention
 from kvhandoff.runtime.recompute import recompute_positions
 from kvhandoff.runtime.seam import Pending, TransformersCache, rows_of
 from kvhandoff.runtime.session import SwitchingSession
@@ -153,48 +152,6 @@ def test_a_llama_cpp_cache_heals_in_chunks_into_its_own_prefill(pair):
     for mine, own in zip(session.export("large").layers, prefilled.export().layers, strict=True):
         torch.testing.assert_close(mine.keys, own.keys, atol=1e-3, rtol=0)
         torch.testing.assert_close(mine.values, own.values, atol=1e-3, rtol=0)
-
-
-def test_a_turns_attention_read_in_llama_cpp_is_the_transformers_engines(pair):
-    """read_turn in llama.cpp (the queries and keys its callback shows): the attention each cached position
-    receives and the log-probs after the turn as the transformers engine reads them — with a lookahead, with a turn
-    longer than one decode call, on an empty cache; the sequence is left as it was."""
-    source, _, _, small, _ = pair
-    ids = ids_of(tokens=110, seed=3)
-    history = ids[:, :30]
-    cache, _ = _prefilled(small, history)
-    before = cache.export()
-    reference = TransformersCache()
-    reference.read(source, history)
-    for turn, keep, lookahead in ((ids[:, 30:36], 2, 0), (ids[:, 30:36], 1, 3), (ids[:, 30:110], 1, 0)):
-        mine, theirs = cache.read_turn(small, turn, keep, lookahead), reference.read_turn(source, turn, keep, lookahead)
-        assert mine.scores.shape == (1, 30) and mine.logprobs.shape == theirs.logprobs.shape
-        torch.testing.assert_close(mine.scores, theirs.scores, atol=2e-3, rtol=1e-3)
-        torch.testing.assert_close(mine.logprobs, theirs.logprobs, atol=2e-3, rtol=0)
-    assert cache.length == 30 and max_kv_diff(cache.export(), before) == 0
-    empty = small.new_cache().read_turn(small, ids[:, :5])
-    assert empty.scores.shape == (1, 0)
-    torch.testing.assert_close(empty.logprobs[0, -1], source(input_ids=ids[:, :5]).logits[0, -1].log_softmax(-1),
-                               atol=2e-3, rtol=0)
-    with pytest.raises(ConfigError, match="keep"):
-        cache.read_turn(small, ids[:, :4], keep=5)
-
-
-def test_turn_attention_ranks_a_llama_cpp_source_as_a_transformers_one(pair):
-    """The recorded rule on a llama.cpp source picks the positions it picks on the transformers source; without
-    the new turn it is refused (llama.cpp does not re-read the history's last queries)."""
-    source, _, _, small, _ = pair
-    ids = ids_of(tokens=48, seed=4)
-    history, turn = ids[:, :40], tuple(ids[0, 40:].tolist())
-    cache, _ = _prefilled(small, history)
-    reference = TransformersCache()
-    reference.read(source, history)
-    policy, info = TurnAttention(0.25), SelectionInfo(new_turn=turn)
-    picked = policy.positions(None, reference.export(), history, info, small, cache)
-    assert picked.shape == (1, 10)
-    assert torch.equal(picked, policy.positions(None, reference.export(), history, info, source, reference))
-    with pytest.raises(ConfigError, match="new turn"):
-        policy.positions(None, reference.export(), history, SelectionInfo(), small, cache)
 
 
 def test_a_refused_import_leaves_the_cache_as_it_was(pair):
