@@ -177,6 +177,24 @@ def test_blocks_of_the_source_attention_are_taken_whole():
     assert policy.block_scores(scores, 2, 1) is scores
 
 
+def test_a_coverage_recomputes_only_what_holds_that_share_of_the_attention():
+    """coverage: the budget a ceiling; a focused read recomputes its few positions, a diffuse one up to the budget;
+    a batch takes what its neediest row needs."""
+    focused = torch.tensor([[5.0, 0.1, 0.1, 6.0, 3.0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]])
+    info = SelectionInfo(start=1, source_attention=focused)
+    ids = ids_of(tokens=12)
+    assert SourceAttention(0.5).positions(None, None, ids, info).shape == (1, 6)
+    covered = SourceAttention(0.5, coverage=0.8).positions(None, None, ids, info)
+    assert covered.tolist() == [[3, 4]]  # 9 of the candidates' 9.9
+    diffuse = SelectionInfo(start=1, source_attention=torch.ones(1, 12))
+    assert SourceAttention(0.5, coverage=0.8).positions(None, None, ids, diffuse).shape == (1, 6)  # the ceiling
+    batch = SelectionInfo(start=1, source_attention=torch.cat([focused, torch.ones(1, 12)]))
+    assert SourceAttention(0.5, coverage=0.3).positions(None, None, ids_of(batch=2, tokens=12), batch).shape[1] == 4
+    assert policy.covering_count(torch.tensor([[1.0, 1.0, 2.0]]), 0.5) == 1
+    assert policy.covering_count(torch.tensor([[1.0, 1.0, 2.0]]), 1.0) == 3
+    assert policy.covering_count(torch.zeros(1, 0), 0.5) == 0
+
+
 def test_policy_parses_and_validates():
     assert policy.parse("deviation:10%") == Deviation(0.1)
     assert policy.parse("recent:0.05").spec == "recent:5%"
@@ -200,6 +218,10 @@ def test_policy_parses_and_validates():
     assert policy.parse("turn_attention:5%:lookahead=0").spec == "turn_attention:5%"
     assert policy.parse(policy.parse("turn_attention:5%:block=4:lookahead=2").spec) == TurnAttention(
         0.05, block=4, lookahead=2)
+    covering = policy.parse("turn_attention:20%:coverage=60%:lookahead=2")
+    assert covering == TurnAttention(0.2, coverage=0.6, lookahead=2) and policy.parse(covering.spec) == covering
+    assert covering.spec == "turn_attention:20%:coverage=60%:lookahead=2"
+    assert policy.parse("turn_attention:20%:coverage=1").spec == "turn_attention:20%"
     both = policy.parse("source_attention:5%:block=16:window=8")
     assert both == SourceAttention(0.05, source_window=8, block=16) and policy.parse(both.spec) == both
     layers = policy.parse("layers:25%")
@@ -211,7 +233,9 @@ def test_policy_parses_and_validates():
                 "recent:10%:depth=2", "recent:10%:window=8", "recent:10%:block=4", "mix:10%:block=4",
                 "turn_attention:10%:block=0", "turn_attention:10%:block=4:block=8", "turn_attention:10%:block=x",
                 "recent:10%:lookahead=4", "source_attention:10%:lookahead=4", "turn_attention:10%:lookahead=-1",
-                "mix(target_turn_attention=0.5,recent=0.5):10%", 3):
+                "mix(target_turn_attention=0.5,recent=0.5):10%", "recent:10%:coverage=50%",
+                "turn_attention:10%:coverage=0", "turn_attention:10%:coverage=120%", "turn_attention:10%:coverage=x",
+                "turn_attention:10%:coverage=50%:coverage=60%", 3):
         with pytest.raises(ConfigError):
             policy.parse(bad)
     for bad_policy in (lambda: Recent(1.5), lambda: Recent("0.1"), lambda: SourceAttention(0.1, source_window=0),

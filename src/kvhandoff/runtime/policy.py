@@ -105,6 +105,16 @@ def block_scores(scores: torch.Tensor, start: int, block: int) -> torch.Tensor:
     return torch.cat([scores[:, :start].float(), means], dim=1)
 
 
+def covering_count(scores: torch.Tensor, coverage: float) -> int:
+    """The fewest top-scored candidates whose scores [batch, n] hold ``coverage`` of each row's total (the most any
+    row needs; at least one)."""
+    if not scores.shape[1]:
+        return 0
+    ranked = scores.float().clamp_min(0).sort(dim=1, descending=True).values
+    share = ranked.cumsum(dim=1) / ranked.sum(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return int(((share < coverage - 1e-6).sum(dim=1) + 1).clamp_max(scores.shape[1]).max())
+
+
 # -- the base --------------------------------------------------------------------------------------------------------
 
 
@@ -279,21 +289,39 @@ class Blend(RecomputePolicy):
 class SourceAttention(RecomputePolicy):
     """The positions the source's last ``window`` queries attended to most (``info.source_attention``,
     `source_attention_scores`). ``block`` > 1 ranks whole blocks of that many positions by their mean attention
-    (`block_scores`) instead: a passage the turn reads is recomputed together, not only its most attended tokens."""
+    (`block_scores`) instead: a passage the turn reads is recomputed together, not only its most attended tokens.
+
+    ``coverage`` < 1: the budget is a ceiling, and a switch recomputes only as many of the top positions as hold
+    that share of the attention the candidates received (the most any row of the batch needs): a turn that reads
+    one passage gets that passage, a turn that reads little of the history recomputes little."""
 
     source_window: int = DEFAULT_WINDOW
     block: int = 1
+    coverage: float = 1.0
     rule: ClassVar[str] = "source_attention"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_window(self.source_window)
         _check_window(self.block, "block")
+        coverage = self.coverage
+        if isinstance(coverage, bool) or not isinstance(coverage, int | float) or not 0 < coverage <= 1:
+            raise ConfigError(f"recompute coverage must be a fraction in (0, 1] of the attention the candidates "
+                              f"received, got {coverage!r}")
+        object.__setattr__(self, "coverage", float(coverage))
 
     @property
     def spec(self) -> str:
         spec = super().spec
-        return spec if self.block == 1 or not self.active else f"{spec}:block={self.block}"
+        if self.active and self.block != 1:
+            spec = f"{spec}:block={self.block}"
+        return spec if self.coverage == 1 or not self.active else f"{spec}:coverage={self.coverage * 100:g}%"
+
+    def _pick(self, target_model, cache, input_ids, info: SelectionInfo, count: int) -> torch.Tensor:
+        if self.coverage < 1:
+            count = min(count, covering_count(block_scores(info.source_attention.to(input_ids.device), info.start,
+                                                           self.block)[:, info.start:], self.coverage))
+        return super()._pick(target_model, cache, input_ids, info, count)
 
     @property
     def needs_source_attention(self) -> bool:
@@ -501,8 +529,8 @@ DEFAULT_RECOMPUTE: RecomputePolicy = Recent(0.05)
 def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
     """The policy of rule ``rule`` (a name in `RULES`) at ``budget``; options: ``shares`` ("mix"), ``window``
     ("source_attention", the two turn-attention rules, "mix"), ``block`` ("source_attention", the two turn-attention
-    rules), ``lookahead`` (the two turn-attention rules). ConfigError for an unknown rule or an option the rule
-    lacks."""
+    rules), ``coverage`` (the same three), ``lookahead`` (the two turn-attention rules). ConfigError for an unknown
+    rule or an option the rule lacks."""
     if rule not in RULES:
         raise ConfigError(f"recompute rule must be one of {', '.join(RULES)}, got {rule!r}")
     kind = RULES[rule]
@@ -513,6 +541,9 @@ def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
         options["source_window"] = options.pop("window")
     if "block" in options and not issubclass(kind, SourceAttention):
         raise ConfigError(f"recompute rule {rule!r} takes no block (only source_attention, turn_attention and "
+                          "target_turn_attention do)")
+    if "coverage" in options and not issubclass(kind, SourceAttention):
+        raise ConfigError(f"recompute rule {rule!r} takes no coverage (only source_attention, turn_attention and "
                           "target_turn_attention do)")
     if "lookahead" in options and not issubclass(kind, TurnAttention):
         raise ConfigError(f"recompute rule {rule!r} takes no lookahead (only turn_attention and "
@@ -528,8 +559,8 @@ _OPTIONS = ("window", "block", "lookahead")
 
 
 def parse(spec: str | RecomputePolicy) -> RecomputePolicy:
-    """A policy from a spec "RULE:BUDGET[:window=N][:block=N][:lookahead=N]" (budget a fraction "0.1" or a
-    percentage "10%"; rule "mix(RULE=SHARE,...)" for other shares; "none" alone), or a policy as it is. For the
+    """A policy from a spec "RULE:BUDGET[:window=N][:block=N][:lookahead=N][:coverage=SHARE]" (budget and coverage
+    a fraction "0.1" or a percentage "10%"; rule "mix(RULE=SHARE,...)" for other shares; "none" alone), or a policy as it is. For the
     edges: a command-line option, a server's settings, a stored result. ConfigError otherwise."""
     if isinstance(spec, RecomputePolicy):
         return spec
@@ -547,9 +578,12 @@ def parse(spec: str | RecomputePolicy) -> RecomputePolicy:
     for option in option_texts:
         key, _, value = option.partition("=")
         key = key.strip()
+        if key == "coverage" and key not in options:
+            options[key] = _fraction(value, spec, "coverage")
+            continue
         if key not in _OPTIONS or key in options or not value.strip().isdigit():
             raise ConfigError(f"recompute spec {spec!r}: options are {' and '.join(f'{name}=N' for name in _OPTIONS)}"
-                              f", each at most once, got {option!r}")
+                              " and coverage=SHARE, each at most once, got " + repr(option))
         options[key] = int(value)
     rule = head.strip()
     if rule.startswith("mix(") and rule.endswith(")"):
@@ -559,10 +593,14 @@ def parse(spec: str | RecomputePolicy) -> RecomputePolicy:
         except ValueError as exc:
             raise ConfigError(f"recompute spec {spec!r}: mix shares are RULE=SHARE,... ({exc})") from exc
         rule = Mix.rule
-    budget_text = budget_text.strip()
+    return policy_for(rule, _fraction(budget_text, spec, "budget"), **options)
+
+
+def _fraction(text: str, spec: str, what: str) -> float:
+    """A spec's fraction "0.1" or percentage "10%"."""
+    text = text.strip()
     try:
-        budget = float(budget_text[:-1]) / 100 if budget_text.endswith("%") else float(budget_text)
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError as exc:
-        raise ConfigError(f"recompute spec {spec!r}: the budget must be a fraction or a percentage, got "
-                          f"{budget_text!r}") from exc
-    return policy_for(rule, budget, **options)
+        raise ConfigError(f"recompute spec {spec!r}: the {what} must be a fraction or a percentage, got "
+                          f"{text!r}") from exc
