@@ -560,8 +560,8 @@ _OPTIONS = ("window", "block", "lookahead")
 
 def parse(spec: str | RecomputePolicy) -> RecomputePolicy:
     """A policy from a spec "RULE:BUDGET[:window=N][:block=N][:lookahead=N][:coverage=SHARE]" (budget and coverage
-    a fraction "0.1" or a percentage "10%"; rule "mix(RULE=SHARE,...)" for other shares; "none" alone), or a policy as it is. For the
-    edges: a command-line option, a server's settings, a stored result. ConfigError otherwise."""
+    a fraction "0.1" or a percentage "10%"; rule "mix(RULE=SHARE,...)" for other shares; "none" alone), or a policy
+    as it is. For the edges: a command-line option, a server's settings, a stored result. ConfigError otherwise."""
     if isinstance(spec, RecomputePolicy):
         return spec
     if not isinstance(spec, str):
