@@ -288,7 +288,8 @@ def _policy(recompute: RecomputePolicy | None) -> RecomputePolicy:
 
 
 def recomputed_tokens(mapper, recompute: RecomputePolicy | None, mapped: int) -> int:
-    """Positions the recompute policy has the target recompute in a handoff of ``mapped`` positions."""
+    """Positions the recompute policy has the target recompute in a handoff of ``mapped`` positions (for a policy
+    with a ``coverage``, its budget: the most it recomputes)."""
     policy = _policy(recompute)
     candidates = max(mapped - min(mapper.exact_prefix, mapped), 0)
     return budget_count(policy.budget, candidates) if policy.active else 0
