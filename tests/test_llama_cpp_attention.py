@@ -94,3 +94,16 @@ def test_the_reading_context_grows_to_the_longest_read_and_is_reused(pair):
 def test_only_the_rope_applied_rows_of_a_layer_are_watched():
     assert _watched(b"Qcur-3") == ("Qcur", 3) and _watched(b"Kcur-12") == ("Kcur", 12)
     assert _watched(b"Vcur-3") is None and _watched(b"Qcur_normed-3") is None and _watched(b"Qcur") is None
+
+
+def test_the_read_is_the_same_with_flash_attention(pair, tmp_path):
+    """With llama.cpp's flash attention (V not transposed in the state) the reading context is made alike."""
+    source, small = pair
+    flash = llama_model(source, tmp_path, "flash", flash_attn=True)
+    try:
+        ids = ids_of(tokens=40, seed=6)
+        plain, fast = _prefilled(small, ids[:, :30]), _prefilled(flash, ids[:, :30])
+        torch.testing.assert_close(fast.read_turn(flash, ids[:, 30:]).scores,
+                                   plain.read_turn(small, ids[:, 30:]).scores, atol=2e-3, rtol=1e-3)
+    finally:
+        flash.close()
