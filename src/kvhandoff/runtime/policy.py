@@ -186,10 +186,10 @@ class RecomputePolicy:
     def positions(self, target_model, cache, input_ids: torch.Tensor, info: SelectionInfo | None = None,
                   source_model=None, source_cache=None) -> torch.Tensor:
         """The positions [batch, n] (each row sorted; n = `budget_count` of the T − start candidates, or fewer under
-        an attention rule's ``coverage``) this policy
-        picks on ``cache`` (the target's mapped rows of ``input_ids`` [batch, T], as the cache seam exports them),
-        recomputing nothing. Without ``info.source_attention`` a policy that needs it reads it from
-        ``source_model`` and ``source_cache`` (`source_attention_scores`; a `KVCache` or a `transformers` cache)."""
+        an attention rule's ``coverage``) this policy picks on ``cache`` (the target's mapped rows of ``input_ids``
+        [batch, T], as the cache seam exports them), recomputing nothing. Without ``info.source_attention`` a policy
+        that needs it reads it from ``source_model`` and ``source_cache`` (`source_attention_scores`; a `KVCache` or
+        a `transformers` cache)."""
         info = info or SelectionInfo()
         if not self.active:
             return _empty(input_ids.shape[0], input_ids.device)

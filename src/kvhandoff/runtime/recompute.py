@@ -273,6 +273,15 @@ class TurnRead:
     logprobs: torch.Tensor
 
 
+def check_turn_read(tokens: int, keep, lookahead) -> None:
+    """ConfigError unless ``keep`` is in 1..``tokens`` (the turn's) and ``lookahead`` a non-negative integer: what a
+    turn read (`read_turn`, `KVCache.read_turn` in any engine) takes."""
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise ConfigError(f"lookahead must be a non-negative integer, got {lookahead!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= tokens:
+        raise ConfigError(f"keep must be an integer in 1..{tokens} (the turn's tokens), got {keep!r}")
+
+
 @torch.inference_mode()
 def read_turn(model, cache, new_turn: torch.Tensor, keep: int = 1, lookahead: int = 0) -> TurnRead:
     """``model`` reads ``new_turn`` [batch, N] (the turn the target reads next) on a view of ``cache`` (its own,
@@ -284,10 +293,7 @@ def read_turn(model, cache, new_turn: torch.Tensor, keep: int = 1, lookahead: in
     answer's queries pay the T positions is added: an answer quoting the history looks at the span it quotes, which
     the question alone may only point near (speculative prefill, arXiv 2502.02789). Cost: that many decode steps.
     The log-probs stay those of the turn."""
-    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
-        raise ConfigError(f"lookahead must be a non-negative integer, got {lookahead!r}")
-    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= new_turn.shape[1]:
-        raise ConfigError(f"keep must be an integer in 1..{new_turn.shape[1]} (the turn's tokens), got {keep!r}")
+    check_turn_read(new_turn.shape[1], keep, lookahead)
     total = cache.get_seq_length()
     view = cache_view(cache, 0)
     with record_queries(model, new_turn.shape[1]) as queries:

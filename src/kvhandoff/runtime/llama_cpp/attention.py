@@ -20,10 +20,8 @@ import torch
 
 from kvhandoff.model.attention import received_attention
 from kvhandoff.runtime.llama_cpp.context import LlamaContext, LlamaCppError, context_params
-from kvhandoff.runtime.llama_cpp.state import CacheLayout
+from kvhandoff.runtime.llama_cpp.state import GGML_TYPE_NAMES, CacheLayout
 
-#: ggml's f32 type id
-_GGML_F32 = 0
 #: cells a reading context grows by: a longer read makes a new context rounded up to this
 _CELL_STEP = 1024
 #: the nodes read: RoPE-applied queries and keys, each suffixed "-<layer>"
@@ -95,7 +93,7 @@ class TurnReader:
     def _rows(head: _TensorHead) -> torch.Tensor:
         """A watched node's f32 data as [ne3, ne2, ne1, ne0] (contiguous, as RoPE writes it)."""
         shape = [int(head.ne[index]) for index in range(4)]
-        if head.type != _GGML_F32 or int(head.nb[0]) != 4 or any(
+        if head.type != GGML_TYPE_NAMES["f32"] or int(head.nb[0]) != 4 or any(
                 int(head.nb[index]) != int(head.nb[index - 1]) * shape[index - 1] for index in range(1, 4)):
             raise LlamaCppError(f"node {head.name.decode()} is not a contiguous f32 tensor")
         count = shape[0] * shape[1] * shape[2] * shape[3]

@@ -32,7 +32,7 @@ from kvhandoff.runtime.llama_cpp import state as seq_state
 from kvhandoff.runtime.llama_cpp.attention import TurnReader
 from kvhandoff.runtime.llama_cpp.context import LlamaContext, LlamaCppError, context_params
 from kvhandoff.runtime.llama_cpp.state import GGML_TYPE_NAMES, CacheLayout, StateFormatError
-from kvhandoff.runtime.recompute import TurnRead
+from kvhandoff.runtime.recompute import TurnRead, check_turn_read
 from kvhandoff.runtime.seam import Capabilities, KVCache, Pending, rows_of
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class LlamaCppModel:
             raise ConfigError(f"no GGUF file at {self.gguf}: pass the path of the model's .gguf")
         self._lib = llama_library()
         self._lock = threading.RLock()
-        self._model = self._ctx = self._memory = self._context = self._reader = None
+        self._model = self._context = self._reader = None
         self._dropped: list[int] = []  # sequences of caches let go while another thread held the lock
         self._load()
         self._free_seqs = list(range(self.settings.sequences - 1, -1, -1))
@@ -148,11 +148,10 @@ class LlamaCppModel:
         try:
             self._context = LlamaContext(lib, self._model, context_params(lib, settings, settings.context,
                                                                           settings.sequences, kind),
-                                         settings.batch, self.vocab_size)
+                                         settings.batch, self.vocab_size, self.gguf.name)
         except LlamaCppError:
             self.close()
             raise
-        self._ctx, self._memory = self._context.ctx, self._context.memory
         geometry = (self.config.num_hidden_layers, self.config.num_key_value_heads,
                     getattr(self.config, "head_dim", None)
                     or self.config.hidden_size // self.config.num_attention_heads)
@@ -167,6 +166,15 @@ class LlamaCppModel:
         logger.info("llama.cpp: %s, %d cells × %d sequences, %s cache", self.gguf.name, settings.context,
                     settings.sequences, settings.cache_type)
 
+    @property
+    def _ctx(self):
+        """The conversations' llama.cpp context (None once closed)."""
+        return None if self._context is None else self._context.ctx
+
+    @property
+    def _memory(self):
+        return None if self._context is None else self._context.memory
+
     def _meta(self, key: str) -> str | None:
         buffer = ctypes.create_string_buffer(256)
         size = self._lib.llama_model_meta_val_str(self._model, key.encode(), buffer, len(buffer))
@@ -178,7 +186,7 @@ class LlamaCppModel:
             for context in (self._reader, self._context):
                 if context is not None:
                     context.free()
-            self._reader = self._context = self._ctx = self._memory = None
+            self._reader = self._context = None
             if self._model:
                 self._lib.llama_model_free(self._model)
                 self._model = None
@@ -255,8 +263,14 @@ class LlamaCppModel:
             raise LlamaCppError(f"llama.cpp wrote {written} of the {size} bytes of sequence {seq}'s state")
         return bytes(buffer)
 
-    def _read_state(self, seq: int) -> seq_state.SeqState:
-        return seq_state.parse(self.state_bytes(seq), self.layout)
+    def _read_state(self, seq: int, start: int, end: int) -> tuple[bytes, seq_state.SeqState]:
+        """Sequence ``seq``'s state, as written and parsed; StateFormatError unless it holds positions start..end − 1
+        exactly."""
+        blob = self.state_bytes(seq)
+        state = seq_state.parse(blob, self.layout)
+        if not torch.equal(state.positions, torch.arange(start, end)):
+            raise StateFormatError(f"sequence {seq} does not hold positions {start}..{end - 1} exactly")
+        return blob, state
 
     def _write_state(self, seq: int, state: seq_state.SeqState) -> None:
         blob = seq_state.write(state, self.layout, seq)
@@ -278,10 +292,7 @@ class LlamaCppModel:
             self._live()
             state, keys = None, []
             if length:
-                state = self.state_bytes(seq)
-                parsed = seq_state.parse(state, self.layout)
-                if not torch.equal(parsed.positions, torch.arange(length)):
-                    raise StateFormatError(f"sequence {seq} does not hold positions 0..{length - 1} exactly")
+                state, parsed = self._read_state(seq, 0, length)
                 keys = [layer_keys for layer_keys, _ in seq_state.to_rows(parsed, self.layout)]
             if self._reader is None:
                 self._reader = TurnReader(self._lib, self._model, self.settings, self.layout,
@@ -372,12 +383,10 @@ class LlamaCppCache(KVCache):
         try:
             if not whole:
                 self.model._seq_cp(self.seq, seq, start, end)
-            state = self.model._read_state(seq)
+            _, state = self.model._read_state(seq, start, end)
         finally:
             if not whole:
                 self.model._release(seq)
-        if not torch.equal(state.positions, torch.arange(start, end)):
-            raise StateFormatError(f"sequence {self.seq} does not hold positions {start}..{end - 1} exactly")
         return rows_of(seq_state.to_rows(state, layout))
 
     def _place(self, rows: DynamicCache, start: int) -> int:
@@ -480,10 +489,7 @@ class LlamaCppCache(KVCache):
         if new_ids.dim() != 2 or new_ids.shape[0] != 1 or not new_ids.shape[1]:
             raise ConfigError(f"a llama.cpp cache reads new ids [1, N ≥ 1], got {tuple(new_ids.shape)}")
         tokens = new_ids[0].tolist()
-        if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= len(tokens):
-            raise ConfigError(f"keep must be an integer in 1..{len(tokens)} (the turn's tokens), got {keep!r}")
-        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
-            raise ConfigError(f"lookahead must be a non-negative integer, got {lookahead!r}")
+        check_turn_read(len(tokens), keep, lookahead)
         scores, logprobs = model.read_turn(self.seq, self._length, tokens, keep, lookahead)
         return TurnRead(scores, logprobs[None])
 

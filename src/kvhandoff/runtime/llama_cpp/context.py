@@ -37,15 +37,15 @@ def context_params(lib, settings, cells: int, sequences: int, cache_type: int, c
 
 
 class LlamaContext:
-    """A context made from ``model`` (llama.cpp's model pointer) with ``params``, and a batch of ``batch`` tokens;
-    `decode` runs tokens through it. `free` releases both."""
+    """A context made from ``model`` (llama.cpp's model pointer; ``name`` in messages) with ``params``, and a batch
+    of ``batch`` tokens; `decode` runs tokens through it. `free` releases both."""
 
-    def __init__(self, lib, model, params, batch: int, vocab_size: int) -> None:
+    def __init__(self, lib, model, params, batch: int, vocab_size: int, name: str = "the model") -> None:
         self._lib, self.size, self.vocab_size = lib, batch, vocab_size
         self.ctx = lib.llama_init_from_model(model, params)
         if not self.ctx:
-            raise LlamaCppError(f"llama.cpp could not make a context of {params.n_ctx} cells: lower the context "
-                                "(memory)")
+            raise LlamaCppError(f"llama.cpp could not make a context of {params.n_ctx} cells for {name}: lower the "
+                                "context (memory)")
         self.memory = lib.llama_get_memory(self.ctx)
         self.batch = lib.llama_batch_init(batch, 0, 1)
 
