@@ -8,21 +8,57 @@ a `TradeoffPoint`, and the point the records' rule takes from them (`choose_poin
 
 RUN_JSON: a run's `switch.json`; a task is read from the first run that scored it, and a policy is a point when
 every task was scored under it. TTFT_JSON: an `eval-switch --ttft-repeats` run timing those policies.
+
+A policy with a ``coverage`` recomputes a different share at each switch, so one timing does not price it: its time
+is the mean over its switches (the runs count each one's recompute) of the time of the same rule without coverage
+at that share, interpolated linearly between the budgets the TTFT run timed (clamped to the timed range).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
 
+import numpy as np
+
 from kvhandoff.mapper.manifest import TradeoffPoint, choose_point
+from kvhandoff.runtime.policy import parse
 from kvhandoff_lab.evaluation.switch import mean_retention
 
 
 def read(path: str) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def timing_curve(seconds: dict[str, float], spec: str) -> tuple[list[float], list[float]]:
+    """The budgets the TTFT run timed for ``spec``'s rule without its coverage (the same rule and settings), and
+    their seconds, by budget."""
+    policy = parse(spec)
+    if not hasattr(policy, "coverage"):
+        return [], []
+    uncovered = dataclasses.replace(policy, coverage=1.0)
+    curve = {}
+    for condition, value in seconds.items():
+        if not condition.startswith("switch:"):
+            continue
+        timed = parse(condition.removeprefix("switch:"))
+        if type(timed) is type(uncovered) and dataclasses.replace(timed, budget=uncovered.budget) == uncovered:
+            curve[timed.budget] = value
+    budgets = sorted(curve)
+    return budgets, [curve[b] for b in budgets]
+
+
+def covered_speedup(tasks: dict, condition: str, seconds: dict[str, float]) -> float | None:
+    """A coverage policy's speed-up: the re-prefill's seconds over the mean, over its switches, of the timed curve
+    at each switch's recompute share; None when its rule was not timed or a run did not count its recompute."""
+    budgets, times = timing_curve(seconds, condition.removeprefix("switch:"))
+    shares = [share for t in tasks.values() for share in t["transfers"][condition].get("recompute_share", [None])]
+    if len(budgets) < 2 or not shares or None in shares:
+        return None
+    return seconds["reprefill"] / float(np.mean(np.interp(shares, budgets, times)))
 
 
 def main() -> None:
@@ -53,11 +89,14 @@ def main() -> None:
         raise SystemExit(f"{args.ttft} timed {len(timed_tasks)} tasks ({', '.join(timed_tasks)}); give a run that "
                          "timed one (eval-switch --ttft-repeats with one task)")
     (timed,) = timed_tasks.values()
-    speedups, length = timed["ttft"]["mean"]["speedup"], timing["settings"]["history_tokens"]
+    speedups, length = dict(timed["ttft"]["mean"]["speedup"]), timing["settings"]["history_tokens"]
+    seconds = timed["ttft"]["mean"]["seconds"]
 
     points = []
     for condition in sorted(set.intersection(*(set(t["transfers"]) for t in tasks.values()))):
         retention = mean_retention(tasks, condition, "all")
+        if condition not in speedups and (covered := covered_speedup(tasks, condition, seconds)) is not None:
+            speedups[condition] = covered
         if not condition.startswith("switch:") or condition not in speedups or not math.isfinite(
                 retention["mean_retention"]) or retention["retention_tasks"] != len(tasks):
             continue

@@ -10,7 +10,7 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import prefill, rollback
 from kvhandoff.runtime.handoff import handoff_cache
 from kvhandoff.runtime.plan import HandoffPlan
-from kvhandoff.runtime.policy import Deviation, NoRecompute, Recent, Sinks
+from kvhandoff.runtime.policy import Deviation, NoRecompute, Recent, Sinks, TurnAttention, budget_count
 from kvhandoff.runtime.switch.guard import GUARD_SIGNALS, guard_score
 from kvhandoff_lab.evaluation import switch as W
 from kvhandoff_lab.evaluation.tasks import pool_of
@@ -130,6 +130,22 @@ def test_switch_with_an_exactly_related_pair_equals_the_target_alone(related):
         own = conditions["target"].score(item)
         for name in ("switch", "switch:deviation:10%", "all_mapped"):
             assert conditions[name].score(item) == pytest.approx(own, abs=1e-3), name
+
+
+def test_multiple_choice_switch_records_count_what_each_switch_recomputed(models):
+    source, target = models
+    covering = TurnAttention(0.3, coverage=0.2)
+    mapper = NoisyMapper(scale=0.3)
+    conditions = W.switch_conditions(source, target, mapper, (Recent(0.2), covering), exact_prefix=2)
+    histories, items = items_of("arc_challenge", limit=2, histories=1)
+    runs = {run.name: run for run in W.switch_runs(conditions, source, target, mapper, "tok", "arc_challenge",
+                                                      histories, 2)}
+    for item in items:
+        candidates = len(item.history.ids) - 2
+        recent = runs["switch:recent:20%"].compute(item)
+        assert (recent["recomputed"], recent["candidates"]) == (budget_count(0.2, candidates), candidates)
+        assert 1 <= runs[W.switch_name(covering)].compute(item)["recomputed"] < budget_count(0.3, candidates)
+        assert "recomputed" not in runs["target"].compute(item) and "recomputed" not in runs["all_mapped"].compute(item)
 
 
 def test_direction_summary_resumes_from_the_store_and_stops_at_the_time_limit(models, tmp_path):
@@ -356,6 +372,36 @@ def test_the_sources_pass_over_a_question_is_shared_by_its_record_and_every_swit
     assert torch.equal(kept, W.question_logprobs(source, conditions["source"].turn_cache(second), second.question))
     prefills.question_logprobs(source, first.history, first.extension, first.question)
     assert prefills.question_passes == 5  # another question: read again
+
+
+def test_switch_records_count_what_each_switch_recomputed(models):
+    source, target = models
+    budget = TurnAttention(0.3)
+    covering = TurnAttention(0.3, coverage=0.2)
+    conditions = W.turn_conditions(source, target, NoisyMapper(scale=0.3),
+                                   (NoRecompute(), Recent(0.2), budget, covering), exact_prefix=2)
+    records = {name: {} for name in conditions}
+    items = turn_items_of("nq_open", limit=3, histories=1)
+    for item in items:
+        candidates = len(item.history.ids) + len(item.extension) - 2
+        for name, condition in conditions.items():
+            reference = None if name in ("target", "source") else conditions["target"]
+            records[name][item.id] = W.turn_record(W.SWITCH_TASKS["nq_open"], condition, item, TOK, 0, reference)
+        assert records["switch"][item.id]["recomputed"] == 0
+        assert records["switch"][item.id]["candidates"] == candidates
+        assert records["switch:recent:20%"][item.id]["recomputed"] == budget_count(0.2, candidates)
+        assert records[W.switch_name(budget)][item.id]["recomputed"] == budget_count(0.3, candidates)
+        assert 1 <= records[W.switch_name(covering)][item.id]["recomputed"] < budget_count(0.3, candidates)
+        assert "recomputed" not in records["target"][item.id]
+    ids = [item.id for item in items]
+    shares = W.recompute_shares(records["switch:recent:20%"], ids)
+    expected = [budget_count(0.2, r["candidates"]) / r["candidates"] for r in records["switch:recent:20%"].values()]
+    assert shares["recompute_share"] == pytest.approx(expected, abs=1e-6)
+    assert shares["mean_recompute_share"] == pytest.approx(float(np.mean(expected)))
+    assert W.recompute_shares(records["target"], ids) == {}  # the models alone recompute nothing to count
+    summary = W.turn_task_summary("nq_open", items, records)
+    assert summary["transfers"][W.switch_name(covering)]["mean_recompute_share"] < 0.3
+    assert "mean_recompute_share" in summary["transfers"]["switch"]
 
 
 def test_guard_entropies_only_for_conditions_whose_every_record_has_one():

@@ -52,7 +52,7 @@ from kvhandoff.files import sha256_json
 from kvhandoff.model.cache import cache_of, kl_divergence, model_device, prefill, rollback
 from kvhandoff.model.geometry import model_fingerprint
 from kvhandoff.runtime import policy as recompute_policies
-from kvhandoff.runtime.handoff import handoff_cache
+from kvhandoff.runtime.handoff import handoff_cache, map_for_target, verify_mapper
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.policy import NoRecompute, RecomputePolicy, SelectionInfo
 from kvhandoff.runtime.seam import as_kv_cache
@@ -358,6 +358,17 @@ class AloneOnHistory(SwitchCondition):
         return self.prefills.of(self.reader, history)
 
 
+def counted_handoff(source, target, mapper, ids: torch.Tensor, plan: HandoffPlan, source_cache,
+                    new_turn: Sequence[int] = ()) -> tuple[Any, dict[str, int]]:
+    """`handoff_cache` that also says how many of the mapped positions after the exact prefix (``candidates``) the
+    target recomputed (``recomputed``): a policy with a ``coverage`` recomputes a different number at each switch."""
+    verify_mapper(mapper, source, target)
+    mapped = map_for_target(source, target, mapper, ids, plan, source_cache, SelectionInfo(new_turn=tuple(new_turn)))
+    own = plan.prefix_length(mapper, ids.shape[1])
+    counts = {"recomputed": int(mapped.pending.shape[1]) - own, "candidates": ids.shape[1] - own}
+    return mapped.settle(target).native, counts
+
+
 class SwitchOnHistory(SwitchCondition):
     """The source's history cache, mapped and patched (exact prefix, recompute policy) once per history; the
     target reads the new turn."""
@@ -367,16 +378,26 @@ class SwitchOnHistory(SwitchCondition):
         self.name, self.source, self.reader, self.mapper, self.prefills = name, source, target, mapper, prefills
         self.plan = HandoffPlan(exact_prefix, recompute)
         self.exact_prefix, self.recompute = exact_prefix, recompute
-        self._mapped: tuple[str, Any] | None = None
+        self._mapped: tuple[str, Any, dict[str, int]] | None = None
 
     def history_cache(self, history: History, question: Sequence[int] = ()):
         """The switch's cache of ``history``, made once per history (and per question, for a policy that picks
         positions by the turn read next)."""
+        return self._map(history, question)[1]
+
+    def recompute_counts(self, item: SwitchItem) -> dict[str, int]:
+        """What the item's switch recomputed (`counted_handoff`)."""
+        return dict(self._map(item.history, item.question)[2])
+
+    def _map(self, history: History, question: Sequence[int]) -> tuple:
         key = (history.key, tuple(question) if self.recompute.reads_new_turn else ())
         if self._mapped is None or self._mapped[0] != key:
             self._mapped = None  # the old mapped cache is dropped before the next is made
-            self._mapped = (key, self.switch(history, question=key[1]))
-        return self._mapped[1]
+            source_cache = self.prefills.of(self.source, history)
+            ids = torch.tensor([list(history.ids)])
+            self._mapped = (key, *counted_handoff(self.source, self.reader, self.mapper, ids, self.plan,
+                                                  source_cache, key[1]))
+        return self._mapped
 
     def score(self, item: SwitchItem) -> list[float]:
         return score_turns(self.reader, self.history_cache(item.history, item.question), item.turns,
@@ -478,6 +499,8 @@ def _run_identity(base: dict, name: str, condition, source, target, mapper, kind
 
 
 def _compute(condition: SwitchCondition) -> Callable[[SwitchItem], dict]:
+    if isinstance(condition, SwitchOnHistory):
+        return lambda item: {**item_record(item, condition.score(item)), **condition.recompute_counts(item)}
     return lambda item: item_record(item, condition.score(item))
 
 
@@ -526,7 +549,8 @@ def switch_task_summary(task: str, items: Sequence[SwitchItem], records: Mapping
         paired = summarise_conditions({"target": per_item["target"], "transfer": scores}, chance, n_resamples, seed)
         transfers[name] = {"accuracy": paired["accuracy"]["transfer"], "retention": paired["retention"],
                            "floor_normalised_retention": paired["floor_normalised_retention"],
-                           **agreement_with_target(task, records["target"], records[name], ids, n_resamples, seed)}
+                           **agreement_with_target(task, records["target"], records[name], ids, n_resamples, seed),
+                           **recompute_shares(records[name], ids)}
     spec = get_task(task)
     return {"display": spec.display, "group": _group(task), "primary_metric": spec.primary_metric, "n": len(items),
             "chance": base["chance"], "accuracy": base["accuracy"], "transfers": transfers,
@@ -763,17 +787,26 @@ class SwitchOnTurn(TurnCondition):
         self.name, self.source, self.reader, self.mapper, self.prefills = name, source, target, mapper, prefills
         self.plan = HandoffPlan(exact_prefix, recompute)
         self.exact_prefix, self.recompute = exact_prefix, recompute
-        self._mapped: tuple[tuple[str, tuple[int, ...]], Any] | None = None
+        self._mapped: tuple[tuple[str, tuple[int, ...]], Any, dict[str, int]] | None = None
 
     def turn_cache(self, item: TurnItem):
-        key = (item.history.key, item.extension, item.question if self.recompute.reads_new_turn else ())
-        if self._mapped is None or self._mapped[0] != key:
-            self._mapped = None  # the old mapped cache is dropped before the next is made
-            source_cache = self.prefills.extended(self.source, item.history, item.extension)
-            ids = torch.tensor([list(item.history.ids) + list(item.extension)])
-            self._mapped = (key, handoff_cache(self.source, self.reader, self.mapper, ids, self.plan, source_cache,
-                                               selection_info=SelectionInfo(new_turn=key[2])))
+        self._map(item)
         return self._mapped[1]
+
+    def recompute_counts(self, item: TurnItem) -> dict[str, int]:
+        """What the item's switch recomputed (`counted_handoff`)."""
+        self._map(item)
+        return dict(self._mapped[2])
+
+    def _map(self, item: TurnItem) -> None:
+        key = (item.history.key, item.extension, item.question if self.recompute.reads_new_turn else ())
+        if self._mapped is not None and self._mapped[0] == key:
+            return
+        self._mapped = None  # the old mapped cache is dropped before the next is made
+        source_cache = self.prefills.extended(self.source, item.history, item.extension)
+        ids = torch.tensor([list(item.history.ids) + list(item.extension)])
+        self._mapped = (key, *counted_handoff(self.source, self.reader, self.mapper, ids, self.plan, source_cache,
+                                              key[2]))
 
     def reference_logprobs(self, item: TurnItem) -> torch.Tensor:
         """The source's log-probs over the item's question on its own cache of the history and extension (the
@@ -804,6 +837,7 @@ def turn_record(task: SwitchTask, condition: TurnCondition, item: TurnItem, toke
     record["guard_entropy"] = guard_score("entropy", served, None, item.question)
     if isinstance(condition, SwitchOnTurn):
         record["guard_scores"] = question_guard_scores(served, condition.reference_logprobs(item), item.question)
+        record.update(condition.recompute_counts(item))
     if task.kind == LOGLIKELIHOOD:
         scores = score_turns(condition.reader, cache, item.turns, item.continuation_lengths)
         return {**record, "loglikelihoods": scores, "norm_lengths": list(item.norm_lengths), "gold": item.gold}
@@ -886,6 +920,7 @@ def turn_task_summary(task_name: str, items: Sequence[TurnItem], records: Mappin
             agree = [float(same_answer(task, records["target"][i], records[name][i])) for i in ids]
             entry["agreement"] = _interval(agree, n_resamples, seed)
             entry["answer_kl"] = _interval([records[name][i]["answer_kl"] for i in ids], n_resamples, seed + 1)
+        entry.update(recompute_shares(records[name], ids))
         transfers[name] = entry
     generated = {name: mean([recs[i].get("generated_tokens", 0) for i in ids]) for name, recs in records.items()}
     lengths = [item.history_tokens for item in items]
@@ -898,6 +933,15 @@ def turn_task_summary(task_name: str, items: Sequence[TurnItem], records: Mappin
             "scores": {name: [round(v, 6) for v in values] for name, values in scores.items()},
             "guard_entropy": guard_entropies(records, ids), "guard_scores": switch_guard_scores(records, ids),
             "item_ids": ids}
+
+
+def recompute_shares(records: Mapping[str, dict], ids: Sequence[str]) -> dict:
+    """When every record of a switch counts its recompute (``recomputed`` of ``candidates``), the share each switch
+    recomputed (``recompute_share``, per item) and its mean; else nothing (records written before they counted)."""
+    if not ids or not all("recomputed" in records[i] for i in ids):
+        return {}
+    shares = [records[i]["recomputed"] / max(records[i]["candidates"], 1) for i in ids]
+    return {"mean_recompute_share": mean(shares), "recompute_share": [round(v, 6) for v in shares]}
 
 
 def guard_entropies(records: Mapping[str, Mapping[str, dict]], ids: Sequence[str]) -> dict[str, list[float]]:
