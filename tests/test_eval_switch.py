@@ -223,7 +223,7 @@ def test_agreement_with_target_counts_same_answers_and_choice_kl():
 
 # -- the generative group ----------------------------------------------------------------------------------------
 
-GEN_TASKS = ("nq_open", "gsm8k_cot", "coqa_gen", "boolq_long")
+GEN_TASKS = ("nq_open", "gsm8k_cot", "coqa_gen", "boolq_long", "squad_gen", "drop_gen")
 
 
 def turn_items_of(task: str, limit: int = 4, histories: int = 2, pool: str = "dev"):
@@ -242,9 +242,12 @@ def test_generative_histories_are_long_distinct_and_from_the_other_pool(task):
     assert len({h.ids for h in histories.values()}) == len(histories)  # distinct
     assert all(len(h.ids) >= HISTORY_TOKENS and len(h.exemplars) >= spec.min_exemplars for h in histories.values())
     assert all(pool_of(spec.data_task, e) == "report" for h in histories.values() for e in h.exemplars)
-    assert all(pool_of(spec.data_task, item.id.rsplit("-t", 1)[0].removeprefix("coqa-")) == "dev" for item in items)
     item = items[0]
     text = TOK.decode(item.history.ids)
+    if task in ("squad_gen", "drop_gen"):  # pooled by passage: the item's own is in no history
+        assert all(TOK.decode(i.extension) not in TOK.decode(i.history.ids) for i in items)
+    else:
+        assert all(pool_of(spec.data_task, i.id.rsplit("-t", 1)[0].removeprefix("coqa-")) == "dev" for i in items)
     assert text.startswith(spec.header) and text.endswith("\n\n")
     if task == "coqa_gen":
         assert text.count("Passage: ") >= 2 and "\nAnswer: " not in text.rsplit("Passage: ", 1)[1]  # its story last
@@ -253,6 +256,8 @@ def test_generative_histories_are_long_distinct_and_from_the_other_pool(task):
     if task == "boolq_long":
         assert TOK.decode(item.extension).endswith("\n") and len(item.extension) > 50  # the passage
         assert TOK.decode(item.turns[1]).endswith("Answer: yes") and item.continuation_lengths == (3, 4)
+    if task in ("squad_gen", "drop_gen"):
+        assert TOK.decode(item.extension).startswith(("Title: ", "Passage: ")) and item.turns == () and item.answers
     if task in ("nq_open", "gsm8k_cot"):
         assert item.extension == ()
     assert TOK.decode(item.question).startswith(("Question: ", "Q: "))

@@ -76,6 +76,31 @@ def test_items_and_exemplars_come_from_disjoint_pools(name):
 
 
 @packaged
+@pytest.mark.parametrize("name", ["squad_gen", "drop_gen"])
+def test_reading_tasks_pool_by_passage_and_draw_one_question_each(name):
+    task = T.SWITCH_TASKS[name]
+    items = task.items()
+    by_passage: dict[str, set[str]] = {}
+    for item in items:
+        by_passage.setdefault(item.extension, set()).add(item.pool_id)
+        assert item.question.startswith("Question: ") and item.question.endswith("\nAnswer:") and item.answers
+    assert all(len(ids) == 1 for ids in by_passage.values())  # a passage is one pool id
+    assert len(by_passage) < len(items)  # and some passages carry several questions
+    assert len(task.exemplars()) == len(by_passage)
+    chosen = [item for _, item in T.pool_items(task, "report", 4, None)]
+    assert len({item.extension for item in chosen}) == len(chosen)  # one question per passage
+    assert T.item_score(task, record(name, " the Twelve Articles", [*chosen[0].answers, "the twelve articles"])
+                        ) == 1.0
+
+
+@packaged
+def test_drop_references_join_their_spans():
+    drop = {item.id: item for item in T.SWITCH_TASKS["drop_gen"].items()}
+    spans = [item for item in drop.values() if any(" " in a for a in item.answers)]
+    assert spans and all(len(set(item.answers)) == len(item.answers) for item in drop.values())
+
+
+@packaged
 def test_coqa_slots_take_whole_stories_and_their_earlier_turns():
     task = T.SWITCH_TASKS["coqa_gen"]
     per, slots = task.turns_per_base, 2

@@ -635,7 +635,7 @@ def task_history(task: SwitchTask, tokenizer, slot: int, item: TaskItem, min_tok
     if len(ids) < min_tokens or len(used) < task.min_exemplars:
         raise ConfigError(f"{task.name}: the {OTHER_POOL[pool]} pool's exemplars make {len(ids)} tokens, fewer than "
                           f"the {min_tokens} of a history")
-    key = f"{task.name}-h{slot}" + (f"-{item.base_id}" if item.base_id else "")
+    key = f"{task.name}-h{slot}" + (f"-{item.history_base}" if item.history_base else "")
     return History(key, tuple(ids), tuple(used))
 
 
@@ -668,7 +668,7 @@ def turn_items(task_name: str, tokenizer, histories: int = DEFAULT_TASK_HISTORIE
     built: dict[tuple[int, str], History] = {}
     items = []
     for slot, item in pool_items(task, pool, histories, limit, seed):
-        key = (slot, item.base_id)
+        key = (slot, item.history_base)
         if key not in built:
             built[key] = task_history(task, tokenizer, slot, item, min_tokens, pool, seed)
         items.append(turn_item(task, item, slot, built[key], tokenizer))

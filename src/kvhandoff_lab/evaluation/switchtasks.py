@@ -14,6 +14,11 @@ evaluated one, then what the item itself puts in the history (``base``, shared b
   question answered greedily; token F1 against the references (`metrics.max_f1`).
 - ``boolq_long``: BoolQ validation; exemplars with their passages, then the item's passage (``extension``); the
   question ``"Question: {q}?\\nAnswer:"`` read by the target, ``" no"`` / ``" yes"`` scored by loglikelihood (acc).
+- ``squad_gen`` and ``drop_gen``, reading comprehension with the passage in the history: SQuAD and DROP validation
+  (the OLMES request dumps); exemplars with their passages and answers, then the item's passage (``extension``:
+  SQuAD ``"Title: {t}\\nBackground: {passage}\\n"``, DROP ``"Passage: {passage}\\n"``); the question
+  ``"Question: {q}\\nAnswer:"`` answered greedily; token F1 against the references (DROP: each reference's spans
+  joined). One question per passage; a passage's pool is that of its text.
 
 Pools: `tasks.pool_of` of the dataset's task name and the item's (CoQA: the conversation's) id, the split the
 `eval` tasks of the same data use.
@@ -30,6 +35,7 @@ import numpy as np
 
 from kvhandoff.coqa import load_coqa_conversations
 from kvhandoff.errors import ConfigError
+from kvhandoff.files import sha256_bytes
 from kvhandoff_lab.evaluation.data import hf_rows, oe_requests
 from kvhandoff_lab.evaluation.metrics import exact_match, max_f1, normalise_text
 from kvhandoff_lab.evaluation.tasks import (
@@ -88,6 +94,12 @@ class TaskItem:
     @property
     def pool_id(self) -> str:
         return self.base_id or self.id
+
+    @property
+    def history_base(self) -> str:
+        """What tells the histories of one slot apart: the id of the base the item adds to them, if any (an item
+        whose passage is its own ``extension`` shares its slot's history with the slot's other items)."""
+        return self.base_id if self.base else ""
 
 
 @dataclass(frozen=True)
@@ -163,6 +175,42 @@ def _boolq() -> tuple[tuple[TaskItem, ...], tuple[Exemplar, ...]]:
     return tuple(items), tuple(exemplars)
 
 
+def _passage_items(rows, prefix: str) -> tuple[tuple[TaskItem, ...], tuple[Exemplar, ...]]:
+    """Items and exemplars of (id, passage text, question, answers) rows: the passage in the history, the question
+    the new turn. A passage several questions share is one pool id (``base_id``), so it is never both an item of
+    one pool and an exemplar in the other's histories; the items draw one question per passage, the exemplars the
+    first."""
+    items, exemplars = [], {}
+    for item_id, passage, question, answers in rows:
+        extension = f"{passage.strip()}\n"
+        key = f"{prefix}-{sha256_bytes(extension.encode(), 8)}"
+        item = TaskItem(f"{prefix}-{item_id}", f"Question: {question.strip()}\nAnswer:", answers, base_id=key,
+                        extension=extension)
+        items.append(item)
+        exemplars.setdefault(key, Exemplar(key, f"{extension}{item.question} {answers[0]}\n\n"))
+    return tuple(items), tuple(exemplars.values())
+
+
+@functools.cache
+def _squad() -> tuple[tuple[TaskItem, ...], tuple[Exemplar, ...]]:
+    rows = []
+    for request in oe_requests("squad/bpb_5shot"):
+        doc = request["doc"]
+        passage, _, question = doc["query"].rpartition("\nQuestion:")
+        rows.append((doc["id"], passage, question.removesuffix("\nAnswer:"), tuple(doc["answers_text"])))
+    return _passage_items(rows, "squad")
+
+
+@functools.cache
+def _drop() -> tuple[tuple[TaskItem, ...], tuple[Exemplar, ...]]:
+    rows = []
+    for request in oe_requests("drop/bpb_5shot"):
+        doc = request["doc"]
+        answers = tuple(dict.fromkeys(" ".join(spans) for spans in doc["answers"] if spans))
+        rows.append((doc["query_id"], f"Passage: {doc['passage']}", doc["question"], answers))
+    return _passage_items(rows, "drop")
+
+
 def _part(loader, index: int) -> Callable[[], tuple]:
     return lambda: loader()[index]
 
@@ -178,6 +226,10 @@ SWITCH_TASKS: dict[str, SwitchTask] = {
                    _part(_coqa, 0), _part(_coqa, 1), TURNS_PER_STORY),
         SwitchTask("boolq_long", "BoolQ, passage in history", LOGLIKELIHOOD, "acc", "", "boolq", "", (), 1,
                    _part(_boolq, 0), _part(_boolq, 1)),
+        SwitchTask("squad_gen", "SQuAD, passage in history", GENERATE, "f1", "answer", "squad", "", SHORT_ANSWER_STOP,
+                   1, _part(_squad, 0), _part(_squad, 1)),
+        SwitchTask("drop_gen", "DROP, passage in history", GENERATE, "f1", "answer", "drop", "", SHORT_ANSWER_STOP,
+                   1, _part(_drop, 0), _part(_drop, 1)),
     )
 }
 #: the group alias of these tasks
