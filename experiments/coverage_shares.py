@@ -2,6 +2,7 @@
 each coverage needs: the numbers that place a `turn_attention:BUDGET:coverage=SHARE` policy on a task.
 
     python experiments/coverage_shares.py OUT_JSON [TASKS] [LIMIT] [POOL] [THREADS]
+    python experiments/coverage_shares.py correlate SHARES_JSON SWITCH_JSON [SWITCH_JSON ...]
 
 The default pair's small → large direction (its mapper's exact prefix); for the first LIMIT (default 24) items of
 each task of TASKS (default coqa_gen,boolq_long; generative-group or core tasks) from POOL (default dev) on the
@@ -10,6 +11,12 @@ question (`KVCache.read_turn`, as `turn_attention` does); over the positions aft
 the turn's attention they receive (``mapped_attention``: of every layer's, head's and question token's), the share
 of that held by the top 5/10/15/20%, and the share of the positions each coverage (50–95%) recomputes
 (`policy.covering_count`).
+
+``correlate``: whether a switch's ``mapped_attention`` tells how much recompute it needs. For every task of
+SHARES_JSON that an `eval-switch` result (its ``switch.json``, small → large, with `turn_attention` at several
+budgets) scored on the same items, the Pearson correlation, with a bootstrap 95% interval over the items, of the
+item's ``mapped_attention`` with what the largest budget gains over the middle one and with what the middle one
+loses against the target alone.
 """
 
 from __future__ import annotations
@@ -104,5 +111,47 @@ def main() -> None:
     print(f"wrote {out}")
 
 
+def pearson(x: np.ndarray, y: np.ndarray) -> float:
+    if x.std() == 0 or y.std() == 0:
+        return 0.0
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def bootstrap_correlation(x: np.ndarray, y: np.ndarray, rounds: int = 2000, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    draws = [pearson(x[i], y[i]) for i in rng.integers(0, len(x), (rounds, len(x)))]
+    return {"r": pearson(x, y), "ci": [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))]}
+
+
+def budget_of(condition: str) -> float:
+    return float(condition.rsplit(":", 1)[1].rstrip("%"))
+
+
+def correlate(shares_path: Path, switch_paths: list[Path]) -> None:
+    shares = json.loads(shares_path.read_text(encoding="utf-8"))["tasks"]
+    for path in switch_paths:
+        tasks = json.loads(path.read_text(encoding="utf-8"))["directions"]["forward"]["tasks"]
+        for task, entry in tasks.items():
+            if task not in shares:
+                continue
+            attention = {row["id"]: row["mapped_attention"] for row in shares[task]["items"]}
+            kept = [i for i, item in enumerate(entry["item_ids"]) if item in attention]
+            scores = {name: np.asarray(values)[kept] for name, values in entry["scores"].items()}
+            budgets = sorted((name for name in scores if name.startswith("switch:turn_attention:")), key=budget_of)
+            if len(budgets) < 2 or not kept:
+                print(f"{task} in {path}: needs turn_attention at two budgets or more on the same items")
+                continue
+            middle, largest = budgets[len(budgets) // 2 - (len(budgets) % 2 == 0)], budgets[-1]
+            x = np.asarray([attention[entry["item_ids"][i]] for i in kept])
+            gain = bootstrap_correlation(x, scores[largest] - scores[middle])
+            loss = bootstrap_correlation(x, scores["target"] - scores[middle])
+            print(f"{task} (n={len(kept)}): mapped_attention against {largest} − {middle}: r {gain['r']:+.2f} "
+                  f"[{gain['ci'][0]:+.2f}, {gain['ci'][1]:+.2f}]; against target − {middle}: r {loss['r']:+.2f} "
+                  f"[{loss['ci'][0]:+.2f}, {loss['ci'][1]:+.2f}]")
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "correlate":
+        correlate(Path(sys.argv[2]), [Path(p) for p in sys.argv[3:]])
+    else:
+        main()

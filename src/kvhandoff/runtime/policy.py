@@ -22,7 +22,7 @@ import torch
 from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.deviation import blend_scores, deviation_scores
 from kvhandoff.runtime.recompute import source_attention_scores
-from kvhandoff.runtime.seam import KVCache, TransformersCache, as_kv_cache
+from kvhandoff.runtime.seam import KVCache, as_kv_cache
 
 #: the budgets (fractions of the mapped history) a retention-vs-speed sweep measures
 RECOMPUTE_BUDGETS: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -402,7 +402,7 @@ class TurnAttention(SourceAttention):
             elif info.new_turn:
                 turn = torch.tensor([list(info.new_turn)] * input_ids.shape[0], device=input_ids.device)
                 scores = read_on.read_turn(model, turn, 1, self.lookahead).scores
-            elif isinstance(read_on, TransformersCache):
+            elif read_on.reads_history_queries:
                 scores = source_attention_scores(model, _rows(read_on), input_ids, self.window)
             else:
                 raise ConfigError(f"recompute rule {self.rule!r} without a new turn ranks by the last queries of "

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.nn import functional
@@ -63,6 +63,10 @@ class KVCache(ABC):
        pending positions alone; `generate` runs the engine's decoding loop, its first forward a `read`.
     4. housekeeping: `truncate` (roll back), `copy` (fork a conversation), `storages` (memory held).
     """
+
+    #: whether a model can read the history's last queries again on this cache's exported rows
+    #: (`recompute.source_attention_scores`): what ranks positions by attention when no new turn is given
+    reads_history_queries: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -161,6 +165,8 @@ class KVCache(ABC):
 class TransformersCache(KVCache):
     """`KVCache` on a `transformers` `DynamicCache` (``cache``): the engine is the model's own forward and
     ``generate``; positions are recomputed by `kvhandoff.runtime.recompute`'s sparse forward."""
+
+    reads_history_queries: ClassVar[bool] = True
 
     def __init__(self, cache: DynamicCache | None = None) -> None:
         self.cache = DynamicCache() if cache is None else cache

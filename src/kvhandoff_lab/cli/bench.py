@@ -38,6 +38,7 @@ from kvhandoff.cli.options import (
 )
 from kvhandoff.config import CalibrationSpec, FitConfig
 from kvhandoff.fit.corpus import calibration_batches
+from kvhandoff.runtime.offset import DEFAULT_OFFSET_RECOMPUTE
 from kvhandoff.workflow import load_named_pair, obtain_mapper
 from kvhandoff.workflow.pair_mappers import on_source_device
 from kvhandoff_lab.bench import DEFAULT_LENGTHS, bench_mapper, bench_table, run_bench
@@ -348,7 +349,7 @@ def eval_offset(
     same_model: Annotated[bool, typer.Option(help="also each direction's target handing to itself (a changed "
                                                   "system prompt)")] = True,
     policies: Annotated[str, typer.Option(help="comma-separated recompute policies tried (each a condition)")]
-    = "none,blend:15%",
+    = f"none,{DEFAULT_OFFSET_RECOMPUTE.spec}",
     pool: Annotated[str, typer.Option(parser=one_of(("dev", "report")), help="the items' pool (choose on dev, "
                                                                             "report on report)")] = "report",
     threads: EngineThreads = None,
