@@ -8,7 +8,9 @@ The default pair's small → large direction (its mapper's exact prefix); for th
 each task of TASKS (default coqa_gen,boolq_long; generative-group or core tasks) from POOL (default dev) on the
 switch benchmark's histories (as `eval-switch` draws them), the source prefills the history and reads the item's
 question (`KVCache.read_turn`, as `turn_attention` does); over the positions after the exact prefix: the share of
-the turn's attention they receive (``mapped_attention``: of every layer's, head's and question token's), the share
+the turn's attention they receive (``mapped_attention``: of every layer's, head's and question token's;
+``reliance``: of its attention over the cached positions, `policy.history_reliance`, what an ``escalate`` budget
+reads), the share
 of that held by the top 5/10/15/20%, and the share of the positions each coverage (50–95%) recomputes
 (`policy.covering_count`).
 
@@ -31,7 +33,7 @@ import torch
 from kvhandoff.model.cache import prefill
 from kvhandoff.model.loading import DEFAULT_SOURCE, DEFAULT_TARGET
 from kvhandoff.runtime.plan import HandoffPlan
-from kvhandoff.runtime.policy import budget_count, covering_count
+from kvhandoff.runtime.policy import budget_count, covering_count, history_reliance
 from kvhandoff.runtime.seam import as_kv_cache
 from kvhandoff.workflow import load_named_pair, obtain_mapper
 from kvhandoff_lab.evaluation.switch import (
@@ -93,10 +95,12 @@ def main() -> None:
             own = HandoffPlan().prefix_length(mapper, ids.shape[1])
             queries = config.num_hidden_layers * config.num_attention_heads * len(question)
             rows.append({"id": item_id, "candidates": ids.shape[1] - own,
-                         "mapped_attention": float(scores[:, own:].sum()) / queries, **item_shares(scores[:, own:])})
+                         "mapped_attention": float(scores[:, own:].sum()) / queries,
+                         "reliance": float(history_reliance(scores, own)[0]), **item_shares(scores[:, own:])})
             print(task, item_id, rows[-1]["candidates"], round(rows[-1]["mapped_attention"], 3), flush=True)
         result["tasks"][task] = {
             "n": len(rows), "mapped_attention": spread([r["mapped_attention"] for r in rows]),
+            "reliance": spread([r["reliance"] for r in rows]),
             "held": {k: spread([r["held"][k] for r in rows]) for k in rows[0]["held"]},
             "positions": {k: spread([r["positions"][k] for r in rows]) for k in rows[0]["positions"]},
             "items": rows}

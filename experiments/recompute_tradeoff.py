@@ -9,9 +9,10 @@ a `TradeoffPoint`, and the point the records' rule takes from them (`choose_poin
 RUN_JSON: a run's `switch.json`; a task is read from the first run that scored it, and a policy is a point when
 every task was scored under it. TTFT_JSON: an `eval-switch --ttft-repeats` run timing those policies.
 
-A policy with a ``coverage`` recomputes a different share at each switch, so one timing does not price it: its time
-is the mean over its switches (the runs count each one's recompute) of the time of the same rule without coverage
-at that share, interpolated linearly between the budgets the TTFT run timed (clamped to the timed range).
+A policy with a ``coverage`` or an ``escalate`` budget recomputes a different share at each switch, so one timing
+does not price it: its time is the mean over its switches (the runs count each one's recompute) of the time of the
+same rule without them at that share, interpolated linearly between the budgets the TTFT run timed (clamped to
+the timed range).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ def read(path: str) -> dict:
 
 
 def timing_curve(seconds: dict[str, float], spec: str) -> tuple[list[float], list[float]]:
-    """The budgets the TTFT run timed for ``spec``'s rule without its coverage (the same rule and settings), and
-    their seconds, by budget."""
+    """The budgets the TTFT run timed for ``spec``'s rule without its coverage and escalation (the same rule and
+    settings), and their seconds, by budget."""
     policy = parse(spec)
     if not hasattr(policy, "coverage"):
         return [], []
-    uncovered = dataclasses.replace(policy, coverage=1.0)
+    uncovered = dataclasses.replace(policy, coverage=1.0, reliance=0.0, escalate=0.0)
     curve = {}
     for condition, value in seconds.items():
         if not condition.startswith("switch:"):

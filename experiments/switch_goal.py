@@ -87,16 +87,21 @@ def direction_rows(runs: list[tuple[Path, dict]], names: tuple[str, str], small:
                               **task_row(scores, small, rng), "_scores": scores}
     if not rows:
         return None
+    return {"small_model": small, "summary": summarise(rows),
+            "tasks": {task: {k: v for k, v in row.items() if not k.startswith("_")} for task, row in rows.items()}}
+
+
+def summarise(rows: dict[str, dict]) -> dict:
+    """The mean retention over the tasks' rows (`task_row`, with their ``_scores``), its interval from resampling
+    every task's items together, and the tasks below the small model alone in point estimate."""
     means = []
     for k in range(RESAMPLES):
         values = [ratio(row["_scores"]["switch"][row["_draws"][k]], row["_scores"]["target"][row["_draws"][k]])
                   for row in rows.values()]
         means.append(float(np.mean(values)))
-    summary = {"tasks": len(rows), "mean_retention": float(np.mean([row["retention"] for row in rows.values()])),
-               "mean_retention_ci": interval(means),
-               "below_small_alone": [task for task, row in rows.items() if row["minus_small"] < 0]}
-    return {"small_model": small, "summary": summary,
-            "tasks": {task: {k: v for k, v in row.items() if not k.startswith("_")} for task, row in rows.items()}}
+    return {"tasks": len(rows), "mean_retention": float(np.mean([row["retention"] for row in rows.values()])),
+            "mean_retention_ci": interval(means),
+            "below_small_alone": [task for task, row in rows.items() if row["minus_small"] < 0]}
 
 
 def main(policy: str, out: str, *run_dirs: str, small_model: str | None = None) -> None:

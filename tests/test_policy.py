@@ -195,6 +195,32 @@ def test_a_coverage_recomputes_only_what_holds_that_share_of_the_attention():
     assert policy.covering_count(torch.zeros(1, 0), 0.5) == 0
 
 
+def test_a_read_leaning_on_the_mapped_rows_escalates_to_the_larger_budget():
+    """reliance/escalate: a read with at least ``reliance`` of its attention over the cache on the candidates picks
+    what the larger budget picks, any other what the base budget picks; a batch escalates when any row does; the
+    base budget may be 0 (recompute only the reads that lean on the history)."""
+    ids = ids_of(tokens=21)
+    leaning = SelectionInfo(start=1, source_attention=torch.cat([torch.tensor([[4.0]]), torch.arange(1.0, 21.0)[None]],
+                                                                dim=1))
+    light = SelectionInfo(start=1, source_attention=torch.cat([torch.tensor([[400.0]]), torch.arange(1.0, 21.0)[None]],
+                                                              dim=1))
+    assert policy.history_reliance(leaning.source_attention, 1).item() == pytest.approx(210 / 214)
+    assert policy.history_reliance(light.source_attention, 1).item() == pytest.approx(210 / 610)
+    rule = SourceAttention(0.1, reliance=0.5, escalate=0.2)
+    assert rule.ceiling == 0.2 and rule.escalates(leaning.source_attention, 1)
+    assert torch.equal(rule.positions(None, None, ids, leaning), SourceAttention(0.2).positions(None, None, ids,
+                                                                                                   leaning))
+    assert torch.equal(rule.positions(None, None, ids, light), SourceAttention(0.1).positions(None, None, ids, light))
+    assert rule.positions(None, None, ids, leaning).shape == (1, 4)
+    assert rule.positions(None, None, ids, light).tolist() == [[19, 20]]
+    both = SelectionInfo(start=1, source_attention=torch.cat([leaning.source_attention, light.source_attention]))
+    assert rule.positions(None, None, ids_of(batch=2, tokens=21), both).shape == (2, 4)
+    only = SourceAttention(0.0, reliance=0.5, escalate=0.2)
+    assert only.active and only.positions(None, None, ids, light).shape == (1, 0)
+    assert only.positions(None, None, ids, leaning).shape == (1, 4)
+    assert not SourceAttention(0.1).escalates(leaning.source_attention, 1)
+
+
 def test_policy_parses_and_validates():
     assert policy.parse("deviation:10%") == Deviation(0.1)
     assert policy.parse("recent:0.05").spec == "recent:5%"
@@ -222,6 +248,11 @@ def test_policy_parses_and_validates():
     assert covering == TurnAttention(0.2, coverage=0.6, lookahead=2) and policy.parse(covering.spec) == covering
     assert covering.spec == "turn_attention:20%:coverage=60%:lookahead=2"
     assert policy.parse("turn_attention:20%:coverage=1").spec == "turn_attention:20%"
+    escalating = policy.parse("turn_attention:10%:escalate=20%:reliance=0.5")
+    assert escalating == TurnAttention(0.1, reliance=0.5, escalate=0.2) and policy.parse(escalating.spec) == escalating
+    assert escalating.spec == "turn_attention:10%:reliance=50%:escalate=20%"
+    only = "turn_attention:0%:reliance=50%:escalate=20%"
+    assert policy.parse(only).spec == only
     both = policy.parse("source_attention:5%:block=16:window=8")
     assert both == SourceAttention(0.05, source_window=8, block=16) and policy.parse(both.spec) == both
     layers = policy.parse("layers:25%")
@@ -235,7 +266,10 @@ def test_policy_parses_and_validates():
                 "recent:10%:lookahead=4", "source_attention:10%:lookahead=4", "turn_attention:10%:lookahead=-1",
                 "mix(target_turn_attention=0.5,recent=0.5):10%", "recent:10%:coverage=50%",
                 "turn_attention:10%:coverage=0", "turn_attention:10%:coverage=120%", "turn_attention:10%:coverage=x",
-                "turn_attention:10%:coverage=50%:coverage=60%", 3):
+                "turn_attention:10%:coverage=50%:coverage=60%", "turn_attention:10%:escalate=20%",
+                "turn_attention:10%:reliance=50%", "turn_attention:10%:reliance=50%:escalate=10%",
+                "turn_attention:10%:reliance=150%:escalate=20%", "recent:10%:reliance=50%:escalate=20%",
+                "turn_attention:10%:reliance=50%:escalate=20%:escalate=30%", 3):
         with pytest.raises(ConfigError):
             policy.parse(bad)
     for bad_policy in (lambda: Recent(1.5), lambda: Recent("0.1"), lambda: SourceAttention(0.1, source_window=0),

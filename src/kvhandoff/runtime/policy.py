@@ -115,6 +115,13 @@ def covering_count(scores: torch.Tensor, coverage: float) -> int:
     return int(((share < coverage - 1e-6).sum(dim=1) + 1).clamp_max(scores.shape[1]).max())
 
 
+def history_reliance(scores: torch.Tensor, start: int) -> torch.Tensor:
+    """[batch]: the share of each row's attention over the cached positions (``scores`` [batch, T]) that lands on
+    the candidates start..T−1 — how much a read leans on the mapped rows rather than the exact prefix."""
+    scores = scores.float().clamp_min(0)
+    return scores[:, start:].sum(dim=1) / scores.sum(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+
+
 # -- the base --------------------------------------------------------------------------------------------------------
 
 
@@ -142,6 +149,11 @@ class RecomputePolicy:
     def active(self) -> bool:
         """Whether a handoff under this policy recomputes anything."""
         return self.budget > 0
+
+    @property
+    def ceiling(self) -> float:
+        """The most of the mapped positions a handoff under this policy may recompute."""
+        return self.budget
 
     @property
     def needs_source_attention(self) -> bool:
@@ -196,7 +208,7 @@ class RecomputePolicy:
         if input_ids.dim() != 2 or not 0 <= info.start < input_ids.shape[1]:
             raise ConfigError(f"input_ids must be [batch, T] with start in 0..T−1, got {tuple(input_ids.shape)} and "
                               f"start {info.start}")
-        count = budget_count(self.budget, input_ids.shape[1] - info.start)
+        count = budget_count(self.ceiling, input_ids.shape[1] - info.start)
         if count == 0:
             return _empty(input_ids.shape[0], input_ids.device)
         if self.needs_source_attention and info.source_attention is None:
@@ -208,6 +220,7 @@ class RecomputePolicy:
         return self._pick(target_model, cache, input_ids, info, count)
 
     def _pick(self, target_model, cache, input_ids, info: SelectionInfo, count: int) -> torch.Tensor:
+        """The first ``count`` (`budget_count` of the ``ceiling``) of the ranking."""
         return self.rank(target_model, cache, input_ids, info)[:, :count].sort(dim=1).values
 
 
@@ -294,11 +307,17 @@ class SourceAttention(RecomputePolicy):
 
     ``coverage`` < 1: the budget is a ceiling, and a switch recomputes only as many of the top positions as hold
     that share of the attention the candidates received (the most any row of the batch needs): a turn that reads
-    one passage gets that passage, a turn that reads little of the history recomputes little."""
+    one passage gets that passage, a turn that reads little of the history recomputes little.
+
+    ``escalate`` > 0 (with ``reliance``): a switch whose read leans on the mapped rows — at least ``reliance`` of its
+    attention over the cached positions on the candidates (`history_reliance`, any row of the batch) — recomputes
+    ``escalate`` of them instead of ``budget``: a turn about a passage of the history gets the larger budget."""
 
     source_window: int = DEFAULT_WINDOW
     block: int = 1
     coverage: float = 1.0
+    reliance: float = 0.0
+    escalate: float = 0.0
     rule: ClassVar[str] = "source_attention"
 
     def __post_init__(self) -> None:
@@ -310,15 +329,50 @@ class SourceAttention(RecomputePolicy):
             raise ConfigError(f"recompute coverage must be a fraction in (0, 1] of the attention the candidates "
                               f"received, got {coverage!r}")
         object.__setattr__(self, "coverage", float(coverage))
+        self._check_escalation()
+
+    def _check_escalation(self) -> None:
+        reliance, escalate = self.reliance, self.escalate
+        for name, value in (("reliance", reliance), ("escalate", escalate)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+                raise ConfigError(f"recompute {name} must be a fraction in [0, 1], got {value!r}")
+        if (reliance > 0) != (escalate > 0):
+            raise ConfigError("recompute escalate=BUDGET and reliance=SHARE go together (the larger budget and the "
+                              f"share of the read on the mapped rows that earns it), got reliance={reliance!r} and "
+                              f"escalate={escalate!r}")
+        if escalate and escalate <= self.budget:
+            raise ConfigError(f"recompute escalate must be a larger budget than {self.budget:g}, got {escalate!r}")
+        object.__setattr__(self, "reliance", float(reliance))
+        object.__setattr__(self, "escalate", float(escalate))
+
+    @property
+    def active(self) -> bool:
+        return self.budget > 0 or self.escalate > 0
+
+    @property
+    def ceiling(self) -> float:
+        return max(self.budget, self.escalate)
 
     @property
     def spec(self) -> str:
         spec = super().spec
         if self.active and self.block != 1:
             spec = f"{spec}:block={self.block}"
-        return spec if self.coverage == 1 or not self.active else f"{spec}:coverage={self.coverage * 100:g}%"
+        if self.active and self.coverage != 1:
+            spec = f"{spec}:coverage={self.coverage * 100:g}%"
+        if self.escalate:
+            spec = f"{spec}:reliance={self.reliance * 100:g}%:escalate={self.escalate * 100:g}%"
+        return spec
+
+    def escalates(self, scores: torch.Tensor, start: int) -> bool:
+        """Whether a read with these ``scores`` [batch, T] earns the ``escalate`` budget."""
+        return bool(self.escalate) and bool((history_reliance(scores, start) >= self.reliance).any())
 
     def _pick(self, target_model, cache, input_ids, info: SelectionInfo, count: int) -> torch.Tensor:
+        if self.escalate and not self.escalates(info.source_attention.to(input_ids.device), info.start):
+            count = budget_count(self.budget, input_ids.shape[1] - info.start)
+            if count == 0:
+                return _empty(input_ids.shape[0], input_ids.device)
         if self.coverage < 1:
             count = min(count, covering_count(block_scores(info.source_attention.to(input_ids.device), info.start,
                                                            self.block)[:, info.start:], self.coverage))
@@ -530,8 +584,8 @@ DEFAULT_RECOMPUTE: RecomputePolicy = Recent(0.05)
 def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
     """The policy of rule ``rule`` (a name in `RULES`) at ``budget``; options: ``shares`` ("mix"), ``window``
     ("source_attention", the two turn-attention rules, "mix"), ``block`` ("source_attention", the two turn-attention
-    rules), ``coverage`` (the same three), ``lookahead`` (the two turn-attention rules). ConfigError for an unknown
-    rule or an option the rule lacks."""
+    rules), ``coverage``, ``reliance`` and ``escalate`` (the same three), ``lookahead`` (the two turn-attention
+    rules). ConfigError for an unknown rule or an option the rule lacks."""
     if rule not in RULES:
         raise ConfigError(f"recompute rule must be one of {', '.join(RULES)}, got {rule!r}")
     kind = RULES[rule]
@@ -543,9 +597,10 @@ def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
     if "block" in options and not issubclass(kind, SourceAttention):
         raise ConfigError(f"recompute rule {rule!r} takes no block (only source_attention, turn_attention and "
                           "target_turn_attention do)")
-    if "coverage" in options and not issubclass(kind, SourceAttention):
-        raise ConfigError(f"recompute rule {rule!r} takes no coverage (only source_attention, turn_attention and "
-                          "target_turn_attention do)")
+    for name in ("coverage", "reliance", "escalate"):
+        if name in options and not issubclass(kind, SourceAttention):
+            raise ConfigError(f"recompute rule {rule!r} takes no {name} (only source_attention, turn_attention and "
+                              "target_turn_attention do)")
     if "lookahead" in options and not issubclass(kind, TurnAttention):
         raise ConfigError(f"recompute rule {rule!r} takes no lookahead (only turn_attention and "
                           "target_turn_attention do)")
@@ -557,12 +612,15 @@ def policy_for(rule: str, budget: float = 0.0, **options) -> RecomputePolicy:
 
 #: the options a spec may add after its budget, each "NAME=N" (`policy_for` says which rules take which)
 _OPTIONS = ("window", "block", "lookahead")
+#: the options whose value is a fraction or a percentage
+_FRACTION_OPTIONS = ("coverage", "reliance", "escalate")
 
 
 def parse(spec: str | RecomputePolicy) -> RecomputePolicy:
-    """A policy from a spec "RULE:BUDGET[:window=N][:block=N][:lookahead=N][:coverage=SHARE]" (budget and coverage
-    a fraction "0.1" or a percentage "10%"; rule "mix(RULE=SHARE,...)" for other shares; "none" alone), or a policy
-    as it is. For the edges: a command-line option, a server's settings, a stored result. ConfigError otherwise."""
+    """A policy from a spec "RULE:BUDGET[:window=N][:block=N][:lookahead=N][:coverage=SHARE]
+    [:reliance=SHARE:escalate=BUDGET]" (budgets and shares a fraction "0.1" or a percentage "10%"; rule
+    "mix(RULE=SHARE,...)" for other shares; "none" alone), or a policy as it is. For the edges: a command-line
+    option, a server's settings, a stored result. ConfigError otherwise."""
     if isinstance(spec, RecomputePolicy):
         return spec
     if not isinstance(spec, str):
@@ -579,12 +637,13 @@ def parse(spec: str | RecomputePolicy) -> RecomputePolicy:
     for option in option_texts:
         key, _, value = option.partition("=")
         key = key.strip()
-        if key == "coverage" and key not in options:
-            options[key] = _fraction(value, spec, "coverage")
+        if key in _FRACTION_OPTIONS and key not in options:
+            options[key] = _fraction(value, spec, key)
             continue
         if key not in _OPTIONS or key in options or not value.strip().isdigit():
-            raise ConfigError(f"recompute spec {spec!r}: options are {' and '.join(f'{name}=N' for name in _OPTIONS)}"
-                              " and coverage=SHARE, each at most once, got " + repr(option))
+            raise ConfigError(f"recompute spec {spec!r}: options are {', '.join(f'{name}=N' for name in _OPTIONS)}, "
+                              "coverage=SHARE, reliance=SHARE and escalate=BUDGET, each at most once, got "
+                              + repr(option))
         options[key] = int(value)
     rule = head.strip()
     if rule.startswith("mix(") and rule.endswith(")"):
