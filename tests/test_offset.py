@@ -11,10 +11,12 @@ import torch
 from _runtime_support import exact_pair
 from kvhandoff.errors import ConfigError
 from kvhandoff.model.cache import cache_of
-from kvhandoff.runtime.offset import reposition_keys, repositioned, reuse_run
+from kvhandoff.runtime.offset import moved_read, reposition_keys, repositioned, reuse_run
 from kvhandoff.runtime.plan import HandoffPlan
+from kvhandoff.runtime.policy import SelectionInfo, history_reliance
 from kvhandoff.runtime.prefix_store import PrefixStore
 from kvhandoff.runtime.runs import RunIndex
+from kvhandoff.runtime.session import SwitchingSession
 
 from conftest import LLAMA31_ROPE, tiny_model
 
@@ -81,6 +83,38 @@ def test_a_run_reused_with_every_row_recomputed_equals_the_re_prefill():
         assert (half - expected).abs().max() < (nothing - expected).abs().max(), spec
 
 
+def test_the_source_read_of_the_new_turn_ranks_the_run_at_its_new_offset():
+    """turn_attention at another offset: the source's read of the new turn on the conversation that holds the run,
+    moved behind the new beginning (the old beginning's share spread over the new one), picks the run positions it
+    attended to most; with every run row picked the reuse is the re-prefill; the session takes the read too."""
+    read = torch.tensor([[6.0, 2.0, 1.0, 9.0, 3.0, 7.0]])
+    moved = moved_read(read, 2, 4)
+    assert torch.equal(moved, torch.tensor([[2.0, 2.0, 2.0, 2.0, 1.0, 9.0, 3.0, 7.0]]))
+    assert history_reliance(moved, 4) == history_reliance(read, 2)
+    assert torch.equal(moved_read(read, 2, 0), read[:, 2:])
+    source, target, mapper = exact_pair()
+    held = OLD_BEGINNING + RUN
+    source_rows = _prefill(source, held).past_key_values
+    mapped = mapper.transfer(source_rows, dtype=torch.float32)
+    run_rows = cache_of((layer.keys[:, :, len(OLD_BEGINNING):], layer.values[:, :, len(OLD_BEGINNING):])
+                        for layer in mapped.layers)
+    attention = torch.rand(1, len(held))
+    info = SelectionInfo(source_attention=moved_read(attention, len(OLD_BEGINNING), len(NEW_BEGINNING)))
+    picked = reuse_run(target, torch.tensor([NEW_BEGINNING]), torch.tensor([RUN]), run_rows, len(OLD_BEGINNING),
+                       HandoffPlan.of(recompute="turn_attention:10%"), info).pending[0, len(NEW_BEGINNING):]
+    top = attention[0, len(OLD_BEGINNING):].topk(4).indices.sort().values + len(NEW_BEGINNING)
+    assert torch.equal(picked, top)
+    session = SwitchingSession({"small": source, "large": target}, {})
+    with pytest.raises(ConfigError, match="source_turn_read must be \\[1, 77\\]"):
+        session.reuse("large", NEW_BEGINNING, RUN, run_rows, len(OLD_BEGINNING), source="small",
+                      plan=HandoffPlan.of(recompute="turn_attention:10%"), source_turn_read=attention[:, 1:])
+    session.reuse("large", NEW_BEGINNING, RUN, run_rows, len(OLD_BEGINNING), source="small",
+                  plan=HandoffPlan.of(recompute="turn_attention:100%"), source_turn_read=attention)
+    logits = session.read_logprobs("large", NEW_TURN)
+    expected = _prefill(target, NEW_BEGINNING + RUN + NEW_TURN).logits[0, -1].float().log_softmax(-1)
+    assert torch.allclose(logits[-1], expected, atol=1e-4)
+
+
 def test_a_stored_beginning_is_copied_in_not_recomputed():
     model = tiny_model("qwen2")
     rows = repositioned(_prefill(model, RUN).past_key_values, 0, 0, model.config)
@@ -101,9 +135,11 @@ def test_bad_inputs_are_refused():
         reuse_run(model, torch.tensor([NEW_BEGINNING]), torch.tensor([RUN[:-1]]), rows, 0)
     with pytest.raises(ConfigError, match="must be \\[batch, tokens\\]"):
         reuse_run(model, torch.tensor(NEW_BEGINNING), torch.tensor([RUN]), rows, 0)
-    with pytest.raises(ConfigError, match="'turn_attention' needs the source"):
+    with pytest.raises(ConfigError, match="ranks by the source's attention"):
         reuse_run(model, torch.tensor([NEW_BEGINNING]), torch.tensor([RUN]), rows, 0,
                   HandoffPlan.of(recompute="turn_attention:10%"))
+    with pytest.raises(ConfigError, match="a read \\[batch, old_start \\+ run\\]"):
+        moved_read(torch.ones(1, 5), 5, 3)
     with pytest.raises(ConfigError, match="positions start at 0"):
         reposition_keys(rows.layers[0].keys, -1, 3, model.config)
 

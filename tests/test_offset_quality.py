@@ -1,6 +1,7 @@
 """The switch benchmark behind other instructions: on the tiny exactly related family a run reused at another offset
 with every row recomputed answers as the target reading everything, in both the cross-model and the same-model
-direction; a rerun continues the stored result; a policy that ranks by the source's attention is refused."""
+direction, also ranked by the source's read of the question; a rerun continues the stored result; a policy that
+ranks by the source's last queries of the history is refused."""
 
 import json
 
@@ -21,7 +22,7 @@ def test_every_row_recomputed_answers_as_the_reread_and_a_rerun_continues(tmp_pa
     models = {name: model for name, (model, _) in family.items()}
     tokenizer = family["small"][1]
     out = tmp_path / "offset.json"
-    options = {"policies": [policy.parse("recent:100%"), policy.parse("none")],
+    options = {"policies": [policy.parse("recent:100%"), policy.parse("turn_attention:100%"), policy.parse("none")],
                "directions": [("small", "large"), ("large", "large")], "task": "coqa_gen", "limit": 2,
                "histories": 1, "out": out}
     first = run_offset_quality(models, mappers, tokenizer, end_ids(models["large"], tokenizer), time_budget_s=0,
@@ -34,11 +35,12 @@ def test_every_row_recomputed_answers_as_the_reread_and_a_rerun_continues(tmp_pa
         assert summary["recent:100%"]["minus_reread"]["value"] == 0
         for record in result["records"][direction].values():
             assert record["recent:100%"]["output"] == record[REREAD]["output"]
+            assert record["turn_attention:100%"]["output"] == record[REREAD]["output"]
     assert json.loads(out.read_text())["records"] == result["records"]
 
 
-def test_a_policy_ranking_by_the_source_is_refused():
+def test_a_policy_ranking_by_the_source_history_queries_is_refused():
     family, mappers = tiny_family()
     with pytest.raises(ConfigError, match="ranks by the source's attention"):
-        run_offset_quality({}, mappers, family["small"][1], [], [policy.parse("turn_attention:10%")],
+        run_offset_quality({}, mappers, family["small"][1], [], [policy.parse("source_attention:10%")],
                            [("small", "large")])

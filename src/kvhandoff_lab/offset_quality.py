@@ -9,7 +9,8 @@ agent's, of another length), the same run, then the question, answered by the ta
 - "reread": the target reads the whole prompt itself (what a prefix cache gives when the beginning differs);
 - one per recompute policy: the run's rows of the held conversation (the source's, mapped when the source is
   another model: `offset.mapped_run`) are moved behind the target's instructions (`SwitchingSession.reuse`) and the
-  target recomputes its instructions and the policy's picks with the question's read.
+  target recomputes its instructions and the policy's picks with the question's read (`turn_attention`: ranked by
+  the source's read of the question on the held conversation, `SwitchingSession.preview_turn`, moved to the prompt).
 
 A direction whose source is its target is the same-model case (a changed system prompt). Scored by the task's
 metric, with paired bootstrap intervals of each policy against the re-read; the time to the answer's first token
@@ -59,7 +60,7 @@ def run_offset_quality(models: dict, mappers: dict, tokenizer, end_ids: Sequence
     if not switch_task.family:
         raise ConfigError(f"{task} scores choices; the offset benchmark answers a generative task (coqa_gen, "
                           "nq_open, gsm8k_cot)")
-    policies = [check_offset_policy(policy) for policy in policies]
+    policies = [check_offset_policy(policy, source_read=True) for policy in policies]
     missing = [f"{a} → {b}" for a, b in directions if a != b and (a, b) not in mappers]
     if missing:
         raise ConfigError(f"no mapper for {', '.join(missing)}")
@@ -129,10 +130,17 @@ def _item_record(models, mapper, bases, item, source: str, target: str, source_i
     if source != target:
         rows = mapped_run(mapper, rows, len(source_ids), dtype=next(models[target].parameters()).dtype)
     mapping = time.perf_counter() - begin
+    read, reading = None, 0.0
+    if any(policy.ranks_by_source_turn_read for policy in policies):  # one read of the question serves them all
+        begin = time.perf_counter()
+        _, read = conversation.preview_turn(source, item.question, attention=True)
+        reading = time.perf_counter() - begin
     for policy in policies:
-        begin = time.perf_counter() - mapping  # every policy's time counts the one map
+        # every policy's time counts the one map, and the source's read of the question when it ranks by it
+        begin = time.perf_counter() - mapping - (reading if policy.ranks_by_source_turn_read else 0.0)
         session = SwitchingSession(models, {}, plan=HandoffPlan(recompute=policy))
-        session.reuse(target, target_ids, run, rows, len(source_ids), source=source)
+        session.reuse(target, target_ids, run, rows, len(source_ids), source=source,
+                      source_turn_read=read if policy.ranks_by_source_turn_read else None)
         record[policy.spec] = answer(session, begin)
     for condition in (REREAD, *(policy.spec for policy in policies)):
         entry = record[condition]

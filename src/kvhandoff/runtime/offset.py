@@ -7,8 +7,10 @@ attending to the old beginning, so they deviate from what the new beginning give
 cache of [new beginning ‖ run] as a `MappedCache` whose pending positions are the new beginning (an exact prefix,
 copied from the plan's prefix store when it holds it) and the run positions the plan's recompute policy picks —
 the rows that deviate most (`deviation`, CacheBlend), the run's first tokens (`sinks`, EPIC), the latest ones
-(`recent`), or a mix — recomputed in the target's next forward with the tokens after the run. The run's rows may be
-the target's own or mapped from another model of the family; either way they are approximate until recomputed.
+(`recent`), the positions the source attends to while it reads the new turn on the conversation that holds the run
+(`turn_attention`, its read placed by `moved_read`), or a mix — recomputed in the target's next forward with the
+tokens after the run. The run's rows may be the target's own or mapped from another model of the family; either way
+they are approximate until recomputed.
 """
 
 from __future__ import annotations
@@ -54,14 +56,31 @@ def repositioned(rows, old_start: int, new_start: int, config):
 DEFAULT_OFFSET_RECOMPUTE = policy.parse("blend:10%")
 
 
-def check_offset_policy(recompute: RecomputePolicy) -> RecomputePolicy:
-    """``recompute`` when it can pick the positions of a run reused at another offset, else ConfigError: a policy
-    ranking by the source's attention has no source read of the new context to rank by."""
-    if recompute.needs_source_attention or recompute.ranks_by_source_turn_read:
-        raise ConfigError(f"recompute policy {recompute.spec!r} ranks by the source's attention, which a run reused "
+def check_offset_policy(recompute: RecomputePolicy, source_read: bool = False) -> RecomputePolicy:
+    """``recompute`` when it can pick the positions of a run reused at another offset, else ConfigError. A policy
+    ranking by the source's attention needs its read of the new turn on the conversation that holds the run
+    (``source_read``: the caller gives it, `moved_read`); one ranking by the source's last queries never has one."""
+    if recompute.needs_source_attention or (recompute.ranks_by_source_turn_read and not source_read):
+        raise ConfigError(f"recompute policy {recompute.spec!r} ranks by the source's attention, which this reuse "
                           "at another offset does not have: name one that ranks by the target alone (e.g. "
-                          "'blend:10%', 'deviation:10%', 'sinks:10%', 'recent:10%')", field="offset_recompute")
+                          "'blend:10%', 'deviation:10%', 'sinks:10%', 'recent:10%'), or give the source's read of "
+                          "the new turn on the conversation that holds the run", field="offset_recompute")
     return recompute
+
+
+def moved_read(scores: torch.Tensor, old_start: int, begin: int) -> torch.Tensor:
+    """The attention a read paid the positions of the conversation that holds a run (``scores`` [batch, old_start +
+    R]: its old beginning, then the run), moved to the prompt the run is reused in ([batch, begin + R]): the run's
+    scores follow the new beginning, over which the old beginning's total is spread evenly — the run's positions
+    rank as they did, and the share of the read on them (`policy.history_reliance`) stays what it was."""
+    if scores.dim() != 2 or not 0 <= old_start < scores.shape[1] or begin < 0:
+        raise ConfigError(f"a read [batch, old_start + run] with old_start in 0..{scores.shape[-1] - 1} and begin "
+                          f">= 0, got {tuple(scores.shape)}, old_start {old_start}, begin {begin}")
+    run = scores[:, old_start:]
+    if not begin:
+        return run.clone()
+    spread = scores[:, :old_start].sum(dim=1, keepdim=True) / begin
+    return torch.cat([spread.expand(-1, begin), run], dim=1)
 
 
 def mapped_run(mapper, source_rows, old_start: int, dtype: torch.dtype | None = None):
@@ -81,9 +100,10 @@ def reuse_run(target_model, beginning_ids: torch.Tensor, run_ids: torch.Tensor, 
     target's next forward, `MappedCache.read`): the beginning (exact prefix; the plan's store copies it in when it
     holds it) and the run positions the plan's recompute policy picks. ``plan``'s exact_prefix is ignored: the
     beginning is the exact prefix. A policy that ranks by attention reads it from ``selection_info`` (e.g. the
-    target's own attention over the old context). ``beginning_rows``: the target's own exact rows of the beginning's
-    first positions (e.g. a prefix cache's), copied in and not recomputed. Refused: ids that are not [batch,
-    tokens], rows of another length or batch, a context past the target's window."""
+    source's read of the new turn on the conversation that holds the run, `moved_read`). ``beginning_rows``: the
+    target's own exact rows of the beginning's first positions (e.g. a prefix cache's), copied in and not
+    recomputed. Refused: ids that are not [batch, tokens], rows of another length or batch, a context past the
+    target's window, a policy with nothing to rank by (`check_offset_policy`)."""
     plan = plan or DEFAULT_PLAN
     for name, ids in (("beginning_ids", beginning_ids), ("run_ids", run_ids)):
         if ids.dim() != 2:
@@ -91,6 +111,8 @@ def reuse_run(target_model, beginning_ids: torch.Tensor, run_ids: torch.Tensor, 
     if beginning_ids.shape[0] != run_ids.shape[0] or run_ids.shape[1] == 0:
         raise ConfigError(f"a run of at least one token after a beginning of the same batch, got run "
                           f"{tuple(run_ids.shape)} after {tuple(beginning_ids.shape)}")
+    info = selection_info or SelectionInfo()
+    check_offset_policy(plan.recompute, source_read=info.source_attention is not None)
     rows = repositioned(run_rows, old_start, beginning_ids.shape[1], target_model.config)
     keys = rows.layers[0].keys
     if keys.shape[0] != run_ids.shape[0] or keys.shape[-2] != run_ids.shape[1]:

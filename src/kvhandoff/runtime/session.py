@@ -12,7 +12,7 @@ import torch
 from kvhandoff.config import require_positive
 from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.handoff import MappedCache, check_context
-from kvhandoff.runtime.offset import reuse_run
+from kvhandoff.runtime.offset import moved_read, reuse_run
 from kvhandoff.runtime.plan import DEFAULT_PLAN, HandoffPlan
 from kvhandoff.runtime.policy import SelectionInfo
 from kvhandoff.runtime.seam import CacheFactory, as_kv_cache, new_cache
@@ -315,7 +315,8 @@ class SwitchingSession:
 
     @torch.inference_mode()
     def reuse(self, server: str, beginning, run, run_rows, old_start: int, source: str | None = None,
-              plan: HandoffPlan | None = None, beginning_rows=None) -> ReusedRun:
+              plan: HandoffPlan | None = None, beginning_rows=None,
+              source_turn_read: torch.Tensor | None = None) -> ReusedRun:
         """Start this new session from a run of tokens another conversation holds at another offset: ``server``'s
         cache of ``beginning`` then ``run`` (token ids), the run's rows taken from ``run_rows`` (in ``server``'s
         format, keys rotated for positions ``old_start``…: its own rows of the other conversation, or another
@@ -323,8 +324,10 @@ class SwitchingSession:
         model the rows came from (None: ``server``). The beginning and the positions ``plan``'s recompute policy
         picks (None: the session's plan) are recomputed with the next read on ``server``, which owns the
         conversation; until then `reused` says what is pending; ``beginning_rows``: ``server``'s own exact rows of
-        the beginning's first positions, copied in instead. Every reused row is approximate: ``server``'s own length
-        stays 0."""
+        the beginning's first positions, copied in instead. ``source_turn_read``: the attention ``source`` paid the
+        conversation that holds the run (its old beginning, then the run: [1, old_start + len(run)]) while it read
+        the new turn (its `preview_turn`), for a policy that ranks by it (`turn_attention`; `offset.moved_read`
+        places it). Every reused row is approximate: ``server``'s own length stays 0."""
         if self.tokens or self._caches:
             raise ConfigError("reuse needs a new session (this one already holds a conversation)")
         self.require_model(server)
@@ -332,8 +335,15 @@ class SwitchingSession:
         self.require_model(source)
         beginning, run = [int(t) for t in beginning], _listed(run, "reuse needs a run of at least one token")
         model = self.models[server]
+        info = None
+        if source_turn_read is not None:
+            if tuple(source_turn_read.shape) != (1, old_start + len(run)):
+                raise ConfigError(f"source_turn_read must be [1, {old_start + len(run)}] (the conversation that holds "
+                                  f"the run: {old_start} positions, then the run's {len(run)}), got "
+                                  f"{tuple(source_turn_read.shape)}")
+            info = SelectionInfo(source_attention=moved_read(source_turn_read, old_start, len(beginning)))
         mapped = reuse_run(model, torch.tensor([beginning], dtype=torch.long), torch.tensor([run]), run_rows,
-                           old_start, plan or self.plan, cache_factory=self.cache_factory,
+                           old_start, plan or self.plan, info, cache_factory=self.cache_factory,
                            beginning_rows=beginning_rows)
         self._caches.start(server, mapped.cache)
         self.tokens, self.owner, self._handover = beginning + [int(t) for t in run], server, None
