@@ -40,6 +40,21 @@ def test_the_history_behind_new_instructions_is_reused_from_the_model_itself_or_
         torch.testing.assert_close(logprobs, own_read(session, "large", prompt), atol=1e-4, rtol=0)
 
 
+def test_a_turn_attention_plan_ranks_the_run_by_the_holders_read_of_the_rest_of_the_prompt():
+    prompt = ANALYST + HISTORY + TURN
+    for held_by in ("large", "small"):
+        session = session_on(held_by)
+        reused = rebase(session, "large", prompt, [OPEN], HandoffPlan.of(recompute="turn_attention:100%"),
+                        min_length=32)
+        assert reused is not None and reused.source == held_by
+        torch.testing.assert_close(session.read("large", TURN), own_read(session, "large", prompt), atol=1e-4, rtol=0)
+        session = session_on(held_by)
+        quarter = rebase(session, "large", prompt, [OPEN], HandoffPlan.of(recompute="turn_attention:25%"),
+                         min_length=32)
+        assert quarter.length == len(HISTORY)
+        assert quarter.mapped.pending.shape[1] == len(ANALYST) - quarter.known + len(HISTORY) // 4
+
+
 def test_a_longer_shared_prefix_or_a_short_run_leaves_the_session_as_it_was():
     session = session_on("large")
     assert rebase(session, "large", CLERK + HISTORY + TURN, [OPEN], EVERY_ROW, min_length=32) is None

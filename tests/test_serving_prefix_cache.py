@@ -325,6 +325,22 @@ def test_another_agents_history_is_reused_behind_other_instructions_and_kept_as_
     cache.release(out)
 
 
+def test_a_turn_attention_offset_plan_ranks_the_run_by_the_holders_read():
+    """The clerk's model reads the rest of the analyst's prompt on the conversation it held; every reused row
+    recomputed under that ranking, the analyst answers as the large model reading it all."""
+    cache, tokenizer = offset_cache("turn_attention:100%"), tiny_family()[0]["small"][1]
+    clerk, analyst = (chat_ids(tokenizer, messages) for messages in agent_prompts())
+    keep_clerk_conversation(cache, clerk)
+    session = new_session()
+    out = cache.checkout("t", analyst, "large", session)
+    assert out.offset is not None and out.offset.source == "small"
+    assert session.reused.mapped.pending.shape[1] == out.offset.beginning + out.offset.length
+    logprobs = session.read_logprobs("large", analyst[len(session.tokens):])
+    alone = session.models["large"](input_ids=torch.tensor([analyst])).logits[0, -1].log_softmax(-1)
+    torch.testing.assert_close(logprobs[-1], alone, atol=1e-4, rtol=0)
+    cache.release(out)
+
+
 def test_a_run_whose_rows_were_evicted_is_forgotten():
     cache, tokenizer = offset_cache(), tiny_family()[0]["small"][1]
     clerk, analyst = (chat_ids(tokenizer, messages) for messages in agent_prompts())

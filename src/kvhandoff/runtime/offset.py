@@ -83,6 +83,18 @@ def moved_read(scores: torch.Tensor, old_start: int, begin: int) -> torch.Tensor
     return torch.cat([spread.expand(-1, begin), run], dim=1)
 
 
+def held_read(model, held_rows, new_turn, cache_factory: CacheFactory = new_cache) -> torch.Tensor:
+    """The attention ``model`` pays each position of a conversation that holds a run (``held_rows``: its rows from
+    position 0 through the run's end) while it reads ``new_turn`` (the tokens after the run in the prompt it is
+    reused in) [1, held positions]: what `moved_read` places for a policy that ranks by it (`turn_attention`)."""
+    new_turn = [int(token) for token in new_turn]
+    if not new_turn:
+        raise ConfigError("held_read needs the new turn's tokens (at least one)")
+    cache = cache_factory(model)
+    cache.append(as_kv_cache(held_rows).export())
+    return cache.read_turn(model, torch.tensor([new_turn], device=cache.device)).scores
+
+
 def mapped_run(mapper, source_rows, old_start: int, dtype: torch.dtype | None = None):
     """``source_rows`` (the source's cache of a run at positions old_start…) in the target's format at the same
     positions (`Mapper.transfer`), ready for `reuse_run`."""

@@ -3,8 +3,9 @@ offset: `rebase` finds the longest run of the new prompt that the session alread
 (`runs.RunIndex` over the session's own tokens) and, when it is longer than what the prompt shares with the session
 as a prefix, starts the session again from that run (`SwitchingSession.reuse`): the rows of the model holding it
 (the serving model's own, else the last model's, mapped) moved behind the new beginning, the serving model's own
-exact rows of the beginning's start kept, the rest recomputed with the prompt's read, and the prompt's new turn
-(its last message) read by the serving model itself, as at any switch.
+exact rows of the beginning's start kept, the rest recomputed with the prompt's read (a `turn_attention` plan ranks
+the run by the holder's read of the rest of the prompt on what it held, `offset.held_read`), and the prompt's new
+turn (its last message) read by the serving model itself, as at any switch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from kvhandoff.runtime.offset import mapped_run
+from kvhandoff.runtime.offset import held_read, mapped_run
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.runs import DEFAULT_MIN_RUN, RunIndex
 from kvhandoff.runtime.session import ReusedRun, SwitchingSession
@@ -48,7 +49,11 @@ def rebase(session: SwitchingSession, server: str, prompt: Sequence[int], anchor
         rows = mapped_run(session.mappers[holder, server], rows, run.held_start, dtype=rows.layers[0].keys.dtype)
     known = min(session.own_length(server), shared, run.prompt_start)
     beginning_rows = session.export(server, 0, known) if known else None
+    read = None
+    if plan.recompute.ranks_by_source_turn_read:  # the holder reads the rest of the prompt on what it held
+        read = held_read(session.models[holder], session.export(holder, 0, end),
+                         prompt[run.prompt_start + run.length:], session.cache_factory)
     session.truncate(0)
     logger.debug("%s: %d positions of the session reused at another offset (%+d)", server, run.length, run.shift)
     return session.reuse(server, prompt[:run.prompt_start], prompt[run.prompt_start:run.prompt_start + run.length],
-                         rows, run.held_start, holder, plan, beginning_rows)
+                         rows, run.held_start, holder, plan, beginning_rows, read)

@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvhandoff.runtime.offset import mapped_run
+from kvhandoff.runtime.offset import held_read, mapped_run
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.runs import RunIndex, RunMatch
 from kvhandoff.runtime.session import SwitchingSession
@@ -131,7 +131,9 @@ class PrefixCache:
             return None
         model = match.model
         held = self.runs.held(run.key, namespace)
+        plan = self.offset_plan(namespace)
         found = self.tree.match(namespace, held[:run.held_start + run.length], model, lock=True, count=False)
+        read = None
         try:
             source, length = _run_holder(found, run, session)
             if length < self.runs.min_length or length <= reuse.reused:
@@ -139,6 +141,9 @@ class PrefixCache:
                     self.runs.remove(run.key, namespace)
                 return None
             rows = found.rows(source, run.held_start, run.held_start + length)
+            if plan.recompute.ranks_by_source_turn_read:  # the holder reads the rest of the prompt on what it held
+                read = held_read(session.models[source], found.rows(source, 0, run.held_start + length),
+                                 prompt[run.prompt_start + length:], session.cache_factory)
         finally:
             self.tree.unlock(found.handle)
         if source != model:
@@ -147,7 +152,7 @@ class PrefixCache:
         known = min(match.own.exact, run.prompt_start)
         end = run.prompt_start + length
         session.reuse(model, prompt[:run.prompt_start], prompt[run.prompt_start:end], rows, run.held_start, source,
-                      self.offset_plan(namespace), match.rows(model, 0, known) if known else None)
+                      plan, match.rows(model, 0, known) if known else None, read)
         logger.debug("%s: %d positions reused at another offset (%+d) from %s", model, length, run.shift, source)
         return OffsetRun(run.prompt_start, length, source, known)
 

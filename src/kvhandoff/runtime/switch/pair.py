@@ -106,7 +106,8 @@ class SwitchSettings:
         if not isinstance(self.offset_reuse, bool):
             raise ConfigError(f"offset_reuse must be True or False, got {self.offset_reuse!r}")
         offset = DEFAULT_OFFSET_RECOMPUTE if self.offset_recompute is None else policy.parse(self.offset_recompute)
-        object.__setattr__(self, "offset_recompute", check_offset_policy(offset))
+        # the server's reuse hands a turn-attention policy the holder's read of the new turn (`offset.held_read`)
+        object.__setattr__(self, "offset_recompute", check_offset_policy(offset, source_read=True))
 
     @property
     def rechooses_recompute(self) -> bool:
