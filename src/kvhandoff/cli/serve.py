@@ -121,8 +121,9 @@ def serve(
         "that history, moved to its new positions"))] = SwitchSettings.offset_reuse,
     offset_recompute: Annotated[RecomputePolicy | None, typer.Option(
         parser=recompute_policy, metavar="RULE:BUDGET", help=(
-            f"what a model recomputes of history reused at another offset: a rule ranking by the target alone "
-            f"(default {DEFAULT_OFFSET_RECOMPUTE.spec})"))] = None,
+            f"what a model recomputes of history reused at another offset: a rule ranking by the target alone, or "
+            f"turn_attention (by the read of the rest of the prompt by the model that held the history; default "
+            f"{DEFAULT_OFFSET_RECOMPUTE.spec})"))] = None,
     heal_budget: Annotated[int, typer.Option(parser=non_negative_int, help=(
         "positions a model reads again on its own in idle time after each request, of that request's "
         "conversation: its rows mapped at a switch become its own (0: no healing)"))] = HealSettings.budget,

@@ -53,7 +53,7 @@ def repositioned(rows, old_start: int, new_start: int, config):
 
 #: what the target recomputes of a run reused at another offset when nothing else is named (chosen on dev items:
 #: docs/RESULTS.md, "Reuse at another offset")
-DEFAULT_OFFSET_RECOMPUTE = policy.parse("blend:10%")
+DEFAULT_OFFSET_RECOMPUTE = policy.parse("turn_attention:20%")
 
 
 def check_offset_policy(recompute: RecomputePolicy, source_read: bool = False) -> RecomputePolicy:
