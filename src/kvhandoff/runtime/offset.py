@@ -123,8 +123,8 @@ def reuse_run(target_model, beginning_ids: torch.Tensor, run_ids: torch.Tensor, 
     if beginning_ids.shape[0] != run_ids.shape[0] or run_ids.shape[1] == 0:
         raise ConfigError(f"a run of at least one token after a beginning of the same batch, got run "
                           f"{tuple(run_ids.shape)} after {tuple(beginning_ids.shape)}")
-    info = selection_info or SelectionInfo()
-    check_offset_policy(plan.recompute, source_read=info.source_attention is not None)
+    check_offset_policy(plan.recompute,
+                        source_read=selection_info is not None and selection_info.source_attention is not None)
     rows = repositioned(run_rows, old_start, beginning_ids.shape[1], target_model.config)
     keys = rows.layers[0].keys
     if keys.shape[0] != run_ids.shape[0] or keys.shape[-2] != run_ids.shape[1]:
