@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
+from kvhandoff.model.cache import cache_view
 from kvhandoff.runtime.offset import held_read, mapped_run
 from kvhandoff.runtime.plan import HandoffPlan
 from kvhandoff.runtime.runs import DEFAULT_MIN_RUN, RunIndex
@@ -44,15 +45,18 @@ def rebase(session: SwitchingSession, server: str, prompt: Sequence[int], anchor
     if holder is None or session.cached_length(holder) < end or (holder != server
                                                                  and (holder, server) not in session.mappers):
         return None
-    rows = session.export(holder, run.held_start, end)
+    read = None
+    if plan.recompute.ranks_by_source_turn_read:  # the holder reads the rest of the prompt on what it held
+        held_rows = session.export(holder, 0, end)  # exported once: the run is its tail
+        read = held_read(session.models[holder], held_rows, prompt[run.prompt_start + run.length:],
+                         session.cache_factory)
+        rows = cache_view(held_rows, run.held_start, end)
+    else:
+        rows = session.export(holder, run.held_start, end)
     if holder != server:
         rows = mapped_run(session.mappers[holder, server], rows, run.held_start, dtype=rows.layers[0].keys.dtype)
     known = min(session.own_length(server), shared, run.prompt_start)
     beginning_rows = session.export(server, 0, known) if known else None
-    read = None
-    if plan.recompute.ranks_by_source_turn_read:  # the holder reads the rest of the prompt on what it held
-        read = held_read(session.models[holder], session.export(holder, 0, end),
-                         prompt[run.prompt_start + run.length:], session.cache_factory)
     session.truncate(0)
     logger.debug("%s: %d positions of the session reused at another offset (%+d)", server, run.length, run.shift)
     return session.reuse(server, prompt[:run.prompt_start], prompt[run.prompt_start:run.prompt_start + run.length],

@@ -140,10 +140,14 @@ class PrefixCache:
                 if length == 0:  # the tree no longer holds its rows (evicted): forget it
                     self.runs.remove(run.key, namespace)
                 return None
-            rows = found.rows(source, run.held_start, run.held_start + length)
+            end = run.held_start + length
             if plan.recompute.ranks_by_source_turn_read:  # the holder reads the rest of the prompt on what it held
-                read = held_read(session.models[source], found.rows(source, 0, run.held_start + length),
-                                 prompt[run.prompt_start + length:], session.cache_factory)
+                held_rows = found.rows(source, 0, end)  # gathered once: the run is its tail
+                read = held_read(session.models[source], held_rows, prompt[run.prompt_start + length:],
+                                 session.cache_factory)
+                rows = found.hold(source).ops.slice(held_rows, run.held_start, end)
+            else:
+                rows = found.rows(source, run.held_start, end)
         finally:
             self.tree.unlock(found.handle)
         if source != model:
