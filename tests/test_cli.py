@@ -48,11 +48,14 @@ def test_vllm_config_prints_a_server_per_model_with_the_connector(pair, tmp_path
         args = shlex.split(command)
         extra = json.loads(args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
         assert extra == {"store_url": "redis://10.0.0.5:6379/0", "model": name, "recompute": "recent:10%",
-                         "mappers": {"small->large": str(tmp_path / "up"), "large->small": str(tmp_path / "down")}}
+                         "mappers": {"small->large": str(tmp_path / "up"), "large->small": str(tmp_path / "down")},
+                         "models": {"small": str(Path(small).resolve()), "large": str(Path(large).resolve())}}
         assert args[args.index("--port") + 1] == str(port) and args[args.index("--served-model-name") + 1] == name
         assert args[args.index("--model") + 1] == str(Path(small if name == "small" else large).resolve())
-    refused = invoke(["vllm-config", "--recompute", "sinks:10%"])
+    refused = invoke(["vllm-config", "--recompute", "sinks:10%", "--no-scattered-recompute"])
     assert refused.exit_code != 0 and "a vLLM target recomputes by the rules recent" in refused.output
+    refused = invoke(["vllm-config", "--recompute", "layers:10%"])
+    assert refused.exit_code != 0 and "a vLLM (connector with model copies) target recomputes" in refused.output
 
 
 def test_fit_writes_a_loadable_mapper(pair, tmp_path):

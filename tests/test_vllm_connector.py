@@ -143,7 +143,7 @@ class Engine:
     """A vLLM engine with the connector in a subprocess (tests/vllm_driver.py); every output line is kept."""
 
     def __init__(self, name: str, model: Path, store_url: str, mappers: dict, cpu: str, log: Path,
-                 label: str | None = None, recompute: str | None = None):
+                 label: str | None = None, recompute: str | None = None, models: dict | None = None):
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cpu,
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -153,7 +153,8 @@ class Engine:
         self._replies: queue.Queue = queue.Queue()
         self._process = subprocess.Popen(
             [str(VLLM_PYTHON), str(DRIVER), "--model", str(model), "--name", name, "--store-url", store_url,
-             "--mappers", json.dumps(mappers), *(["--recompute", recompute] if recompute else [])],
+             "--mappers", json.dumps(mappers), *(["--recompute", recompute] if recompute else []),
+             *(["--models", json.dumps({name: str(path) for name, path in models.items()})] if models else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -243,7 +244,8 @@ def test_vllm_connector_round_trip_switch_and_refusals(tmp_path, store):
     logs = tmp_path / "logs"
     logs.mkdir()
     small = Engine("small", small_path, store, mappers, "0", logs / "small.log")
-    large = Engine("large", large_path, store, mappers, "1", logs / "large.log", recompute="recent:25%")
+    large = Engine("large", large_path, store, mappers, "1", logs / "large.log", recompute="recent:25%",
+                   models={"small": small_path})
     engines = [small, large]
     try:
         small.reply(timeout=240)
@@ -280,12 +282,30 @@ def test_vllm_connector_round_trip_switch_and_refusals(tmp_path, store):
 
         # a request's own recompute policy (kv_transfer_params): none, the whole prefix mapped; one vLLM cannot serve
         # is refused with a log line and the pair's serves
-        for tenant, asked, cached in (("n", "none", 256), ("s", "sinks:10%", 192)):
+        for tenant, asked, cached in (("n", "none", 256), ("s", "layers:50%", 192)):
             large.ask(op="copy", src=entry, dst=entry_key(tenant, identity, prefix), tenant=tenant, damage=None)
             answer, out = large.generate(tenant, kv_transfer_params={"recompute": asked})
             assert answer["cached"] == cached, out
             _same(answer, own_large)
         assert "kv_transfer_params recompute refused" in out and "served under the pair's recent:25%" in out, out
+
+        # positions picked anywhere in the prefix (turn_attention, the small model's read of the new turn) are
+        # recomputed in the load step by the connector's copies of both models: the whole prefix loads
+        assert "the load step recomputes scattered positions with small from" in "".join(large.lines)
+        large.ask(op="copy", src=entry, dst=entry_key("a", identity, prefix), tenant="a", damage=None)
+        answer, out = large.generate("a", kv_transfer_params={"recompute": "turn_attention:50%"})
+        assert answer["cached"] == 256 and "loaded 256 tokens (positions 0..255)" in out, out
+        assert "130 positions recomputed in the load step (turn_attention:50%)" in out, out  # 4 + half of 252
+        _same(answer, own_large)
+        # vLLM's own prefix cache holds the first block (an earlier request of the tenant): the load step maps and
+        # recomputes the second on vLLM's own rows of the first
+        large.generate("b", prompt=PROMPT[:128] + [(3 * i + 2) % 256 for i in range(40)],
+                       kv_transfer_params={"save": False})
+        large.ask(op="copy", src=entry, dst=entry_key("b", identity, prefix), tenant="b", damage=None)
+        answer, out = large.generate("b", kv_transfer_params={"recompute": "turn_attention:50%"})
+        assert answer["cached"] == 256 and "loaded 128 tokens (positions 128..255)" in out, out
+        assert "64 positions recomputed in the load step" in out, out
+        _same(answer, own_large)
 
         # (a) a fresh engine of the small model loads its own saved K/V and answers as the normal run
         small.close()

@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--mappers", default="{}", help="JSON {'SOURCE->TARGET': folder}")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--recompute", default=None, help="the switches' recompute policy, e.g. recent:25%%")
+    ap.add_argument("--models", default="{}", help="JSON {name: folder}: the load step's model copies")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -57,7 +58,7 @@ def main() -> None:
     from kvhandoff.vllm.store import KVStore
 
     extra = {"store_url": args.store_url, "model": args.name, "mappers": json.loads(args.mappers),
-             "recompute": args.recompute}
+             "recompute": args.recompute, "models": json.loads(args.models)}
     config = KVTransferConfig(kv_connector="KVHandoffConnector", kv_connector_module_path="kvhandoff.vllm.connector",
                               kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     started = time.perf_counter()

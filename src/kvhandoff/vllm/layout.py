@@ -18,6 +18,9 @@ vLLM). Measured in experiments/vllm_probe (CONNECTOR.md).
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicCache
+
+from kvhandoff.model.cache import cache_of
 
 #: the ISAs whose layout is known
 KNOWN_ISAS = ("vec", "vec16", "neon", "amx")
@@ -64,3 +67,17 @@ def write_rows(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: 
     kc, vc = split(kv_layer)
     ops.cpu_attn_reshape_and_cache(k.to(kv_layer.dtype).contiguous(), v.to(kv_layer.dtype).contiguous(), kc, vc,
                                    slots.to(torch.int64), isa)
+
+
+def as_cache(rows: torch.Tensor) -> DynamicCache:
+    """Stored rows [layers, 2, tokens, kv_heads, head_dim] as a float32 `DynamicCache` of one sequence (transformers'
+    [1, kv_heads, tokens, head_dim] per layer)."""
+    return cache_of((rows[layer, 0].float().transpose(0, 1).unsqueeze(0).contiguous(),
+                     rows[layer, 1].float().transpose(0, 1).unsqueeze(0).contiguous())
+                    for layer in range(rows.shape[0]))
+
+
+def as_rows(cache: DynamicCache) -> torch.Tensor:
+    """A one-sequence `DynamicCache` as stored rows [layers, 2, tokens, kv_heads, head_dim]."""
+    return torch.stack([torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)])
+                        for layer in cache.layers])

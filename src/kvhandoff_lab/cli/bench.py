@@ -240,6 +240,18 @@ def eval_llama_cpp(
     typer.echo(f"wrote {out}")
 
 
+ScatteredRecompute = Annotated[bool, typer.Option(
+    help="the connectors hold float32 copies of the models and recompute the positions the policy picks anywhere in "
+         "the history in their load step (the recorded turn_attention); without, the history's latest positions only "
+         "(recent)")]
+
+
+def _vllm_capabilities(scattered_recompute: bool):
+    from kvhandoff.vllm.load_step import VLLM_CAPABILITIES, VLLM_LOAD_STEP_CAPABILITIES
+
+    return VLLM_LOAD_STEP_CAPABILITIES if scattered_recompute else VLLM_CAPABILITIES
+
+
 def bench_vllm(
     source: Source = DEFAULT_SOURCE,
     target: Target = DEFAULT_TARGET,
@@ -255,6 +267,7 @@ def bench_vllm(
     = Path("runs/bench_vllm"),
     out: Annotated[Path, typer.Option(help="the result (JSON, rewritten after every row)")]
     = Path("runs/bench_vllm.json"),
+    scattered_recompute: ScatteredRecompute = True,
 ) -> None:
     """A switch between two vLLM instances (each model its own server process, the kvhandoff connector in both, the
     K/V through a Valkey/Redis store): time to first token against the target instance's own prefill of the same
@@ -262,7 +275,6 @@ def bench_vllm(
     import gc
 
     from kvhandoff.runtime.switch.pair import SwitchSettings, served_recompute
-    from kvhandoff.vllm.family import VLLM_CAPABILITIES
     from kvhandoff.vllm.launch import model_folder, vllm_python
     from kvhandoff_lab.bench import model_flops
     from kvhandoff_lab.engine_bench import context_ids
@@ -279,13 +291,16 @@ def bench_vllm(
         mapper, folder, _ = obtain_mapper(pair if names == (source, target) else pair.reversed(), progress=True,
                                           both_directions=True)
         mapper_folders[names] = folder
-        served = served_recompute(SwitchSettings(), mapper.manifest.recompute, " → ".join(names), VLLM_CAPABILITIES)
-        plan.append(Direction(names[0], names[1], flops[names[1]], mapper.flops_per_token(), served.policy.spec))
+        served = served_recompute(SwitchSettings(), mapper.manifest.recompute, " → ".join(names),
+                                  _vllm_capabilities(scattered_recompute))
+        plan.append(Direction(names[0], names[1], flops[names[1]], mapper.flops_per_token(), served.policy.spec,
+                              flops[names[0]]))
     ids = context_ids(pair.tokenizer, max(lengths) + new_turn)[0].tolist()
     history, turn = ids[: max(lengths)], ids[max(lengths):]
     del pair, mapper
     gc.collect()
-    result = run_vllm_bench(folders, mapper_folders, plan, history, turn, lengths, work, out, decode_tokens)
+    result = run_vllm_bench(folders, mapper_folders, plan, history, turn, lengths, work, out, decode_tokens,
+                            scattered_recompute=scattered_recompute)
     typer.echo("\n".join(vllm_table(result)))
     typer.echo(f"wrote {out}")
 
@@ -303,24 +318,25 @@ def eval_vllm(
     = Path("runs/eval_vllm"),
     out: Annotated[Path, typer.Option(help="the result (JSON, rewritten after every item; a rerun continues)")]
     = Path("runs/eval_vllm.json"),
+    scattered_recompute: ScatteredRecompute = True,
 ) -> None:
     """A switch's answers between two vLLM instances (the kvhandoff connector in both) against the same switch in
     transformers, on the switch benchmark's generative items: target alone and switch, per engine and direction,
     with paired intervals. Both engines recompute by --recompute, else by the policy the pair serves in vLLM."""
     from kvhandoff.runtime.switch.pair import SwitchSettings, served_recompute
     from kvhandoff.serving.decoding import end_ids
-    from kvhandoff.vllm.family import VLLM_CAPABILITIES
     from kvhandoff.vllm.launch import model_folder, vllm_python
     from kvhandoff.vllm.store import local_store
     from kvhandoff_lab.engine_quality import run_engine_quality
     from kvhandoff_lab.vllm_bench import VllmAnswers, vllm_servers
 
     vllm_python()  # refused before the models load when the vLLM environment is missing
-    if recompute is not None and not VLLM_CAPABILITIES.serves(recompute):
-        raise typer.BadParameter(VLLM_CAPABILITIES.refusal(recompute), param_hint="--recompute")
+    capabilities = _vllm_capabilities(scattered_recompute)
+    if recompute is not None and not capabilities.serves(recompute):
+        raise typer.BadParameter(capabilities.refusal(recompute), param_hint="--recompute")
     pair, wanted, mappers = _pair_directions(source, target, directions)
     policies = {served_recompute(SwitchSettings(recompute=recompute), mapper.manifest.recompute, " → ".join(names),
-                                 VLLM_CAPABILITIES).policy for names, mapper in mappers.items()}
+                                 capabilities).policy for names, mapper in mappers.items()}
     if len(policies) != 1:
         specs = ", ".join(sorted(policy.spec for policy in policies))
         raise typer.BadParameter(f"the directions are served under different policies ({specs}); give one",
@@ -330,6 +346,8 @@ def eval_vllm(
     work.mkdir(parents=True, exist_ok=True)
     connector = {"mappers": {f"{a}->{b}": str(mapper.folder) for (a, b), mapper in mappers.items()},
                  "recompute": policy.spec}
+    if scattered_recompute:
+        connector["models"] = {name: str(folder) for name, folder in folders.items()}
     with local_store(work, max_memory="8gb") as store_url, \
             vllm_servers(folders, {**connector, "store_url": store_url}, work, max_model_len=8192) as servers:
         engines = {"vLLM": VllmAnswers(servers), "transformers": {source: pair.source, target: pair.target}}
