@@ -4,6 +4,8 @@ step recomputes is told apart from what it leaves mapped."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -68,6 +70,16 @@ def test_the_picks_are_the_sources_read_of_the_new_turn_and_only_they_change(fam
     torch.testing.assert_close(rows[0][:, expected], own["large"][0][:, expected], atol=1e-4, rtol=1e-4)
 
 
+def test_the_load_step_runs_in_its_copies_dtype(family):
+    step_models, own, mapped = family
+    half = LoadStepRecompute({name: copy.deepcopy(model).to(torch.bfloat16)
+                              for name, model in step_models.models.items()})
+    rows, count = half.recompute(LoadStep(PROMPT, TOKENS, 0, 4, parse("turn_attention:100%")), "large", "small",
+                                 mapped.bfloat16(), own["small"].bfloat16())
+    assert rows.dtype == torch.bfloat16 and count == TOKENS
+    torch.testing.assert_close(rows.float(), own["large"], atol=0.1, rtol=0.05)
+
+
 def test_positions_before_start_are_vllms_own_and_never_recomputed(family):
     step_models, own, mapped = family
     start = 16
@@ -103,6 +115,10 @@ def test_what_each_instance_can_recompute_and_where_a_load_ends():
     # the load step recomputes inside the loaded prefix: the whole prefix loads; vLLM's own tail for recent
     assert mapped_load_end(0, 256, parse("turn_attention:10%")) == 256
     assert mapped_load_end(0, 256, parse("recent:25%")) == 192
+    assert FamilyConfig.from_extra({"store_url": "u", "model": "m", "load_step_dtype": "bfloat16"}).load_step_dtype \
+        == torch.bfloat16
+    with pytest.raises(ConfigError, match="load_step_dtype must be one of float32, bfloat16"):
+        FamilyConfig.from_extra({"store_url": "u", "model": "m", "load_step_dtype": "half"})
     with pytest.raises(ConfigError, match="models must map family model names"):
         FamilyConfig.from_extra({"store_url": "u", "model": "m", "models": ["/models/small"]})
 

@@ -29,7 +29,7 @@ def vllm_config(
     = 8001,
     dtype: Annotated[str, typer.Option(help="vLLM's dtype (bfloat16 runs on AMX on CPU)")] = "bfloat16",
     scattered_recompute: Annotated[bool, typer.Option(
-        help="each connector holds float32 copies of the family's models and recomputes the positions the pair's "
+        help="each connector holds copies of the family's models and recomputes the positions the pair's "
              "policy picks anywhere in the history in its load step (the recorded turn_attention); without, a switch "
              "recomputes the history's latest positions only (recent)")] = True,
 ) -> None:

@@ -226,9 +226,11 @@ class KVHandoffConnector(KVConnectorBase_V1):
             self._load_step = None
             if models:  # the target's own copy from vLLM's model folder unless the config names one
                 models.setdefault(self._family.model, str(vllm_config.model_config.model))
-                self._load_step = LoadStepRecompute.load(models)
-                logger.info("worker: the load step recomputes scattered positions with %s (float32 copies)",
-                            ", ".join(f"{name} from {folder}" for name, folder in models.items()))
+                dtype = self._family.load_step_dtype or vllm_config.model_config.dtype
+                self._load_step = LoadStepRecompute.load(models, dtype)
+                logger.info("worker: the load step recomputes scattered positions with %s (%s copies)",
+                            ", ".join(f"{name} from {folder}" for name, folder in models.items()),
+                            str(dtype).removeprefix("torch."))
             logger.info("worker: model %r, store %s, mappers from %s (mapping in %s)", self._family.model,
                         self._family.store_url, sorted(self._mappers) or "no other model",
                         str(self._map_dtype).removeprefix("torch."))

@@ -12,6 +12,7 @@ Configured by the connector's ``kv_connector_extra_config`` (the same family par
                                                       # (optional; also "min_retention" / "min_speedup")
      "map_dtype": null,                               # the map's dtype: "float32" or "bfloat16" (optional;
                                                       # default: the instance's model dtype)
+     "load_step_dtype": null,                         # the load step's model copies' dtype (as map_dtype)
      "exact_prefix": null,                            # the leading positions a switch takes from the target's
                                                       # own K/V (optional; default: each mapper's setting)
      "models": {"small": "/models/small"}}            # transformers folders of the other models (optional): the
@@ -70,6 +71,7 @@ class FamilyConfig:
     switch: SwitchSettings = field(default_factory=SwitchSettings)
     map_dtype: torch.dtype | None = None
     models: dict[str, str] = field(default_factory=dict)  # {family model: transformers folder} for the load step
+    load_step_dtype: torch.dtype | None = None
 
     @classmethod
     def from_extra(cls, extra: dict) -> FamilyConfig:
@@ -85,16 +87,18 @@ class FamilyConfig:
         switch = SwitchSettings(exact_prefix=extra.get("exact_prefix"), recompute=extra.get("recompute"),
                                 min_retention=extra.get("min_retention"), min_speedup=extra.get("min_speedup"),
                                 guard=False)
-        map_dtype = extra.get("map_dtype")
-        if map_dtype is not None and map_dtype not in MAP_DTYPES:
-            raise ConfigError(f"map_dtype must be one of {', '.join(MAP_DTYPES)} (or null: the instance's dtype), got "
-                              f"{map_dtype!r}")
+        map_dtype, load_step_dtype = extra.get("map_dtype"), extra.get("load_step_dtype")
+        for key, value in (("map_dtype", map_dtype), ("load_step_dtype", load_step_dtype)):
+            if value is not None and value not in MAP_DTYPES:
+                raise ConfigError(f"{key} must be one of {', '.join(MAP_DTYPES)} (or null: the instance's dtype), "
+                                  f"got {value!r}")
         models = extra.get("models") or {}
         if not isinstance(models, dict) or not all(isinstance(folder, str) and folder for folder in models.values()):
             raise ConfigError("models must map family model names to their transformers folders, e.g. "
                               f"{{\"small\": \"/models/small\"}}, got {models!r}")
         return cls(str(extra["store_url"]), str(extra["model"]), mappers, str(extra.get("tenant") or "default"),
-                   int(ttl) if ttl else None, switch, MAP_DTYPES.get(map_dtype), {str(k): v for k, v in models.items()})
+                   int(ttl) if ttl else None, switch, MAP_DTYPES.get(map_dtype), {str(k): v for k, v in models.items()},
+                   MAP_DTYPES.get(load_step_dtype))
 
     @property
     def incoming(self) -> dict[str, str]:

@@ -69,11 +69,11 @@ def write_rows(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: 
                                    slots.to(torch.int64), isa)
 
 
-def as_cache(rows: torch.Tensor) -> DynamicCache:
-    """Stored rows [layers, 2, tokens, kv_heads, head_dim] as a float32 `DynamicCache` of one sequence (transformers'
-    [1, kv_heads, tokens, head_dim] per layer)."""
-    return cache_of((rows[layer, 0].float().transpose(0, 1).unsqueeze(0).contiguous(),
-                     rows[layer, 1].float().transpose(0, 1).unsqueeze(0).contiguous())
+def as_cache(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> DynamicCache:
+    """Stored rows [layers, 2, tokens, kv_heads, head_dim] as a `DynamicCache` of one sequence in ``dtype``
+    (transformers' [1, kv_heads, tokens, head_dim] per layer)."""
+    return cache_of((rows[layer, 0].to(dtype).transpose(0, 1).unsqueeze(0).contiguous(),
+                     rows[layer, 1].to(dtype).transpose(0, 1).unsqueeze(0).contiguous())
                     for layer in range(rows.shape[0]))
 
 

@@ -3,8 +3,9 @@ recomputed through the target's layers in the connector's load step, before the 
 
 vLLM computes only a contiguous run of positions after those a connector loads, so a policy that picks positions
 anywhere in the history (``turn_attention``: those the source attends to while it reads the new turn) cannot be left
-to vLLM. `LoadStepRecompute` holds `transformers` copies of the family's models (float32, the CPU's fast path;
-loaded once, from the folders the connector's ``models`` names and vLLM's own model folder) and does, for one load:
+to vLLM. `LoadStepRecompute` holds `transformers` copies of the family's models (in the instance's dtype unless the
+config names one: bf16 matmuls run on AMX; loaded once, from the folders the connector's ``models`` names and vLLM's
+own model folder) and does, for one load:
 the source reads the new turn on its own stored rows when the rule ranks by that read, the rule picks its positions
 on the mapped rows (`RecomputePolicy.positions`), and the target recomputes them and the exact prefix
 (`KVCache.recompute`, the runtime's sparse forward) with vLLM's own rows of the positions its prefix cache already
@@ -77,14 +78,14 @@ class LoadStepRecompute:
         self.models = dict(models)
 
     @classmethod
-    def load(cls, folders: dict[str, str]) -> LoadStepRecompute:
-        """The models of ``folders`` ({name: transformers folder}) loaded in float32."""
+    def load(cls, folders: dict[str, str], dtype: torch.dtype = torch.float32) -> LoadStepRecompute:
+        """The models of ``folders`` ({name: transformers folder}) loaded in ``dtype``."""
         from kvhandoff.model.loading import load_model
 
         models = {}
         for name, folder in folders.items():
             try:
-                models[name], _ = load_model(str(folder), torch.float32)
+                models[name], _ = load_model(str(folder), dtype)
             except Exception as error:
                 raise ConfigError(f"the connector's models[{name!r}] = {folder!r} could not be loaded ({error}); "
                                   "give a transformers folder of that model") from error
@@ -95,21 +96,21 @@ class LoadStepRecompute:
         """The mapped rows ``mapped`` [Lt, 2, tokens, Ht, Dt] of ``source``'s stored ``source_rows`` into ``target``
         with the exact prefix and the positions ``step.recompute`` picks among the mapped ones recomputed by the
         target; ``own``: the target's rows of positions 0..start − 1 (vLLM's cache), put in first. Returns (the
-        rows in float32, the positions recomputed)."""
+        rows in the target copy's dtype, the positions recomputed)."""
         for name in (target, source):
             if name not in self.models:
                 raise ConfigError(f"the load step has no model {name!r} (the connector's 'models' names "
                                   f"{', '.join(sorted(self.models)) or 'none'})")
         target_model, source_model = self.models[target], self.models[source]
-        cache = TransformersCache(as_cache(mapped[:, :, : step.tokens]))
+        cache = TransformersCache(as_cache(mapped[:, :, : step.tokens], target_model.dtype))
         if own is not None and step.start:
-            cache.write(0, as_cache(own[:, :, : step.start]))
+            cache.write(0, as_cache(own[:, :, : step.start], target_model.dtype))
         ids = torch.tensor([step.prompt[: step.tokens]], dtype=torch.long)
         first = max(step.start, min(step.exact_prefix, step.tokens))
         prefix = torch.arange(step.start, first).unsqueeze(0)
         picked = prefix[:, :0]
         if step.recompute.active and first < step.tokens:
-            source_cache = TransformersCache(as_cache(source_rows[:, :, : step.tokens]))
+            source_cache = TransformersCache(as_cache(source_rows[:, :, : step.tokens], source_model.dtype))
             info = SelectionInfo(start=first, new_turn=step.new_turn)
             picked = step.recompute.positions(target_model, cache.export(), ids, info, source_model, source_cache)
         positions = torch.cat([prefix, picked.to(prefix.dtype)], dim=1)

@@ -241,7 +241,7 @@ def eval_llama_cpp(
 
 
 ScatteredRecompute = Annotated[bool, typer.Option(
-    help="the connectors hold float32 copies of the models and recompute the positions the policy picks anywhere in "
+    help="the connectors hold copies of the models and recompute the positions the policy picks anywhere in "
          "the history in their load step (the recorded turn_attention); without, the history's latest positions only "
          "(recent)")]
 
