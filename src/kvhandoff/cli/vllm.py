@@ -15,7 +15,7 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.serving.family import load_family
 from kvhandoff.vllm.family import FamilyConfig
 from kvhandoff.vllm.launch import CPU_ENV, model_folder, server_command, vllm_python
-from kvhandoff.vllm.load_step import VLLM_CAPABILITIES, VLLM_LOAD_STEP_CAPABILITIES
+from kvhandoff.vllm.load_step import vllm_capabilities
 
 
 def vllm_config(
@@ -35,7 +35,7 @@ def vllm_config(
 ) -> None:
     """Print the commands that serve a family as vLLM instances with the kvhandoff connector: a switch between them
     is a cache hit in another model's format. The pair's mappers are found (or fitted) as `serve` finds them."""
-    capabilities = VLLM_LOAD_STEP_CAPABILITIES if scattered_recompute else VLLM_CAPABILITIES
+    capabilities = vllm_capabilities(scattered_recompute)
     if recompute is not None and not capabilities.serves(recompute):
         raise typer.BadParameter(capabilities.refusal(recompute), param_hint="--recompute")
     specs, mapper_dirs = family_specs(models, mapper)

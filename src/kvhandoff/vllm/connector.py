@@ -54,7 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.forward_context import get_forward_context
 
 from kvhandoff.mapper.mapper import Mapper
-from kvhandoff.runtime import policy
+from kvhandoff.runtime.policy import RecomputePolicy
 from kvhandoff.vllm.family import (
     FamilyConfig,
     mapped_load_end,
@@ -144,7 +144,7 @@ class LoadSpec:
     block_ids: list[int] = field(default_factory=list)  # the request's blocks for positions start..tokens-1
     hashes: list[str] = field(default_factory=list)     # the hashes of the loaded prefix's full blocks
     opening: Expected | None = None   # this model's own opening entry, put over the mapped rows of its positions
-    recompute: str | None = None      # a policy the load step recomputes (its spec); None: vLLM's tail, or none
+    recompute: RecomputePolicy | None = None  # a policy the load step recomputes; None: vLLM's tail, or none
     prompt: tuple[int, ...] = ()      # the request's prompt (for the load step)
     exact_prefix: int = 0             # the positions the load step recomputes first (this model's exact prefix)
     context_block_ids: list[int] = field(default_factory=list)  # the request's blocks of positions 0..start-1
@@ -277,7 +277,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
                         geometry, source, hashes=hashes[:b],
                         opening=None if source is None or in_step else _stored_opening(
                             self._store, self._ids, prompt, tenant, num_computed_tokens),
-                        recompute=served.spec if in_step else None, prompt=tuple(prompt) if in_step else (),
+                        recompute=served if in_step else None, prompt=tuple(prompt) if in_step else (),
                         exact_prefix=self._ids.opening)
                     return end - num_computed_tokens, False
         except Exception as error:  # the store down or failing: a miss, vLLM prefills
@@ -405,7 +405,7 @@ class KVHandoffConnector(KVConnectorBase_V1):
             if load.end < load.tokens:
                 what += f", its latest {load.tokens - load.end} positions recomputed by vLLM"
             if load.recompute is not None:
-                what += f", {recomputed} positions recomputed in the load step ({load.recompute})"
+                what += f", {recomputed} positions recomputed in the load step ({load.recompute.spec})"
             logger.info("loaded %d tokens (positions %d..%d) for request %s: %s, tenant %r (%s)",
                         load.end - load.start, load.start, load.end - 1, load.req_id, what, load.tenant,
                         ", ".join(f"{step} {took:.3f} s" for step, took in seconds.items()))
@@ -415,13 +415,13 @@ class KVHandoffConnector(KVConnectorBase_V1):
         """The load step: the positions ``load``'s policy picks among the mapped ones (and the exact prefix)
         recomputed by the connector's model copies, on vLLM's own rows of the positions before ``load.start``."""
         if self._load_step is None:
-            raise EntryRefused(f"recompute {load.recompute} needs the load step's models (the family config's "
+            raise EntryRefused(f"recompute {load.recompute.spec} needs the load step's models (the family config's "
                                "'models')")
         own = None
         if load.start:
             parts = [read_blocks(layer.kv_cache, load.context_block_ids, layer.isa) for _, layer in layers]
             own = torch.stack([torch.stack([k[: load.start], v[: load.start]]) for k, v in parts])
-        step = LoadStep(load.prompt, load.tokens, load.start, load.exact_prefix, policy.parse(load.recompute))
+        step = LoadStep(load.prompt, load.tokens, load.start, load.exact_prefix, load.recompute)
         return self._load_step.recompute(step, self._family.model, load.source, mapped, stored, own)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

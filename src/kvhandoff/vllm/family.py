@@ -52,7 +52,7 @@ from kvhandoff.runtime.policy import RecomputePolicy, budget_count
 from kvhandoff.runtime.seam import Capabilities
 from kvhandoff.runtime.switch.pair import ServedRecompute, SwitchSettings, served_recompute
 from kvhandoff.vllm.layout import as_cache, as_rows
-from kvhandoff.vllm.load_step import VLLM_CAPABILITIES, VLLM_LOAD_STEP_CAPABILITIES, recomputed_in_load_step
+from kvhandoff.vllm.load_step import VLLM_CAPABILITIES, recomputed_in_load_step, vllm_capabilities
 from kvhandoff.vllm.store import model_identity
 
 logger = logging.getLogger("kvhandoff.vllm")
@@ -108,7 +108,7 @@ class FamilyConfig:
     def capabilities(self, source: str) -> Capabilities:
         """What a switch from ``source`` into this instance can recompute: every rule when ``models`` names the
         source (the load step holds it and the target), else what vLLM computes itself."""
-        return VLLM_LOAD_STEP_CAPABILITIES if source in self.models else VLLM_CAPABILITIES
+        return vllm_capabilities(source in self.models)
 
     @property
     def load_step_models(self) -> dict[str, str]:

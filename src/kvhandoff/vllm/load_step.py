@@ -16,7 +16,6 @@ Rows are the store's layout, [layers, 2, tokens, kv_heads, head_dim] (keys after
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +24,6 @@ from kvhandoff.errors import ConfigError
 from kvhandoff.runtime.policy import RecomputePolicy, SelectionInfo
 from kvhandoff.runtime.seam import Capabilities, Pending, TransformersCache
 from kvhandoff.vllm.layout import as_cache, as_rows
-
-logger = logging.getLogger("kvhandoff.vllm")
 
 #: the rules vLLM recomputes itself: the latest positions of a loaded prefix (it computes every position after the
 #: last one a connector loads, and none before it)
@@ -39,6 +36,12 @@ VLLM_CAPABILITIES = Capabilities(engine="vLLM", recompute_rules=VLLM_RULES)
 #: a vLLM instance whose connector holds the pair's models (``models``): the load step recomputes the rest
 VLLM_LOAD_STEP_CAPABILITIES = Capabilities(engine="vLLM (connector with model copies)",
                                            recompute_rules=VLLM_RULES + LOAD_STEP_RULES)
+
+
+def vllm_capabilities(with_models: bool) -> Capabilities:
+    """What a vLLM instance's switches can recompute: every load-step rule when its connector holds the models
+    (``with_models``), else what vLLM computes itself."""
+    return VLLM_LOAD_STEP_CAPABILITIES if with_models else VLLM_CAPABILITIES
 
 
 def recomputed_in_load_step(recompute: RecomputePolicy) -> bool:

@@ -246,12 +246,6 @@ ScatteredRecompute = Annotated[bool, typer.Option(
          "(recent)")]
 
 
-def _vllm_capabilities(scattered_recompute: bool):
-    from kvhandoff.vllm.load_step import VLLM_CAPABILITIES, VLLM_LOAD_STEP_CAPABILITIES
-
-    return VLLM_LOAD_STEP_CAPABILITIES if scattered_recompute else VLLM_CAPABILITIES
-
-
 def bench_vllm(
     source: Source = DEFAULT_SOURCE,
     target: Target = DEFAULT_TARGET,
@@ -276,6 +270,7 @@ def bench_vllm(
 
     from kvhandoff.runtime.switch.pair import SwitchSettings, served_recompute
     from kvhandoff.vllm.launch import model_folder, vllm_python
+    from kvhandoff.vllm.load_step import vllm_capabilities
     from kvhandoff_lab.bench import model_flops
     from kvhandoff_lab.engine_bench import context_ids
     from kvhandoff_lab.vllm_bench import Direction, run_vllm_bench, vllm_table
@@ -292,7 +287,7 @@ def bench_vllm(
                                           both_directions=True)
         mapper_folders[names] = folder
         served = served_recompute(SwitchSettings(), mapper.manifest.recompute, " → ".join(names),
-                                  _vllm_capabilities(scattered_recompute))
+                                  vllm_capabilities(scattered_recompute))
         plan.append(Direction(names[0], names[1], flops[names[1]], mapper.flops_per_token(), served.policy.spec,
                               flops[names[0]]))
     ids = context_ids(pair.tokenizer, max(lengths) + new_turn)[0].tolist()
@@ -326,12 +321,13 @@ def eval_vllm(
     from kvhandoff.runtime.switch.pair import SwitchSettings, served_recompute
     from kvhandoff.serving.decoding import end_ids
     from kvhandoff.vllm.launch import model_folder, vllm_python
+    from kvhandoff.vllm.load_step import vllm_capabilities
     from kvhandoff.vllm.store import local_store
     from kvhandoff_lab.engine_quality import run_engine_quality
     from kvhandoff_lab.vllm_bench import VllmAnswers, vllm_servers
 
     vllm_python()  # refused before the models load when the vLLM environment is missing
-    capabilities = _vllm_capabilities(scattered_recompute)
+    capabilities = vllm_capabilities(scattered_recompute)
     if recompute is not None and not capabilities.serves(recompute):
         raise typer.BadParameter(capabilities.refusal(recompute), param_hint="--recompute")
     pair, wanted, mappers = _pair_directions(source, target, directions)
